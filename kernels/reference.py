@@ -1,0 +1,122 @@
+"""Torch references for the paged-attention kernels, and the engine's CPU attention path.
+
+Cache layout (shared with the Triton kernels and the engine):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset; slot_mapping entries < 0 are skipped (padding).
+    Quantised caches (int8 or float8_e4m3fn) carry a float32 scale per token and head:
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads]; value = stored * scale.
+Attention inputs:
+    q: [num_tokens, num_q_heads, head_dim]; num_q_heads = group * num_kv_heads (GQA).
+    block_tables: [batch, max_blocks_per_seq] int32 (unused tail entries may hold anything).
+    seq_lens: [batch] int32, the context length *including* the new tokens.
+    cu_seqlens_q: [batch + 1] int32 prefix sums of new-token counts; the new tokens of sequence b
+    sit at positions seq_lens[b] - q_len_b ... seq_lens[b] - 1 (causal, so prefix-cache hits and
+    chunked-prefill chunks are queries that start mid-sequence).
+Everything accumulates in float32 and returns q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-per-head symmetric quantisation: x [T, H, D] -> (values [T, H, D], scale [T, H])."""
+    amax = x.float().abs().amax(dim=-1).clamp(min=1e-6)
+    scale = amax / QMAX[dtype]
+    y = x.float() / scale.unsqueeze(-1)
+    if dtype == torch.int8:
+        y = y.round().clamp(-127, 127)
+    return y.to(dtype), scale
+
+
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Scatter new keys/values [T, Hkv, D] into the paged cache at slot_mapping [T]."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    slots = slot_mapping.long()
+    num_blocks, block_size, hkv, d = k_cache.shape
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(num_blocks * block_size, hkv, d)
+        if scale is None:
+            flat[slots] = x.to(cache.dtype)
+        else:
+            values, s = quantize_kv(x, cache.dtype)
+            flat[slots] = values
+            scale.view(num_blocks * block_size, hkv)[slots] = s
+
+
+def _dequant(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return values.to(dtype)
+    return (values.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def gather_kv(cache, scale, block_table_row, length: int, dtype) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    nblocks = (length + block_size - 1) // block_size
+    blocks = block_table_row[:nblocks].long()
+    vals = cache[blocks].flatten(0, 1)[:length]
+    s = None if scale is None else scale[blocks].flatten(0, 1)[:length]
+    return _dequant(vals, s, dtype)
+
+
+def extend_attention_ref(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None, v_scale=None
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context."""
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    compute = torch.float32 if q.dtype != torch.bfloat16 else torch.bfloat16
+    for b, length in enumerate(lens):
+        s, e = cu[b], cu[b + 1]
+        if e == s:
+            continue
+        qb = q[s:e].to(compute).transpose(0, 1)  # [Hq, n, D]
+        kb = gather_kv(k_cache, k_scale, block_tables[b], length, compute).transpose(0, 1)
+        vb = gather_kv(v_cache, v_scale, block_tables[b], length, compute).transpose(0, 1)
+        n = e - s
+        if n == length:
+            mask, causal = None, True
+        else:
+            qpos = torch.arange(length - n, length).unsqueeze(1)
+            mask, causal = torch.arange(length).unsqueeze(0) <= qpos, False
+        ob = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, is_causal=causal, scale=sm_scale, enable_gqa=hq != hkv
+        )
+        out[s:e] = ob.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def decode_attention_ref(
+    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None
+) -> torch.Tensor:
+    """One query per sequence over its cache, batched: q [B, Hq, D] -> [B, Hq, D]."""
+    bsz, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    max_len = int(seq_lens.max())
+    nblocks = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :nblocks].long()
+    compute = torch.float32 if q.dtype != torch.bfloat16 else torch.bfloat16
+
+    def load(cache, scale):
+        vals = cache[blocks].flatten(1, 2)  # [B, L, Hkv, D]
+        s = None if scale is None else scale[blocks].flatten(1, 2)
+        return _dequant(vals, s, compute)
+
+    k, v = load(k_cache, k_scale), load(v_cache, v_scale)
+    qg = q.to(compute).view(bsz, hkv, group, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float() * sm_scale
+    pad = torch.arange(k.shape[1]).unsqueeze(0) >= seq_lens.unsqueeze(1).long()  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(compute)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    return out.reshape(bsz, hq, d).to(q.dtype)

@@ -1,0 +1,68 @@
+"""What the engine hands back: finished outputs, stream chunks and per-request metrics.
+
+All are msgspec Structs so the same objects cross the process boundary as msgpack, never pickle.
+Times are `time.monotonic()` seconds (system-wide on Linux, so comparable across processes).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RequestMetrics(msgspec.Struct, omit_defaults=True):
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = msgspec.field(default_factory=list)
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def queued(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probability of the sampled token plus the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class RequestOutput(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    metrics: RequestMetrics
+    prompt: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StreamChunk(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    text_delta: str = ""
+    token_ids_delta: list[int] = msgspec.field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs_delta: list[TokenLogprobs] | None = None
+    # Set on the last chunk of a request: the whole output, so callers need not reassemble it.
+    output: RequestOutput | None = None

@@ -1,0 +1,169 @@
+"""Engine settings, defined once.
+
+`EngineSettings` (traitlets) is the single source of truth: kwargs to `LLM`/`start_engine`,
+`configure(**changes)`, `%engine set`, the dashboard widgets and the lab panel all read the
+names, allowed values, kinds and help text from here.
+
+Kinds say what a change costs:
+- live:     takes effect at the next step boundary;
+- relayout: weights or KV cache re-laid out inside the running engine, requests kept;
+- reload:   a model (the draft) is loaded inside the running engine;
+- restart:  fixed when the engine starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traitlets import Bool, Enum, HasTraits, Int, TraitError, Unicode
+
+LIVE, RELAYOUT, RELOAD, RESTART = "live", "relayout", "reload", "restart"
+
+
+class EngineSettings(HasTraits):
+    batching = Enum(["continuous", "static", "off"], default_value="continuous").tag(
+        kind=LIVE, doc="continuous: admit every step; static: run a batch to completion; off: one at a time"
+    )
+    max_num_seqs = Int(64, min=1, max=4096).tag(kind=LIVE, doc="most sequences in one batch")
+    max_num_batched_tokens = Int(512, min=16, max=1 << 20).tag(
+        kind=LIVE, doc="token budget per step (chunked-prefill size)"
+    )
+    kv_cache = Bool(True).tag(kind=LIVE, doc="False recomputes the whole context every step")
+    prefix_caching = Bool(True).tag(kind=LIVE, doc="reuse KV blocks of identical prompt prefixes")
+    kv_cache_dtype = Enum(["auto", "int8", "fp8"], default_value="auto").tag(
+        kind=RELAYOUT, doc="KV cache storage type"
+    )
+    quantization = Enum(["none", "int8", "int4", "fp8"], default_value="none").tag(
+        kind=RELAYOUT, doc="weight-only quantisation of the linear layers"
+    )
+    quant_group_size = Enum([32, 64, 128], default_value=128).tag(
+        kind=RELAYOUT, doc="int4 group size"
+    )
+    speculative = Enum(["off", "ngram", "draft"], default_value="off").tag(
+        kind=LIVE, doc="speculative decoding proposer"
+    )
+    num_speculative_tokens = Int(4, min=1, max=16).tag(kind=LIVE, doc="tokens proposed per step")
+    ngram_size = Int(3, min=1, max=8).tag(kind=LIVE, doc="n-gram length matched by the ngram proposer")
+    draft_model = Unicode(None, allow_none=True).tag(
+        kind=RELOAD, doc="draft model for speculative=draft (None: the target's own int4 copy)"
+    )
+    attention_backend = Enum(["auto", "torch", "triton"], default_value="auto").tag(
+        kind=LIVE, doc="auto: Triton on CUDA, torch reference on CPU"
+    )
+    dtype = Enum(["auto", "bfloat16", "float16", "float32"], default_value="auto").tag(
+        kind=RESTART, doc="compute dtype (auto: bfloat16)"
+    )
+    device = Unicode("auto").tag(kind=RESTART, doc="auto, cpu, cuda, cuda:N")
+    block_size = Int(16, min=1, max=256).tag(kind=RESTART, doc="tokens per KV block")
+    num_kv_blocks = Int(None, allow_none=True, min=1).tag(
+        kind=RESTART, doc="KV cache capacity in blocks (None: from kv_cache_memory_mb)"
+    )
+    kv_cache_memory_mb = Int(512, min=1).tag(kind=RESTART, doc="KV cache budget when num_kv_blocks is None")
+    max_model_len = Int(None, allow_none=True, min=1).tag(
+        kind=RESTART, doc="longest prompt+output (None: the model's context length)"
+    )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in setting_names()}
+
+
+def setting_names() -> list[str]:
+    return list(EngineSettings.class_trait_names())
+
+
+def setting_kind(name: str) -> str:
+    return EngineSettings.class_traits()[name].metadata["kind"]
+
+
+def allowed_values(name: str) -> str:
+    trait = EngineSettings.class_traits()[name]
+    if isinstance(trait, Enum):
+        return ", ".join(repr(v) for v in trait.values)
+    if isinstance(trait, Bool):
+        return "True, False"
+    if isinstance(trait, Int):
+        lo, hi = trait.min, trait.max
+        rng = f"int >= {lo}" if hi is None else f"int in [{lo}, {hi}]"
+        return rng + (" or None" if trait.allow_none else "")
+    return "str" + (" or None" if trait.allow_none else "")
+
+
+def schema() -> list[dict[str, Any]]:
+    """Everything a front end needs to draw a control for each setting."""
+    out = []
+    defaults = EngineSettings()
+    for name, trait in EngineSettings.class_traits().items():
+        entry = {
+            "name": name,
+            "kind": trait.metadata["kind"],
+            "help": trait.metadata.get("doc", ""),
+            "default": getattr(defaults, name),
+            "type": type(trait).__name__.lower(),
+            "allow_none": bool(trait.allow_none),
+        }
+        if isinstance(trait, Enum):
+            entry["values"] = list(trait.values)
+        if isinstance(trait, Int):
+            entry["min"], entry["max"] = trait.min, trait.max
+        out.append(entry)
+    return out
+
+
+def validate(changes: dict[str, Any], current: EngineSettings | None = None) -> dict[str, Any]:
+    """Check names and values without touching any live object; return the coerced changes.
+
+    Raises ValueError (unknown name, bad value) or TypeError (wrong type), naming the setting and
+    what it allows. Either all changes are valid or none is applied.
+    """
+    names = setting_names()
+    scratch = EngineSettings(**(current.as_dict() if current is not None else {}))
+    out = {}
+    for name, value in changes.items():
+        if name not in names:
+            raise ValueError(f"unknown setting {name!r}; known settings: {', '.join(names)}")
+        trait = EngineSettings.class_traits()[name]
+        if isinstance(trait, (Int, Enum)) and isinstance(value, bool) and not isinstance(trait, Bool):
+            raise TypeError(f"setting {name!r} got {value!r}; allowed: {allowed_values(name)}")
+        if isinstance(trait, Bool) and not isinstance(value, bool):
+            raise TypeError(f"setting {name!r} must be a bool, got {value!r}; allowed: True, False")
+        try:
+            setattr(scratch, name, value)
+        except TraitError:
+            exc = TypeError if _wrong_type(trait, value) else ValueError
+            raise exc(f"invalid value {value!r} for setting {name!r}; allowed: {allowed_values(name)}") from None
+        out[name] = getattr(scratch, name)
+    return out
+
+
+def _wrong_type(trait, value) -> bool:
+    if value is None:
+        return False
+    if isinstance(trait, Int):
+        return not isinstance(value, int)
+    if isinstance(trait, Unicode):
+        return not isinstance(value, str)
+    if isinstance(trait, Enum):
+        return not any(type(value) is type(v) for v in trait.values)
+    return False
+
+
+def parse_value(name: str, text: str) -> Any:
+    """Turn the text of `%engine set name=value` or a CLI flag into a typed value."""
+    if name not in setting_names():
+        raise ValueError(f"unknown setting {name!r}; known settings: {', '.join(setting_names())}")
+    trait = EngineSettings.class_traits()[name]
+    low = text.strip().lower()
+    if trait.allow_none and low in ("none", "null", ""):
+        return None
+    if isinstance(trait, Bool):
+        if low in ("true", "1", "on", "yes"):
+            return True
+        if low in ("false", "0", "off", "no"):
+            return False
+        raise ValueError(f"invalid value {text!r} for setting {name!r}; allowed: True, False")
+    if isinstance(trait, Int) or (isinstance(trait, Enum) and all(isinstance(v, int) for v in trait.values)):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"invalid value {text!r} for setting {name!r}; allowed: {allowed_values(name)}") from None
+    return text.strip()
