@@ -1,1 +1,48 @@
+"""Serving Workbench: a live, tunable LLM inference engine and the instruments to watch it."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+# Heavy modules (torch, the model) load on first use, so `import workbench` stays cheap for
+# the Jupyter server extension and the CLI's --help.
+_LAZY = {
+    "LLM": ("workbench.llm", "LLM"),
+    "SamplingParams": ("workbench.sampling_params", "SamplingParams"),
+    "EngineClient": ("workbench.ipc.client", "EngineClient"),
+    "start_engine": ("workbench.ipc.client", "start_engine"),
+    "sweep": ("workbench.sweep", "sweep"),
+    "RequestOutput": ("workbench.outputs", "RequestOutput"),
+    "StreamChunk": ("workbench.outputs", "StreamChunk"),
+    "Timeline": ("workbench.timeline", "Timeline"),
+    "EngineSettings": ("workbench.settings", "EngineSettings"),
+}
+
+__all__ = list(_LAZY)
+
+if TYPE_CHECKING:
+    from .ipc.client import EngineClient, start_engine
+    from .llm import LLM
+    from .outputs import RequestOutput, StreamChunk
+    from .sampling_params import SamplingParams
+    from .settings import EngineSettings
+    from .timeline import Timeline
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython):  # `%load_ext workbench`
+    from .jupyter.magics import load_ipython_extension as load
+
+    load(ipython)

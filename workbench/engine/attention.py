@@ -1,0 +1,103 @@
+"""Paged KV cache storage, per-step attention metadata, and the attention backends.
+
+A backend is three functions with the signatures of `workbench_kernels.reference`
+(write_kv, extend_attention, decode_attention); `torch` runs those references, `triton` runs
+our Triton kernels. The cache layout is documented in `kernels/reference.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from workbench_kernels import reference
+
+KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+class KVCache:
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype, device):
+        store = KV_DTYPES.get(kv_cache_dtype, dtype)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(num_layers)]
+        quantised = kv_cache_dtype in KV_DTYPES
+        sshape = shape[:3]
+        self.k_scale = [torch.ones(sshape, device=device) for _ in range(num_layers)] if quantised else None
+        self.v_scale = [torch.ones(sshape, device=device) for _ in range(num_layers)] if quantised else None
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def layer(self, i: int):
+        if self.k_scale is None:
+            return self.k[i], self.v[i], None, None
+        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype) -> int:
+        store = KV_DTYPES.get(kv_cache_dtype, dtype)
+        per_token = num_kv_heads * head_dim * torch.empty((), dtype=store).element_size()
+        if kv_cache_dtype in KV_DTYPES:
+            per_token += num_kv_heads * 4
+        return 2 * num_layers * block_size * per_token
+
+
+@dataclass
+class AttnMetadata:
+    slot_mapping: torch.Tensor  # [T]
+    num_decode: int  # the first num_decode tokens are one-token decodes, one per sequence
+    decode_block_tables: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    ext_cu_seqlens_q: torch.Tensor | None  # the remaining tokens: prefill chunks and verifies
+    ext_seq_lens: torch.Tensor | None
+    ext_block_tables: torch.Tensor | None
+
+
+class AttentionBackend:
+    def __init__(self, name: str, ops, kv: KVCache, head_dim: int):
+        self.name = name
+        self.ops = ops
+        self.kv = kv
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def __call__(self, q, k, v, layer: int, meta: AttnMetadata) -> torch.Tensor:
+        k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        nd = meta.num_decode
+        if nd == q.shape[0]:
+            return self.ops.decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale
+            )
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self.ops.decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale
+            )
+        out[nd:] = self.ops.extend_attention(
+            q[nd:], k_cache, v_cache, meta.ext_block_tables, meta.ext_cu_seqlens_q, meta.ext_seq_lens,
+            self.scale, k_scale, v_scale,
+        )
+        return out
+
+
+_TORCH_OPS = SimpleNamespace(
+    write_kv=reference.write_kv_ref,
+    extend_attention=reference.extend_attention_ref,
+    decode_attention=reference.decode_attention_ref,
+)
+
+
+def backend_ops(name: str, device: torch.device):
+    """Resolve `attention_backend` (auto: Triton on CUDA, the torch reference elsewhere)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return name, _TORCH_OPS
+    if name == "triton":
+        try:
+            from workbench_kernels import triton_ops
+        except ImportError as e:
+            raise ValueError(f"attention_backend='triton' is unavailable here: {e}") from None
+        return name, triton_ops
+    raise ValueError(f"invalid value {name!r} for setting 'attention_backend'; allowed: 'auto', 'torch', 'triton'")

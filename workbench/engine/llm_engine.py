@@ -1,0 +1,393 @@
+"""The engine: requests in, a step at a time, stream chunks out.
+
+    sched = scheduler.schedule()          # who runs, how many tokens each
+    result = runner.forward(sched)        # one flat forward over the paged cache
+    chunks = self._postprocess(sched, result)   # sample, detokenize, stop, free
+
+`LLM` (in-process) and the engine process (`workbench.ipc`) both drive this class from one
+thread; `configure` must be called between steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from ..models.loader import load_model
+from ..outputs import RequestOutput, StreamChunk
+from ..sampling_params import SamplingParams
+from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
+from ..timeline import BatchEntry, TimelineRecorder
+from ..tokenizer import IncrementalDetokenizer
+from . import sampler
+from .attention import KVCache
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence, SeqState
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _Request:
+    """Output-side state of one request: detokenizer, emitted text, logprobs."""
+
+    def __init__(self, seq: Sequence, prompt: str | None, detok: IncrementalDetokenizer | None):
+        self.seq = seq
+        self.prompt = prompt
+        self.detok = detok
+        self.text = ""
+        self.sent = 0  # characters of text already streamed
+        self.logprobs = [] if seq.params.logprobs is not None else None
+
+
+class LLMEngine:
+    def __init__(self, model: str | os.PathLike | None = None, **settings: Any):
+        self.settings = EngineSettings(**validate(settings))
+        s = self.settings
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device
+        )
+        self.dtype = DTYPES["bfloat16" if s.dtype == "auto" else s.dtype]
+        loaded = load_model(model, dtype=self.dtype)
+        self.model_name = loaded.config.name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(s.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        c = loaded.config
+        num_blocks = s.num_kv_blocks or max(
+            1, s.kv_cache_memory_mb * 2**20 // KVCache.bytes_per_block(
+                c.num_hidden_layers, s.block_size, c.num_key_value_heads, c.head_dim, self.dtype, s.kv_cache_dtype)
+        )
+        weights = {k: v.to(self.device) for k, v in loaded.weights.items()}
+        self.runner = ModelRunner(
+            c, weights, device=self.device, dtype=self.dtype, block_size=s.block_size, num_blocks=num_blocks,
+            kv_cache_dtype=s.kv_cache_dtype, attention_backend=s.attention_backend, max_model_len=self.max_model_len,
+        )
+        self._weights = weights
+        self.block_manager = BlockManager(num_blocks, s.block_size, s.prefix_caching and s.kv_cache)
+        self.timeline = TimelineRecorder()
+        self.scheduler = Scheduler(s, self.block_manager, self.timeline)
+        self.requests: dict[str, _Request] = {}
+        self.event_hooks: list[Callable[[str, dict], None]] = []
+        self.started = time.monotonic()
+        self._seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        self._recent: deque[RequestOutput] = deque(maxlen=1000)
+        self.totals = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "output_tokens": 0,
+                       "spec_proposed": 0, "spec_accepted": 0, "finished": 0, "preemptions": 0}
+        self._weights_checksum = self._checksum()
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, *,
+                    prompt_token_ids: list[int] | None = None, chat: bool = False,
+                    request_id: str | None = None, arrival: float | None = None) -> str:
+        params = SamplingParams.coerce(params)
+        ids = self.encode_prompt(prompt, prompt_token_ids, chat)
+        request_id = request_id or uuid.uuid4().hex[:12]
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
+                "(prompt plus at least one output token must fit)"
+            )
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.block_manager.blocks_for(longest) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{self.block_manager.blocks_for(longest)} KV blocks; the cache holds "
+                f"{self.block_manager.num_blocks} (raise num_kv_blocks or kv_cache_memory_mb)"
+            )
+        seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.monotonic())
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+        seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.requests[request_id] = _Request(seq, prompt, detok)
+        self.scheduler.add(seq)
+        self.totals["prompt_tokens"] += len(ids)
+        self.timeline.add_request(seq.metrics.arrival, request_id, "arrived", f"prompt_tokens={len(ids)}")
+        return request_id
+
+    def encode_prompt(self, prompt, prompt_token_ids, chat: bool) -> list[int]:
+        """Token ids for a request; prompt_token_ids win (prompt is then only a label)."""
+        if prompt is None and prompt_token_ids is None:
+            raise ValueError("give a prompt or prompt_token_ids")
+        if prompt_token_ids is not None:
+            if not isinstance(prompt_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
+            ):
+                raise TypeError("prompt_token_ids must be a list of ints")
+            ids = list(prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
+        else:
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+            if chat:
+                prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            else:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        return ids
+
+    def abort_request(self, request_id: str) -> StreamChunk | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return self._finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[StreamChunk]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        start = time.monotonic()
+        result = self.runner.forward(sched.scheduled)
+        chunks = self._postprocess(sched, result)
+        self._record_step(sched, start, time.monotonic(), chunks)
+        return chunks
+
+    def _postprocess(self, sched: SchedulerOutput, result) -> list[StreamChunk]:
+        chunks: list[StreamChunk] = []
+        sampled_seqs, sampled_rows = [], []
+        for i, s in enumerate(sched.scheduled):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            if i in result.rows:
+                sampled_seqs.append(seq)
+                sampled_rows.append(result.rows[i][0])
+            elif self.settings.kv_cache:
+                self.block_manager.register_computed(seq)
+        if not sampled_seqs:
+            return chunks
+        logits = result.logits[sampled_rows]
+        tokens = sampler.sample(logits, sampled_seqs)
+        want_lp = [s.params.logprobs for s in sampled_seqs]
+        lps = sampler.logprobs_of(logits, tokens, want_lp) if any(n is not None for n in want_lp) else None
+        now = time.monotonic()
+        for j, (seq, tok) in enumerate(zip(sampled_seqs, tokens)):
+            req = self.requests[seq.request_id]
+            seq.token_ids.append(tok)
+            if self.settings.kv_cache:
+                self.block_manager.register_computed(seq)
+            else:
+                seq.num_computed_tokens = 0  # recompute the whole context next step
+            chunk = self._emit(req, [tok], None if lps is None else [lps[j]], now)
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
+    def _emit(self, req: _Request, new_tokens: list[int], lps, now: float) -> StreamChunk | None:
+        seq, params = req.seq, req.seq.params
+        m = seq.metrics
+        if m.first_token is None:
+            m.first_token = now
+            self.timeline.add_request(now, seq.request_id, "first_token")
+        m.token_times.extend([now] * len(new_tokens))
+        self.totals["output_tokens"] += len(new_tokens)
+        if req.logprobs is not None and lps:
+            req.logprobs.extend(x for x in lps if x is not None)
+        reason = None
+        emitted = new_tokens
+        for k, tok in enumerate(new_tokens):
+            if (not params.ignore_eos and tok in self._eos_ids()) or tok in (params.stop_token_ids or ()):
+                reason = "stop"
+            elif seq.num_output_tokens - (len(new_tokens) - 1 - k) >= params.max_tokens or \
+                    len(seq) - (len(new_tokens) - 1 - k) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                emitted = new_tokens[:k + 1]
+                drop = len(new_tokens) - k - 1
+                if drop:
+                    del seq.token_ids[-drop:]
+                    del m.token_times[-drop:]
+                break
+        if req.detok is not None:
+            before = len(req.text)
+            req.text += req.detok.add(emitted)
+            if params.stop:
+                hit = _find_stop(req.text, params.stop, before)
+                if hit is not None:
+                    req.text = req.text[:hit]
+                    reason = "stop"
+        if reason:
+            return self._finish(req, reason, emitted)
+        hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
+        upto = max(req.sent, len(req.text) - hold)
+        delta, req.sent = req.text[req.sent:upto], upto
+        return StreamChunk(seq.request_id, delta, list(emitted),
+                           logprobs_delta=[x for x in (lps or []) if x is not None] or None)
+
+    def _finish(self, req: _Request, reason: str, last_tokens: list[int] | None = None) -> StreamChunk:
+        seq = req.seq
+        now = time.monotonic()
+        seq.metrics.finished = now
+        seq.finish_reason = reason
+        was_running = seq.state is SeqState.RUNNING
+        self.scheduler.remove(seq)
+        seq.state = SeqState.FINISHED
+        del self.requests[seq.request_id]
+        out = RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            text=req.text, finish_reason=reason, metrics=seq.metrics, prompt=req.prompt, logprobs=req.logprobs,
+        )
+        self.totals["finished"] += 1
+        self.totals["preemptions"] += seq.metrics.num_preemptions
+        self._recent.append(out)
+        self.timeline.add_request(now, seq.request_id, "finished", reason if was_running or reason != "abort" else "abort (queued)")
+        delta = req.text[req.sent:]
+        req.sent = len(req.text)
+        return StreamChunk(seq.request_id, delta, list(last_tokens or []), reason, output=out)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        return tuple(self.model_config.eos_token_ids or ())
+
+    def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks) -> None:
+        batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
+        prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
+        self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
+        bm = self.block_manager
+        self.timeline.add_step(
+            start=start, end=end, phase=sched.phase, num_prefill_tokens=prefill,
+            num_decode_tokens=sched.num_tokens - prefill, batch=batch,
+            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+            prefix_hit_tokens=sched.prefix_hit_tokens, num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running), output_tokens=sum(len(c.token_ids_delta) for c in chunks),
+        )
+
+    # -- settings -------------------------------------------------------------------------------
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        """Validate all changes, then apply them (between steps). Returns the effective settings."""
+        changes = validate(changes, self.settings)
+        for name in changes:
+            if setting_kind(name) == RESTART and changes[name] != getattr(self.settings, name):
+                raise ValueError(f"setting {name!r} is fixed when the engine starts; restart the engine to change it")
+        applied = {k: v for k, v in changes.items() if getattr(self.settings, k) != v}
+        if "attention_backend" in applied:
+            self.runner.set_backend(applied["attention_backend"])
+        for name, value in applied.items():
+            if setting_kind(name) == RELAYOUT:
+                self._emit_event("relayout", {"setting": name, "value": value, "state": "started"})
+        if "kv_cache_dtype" in applied:
+            self._recompute_all()
+            self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
+        for name, value in applied.items():
+            setattr(self.settings, name, value)
+        if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
+            enabled = self.settings.prefix_caching and self.settings.kv_cache
+            if not enabled or "kv_cache_dtype" in applied:
+                self.block_manager.reset_prefix_cache()
+            self.block_manager.prefix_caching = enabled
+        for name, value in applied.items():
+            if setting_kind(name) == RELAYOUT:
+                self._emit_event("relayout", {"setting": name, "value": value, "state": "done"})
+        if applied:
+            self._emit_event("settings", {"changes": applied, "settings": self.settings.as_dict()})
+        return self.settings.as_dict()
+
+    def _recompute_all(self) -> None:
+        """Drop every running sequence's KV (kept requests recompute it): used by re-layouts."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.running.remove(seq)
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.spec_tokens = []
+            seq.state = SeqState.PREEMPTED
+            self.scheduler.waiting.appendleft(seq)
+
+    def reset_prefix_cache(self) -> int:
+        return self.block_manager.reset_prefix_cache()
+
+    def _emit_event(self, kind: str, payload: dict) -> None:
+        for hook in list(self.event_hooks):
+            hook(kind, payload)
+
+    # -- introspection ----------------------------------------------------------------------------
+    def _checksum(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(self._weights):
+            t = self._weights[name].detach().contiguous().cpu()
+            h.update(name.encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes())
+        return h.hexdigest()
+
+    def weights_checksum(self) -> str:
+        """Recomputed from the tensors in memory, so it proves serving left them untouched."""
+        return self._checksum()
+
+    def status(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "pid": os.getpid(),
+            "model": self.model_name,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "uptime_s": time.monotonic() - self.started,
+            "weights_checksum": self._weights_checksum,
+            "num_kv_blocks": bm.num_blocks,
+            "block_size": bm.block_size,
+            "max_model_len": self.max_model_len,
+            "attention_backend": self.runner.backend.name,
+            "num_layers": self.model_config.num_hidden_layers,
+            "vocab_size": self.model_config.vocab_size,
+        }
+
+    def metrics(self, window_s: float = 10.0) -> dict[str, Any]:
+        now = time.monotonic()
+        recent_steps = [s for s in self.timeline.steps if s.end >= now - window_s]
+        out_tokens = sum(s.output_tokens for s in recent_steps)
+        span = (now - recent_steps[0].start) if recent_steps else 0.0
+        ttft = [o.metrics.ttft for o in self._recent if o.metrics.ttft is not None]
+        itl = [x for o in self._recent for x in o.metrics.itl]
+        t = self.totals
+        bm = self.block_manager
+        return {
+            "output_tok_s": out_tokens / span if span > 0 else 0.0,
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "prefix_hit_rate": t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
+            "spec_acceptance_rate": t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
+            "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
+            "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
+            **{f"total_{k}": v for k, v in t.items()},
+        }
+
+
+def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
+    """Earliest stop string that ends in the newly added text; index where it starts."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, new_from - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)

@@ -1,0 +1,104 @@
+"""Turns a scheduled batch into one flat forward pass over the paged cache, and returns logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.llama import Transformer
+from .attention import AttentionBackend, AttnMetadata, KVCache, backend_ops
+from .scheduler import ScheduledSeq
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor  # [rows, vocab] float32: one row per sampled position
+    rows: dict[int, tuple[int, int]]  # index into the scheduled list -> (first row, count)
+
+
+class ModelRunner:
+    def __init__(self, config, weights, *, device, dtype, block_size, num_blocks, kv_cache_dtype,
+                 attention_backend, max_model_len):
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model = Transformer(config, weights, device, max_model_len)
+        self.kv = self._new_cache(kv_cache_dtype)
+        self.set_backend(attention_backend)
+
+    def _new_cache(self, kv_cache_dtype: str) -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads,
+                       c.head_dim, self.dtype, kv_cache_dtype, self.device)
+
+    def set_backend(self, name: str) -> None:
+        resolved, ops = backend_ops(name, self.device)
+        self.backend = AttentionBackend(resolved, ops, self.kv, self.config.head_dim)
+
+    def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Re-lay out the cache; callers recompute every sequence's context afterwards."""
+        self.kv = None
+        self.backend.kv = None
+        self.kv = self._new_cache(kv_cache_dtype)
+        self.backend.kv = self.kv
+
+    @torch.inference_mode()
+    def forward(self, scheduled: list[ScheduledSeq]) -> ForwardResult:
+        # One-token decodes first: they take the batched decode path.
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].kind != "decode")
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        dec_tables, dec_lens, ext_tables, ext_lens, ext_cu = [], [], [], [], [0]
+        sample_at: list[tuple[int, int, int]] = []  # (scheduled index, first flat index, count)
+        num_decode = 0
+        for i in order:
+            s = scheduled[i]
+            seq, n = s.seq, s.num_tokens
+            start = seq.num_computed_tokens
+            tokens = (seq.token_ids + seq.spec_tokens)[start:start + n] if seq.spec_tokens else seq.token_ids[start:start + n]
+            flat = len(ids)
+            ids.extend(tokens)
+            positions = range(start, start + n)
+            pos.extend(positions)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in positions)
+            if s.kind == "decode":
+                num_decode += 1
+                dec_tables.append(table)
+                dec_lens.append(start + n)
+            else:
+                ext_tables.append(table)
+                ext_lens.append(start + n)
+                ext_cu.append(ext_cu[-1] + n)
+            if s.samples:
+                count = 1 + len(seq.spec_tokens) if s.kind == "verify" else 1
+                sample_at.append((i, flat + n - count, count))
+        dev = self.device
+        meta = AttnMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode=num_decode,
+            decode_block_tables=_pad_tables(dec_tables, dev) if dec_tables else None,
+            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev) if dec_lens else None,
+            ext_cu_seqlens_q=torch.tensor(ext_cu, dtype=torch.int32, device=dev) if ext_tables else None,
+            ext_seq_lens=torch.tensor(ext_lens, dtype=torch.int32, device=dev) if ext_tables else None,
+            ext_block_tables=_pad_tables(ext_tables, dev) if ext_tables else None,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        hidden = self.model.hidden_states(input_ids, positions, self.backend, meta)
+        index, rows, r = [], {}, 0
+        for i, flat, count in sample_at:
+            index.extend(range(flat, flat + count))
+            rows[i] = (r, count)
+            r += count
+        if not index:
+            return ForwardResult(torch.empty(0, self.config.vocab_size), rows)
+        logits = self.model.logits(hidden[torch.tensor(index, device=dev)])
+        return ForwardResult(logits, rows)
+
+
+def _pad_tables(tables: list[list[int]], device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

@@ -1,0 +1,91 @@
+"""Logits to tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+
+Each request owns a torch.Generator, and sampling draws an exponential race
+(argmax p_i / E_i, E_i ~ Exp(1)) from it, so a seeded request samples the same tokens whatever
+else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..outputs import TokenLogprobs
+from .sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    for row, seq in enumerate(seqs):
+        p = seq.params.repetition_penalty
+        if p != 1.0:
+            ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
+            vals = logits[row, ids]
+            logits[row, ids] = torch.where(vals > 0, vals / p, vals * p)
+    return logits
+
+
+def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The distribution each (non-greedy) request samples from, after all its filters."""
+    temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    top_k = [s.params.top_k for s in seqs]
+    top_p = [s.params.top_p for s in seqs]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        drop = ranks >= k.unsqueeze(1)
+        probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs_sorted.cumsum(-1) - probs_sorted  # mass strictly ahead of each token
+        p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+        drop |= before >= p
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)
+    if bool((min_p > 0).any()):
+        cutoff = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < cutoff, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One sample from a probability vector, using only this request's generator."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One next token per row."""
+    logits = apply_penalties(logits.clone(), seqs)
+    out = [0] * len(seqs)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    if greedy:
+        tokens = logits[greedy].argmax(-1).tolist()
+        for i, t in zip(greedy, tokens):
+            out[i] = t
+    rest = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if rest:
+        sub = [seqs[i] for i in rest]
+        probs = probabilities(logits[rest], sub)
+        for row, i in enumerate(rest):
+            out[i] = draw(probs[row], seqs[i].generator)
+    return out
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], top_n: list[int | None]) -> list[TokenLogprobs | None]:
+    """Log-probabilities of the chosen tokens under the model's raw distribution, plus top-n."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out: list[TokenLogprobs | None] = []
+    for row, (tok, n) in enumerate(zip(token_ids, top_n)):
+        if n is None:
+            out.append(None)
+            continue
+        top: list[tuple[int, float]] = []
+        if n > 0:
+            vals, idx = lp[row].topk(n)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        out.append(TokenLogprobs(tok, float(lp[row, tok]), top))
+    return out

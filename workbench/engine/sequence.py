@@ -1,0 +1,60 @@
+"""A request as the scheduler sees it: tokens, how many are computed, its KV blocks, its state."""
+
+from __future__ import annotations
+
+import enum
+
+from ..outputs import RequestMetrics
+from ..sampling_params import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + generated
+        self.params = params
+        self.state = SeqState.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.metrics = RequestMetrics(arrival=arrival)
+        self.finish_reason: str | None = None
+        self.spec_tokens: list[int] = []  # draft tokens proposed for this step
+        self.generator = None  # per-request torch.Generator for seeded sampling
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is SeqState.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last token still to compute: prompt (or recomputed context) pending."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, state={self.state.value}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

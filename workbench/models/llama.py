@@ -1,0 +1,143 @@
+"""The transformer: Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a flat token batch.
+
+No padding anywhere: a step's tokens from every sequence are concatenated, and attention finds
+each sequence's context in the paged KV cache through `AttnMetadata`. Q/K/V and gate/up are
+fused into one matmul each, since on a CPU every kernel launch costs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .linear import Linear
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE variant."""
+    d = config.head_dim
+    base = config.rope_theta
+    # float32 arithmetic as in the Hugging Face reference, so positions rotate identically.
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = dict(config.rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    mscale = 1.0
+    if kind in ("default", "dynamic", None):
+        pass  # dynamic NTK only departs from default beyond max_position_embeddings, which we never reach
+    elif kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind == "yarn":
+        factor = scaling["factor"]
+        old_len = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+        beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
+
+        def dim_for(rot):
+            return (d * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        lo = max(math.floor(dim_for(beta_fast)), 0)
+        hi = min(math.ceil(dim_for(beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = inv / factor * (1 - extrapolation) + inv * extrapolation
+        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
+    else:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, dynamic, llama3, yarn")
+    return inv, mscale
+
+
+class RotaryEmbedding:
+    def __init__(self, config, max_positions: int, device):
+        inv, mscale = rope_inv_freq(config)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        self.cos = (freqs.cos() * mscale).to(device)
+        self.sin = (freqs.sin() * mscale).to(device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Half-split (GPT-NeoX) layout, as in Hugging Face Llama checkpoints.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer:
+    def __init__(self, config, weights: dict[str, torch.Tensor], i: int):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv = torch.cat([weights[a + f"{n}_proj.weight"] for n in "qkv"])
+        bias = None
+        if config.attention_bias:
+            bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
+        self.qkv = Linear(qkv, bias)
+        self.o = Linear(weights[a + "o_proj.weight"])
+        self.gate_up = Linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+        self.down = Linear(weights[p + "mlp.down_proj.weight"])
+        self.ln1 = weights[p + "input_layernorm.weight"]
+        self.ln2 = weights[p + "post_attention_layernorm.weight"]
+        self.eps = config.rms_norm_eps
+        self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.index = i
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
+
+    def __call__(self, x, positions, rope, attention, meta):
+        h = rms_norm(x, self.ln1, self.eps)
+        qkv = self.qkv(h)
+        q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q = q.view(-1, self.nq, self.d)
+        k = k.view(-1, self.nkv, self.d)
+        v = v.view(-1, self.nkv, self.d)
+        q, k = rope(positions, q, k)
+        o = attention(q, k, v, self.index, meta)
+        x = x + self.o(o.reshape(-1, self.nq * self.d))
+        h = rms_norm(x, self.ln2, self.eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Transformer:
+    """Weights plus forward; holds the original tensors so any quantisation can be undone."""
+
+    def __init__(self, config, weights: dict[str, torch.Tensor], device, max_positions: int):
+        self.config = config
+        self.embed = weights["model.embed_tokens.weight"]
+        self.layers = [DecoderLayer(config, weights, i) for i in range(config.num_hidden_layers)]
+        self.norm = weights["model.norm.weight"]
+        head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
+        self.lm_head = Linear(head)
+        self.rope = RotaryEmbedding(config, max_positions, device)
+
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
+
+    def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attention, meta)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

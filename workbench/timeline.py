@@ -1,0 +1,147 @@
+"""Engine activity as events: what ran in each step and what happened to each request.
+
+The engine records into a `TimelineRecorder` (bounded ring buffers, so memory stays flat over a
+day of serving); clients read increments with `since=` cursors; `Timeline` is the
+client-side view with a Chrome-trace export (loadable by Perfetto / chrome://tracing).
+Times are `time.monotonic()` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+
+import msgspec
+
+PHASES = ("prefill", "decode", "mixed", "verify", "relayout")
+REQUEST_EVENTS = ("arrived", "scheduled", "first_token", "preempted", "resumed", "finished")
+
+
+class BatchEntry(msgspec.Struct, array_like=True):
+    request_id: str
+    num_tokens: int  # tokens of this request computed in the step
+    kind: str  # "prefill" | "decode" | "verify"
+
+
+class StepEvent(msgspec.Struct, omit_defaults=True):
+    seq: int
+    start: float
+    end: float
+    phase: str
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    batch: list[BatchEntry] = msgspec.field(default_factory=list)
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_hit_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+    output_tokens: int = 0  # tokens emitted by this step
+
+
+class RequestEvent(msgspec.Struct, omit_defaults=True):
+    seq: int
+    time: float
+    request_id: str
+    kind: str  # one of REQUEST_EVENTS
+    detail: str | None = None
+
+
+class TimelineRecorder:
+    """Engine-side ring buffers with one monotonically increasing cursor over both kinds."""
+
+    def __init__(self, capacity: int = 20_000):
+        self.steps: deque[StepEvent] = deque(maxlen=capacity)
+        self.requests: deque[RequestEvent] = deque(maxlen=capacity * 4)
+        self.cursor = 0
+
+    def next_seq(self) -> int:
+        self.cursor += 1
+        return self.cursor
+
+    def add_step(self, **fields) -> StepEvent:
+        ev = StepEvent(seq=self.next_seq(), **fields)
+        self.steps.append(ev)
+        return ev
+
+    def add_request(self, time: float, request_id: str, kind: str, detail: str | None = None) -> RequestEvent:
+        ev = RequestEvent(seq=self.next_seq(), time=time, request_id=request_id, kind=kind, detail=detail)
+        self.requests.append(ev)
+        return ev
+
+    def read(self, since: int | None = None) -> Timeline:
+        since = since or 0
+        return Timeline(
+            steps=[s for s in self.steps if s.seq > since],
+            requests=[r for r in self.requests if r.seq > since],
+            cursor=self.cursor,
+        )
+
+
+class Timeline(msgspec.Struct):
+    steps: list[StepEvent]
+    requests: list[RequestEvent]
+    cursor: int  # pass as `since` to read only what came after
+
+    def extend(self, other: Timeline) -> None:
+        self.steps.extend(other.steps)
+        self.requests.extend(other.requests)
+        self.cursor = max(self.cursor, other.cursor)
+
+    def request_spans(self) -> dict[str, dict[str, float]]:
+        """Per request: the time of each lifecycle event (first occurrence)."""
+        spans: dict[str, dict[str, float]] = {}
+        for ev in self.requests:
+            spans.setdefault(ev.request_id, {}).setdefault(ev.kind, ev.time)
+        return spans
+
+    def to_chrome_trace(self, path: str | os.PathLike | None = None) -> dict:
+        """Chrome trace-event JSON: engine steps on one track, each request on its own track."""
+        events: list[dict] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "engine"}},
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "steps"}},
+        ]
+        for s in self.steps:
+            events.append(
+                {
+                    "name": s.phase,
+                    "cat": "step",
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": 0,
+                    "ts": s.start * 1e6,
+                    "dur": max(s.end - s.start, 0.0) * 1e6,
+                    "args": {
+                        "prefill_tokens": s.num_prefill_tokens,
+                        "decode_tokens": s.num_decode_tokens,
+                        "batch": [[x.request_id, x.num_tokens, x.kind] for x in s.batch],
+                        "kv_blocks_used": s.kv_blocks_used,
+                        "prefix_hit_tokens": s.prefix_hit_tokens,
+                        "spec_proposed": s.spec_proposed,
+                        "spec_accepted": s.spec_accepted,
+                    },
+                }
+            )
+        lanes: dict[str, int] = {}
+        for rid, t in self.request_spans().items():
+            tid = lanes.setdefault(rid, len(lanes) + 1)
+            events.append({"name": "thread_name", "ph": "M", "pid": 2, "tid": tid, "args": {"name": rid}})
+            arrived = t.get("arrived")
+            scheduled = t.get("scheduled")
+            first = t.get("first_token")
+            end = t.get("finished")
+            for name, a, b in (("queued", arrived, scheduled), ("prefill", scheduled, first), ("decode", first, end)):
+                if a is not None and b is not None:
+                    events.append(
+                        {"name": name, "cat": "request", "ph": "X", "pid": 2, "tid": tid,
+                         "ts": a * 1e6, "dur": max(b - a, 0.0) * 1e6}
+                    )
+        events.insert(0, {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "requests"}})
+        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(trace, f)
+        return trace
