@@ -1,0 +1,275 @@
+"""The in-process engine against transformers on the same weights: greedy, token for token."""
+
+import random
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from workbench import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def ragged_prompts(seed=0, lengths=(1, 5, 15, 16, 17, 31, 33, 64, 90), vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama, tiny_qwen2):
+    prompts = ragged_prompts()
+    return {
+        name: (path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts])
+        for name, (path, model) in (("llama", tiny_llama), ("qwen2", tiny_qwen2))
+    }
+
+
+CASES = {
+    "continuous": dict(batching="continuous"),
+    "chunked-odd": dict(batching="continuous", max_num_batched_tokens=19),
+    "static": dict(batching="static", max_num_seqs=4),
+    "off": dict(batching="off"),
+    "no-kv-cache": dict(kv_cache=False, max_num_batched_tokens=64),
+    "preemption": dict(num_kv_blocks=16, block_size=8, max_num_batched_tokens=32),
+    "no-prefix-cache": dict(prefix_caching=False, block_size=32),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_matches_transformers(references, arch, case):
+    path, prompts, expected = references[arch]
+    settings = dict(dtype="float32", num_kv_blocks=128)
+    settings.update(CASES[case])
+    llm = LLM(str(path), **settings)
+    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for o in outs:
+        assert o.finish_reason in ("length", "stop")
+        assert o.metrics.first_token is not None and o.metrics.ttft >= 0
+        assert len(o.metrics.itl) == len(o.token_ids) - 1
+    if case == "preemption":
+        assert llm.metrics()["total_preemptions"] > 0
+    llm.engine.block_manager.check_idle()
+
+
+def test_mistral_style_untied(tmp_path):
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path, "mistral", seed=3)
+    prompts = ragged_prompts(seed=3, lengths=(7, 20))
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)
+    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_rope_scaling_llama3(tmp_path):
+    from conftest import make_tiny_model
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    model = make_tiny_model(tmp_path, "llama", seed=4, rope_scaling=scaling)
+    prompts = ragged_prompts(seed=4, lengths=(80, 130))
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
+    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_weights_unchanged_by_serving(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    before = llm.engine.weights_checksum()
+    assert before == llm.status()["weights_checksum"]
+    llm.generate(prompt_token_ids=ragged_prompts(lengths=(10, 40)), params=SamplingParams(max_tokens=8))
+    llm.configure(kv_cache=False)
+    llm.generate(prompt_token_ids=ragged_prompts(lengths=(12,)), params=GREEDY)
+    assert llm.engine.weights_checksum() == before
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+
+def test_seed_reproducible_alone_and_in_batch(tiny_qwen2):
+    path, _ = tiny_qwen2
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
+    prompt = ragged_prompts(seed=7, lengths=(9,))[0]
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    alone = llm.generate(prompt_token_ids=[prompt], params=p)[0].token_ids
+    others = ragged_prompts(seed=8, lengths=(3, 20, 41))
+    batch = llm.generate(
+        prompt_token_ids=others[:2] + [prompt] + others[2:],
+        params=[SamplingParams(max_tokens=16, temperature=1.0)] * 2 + [p] + [SamplingParams(max_tokens=16, temperature=0.7)],
+    )
+    assert batch[2].token_ids == alone
+    again = llm.generate(prompt_token_ids=[prompt], params=p)[0].token_ids
+    assert again == alone
+    different = llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=16, temperature=1.0, seed=99))
+    assert different[0].token_ids != alone
+
+
+def _filtered_set(logits, k=None, p=None, min_p=None):
+    """Tokens a filter may emit, computed independently in float64."""
+    probs = torch.softmax(logits.double(), -1)
+    order = probs.argsort(descending=True).tolist()
+    allowed = set(order)
+    if k is not None:
+        allowed &= set(order[:k])
+    if p is not None:
+        keep, mass = set(), 0.0
+        for t in order:
+            keep.add(t)
+            mass += probs[t].item()
+            if mass >= p:
+                break
+        allowed &= keep
+    if min_p is not None:
+        allowed &= {t for t in order if probs[t] >= min_p * probs.max()}
+    return allowed
+
+
+@pytest.mark.parametrize("filt", [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=5, top_p=0.8)])
+def test_filters_never_emit_filtered_tokens(filt):
+    from workbench.engine import sampler
+    from workbench.engine.sequence import Sequence
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 2
+    allowed = _filtered_set(logits[0], filt.get("top_k"), filt.get("top_p"), filt.get("min_p"))
+    params = SamplingParams(temperature=1.0, **filt)
+    seq = Sequence("r", [1], params, 0.0)
+    seq.generator = torch.Generator().manual_seed(0)
+    seen = {sampler.sample(logits, [seq])[0] for _ in range(400)}
+    assert seen <= allowed
+    assert len(seen) >= min(2, len(allowed))
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    from workbench.engine import sampler
+    from workbench.engine.sequence import Sequence
+
+    logits = torch.tensor([[0.0, 3.0, 2.9, 0.5]])
+    seq = Sequence("r", [1, 1], SamplingParams(temperature=0, repetition_penalty=1.5), 0.0)
+    assert sampler.sample(logits, [seq]) == [2]
+    plain = Sequence("r", [1, 1], SamplingParams(temperature=0), 0.0)
+    assert sampler.sample(logits, [plain]) == [1]
+
+
+def test_logprobs_match_model_distribution(tiny_llama):
+    path, model = tiny_llama
+    prompt = ragged_prompts(seed=11, lengths=(6,))[0]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    out = llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=1, temperature=0, logprobs=3))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    lp = out.logprobs[0]
+    assert lp.token_id == out.token_ids[0] == int(ref.argmax())
+    assert lp.logprob == pytest.approx(ref.max().item(), abs=1e-4)
+    assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+def test_stop_token_ids_and_max_tokens(tiny_qwen2):
+    path, model = tiny_qwen2
+    prompt = ragged_prompts(seed=5, lengths=(10,))[0]
+    ref = hf_greedy(model, prompt, 12)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    stop_at = ref[4]
+    first = ref.index(stop_at)
+    out = llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
+    out = llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.token_ids == ref[:3] and out.finish_reason == "length"
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(prompt_token_ids=[[]]), ValueError, "empty"),
+        (dict(prompt_token_ids=[[5] * 600]), ValueError, "context"),
+        (dict(prompt_token_ids=[[5, 999]]), ValueError, "vocabulary"),
+        (dict(prompt_token_ids=[["a"]]), TypeError, "prompt_token_ids"),
+        (dict(prompts="hello"), ValueError, "tokenizer"),
+        (dict(prompts=[3]), TypeError, "prompts"),
+    ],
+)
+def test_bad_requests_raise_and_leave_others_running(tiny_llama, kwargs, exc, words):
+    path, model = tiny_llama
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    good = ragged_prompts(seed=2, lengths=(8,))[0]
+    rid = llm.engine.add_request(prompt_token_ids=good, params=SamplingParams(max_tokens=6, temperature=0))
+    llm.engine.step()
+    with pytest.raises(exc, match=words):
+        llm.generate(**kwargs, params=GREEDY)
+    chunks = []
+    while llm.engine.has_unfinished_requests():
+        chunks += [c for c in llm.engine.step() if c.request_id == rid]
+    assert chunks[-1].output.token_ids == hf_greedy(model, good, 6)
+
+
+@pytest.mark.parametrize(
+    "params, exc, field",
+    [
+        (dict(max_tokens=0), ValueError, "max_tokens"),
+        (dict(max_tokens=-3), ValueError, "max_tokens"),
+        (dict(max_tokens="8"), TypeError, "max_tokens"),
+        (dict(temperature=-1), ValueError, "temperature"),
+        (dict(top_p=0), ValueError, "top_p"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(stop=[""]), TypeError, "stop"),
+        (dict(logprobs=50), ValueError, "logprobs"),
+    ],
+)
+def test_bad_sampling_params(params, exc, field):
+    with pytest.raises(exc, match=field):
+        SamplingParams(**params)
+
+
+@pytest.mark.parametrize(
+    "settings, exc, words",
+    [
+        (dict(batching="dynamic"), ValueError, "'batching'.*'continuous', 'static', 'off'"),
+        (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+        (dict(kv_cache="yes"), TypeError, "kv_cache"),
+        (dict(no_such_setting=1), ValueError, "unknown setting 'no_such_setting'"),
+        (dict(quantization="int3"), ValueError, "'int8', 'int4'"),
+    ],
+)
+def test_bad_settings(tiny_llama, settings, exc, words):
+    path, _ = tiny_llama
+    with pytest.raises(exc, match=words):
+        LLM(str(path), dtype="float32", **settings)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=16)
+    before = llm.settings()
+    with pytest.raises(exc, match=words):
+        llm.configure(**{"max_num_seqs": 7, **settings})
+    assert llm.settings() == before  # all or nothing
+
+
+def test_restart_settings_refused_live(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="block_size.*restart"):
+        llm.configure(block_size=32)
+
+
+def test_stream_yields_deltas_that_add_up(tiny_qwen2):
+    path, _ = tiny_qwen2
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    prompt = ragged_prompts(seed=9, lengths=(12,))[0]
+    chunks = list(llm.stream(prompt_token_ids=prompt, params=GREEDY))
+    ids = [t for c in chunks for t in c.token_ids_delta]
+    assert chunks[-1].finish_reason == "length"
+    assert ids == chunks[-1].output.token_ids
+    assert ids == llm.generate(prompt_token_ids=[prompt], params=GREEDY)[0].token_ids
+
+
+def test_stream_closed_early_aborts(tiny_qwen2):
+    path, _ = tiny_qwen2
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    stream = llm.stream(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=50))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.block_manager.check_idle()
