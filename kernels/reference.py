@@ -101,22 +101,21 @@ def decode_attention_ref(
     """One query per sequence over its cache, batched: q [B, Hq, D] -> [B, Hq, D]."""
     bsz, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
     max_len = int(seq_lens.max())
     nblocks = (max_len + block_size - 1) // block_size
     blocks = block_tables[:, :nblocks].long()
     compute = torch.float32 if q.dtype != torch.bfloat16 else torch.bfloat16
 
     def load(cache, scale):
-        vals = cache[blocks].flatten(1, 2)  # [B, L, Hkv, D]
-        s = None if scale is None else scale[blocks].flatten(1, 2)
-        return _dequant(vals, s, compute)
+        vals = cache[blocks].flatten(1, 2)[:, :max_len]  # [B, L, Hkv, D]
+        s = None if scale is None else scale[blocks].flatten(1, 2)[:, :max_len]
+        return _dequant(vals, s, compute).transpose(1, 2)  # [B, Hkv, L, D]
 
     k, v = load(k_cache, k_scale), load(v_cache, v_scale)
-    qg = q.to(compute).view(bsz, hkv, group, d)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k).float() * sm_scale
-    pad = torch.arange(k.shape[1]).unsqueeze(0) >= seq_lens.unsqueeze(1).long()  # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(compute)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(bsz, hq, d).to(q.dtype)
+    mask = None
+    if bsz > 1 and bool((seq_lens != max_len).any()):
+        mask = (torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1).long())[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.to(compute).unsqueeze(2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=hq != hkv
+    )
+    return out.squeeze(2).to(q.dtype)

@@ -20,7 +20,10 @@ _LAZY = {
     "EngineSettings": ("workbench.settings", "EngineSettings"),
 }
 
-__all__ = list(_LAZY)
+__all__ = [
+    "LLM", "SamplingParams", "EngineClient", "start_engine", "sweep",
+    "RequestOutput", "StreamChunk", "Timeline", "EngineSettings",
+]
 
 if TYPE_CHECKING:
     from .ipc.client import EngineClient, start_engine

@@ -15,7 +15,8 @@ import os
 import time
 import uuid
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from .attention import KVCache
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence, SeqState
+from .sequence import SeqState, Sequence
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

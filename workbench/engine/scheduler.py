@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..settings import EngineSettings
 from ..timeline import TimelineRecorder
 from .block_manager import BlockManager
-from .sequence import Sequence, SeqState
+from .sequence import SeqState, Sequence
 
 
 @dataclass

@@ -57,26 +57,30 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding:
-    def __init__(self, config, max_positions: int, device):
+    def __init__(self, config, max_positions: int, device, dtype):
         inv, mscale = rope_inv_freq(config)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
-        self.cos = (freqs.cos() * mscale).to(device)
-        self.sin = (freqs.sin() * mscale).to(device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Cast to the compute dtype up front, as the Hugging Face reference does per call.
+        self.cos = (emb.cos() * mscale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * mscale).to(device=device, dtype=dtype)
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     # Half-split (GPT-NeoX) layout, as in Hugging Face Llama checkpoints.
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -128,7 +132,7 @@ class Transformer:
         self.norm = weights["model.norm.weight"]
         head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         self.lm_head = Linear(head)
-        self.rope = RotaryEmbedding(config, max_positions, device)
+        self.rope = RotaryEmbedding(config, max_positions, device, self.embed.dtype)
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
