@@ -1,0 +1,315 @@
+"""GPU benchmark of the Triton paged-attention kernels against the machine's own limits.
+
+    python -m workbench_kernels.bench [--json] [--kv bf16,int8,fp8] [--sweep]
+    python kernels/bench.py ...            (from the repository root, without installing)
+
+Limits: device-to-device copy bandwidth (bytes read + bytes written per second) and the FLOP/s
+of a large bf16 matmul.
+Decode: batch 64 x 4096-token context, one query each, bf16 activations, GQA 8:1 (32 q / 4 kv
+heads) and the SmolLM2 shape (9 q / 3 kv heads), head dims 64 and 128, paged cache with 16-token
+blocks scattered at random. Achieved GB/s = bytes of KV cache (and scales) read / time, shown
+with its fraction of the copy bandwidth, for the automatic split-KV choice and for no split.
+Prefill: one causal 4096-token prompt through extend_attention (paged cache) against
+torch.nn.functional.scaled_dot_product_attention on contiguous K/V expanded to every query head
+(its fastest path); ratio = SDPA time / Triton time (> 1: Triton is faster).
+Every case is also checked against the reference (decode) or SDPA's output (prefill).
+--sweep also times a grid of launch configurations and prints the fastest per shape.
+CUDA only: elsewhere it exits with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DECODE_BATCH, DECODE_CTX, PREFILL_LEN, BLOCK_SIZE = 64, 4096, 4096, 16
+DEVICE = "cuda"
+REL_TOL = 3e-2  # max |error| / max |expected| above which a row is flagged (bf16 reference maths)
+SHAPES = [  # (label, q heads, kv heads, head dim)
+    ("gqa8:1", 32, 4, 128),
+    ("gqa8:1", 32, 4, 64),
+    ("smollm2", 9, 3, 64),
+    ("smollm2", 9, 3, 128),
+]
+
+
+def _import_ops():
+    """(triton_ops, reference), whether installed as workbench_kernels or run from the repo."""
+    try:
+        from workbench_kernels import reference, triton_ops
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from kernels import reference, triton_ops  # type: ignore[no-redef]
+    return triton_ops, reference
+
+
+class Timer:
+    """Median wall time of fn on the GPU, with L2 flushed before every run (CUDA events)."""
+
+    def __init__(self, device):
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn, iters: int = 20, warmup: int = 3) -> float:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for s, e in zip(starts, ends):
+            self.flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        return times[len(times) // 2] / 1e3
+
+
+def _copy_GBps(timer: Timer, device, n: int) -> float:
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    return 2 * n / timer(lambda: dst.copy_(src), iters=20) / 1e9
+
+
+def _matmul_TFLOPs(timer: Timer, device, m: int) -> float:
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    return 2 * m**3 / timer(lambda: a @ b, iters=20) / 1e12
+
+
+def measure_limits(timer: Timer, device) -> dict:
+    n, m = 1 << 30, 8192
+    limits = {"copy_GBps": _copy_GBps(timer, device, n), "copy_bytes": 2 * n,
+              "matmul_TFLOPs": _matmul_TFLOPs(timer, device, m), "matmul_n": m}
+    torch.cuda.empty_cache()
+    return limits
+
+
+def _kv_store(kv: str):
+    return {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+
+
+def _random_cache(num_blocks, hkv, d, kv, device, gen):
+    shape = (num_blocks, BLOCK_SIZE, hkv, d)
+    if kv == "bf16":
+        kc = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+        vc = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+        return kc, vc, None, None
+    if kv == "int8":
+        kc = torch.randint(-127, 128, shape, device=device, dtype=torch.int8, generator=gen)
+        vc = torch.randint(-127, 128, shape, device=device, dtype=torch.int8, generator=gen)
+    else:
+        kc = (torch.randn(shape, device=device, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        vc = (torch.randn(shape, device=device, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ks = torch.rand(shape[:3], device=device, generator=gen) * 0.02 + 0.005
+    vs = torch.rand(shape[:3], device=device, generator=gen) * 0.02 + 0.005
+    return kc, vc, ks, vs
+
+
+def decode_case(ops, ref, timer, hq, hkv, d, kv, device, iters, config=None) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    per_seq = DECODE_CTX // BLOCK_SIZE
+    num_blocks = DECODE_BATCH * per_seq
+    kc, vc, ks, vs = _random_cache(num_blocks, hkv, d, kv, device, gen)
+    bt = torch.randperm(num_blocks).to(device, torch.int32).view(DECODE_BATCH, per_seq)
+    lens = torch.full((DECODE_BATCH,), DECODE_CTX, dtype=torch.int32, device=device)
+    q = torch.randn(DECODE_BATCH, hq, d, dtype=torch.bfloat16, device=device, generator=gen)
+    scale = d**-0.5
+    kv_bytes = 2 * DECODE_BATCH * DECODE_CTX * hkv * d * kc.element_size()
+    if ks is not None:
+        kv_bytes += 2 * DECODE_BATCH * DECODE_CTX * hkv * 4
+    total_bytes = kv_bytes + 2 * q.numel() * q.element_size() + bt.numel() * 4
+
+    def run(splits, cfg=None):
+        return ops.decode_attention(q, kc, vc, bt, lens, scale, ks, vs, num_splits=splits,
+                                    max_seq_len=DECODE_CTX, **(cfg or {}))
+
+    if config is not None:  # sweep mode: one configuration, automatic splits
+        return {"time_s": timer(lambda: run(None, config), iters=iters)}
+    block_n = ops.decode_config(d, kc.dtype, q.dtype)["block_n"]
+    auto = ops.pick_num_splits(DECODE_BATCH, hkv, DECODE_CTX, block_n, torch.cuda.get_device_properties(device).multi_processor_count)
+    expect = ref.decode_attention_ref(q, kc, vc, bt, lens, scale, ks, vs).float()
+    err = max((run(s).float() - expect).abs().max().item() for s in (None, 1))
+    rel = err / max(expect.abs().max().item(), 1e-6)
+    del expect
+    t_auto = timer(lambda: run(None), iters=iters)
+    t_one = timer(lambda: run(1), iters=iters) if auto != 1 else t_auto
+    return {
+        "kv_bytes": kv_bytes, "bytes": total_bytes, "splits_auto": auto,
+        "time_auto_s": t_auto, "GBps_auto": total_bytes / t_auto / 1e9,
+        "time_nosplit_s": t_one, "GBps_nosplit": total_bytes / t_one / 1e9,
+        "max_abs_err": err, "max_rel_err": rel,
+    }
+
+
+def prefill_case(ops, timer, hq, hkv, d, device, iters, config=None) -> dict:
+    gen = torch.Generator(device=device).manual_seed(1)
+    n, group = PREFILL_LEN, hq // hkv
+    q = torch.randn(n, hq, d, dtype=torch.bfloat16, device=device, generator=gen)
+    k = torch.randn(n, hkv, d, dtype=torch.bfloat16, device=device, generator=gen)
+    v = torch.randn(n, hkv, d, dtype=torch.bfloat16, device=device, generator=gen)
+    num_blocks = n // BLOCK_SIZE
+    perm = torch.randperm(num_blocks).to(device)
+    kc = torch.empty(num_blocks, BLOCK_SIZE, hkv, d, dtype=torch.bfloat16, device=device)
+    vc = torch.empty_like(kc)
+    kc[perm] = k.view(num_blocks, BLOCK_SIZE, hkv, d)
+    vc[perm] = v.view(num_blocks, BLOCK_SIZE, hkv, d)
+    bt = perm.to(torch.int32).view(1, num_blocks)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    lens = torch.tensor([n], dtype=torch.int32, device=device)
+    scale = d**-0.5
+
+    def triton_fn():
+        return ops.extend_attention(q, kc, vc, bt, cu, lens, scale, **(config or {}))
+
+    if config is not None:
+        return {"time_s": timer(triton_fn, iters=iters)}
+    qs = q.transpose(0, 1).unsqueeze(0).contiguous()
+    ks = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    vs = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+
+    def sdpa_fn():
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+
+    expect = sdpa_fn().squeeze(0).transpose(0, 1).float()
+    err = (triton_fn().float() - expect).abs().max().item()
+    rel = err / max(expect.abs().max().item(), 1e-6)
+    del expect
+    t_tri = timer(triton_fn, iters=iters)
+    t_sdpa = timer(sdpa_fn, iters=iters)
+    flops = 4 * hq * d * n * (n + 1) / 2  # QK^T and PV over the causal half
+    return {
+        "time_triton_s": t_tri, "time_sdpa_s": t_sdpa, "ratio_sdpa_over_triton": t_sdpa / t_tri,
+        "TFLOPs_triton": flops / t_tri / 1e12, "TFLOPs_sdpa": flops / t_sdpa / 1e12,
+        "max_abs_err": err, "max_rel_err": rel,
+    }
+
+
+def sweep(ops, timer, device, log) -> dict:
+    best = {}
+    decode_grid = [dict(block_n=bn, num_warps=w, num_stages=s)
+                   for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    prefill_grid = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+                    for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    for label, hq, hkv, d in SHAPES:
+        for kind, grid in (("decode", decode_grid), ("prefill", prefill_grid)):
+            rows = []
+            for cfg in grid:
+                try:
+                    if kind == "decode":
+                        t = decode_case(ops, None, timer, hq, hkv, d, "bf16", device, 10, cfg)["time_s"]
+                    else:
+                        t = prefill_case(ops, timer, hq, hkv, d, device, 5, cfg)["time_s"]
+                except Exception as e:  # e.g. out of shared memory
+                    log(f"  sweep {kind} {label} d{d} {cfg}: failed ({type(e).__name__})")
+                    continue
+                rows.append((t, cfg))
+            rows.sort(key=lambda r: r[0])
+            key = f"{kind} {label} {hq}q/{hkv}kv d{d}"
+            best[key] = [{"time_us": t * 1e6, **cfg} for t, cfg in rows[:3]]
+            if rows:
+                log(f"  {key}: best {rows[0][1]} {rows[0][0] * 1e6:.1f} us"
+                    f" (default-config run above for comparison)")
+            torch.cuda.empty_cache()
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (the table goes to stderr)")
+    p.add_argument("--kv", default="bf16", help="comma-separated KV cache formats for decode: bf16,int8,fp8")
+    p.add_argument("--iters", type=int, default=20, help="timed runs per measurement (median reported)")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of launch configurations")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels/bench.py measures GPU kernels and needs CUDA, which this machine does not have "
+              "(torch.cuda.is_available() is False). Nothing to do.", file=sys.stderr)
+        return 2
+    kvs = [s.strip() for s in args.kv.split(",") if s.strip()]
+    for s in kvs:
+        _kv_store(s)  # KeyError on an unknown format
+
+    import triton
+
+    ops, ref = _import_ops()
+    out_stream = sys.stderr if args.json else sys.stdout
+
+    def log(msg=""):
+        print(msg, file=out_stream, flush=True)
+
+    device = torch.device(DEVICE)
+    props = torch.cuda.get_device_properties(device)
+    result = {
+        "device": props.name, "sms": props.multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__,
+        "decode_batch": DECODE_BATCH, "decode_ctx": DECODE_CTX, "prefill_len": PREFILL_LEN,
+        "block_size": BLOCK_SIZE,
+    }
+    timer = Timer(device)
+    t0 = time.time()
+    log(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    limits = measure_limits(timer, device)
+    result["limits"] = limits
+    log(f"limits: device copy {limits['copy_GBps']:.0f} GB/s (read + write), "
+        f"bf16 matmul {limits['matmul_n']}^3 {limits['matmul_TFLOPs']:.0f} TFLOP/s")
+
+    log(f"\ndecode: batch {DECODE_BATCH} x {DECODE_CTX} context, bf16 queries, {BLOCK_SIZE}-token blocks")
+    head = (f"{'shape':<10}{'heads':>7}{'d':>5}{'kv':>6}{'splits':>7}{'us':>9}{'GB/s':>8}{'%copy':>7}"
+            f"{'us(1)':>9}{'GB/s(1)':>9}{'%copy':>7}{'rel err':>10}")
+    log(head)
+    result["decode"] = []
+    for (label, hq, hkv, d), kv in itertools.product(SHAPES, kvs):
+        row = {"shape": label, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "kv": kv}
+        try:
+            row.update(decode_case(ops, ref, timer, hq, hkv, d, kv, device, args.iters))
+            row["frac_copy_auto"] = row["GBps_auto"] / limits["copy_GBps"]
+            row["frac_copy_nosplit"] = row["GBps_nosplit"] / limits["copy_GBps"]
+            flag = "" if row["max_rel_err"] < REL_TOL else "  MISMATCH"
+            log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{kv:>6}{row['splits_auto']:>7}"
+                f"{row['time_auto_s'] * 1e6:>9.1f}{row['GBps_auto']:>8.0f}{100 * row['frac_copy_auto']:>6.0f}%"
+                f"{row['time_nosplit_s'] * 1e6:>9.1f}{row['GBps_nosplit']:>9.0f}{100 * row['frac_copy_nosplit']:>6.0f}%"
+                f"{row['max_rel_err']:>10.2e}{flag}")
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{kv:>6}  FAILED {row['error'][:200]}")
+        result["decode"].append(row)
+        torch.cuda.empty_cache()
+
+    log(f"\nprefill: one causal {PREFILL_LEN}-token prompt, bf16; SDPA on contiguous head-expanded K/V")
+    log(f"{'shape':<10}{'heads':>7}{'d':>5}{'triton us':>11}{'TFLOP/s':>9}{'sdpa us':>10}{'TFLOP/s':>9}"
+        f"{'sdpa/triton':>13}{'rel err':>10}")
+    result["prefill"] = []
+    for label, hq, hkv, d in SHAPES:
+        row = {"shape": label, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
+        try:
+            row.update(prefill_case(ops, timer, hq, hkv, d, device, max(5, args.iters // 2)))
+            flag = "" if row["max_rel_err"] < REL_TOL else "  MISMATCH"
+            log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{row['time_triton_s'] * 1e6:>11.1f}{row['TFLOPs_triton']:>9.0f}"
+                f"{row['time_sdpa_s'] * 1e6:>10.1f}{row['TFLOPs_sdpa']:>9.0f}{row['ratio_sdpa_over_triton']:>13.2f}"
+                f"{row['max_rel_err']:>10.2e}{flag}")
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}  FAILED {row['error'][:200]}")
+        result["prefill"].append(row)
+        torch.cuda.empty_cache()
+
+    if args.sweep:
+        log("\nsweep (bf16, automatic splits for decode):")
+        result["sweep"] = sweep(ops, timer, device, log)
+    result["wall_s"] = time.time() - t0
+    log(f"\n{result['wall_s']:.0f} s")
+    if args.json:
+        print(json.dumps(result, default=str))
+    failed = any("error" in r for r in result["decode"] + result["prefill"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The Triton attention backend: the three ops with the signatures of `reference`.
+
+    from workbench_kernels.triton_ops import write_kv, extend_attention, decode_attention
+
+Triton decides when a kernel is decorated whether to compile it or to run it in its CPU
+interpreter (TRITON_INTERPRET=1). Without CUDA only the interpreter can run the kernels, so this
+module switches it on before importing them, unless the variable is already set.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .decode_attention import decode_attention, decode_config, pick_num_splits  # noqa: E402
+from .extend_attention import extend_attention, extend_config  # noqa: E402
+from .kv_write import write_kv  # noqa: E402
+
+__all__ = [
+    "write_kv", "extend_attention", "decode_attention", "extend_config", "decode_config", "pick_num_splits",
+]

@@ -1,0 +1,322 @@
+"""The Triton paged-attention kernels against their torch references (kernels/reference.py).
+
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+which pays per op rather than per element: the cases are small, hand-picked cross products of
+head dim, GQA ratio, block size, dtype, KV quantisation and query layout, some with small tile
+overrides so that several query tiles / key steps / KV splits are exercised. bf16 runs only on a
+GPU (the interpreter computes bf16 dots wrongly).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+from workbench_kernels import reference as ref
+from workbench_kernels.triton_ops import decode_attention, extend_attention, pick_num_splits, write_kv
+
+torch.set_num_threads(1)  # the interpreter runs numpy; thread contention makes it erratic
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+INT8, FP8 = torch.int8, torch.float8_e4m3fn
+QUANT = (INT8, FP8)
+TOL = {F32: 2e-4, F16: 4e-3, BF16: 3e-2}
+
+
+def _skip_unsupported(dtype):
+    if dtype == BF16 and INTERPRET:
+        pytest.skip("bf16: the Triton interpreter computes bf16 tl.dot wrongly; runs on a GPU only")
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _fill_cache(num_blocks, bs, hkv, d, dtype, kv, gen):
+    """A cache whose every slot holds random data (stale slots must never leak into results)."""
+    store = kv if kv in QUANT else dtype
+    kc = torch.empty(num_blocks, bs, hkv, d, dtype=store, device=DEVICE)
+    vc = torch.empty_like(kc)
+    ks = torch.empty(num_blocks, bs, hkv, device=DEVICE) if kv in QUANT else None
+    vs = torch.empty_like(ks) if kv in QUANT else None
+    n = num_blocks * bs
+    k = torch.randn(n, hkv, d, generator=gen).to(DEVICE)
+    v = torch.randn(n, hkv, d, generator=gen).to(DEVICE)
+    if kv not in QUANT:
+        k, v = k.to(dtype), v.to(dtype)
+    slots = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    ref.write_kv_ref(k, v, kc, vc, slots, ks, vs)
+    return kc, vc, ks, vs
+
+
+def _block_tables(seq_lens, bs, num_blocks, gen):
+    """Shuffled physical blocks; the unused tail of each row holds other (valid) block ids."""
+    need = [_cdiv(s, bs) for s in seq_lens]
+    width = max(need) + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    bt = torch.randint(0, num_blocks, (len(seq_lens), width), generator=gen, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[at : at + n].to(torch.int32)
+        at += n
+    return bt.to(DEVICE)
+
+
+def _queries(num_tokens, hq, d, dtype, gen, strided):
+    q = torch.randn(num_tokens, hq + 2, d, generator=gen).to(DEVICE, dtype)
+    return q[:, 1 : hq + 1] if strided else q[:, :hq].contiguous()
+
+
+def _case_id(c, tail):
+    d, g, bs, dtype, kv = c[:5]
+    kv = "same" if kv is None else str(kv).removeprefix("torch.")
+    extra = tail.format(*c[5:7]).replace(" ", "")
+    return f"d{d}-g{g}-bs{bs}-{str(dtype).removeprefix('torch.')}-kv_{kv}-{extra}{'-strided' if c[7] else ''}"
+
+
+def _check(out, expect, dtype):
+    assert out.dtype == expect.dtype and out.shape == expect.shape
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ----------------------------------------------------------------------------------- KV write
+
+
+@pytest.mark.parametrize(
+    "kv, dtype, d, hkv, bs, strided",
+    [
+        (F32, F32, 64, 3, 16, False),
+        (F16, F16, 128, 1, 32, True),
+        (BF16, BF16, 64, 2, 16, False),
+        (INT8, F32, 64, 3, 32, False),
+        (INT8, F16, 128, 2, 16, True),
+        (FP8, BF16, 64, 1, 16, True),
+        (FP8, F32, 128, 3, 32, False),
+    ],
+)
+def test_write_kv(kv, dtype, d, hkv, bs, strided):
+    """Bit-exact against the reference, including the int8/fp8 quantisation (no dots: bf16 is fine)."""
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, num_tokens = 6, 37
+    # keys/values as the engine has them: possibly strided views of a fused projection
+    k = _queries(num_tokens, hkv, d, dtype, gen, strided) * 3
+    v = _queries(num_tokens, hkv, d, dtype, gen, strided)
+    k[0, 0] = 0.0  # an all-zero head exercises the amax clamp
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens].to(torch.int32)
+    slots[[2, 9, 30]] = torch.tensor([-1, -1, -5], dtype=torch.int32)  # padding: skipped
+    slots = slots.to(DEVICE)
+    results = []
+    for fn in (write_kv, ref.write_kv_ref):
+        kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, dtype, kv, torch.Generator().manual_seed(2))
+        fn(k, v, kc, vc, slots, ks, vs)
+        results.append((kc, vc, ks, vs))
+    for got, want in zip(*results):
+        if want is None:
+            continue
+        if want.dtype == FP8:  # compare the stored bytes
+            got, want = got.view(torch.uint8), want.view(torch.uint8)
+        assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------- extend attention
+
+
+def _extend_layout(scenario, bs):
+    """(seq_lens, q_lens): ragged lengths around block boundaries, new tokens at the end."""
+    if scenario == "prefill":  # whole prompts, no cache hits
+        seq = [1, bs - 1, bs, bs + 1, 2 * bs + 1]
+        return seq, list(seq)
+    if scenario == "prefix":  # prefix-cache hits / later chunked-prefill chunks: queries start mid-sequence
+        seq = [bs + 1, 3 * bs - 1, 2 * bs, 5, 2 * bs + 3]
+        return seq, [1, bs + 2, bs - 1, 5, 7]
+    # mixed: a first chunk, a continuation, a one-token verify, an empty entry, a full prompt
+    seq = [bs, 2 * bs + 1, 3 * bs + 1, 9, bs - 1]
+    return seq, [bs, bs + 1, 1, 0, bs - 1]
+
+
+# The full head-dim x group x block-size cross product, with the KV format, dtype, query layout
+# (or split count) and q strides rotated through it so that most pairs of factors meet, plus
+# targeted extras.
+_GRID = list(itertools.product((64, 128), (1, 3, 8), (16, 32)))
+_KVS = (None, INT8, FP8)  # None: the activation dtype
+_SCENARIOS = ("prefill", "prefix", "mixed")
+
+EXTEND_CASES = [
+    # d, group, bs, dtype, kv, scenario, (block_m, block_n) override, strided q
+    (d, g, bs, (F32, F16)[(i + i // 2) % 2], _KVS[i % 3], _SCENARIOS[(i // 3 + i) % 3], None, i % 4 == 1)
+    for i, (d, g, bs) in enumerate(_GRID)
+] + [
+    # small tiles: several query tiles per sequence and several key steps per tile
+    (64, 8, 32, F32, None, "prefix", (32, 16), False),
+    (64, 3, 32, F32, INT8, "prefix", (16, 32), False),
+    (128, 1, 16, F16, INT8, "mixed", (32, 16), False),
+    (64, 8, 16, F16, FP8, "prefill", (64, 32), True),
+    (128, 3, 16, F32, None, "mixed", (16, 16), False),
+    # GPU only
+    (128, 8, 32, BF16, None, "mixed", None, False),
+    (64, 3, 16, BF16, INT8, "prefix", (32, 16), False),
+    (128, 1, 16, BF16, FP8, "prefill", None, False),
+]
+
+
+@pytest.mark.parametrize(
+    "d, group, bs, dtype, kv, scenario, blocks, strided",
+    EXTEND_CASES,
+    ids=[_case_id(c, "{}-tiles{}") for c in EXTEND_CASES],
+)
+def test_extend_attention(d, group, bs, dtype, kv, scenario, blocks, strided):
+    _skip_unsupported(dtype)
+    kv = kv or dtype
+    gen = torch.Generator().manual_seed(d + group + bs)
+    hkv = 2
+    seq_lens, q_lens = _extend_layout(scenario, bs)
+    num_blocks = sum(_cdiv(s, bs) for s in seq_lens) + 3
+    kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, dtype, kv, gen)
+    bt = _block_tables(seq_lens, bs, num_blocks, gen)
+    q = _queries(sum(q_lens), hkv * group, d, dtype, gen, strided)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    bm, bn = blocks or (None, None)
+    out = extend_attention(q, kc, vc, bt, cu, lens, scale, ks, vs, block_m=bm, block_n=bn)
+    _check(out, ref.extend_attention_ref(q, kc, vc, bt, cu, lens, scale, ks, vs), dtype)
+
+
+# ------------------------------------------------------------------------- decode attention
+
+
+DECODE_CASES = [
+    # d, group, bs, dtype, kv, num_splits (None: automatic), block_n override, strided q
+    (d, g, bs, (F16, F32)[(i + i // 2) % 2], _KVS[(i + j) % 3], splits, 16 if splits == 3 and i % 2 else None, i % 4 == 2)
+    for i, (d, g, bs) in enumerate(_GRID)
+    for j, splits in enumerate((1, 3))
+] + [
+    (128, 8, 16, F16, FP8, None, None, False),
+    (64, 3, 16, F16, INT8, None, 16, False),
+    (64, 1, 32, F32, None, 8, 16, True),  # more splits than some sequences have keys
+    # GPU only
+    (128, 8, 32, BF16, None, 1, None, False),
+    (64, 3, 16, BF16, None, 4, None, False),
+    (128, 1, 16, BF16, INT8, None, None, False),
+    (64, 8, 32, BF16, FP8, 2, None, False),
+]
+
+
+@pytest.mark.parametrize(
+    "d, group, bs, dtype, kv, splits, block_n, strided",
+    DECODE_CASES,
+    ids=[_case_id(c, "splits{}-bn{}") for c in DECODE_CASES],
+)
+def test_decode_attention(d, group, bs, dtype, kv, splits, block_n, strided):
+    _skip_unsupported(dtype)
+    kv = kv or dtype
+    gen = torch.Generator().manual_seed(3 * d + group + bs)
+    hkv = 2
+    seq_lens = [1, bs - 1, bs, bs + 1, 2 * bs - 1, 4 * bs + 3]
+    num_blocks = sum(_cdiv(s, bs) for s in seq_lens) + 3
+    kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, dtype, kv, gen)
+    bt = _block_tables(seq_lens, bs, num_blocks, gen)
+    q = _queries(len(seq_lens), hkv * group, d, dtype, gen, strided)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    out = decode_attention(q, kc, vc, bt, lens, scale, ks, vs, num_splits=splits, block_n=block_n)
+    _check(out, ref.decode_attention_ref(q, kc, vc, bt, lens, scale, ks, vs), dtype)
+
+
+def test_pick_num_splits():
+    # plenty of sequences x kv heads: no split
+    assert pick_num_splits(128, 8, 4096, 64, num_sms=132) == 1
+    # few programs and a long context: split to fill the GPU, capped by work per split
+    assert pick_num_splits(1, 2, 32768, 64, num_sms=132) == 64
+    assert pick_num_splits(4, 3, 4096, 64, num_sms=132) == 16
+    # short contexts never split
+    assert pick_num_splits(1, 1, 100, 64, num_sms=132) == 1
+
+
+# --------------------------------------------------------------------- engine-like round trip
+
+
+@pytest.mark.parametrize("kv", [F32, INT8, FP8])
+def test_chunked_prefill_then_decode(kv):
+    """write_kv + extend (two prefill chunks) + decode, all Triton, against the all-reference path."""
+    gen = torch.Generator().manual_seed(7)
+    d, hkv, group, bs, dtype = 64, 3, 3, 16, F32
+    prompt = [40, 23]  # two sequences; chunk 1 = first 20 / 23 tokens, chunk 2 = the rest
+    chunks = [[20, 23], [20, 0]]
+    steps = len(chunks) + 1
+    num_blocks = sum(_cdiv(p + 1, bs) for p in prompt) + 2
+    bt = _block_tables([p + 1 for p in prompt], bs, num_blocks, gen)
+    total = [p + 1 for p in prompt]
+    k_all = torch.randn(2, max(total), hkv, d, generator=gen).to(DEVICE)
+    v_all = torch.randn(2, max(total), hkv, d, generator=gen).to(DEVICE)
+    q_all = torch.randn(2, max(total), hkv * group, d, generator=gen).to(DEVICE)
+
+    def slot(b, pos):
+        return int(bt[b, pos // bs]) * bs + pos % bs
+
+    outs = {}
+    for impl in ("triton", "ref"):
+        wr = write_kv if impl == "triton" else ref.write_kv_ref
+        ext = extend_attention if impl == "triton" else ref.extend_attention_ref
+        dec = decode_attention if impl == "triton" else ref.decode_attention_ref
+        kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, dtype, kv, torch.Generator().manual_seed(8))
+        done = [0, 0]
+        results = []
+        for step in range(steps):
+            if step < len(chunks):
+                sizes = chunks[step]
+                pos = [(b, p) for b in range(2) for p in range(done[b], done[b] + sizes[b])]
+                cu = torch.tensor([0, sizes[0], sizes[0] + sizes[1]], dtype=torch.int32, device=DEVICE)
+            else:  # one decode token each
+                pos = [(b, total[b] - 1) for b in range(2)]
+            k = torch.stack([k_all[b, p] for b, p in pos])
+            v = torch.stack([v_all[b, p] for b, p in pos])
+            q = torch.stack([q_all[b, p] for b, p in pos])
+            slots = torch.tensor([slot(b, p) for b, p in pos], dtype=torch.int32, device=DEVICE)
+            wr(k, v, kc, vc, slots, ks, vs)
+            for b, p in pos:
+                done[b] = max(done[b], p + 1)
+            lens = torch.tensor(done, dtype=torch.int32, device=DEVICE)
+            if step < len(chunks):
+                results.append(ext(q, kc, vc, bt, cu, lens, d**-0.5, ks, vs))
+            else:
+                results.append(dec(q, kc, vc, bt, lens, d**-0.5, ks, vs))
+        outs[impl] = results
+    for got, want in zip(outs["triton"], outs["ref"]):
+        _check(got, want, dtype)
+
+
+def test_int64_metadata_and_views():
+    """int64 slot mappings / lengths / block tables, and a block table that is a column slice."""
+    gen = torch.Generator().manual_seed(11)
+    d, hkv, group, bs, dtype, kv = 64, 2, 3, 16, F32, INT8
+    seq_lens = [bs + 1, 3, 2 * bs]
+    q_lens = [bs + 1, 1, 5]
+    num_blocks = sum(_cdiv(s, bs) for s in seq_lens) + 3
+    kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, dtype, kv, gen)
+    wide = torch.cat([_block_tables(seq_lens, bs, num_blocks, gen)] * 2, dim=1).long()
+    bt = wide[:, : wide.shape[1] // 2]  # rows are strided views
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int64, device=DEVICE)
+
+    k = torch.randn(4, hkv, d, generator=gen).to(DEVICE)
+    v = torch.randn(4, hkv, d, generator=gen).to(DEVICE)
+    slots = torch.tensor([5, -1, 2 * bs + 3, 7], dtype=torch.int64, device=DEVICE)
+    caches = [[t.clone() for t in (kc, vc, ks, vs)] for _ in range(2)]
+    write_kv(k, v, *caches[0][:2], slots, *caches[0][2:])
+    ref.write_kv_ref(k, v, *caches[1][:2], slots, *caches[1][2:])
+    for got, want in zip(*caches):
+        assert torch.equal(got, want)
+
+    q = _queries(sum(q_lens), hkv * group, d, dtype, gen, strided=False)
+    out = extend_attention(q, kc, vc, bt, cu, lens, d**-0.5, ks, vs)
+    _check(out, ref.extend_attention_ref(q, kc, vc, bt, cu, lens, d**-0.5, ks, vs), dtype)
+    qd = q[: len(seq_lens)]
+    out = decode_attention(qd, kc, vc, bt, lens, d**-0.5, ks, vs, num_splits=2)
+    _check(out, ref.decode_attention_ref(qd, kc, vc, bt, lens, d**-0.5, ks, vs), dtype)
