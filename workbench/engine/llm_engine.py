@@ -28,11 +28,12 @@ from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
 from ..timeline import BatchEntry, TimelineRecorder
 from ..tokenizer import IncrementalDetokenizer
 from . import sampler
-from .attention import KVCache
+from .attention import KVCache, backend_ops
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import SeqState, Sequence
+from .speculative import DraftProposer, NgramProposer, accept, check_same_vocabulary
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -86,7 +87,8 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         self._recent: deque[RequestOutput] = deque(maxlen=1000)
         self.totals = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "output_tokens": 0,
-                       "spec_proposed": 0, "spec_accepted": 0, "finished": 0, "preemptions": 0}
+                       "spec_proposed": 0, "spec_accepted": 0, "spec_verifies": 0, "finished": 0, "preemptions": 0}
+        self._draft: DraftProposer | None = None
         self._weights_checksum = self._checksum()
 
     # -- requests -----------------------------------------------------------------------------
@@ -160,10 +162,12 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
+        start = time.monotonic()
+        proposed = self._propose() if self.settings.speculative != "off" and self.settings.kv_cache else 0
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        start = time.monotonic()
+        sched.spec_proposed = proposed
         result = self.runner.forward(sched.scheduled)
         chunks = self._postprocess(sched, result)
         self._record_step(sched, start, time.monotonic(), chunks)
@@ -172,10 +176,16 @@ class LLMEngine:
     def _postprocess(self, sched: SchedulerOutput, result) -> list[StreamChunk]:
         chunks: list[StreamChunk] = []
         sampled_seqs, sampled_rows = [], []
+        now = time.monotonic()
         for i, s in enumerate(sched.scheduled):
             seq = s.seq
             seq.num_computed_tokens += s.num_tokens
-            if i in result.rows:
+            if s.kind == "verify" and i in result.rows:
+                first, count = result.rows[i]
+                chunk = self._verify(seq, result.logits[first:first + count], sched, now)
+                if chunk is not None:
+                    chunks.append(chunk)
+            elif i in result.rows:
                 sampled_seqs.append(seq)
                 sampled_rows.append(result.rows[i][0])
             elif self.settings.kv_cache:
@@ -186,7 +196,6 @@ class LLMEngine:
         tokens = sampler.sample(logits, sampled_seqs)
         want_lp = [s.params.logprobs for s in sampled_seqs]
         lps = sampler.logprobs_of(logits, tokens, want_lp) if any(n is not None for n in want_lp) else None
-        now = time.monotonic()
         for j, (seq, tok) in enumerate(zip(sampled_seqs, tokens)):
             req = self.requests[seq.request_id]
             seq.token_ids.append(tok)
@@ -198,6 +207,85 @@ class LLMEngine:
             if chunk is not None:
                 chunks.append(chunk)
         return chunks
+
+    # -- speculative decoding ------------------------------------------------------------------
+    def _propose(self) -> int:
+        """Attach draft tokens to running sequences that are decoding. Returns tokens proposed."""
+        s = self.settings
+        k = s.num_speculative_tokens
+        ready = []
+        for seq in self.scheduler.running:
+            remaining = seq.params.max_tokens - seq.num_output_tokens
+            room = min(k, remaining - 1, self.max_model_len - len(seq) - 1)
+            # Penalties depend on every earlier token, which verification would change mid-window.
+            if (seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1
+                    or seq.params.repetition_penalty != 1.0):
+                continue
+            if self.block_manager.ensure_capacity(seq, len(seq) + room):
+                ready.append((seq, room))
+        if not ready:
+            return 0
+        if s.speculative == "ngram":
+            proposer = NgramProposer(s.ngram_size)
+            for seq, room in ready:
+                seq.spec_tokens, seq.spec_probs = proposer.propose(seq, room), None
+        else:
+            drafter = self._drafter()
+            # One batched draft pass per window length.
+            for room in sorted({r for _, r in ready}):
+                group = [seq for seq, r in ready if r == room]
+                for rid, (drafted, probs) in drafter.propose(group, room).items():
+                    seq = self.requests[rid].seq
+                    seq.spec_tokens, seq.spec_probs = drafted, probs
+        return sum(len(seq.spec_tokens) for seq, _ in ready)
+
+    def _drafter(self) -> DraftProposer:
+        if self._draft is None:
+            self._draft = self._load_draft(self.settings.draft_model)
+        return self._draft
+
+    def _load_draft(self, draft_model: str | None) -> DraftProposer:
+        s = self.settings
+        if draft_model is None:
+            config, weights, source = self.model_config, self._weights, "self-int4"
+        else:
+            loaded = load_model(draft_model, dtype=self.dtype)
+            check_same_vocabulary(self.model_config, self.tokenizer, loaded.config, loaded.tokenizer, draft_model)
+            config, source = loaded.config, str(draft_model)
+            weights = {k: v.to(self.device) for k, v in loaded.weights.items()}
+        runner = ModelRunner(
+            config, weights, device=self.device, dtype=self.dtype, block_size=s.block_size,
+            num_blocks=self.block_manager.num_blocks, kv_cache_dtype="auto",
+            attention_backend=s.attention_backend, max_model_len=self.max_model_len,
+        )
+        if draft_model is None:
+            runner.model.quantize("int4", "auto")
+        for req in self.requests.values():
+            req.seq.draft_computed = 0  # a new draft cache knows nothing yet
+        return DraftProposer(runner, source)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput, now: float) -> StreamChunk | None:
+        draft = seq.spec_tokens
+        base = len(seq)
+        tokens = accept(seq, logits, draft, seq.spec_probs)
+        accepted = len(tokens) - 1
+        seq.spec_tokens, seq.spec_probs = [], None
+        seq.num_computed_tokens = base + accepted
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+        seq.metrics.spec_proposed += len(draft)
+        seq.metrics.spec_accepted += accepted
+        sched.spec_accepted += accepted
+        self.totals["spec_proposed"] += len(draft)
+        self.totals["spec_accepted"] += accepted
+        self.totals["spec_verifies"] += 1
+        seq.token_ids.extend(tokens)
+        self.block_manager.truncate(seq, len(seq))
+        self.block_manager.register_computed(seq)
+        req = self.requests[seq.request_id]
+        lps = None
+        if seq.params.logprobs is not None:
+            lps = sampler.logprobs_of(logits[:len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
+        return self._emit(req, tokens, lps, now)
 
     def _emit(self, req: _Request, new_tokens: list[int], lps, now: float) -> StreamChunk | None:
         seq, params = req.seq, req.seq.params
@@ -273,30 +361,46 @@ class LLMEngine:
             start=start, end=end, phase=sched.phase, num_prefill_tokens=prefill,
             num_decode_tokens=sched.num_tokens - prefill, batch=batch,
             kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
-            prefix_hit_tokens=sched.prefix_hit_tokens, num_waiting=len(self.scheduler.waiting),
+            prefix_hit_tokens=sched.prefix_hit_tokens, spec_proposed=sched.spec_proposed,
+            spec_accepted=sched.spec_accepted, num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running), output_tokens=sum(len(c.token_ids_delta) for c in chunks),
         )
 
     # -- settings -------------------------------------------------------------------------------
     def configure(self, **changes: Any) -> dict[str, Any]:
-        """Validate all changes, then apply them (between steps). Returns the effective settings."""
+        """Validate all changes, then apply them (between steps). Returns the effective settings.
+
+        Anything that can fail (validation, an unsupported mode, loading a draft model) runs
+        before the first change is applied, so a rejected call changes nothing."""
         changes = validate(changes, self.settings)
         for name in changes:
             if setting_kind(name) == RESTART and changes[name] != getattr(self.settings, name):
                 raise ValueError(f"setting {name!r} is fixed when the engine starts; restart the engine to change it")
         applied = {k: v for k, v in changes.items() if getattr(self.settings, k) != v}
+        merged = {**self.settings.as_dict(), **applied}
         if "quantization" in applied:
             self._check_quantization(applied["quantization"])
         if "attention_backend" in applied:
-            self.runner.set_backend(applied["attention_backend"])
+            backend_ops(applied["attention_backend"], self.device)
+        new_draft = None
+        if "draft_model" in applied or (merged["speculative"] == "draft" and self._draft is None):
+            self._emit_event("relayout", {"setting": "draft_model", "value": merged["draft_model"], "state": "started"})
+            new_draft = self._load_draft(merged["draft_model"])
+
         for name, value in applied.items():
             if setting_kind(name) == RELAYOUT:
                 self._emit_event("relayout", {"setting": name, "value": value, "state": "started"})
+        if "attention_backend" in applied:
+            self.runner.set_backend(applied["attention_backend"])
+            if self._draft is not None:
+                self._draft.runner.set_backend(applied["attention_backend"])
+        if new_draft is not None:
+            self._draft = new_draft
+            self._emit_event("relayout", {"setting": "draft_model", "value": new_draft.source, "state": "done"})
         if "kv_cache_dtype" in applied:
             self._recompute_all()
             self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
         if {"quantization", "quant_group_size"} & applied.keys():
-            merged = {**self.settings.as_dict(), **applied}
             self.runner.model.quantize(merged["quantization"], merged["quant_group_size"])
         for name, value in applied.items():
             setattr(self.settings, name, value)
@@ -305,6 +409,9 @@ class LLMEngine:
             if not enabled or "kv_cache_dtype" in applied:
                 self.block_manager.reset_prefix_cache()
             self.block_manager.prefix_caching = enabled
+        if "speculative" in applied or "num_speculative_tokens" in applied:
+            for req in self.requests.values():
+                req.seq.spec_tokens, req.seq.spec_probs = [], None
         for name, value in applied.items():
             if setting_kind(name) == RELAYOUT:
                 self._emit_event("relayout", {"setting": name, "value": value, "state": "done"})
@@ -324,8 +431,8 @@ class LLMEngine:
         for seq in list(self.scheduler.running):
             self.scheduler.running.remove(seq)
             self.block_manager.free(seq)
-            seq.num_computed_tokens = 0
-            seq.spec_tokens = []
+            seq.num_computed_tokens = seq.draft_computed = 0
+            seq.spec_tokens, seq.spec_probs = [], None
             seq.state = SeqState.PREEMPTED
             self.scheduler.waiting.appendleft(seq)
 
@@ -407,6 +514,7 @@ class LLMEngine:
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_hit_rate": t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
             "spec_acceptance_rate": t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
+            "spec_mean_accepted": t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
             "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
             "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
             **{f"total_{k}": v for k, v in t.items()},

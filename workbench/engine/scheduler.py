@@ -38,6 +38,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     prefix_hit_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +131,7 @@ class Scheduler:
             else:
                 kind = "verify" if seq.spec_tokens else "decode"
             if kind == "verify" and n < todo:  # budget cannot hold every draft token: drop them
-                seq.spec_tokens = []
+                seq.spec_tokens, seq.spec_probs = [], None
                 n, kind = 1, "decode"
             out.scheduled.append(ScheduledSeq(seq, n, kind))
             budget -= n
@@ -140,7 +142,7 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.bm.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.draft_computed = 0
         seq.spec_tokens = []
         seq.state = SeqState.PREEMPTED
         seq.metrics.num_preemptions += 1

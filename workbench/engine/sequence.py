@@ -29,6 +29,8 @@ class Sequence:
         self.metrics = RequestMetrics(arrival=arrival)
         self.finish_reason: str | None = None
         self.spec_tokens: list[int] = []  # draft tokens proposed for this step
+        self.spec_probs = None  # the draft model's distribution at each spec token (sampling only)
+        self.draft_computed = 0  # tokens whose KV is in the draft model's cache
         self.generator = None  # per-request torch.Generator for seeded sampling
 
     def __len__(self) -> int:

@@ -1,0 +1,136 @@
+"""Speculative decoding: proposers guess the next k tokens; one target pass verifies them all.
+
+- `NgramProposer` (prompt lookup): find the latest earlier occurrence of the sequence's last n
+  tokens and propose what followed it. No model; shines when the output copies the input.
+- `DraftProposer`: a smaller model with the target's tokenizer (by default the target's own
+  int4 copy) runs k cheap decode steps. Its KV cache shares the target's block tables, so a
+  sequence's draft context lives at the same slots.
+`accept` keeps the target's distribution exact: greedy requests accept while the draft equals
+the argmax; sampled requests accept token d with probability min(1, p(d)/q(d)) and otherwise
+draw from normalise(max(p - q, 0)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import sampler
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+
+class NgramProposer:
+    def __init__(self, n: int):
+        self.n = n
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        tokens = seq.token_ids
+        for n in range(min(self.n, len(tokens) - 1), 0, -1):
+            tail = tokens[-n:]
+            # Latest earlier match first: recent context predicts best.
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+
+class _DraftView:
+    """What the model runner reads of a sequence, with the draft's own progress."""
+
+    def __init__(self, seq: Sequence, token_ids: list[int], computed: int):
+        self.token_ids = token_ids
+        self.num_computed_tokens = computed
+        self.block_table = seq.block_table
+        self.spec_tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class DraftProposer:
+    def __init__(self, runner, source: str):
+        self.runner = runner  # a ModelRunner over the draft model, same block layout as the target
+        self.source = source  # "self-int4" or the draft model's path, for status/events
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], k: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """Draft tokens per request, with the draft's distribution at each (None for greedy)."""
+        drafts: dict[str, list[int]] = {s.request_id: [] for s in seqs}
+        probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
+        for j in range(k):
+            views, scheduled = [], []
+            for s in seqs:
+                tokens = s.token_ids + drafts[s.request_id]
+                view = _DraftView(s, tokens, s.draft_computed if j == 0 else len(tokens) - 1)
+                n = len(tokens) - view.num_computed_tokens
+                views.append(view)
+                scheduled.append(ScheduledSeq(view, n, "prefill" if n > 1 else "decode"))
+            result = self.runner.forward(scheduled)
+            rows = [result.rows[i][0] for i in range(len(seqs))]
+            logits = result.logits[rows]
+            greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+            sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+            if greedy:
+                for i, tok in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                    drafts[seqs[i].request_id].append(tok)
+            if sampled:
+                p = sampler.probabilities(logits[sampled], [seqs[i] for i in sampled])
+                for row, i in enumerate(sampled):
+                    rid = seqs[i].request_id
+                    drafts[rid].append(sampler.draw(p[row], seqs[i].generator))
+                    probs[rid].append(p[row])
+            for s, view in zip(seqs, views):
+                if j == 0:
+                    s.draft_computed = len(view.token_ids)
+                else:
+                    s.draft_computed += 1
+        return {
+            rid: (toks, torch.stack(probs[rid]) if probs[rid] else None) for rid, toks in drafts.items()
+        }
+
+
+def accept(seq: Sequence, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None) -> list[int]:
+    """Tokens to append after verifying `draft` against the target's logits [k+1, V]:
+    the accepted prefix plus one token from the target (a correction or a bonus)."""
+    if seq.params.greedy:
+        target = logits.argmax(-1).tolist()
+        out = []
+        for i, d in enumerate(draft):
+            if d != target[i]:
+                return out + [target[i]]
+            out.append(d)
+        return out + [target[len(draft)]]
+    p = sampler.probabilities(logits, [seq] * logits.shape[0])
+    out = []
+    for i, d in enumerate(draft):
+        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
+        p_d = float(p[i, d])
+        u = float(torch.rand((), generator=seq.generator))
+        if u * q_d <= p_d:
+            out.append(d)
+            continue
+        if draft_probs is None:
+            residual = p[i].clone()
+            residual[d] = 0.0
+        else:
+            residual = (p[i] - draft_probs[i]).clamp(min=0.0)
+        total = float(residual.sum())
+        residual = p[i] if total <= 0 else residual / total
+        return out + [sampler.draw(residual, seq.generator)]
+    return out + [sampler.draw(p[len(draft)], seq.generator)]
+
+
+def check_same_vocabulary(target_config, target_tok, draft_config, draft_tok, name) -> None:
+    """A draft must speak the target's tokens, id for id."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"draft_model {name!r} has a vocabulary of {draft_config.vocab_size} tokens; the target's has "
+            f"{target_config.vocab_size}: a draft must use the target's tokenizer"
+        )
+    if target_tok is not None and draft_tok is not None:
+        a, b = target_tok.backend.get_vocab(), draft_tok.backend.get_vocab()
+        if a != b:
+            differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+            raise ValueError(f"draft_model {name!r} uses a different tokenizer from the target (e.g. {differ})")
