@@ -45,6 +45,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")
 
 
+def _jupyter_server_extension_points():  # the Jupyter server extension (REST + websocket)
+    return [{"module": "workbench.jupyter_server"}]
+
+
+def _jupyter_labextension_paths():  # `jupyter labextension develop` of the built extension
+    return [{"src": "labextension", "dest": "serving-workbench"}]
+
+
 def load_ipython_extension(ipython):  # `%load_ext workbench`
     from .jupyter.magics import load_ipython_extension as load
 

@@ -1,0 +1,476 @@
+/**
+ * The left-sidebar panel: engine picker, start/stop, model/device/uptime, live numbers, a control
+ * for every setting that can change without a restart (built from the server's settings schema,
+ * validated by the engine) and a compact live timeline.
+ */
+import { Widget } from '@lumino/widgets';
+
+import { EngineConnection, ISettingSchema, WorkbenchAPI, WorkbenchError } from './api';
+import { formatUptime, IChange, liveNumbers } from './model';
+import { TimelineView } from './timeline';
+
+const KIND_TITLES: Record<string, string> = {
+  live: 'Live settings (next step)',
+  relayout: 'Re-layout (no restart)',
+  reload: 'Reload (no restart)',
+  restart: 'Fixed at start (restart to change)'
+};
+
+const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks'>, string, string]> = [
+  ['tokS', 'tok/s', 'output tokens per second (last 10 s)'],
+  ['queue', 'queue', 'requests waiting'],
+  ['running', 'running', 'requests in the batch'],
+  ['kv', 'KV use', 'KV cache blocks in use'],
+  ['hitRate', 'prefix hit', 'prompt tokens served from the prefix cache'],
+  ['acceptance', 'spec accept', 'speculative tokens accepted'],
+  ['ttft', 'TTFT p50', 'time to first token, median of recent requests'],
+  ['itl', 'ITL p50', 'inter-token latency, median']
+];
+
+function el<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  cls?: string,
+  text?: string
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  if (cls) {
+    node.className = cls;
+  }
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+/** Turn a control's value into the setting's type (the engine still validates it). */
+export function controlValue(spec: ISettingSchema, input: HTMLInputElement | HTMLSelectElement): any {
+  if (spec.type === 'bool') {
+    return (input as HTMLInputElement).checked;
+  }
+  const raw = input.value;
+  if (spec.allow_none && (raw === '' || raw === '__none__')) {
+    return null;
+  }
+  if (spec.type === 'int') {
+    return raw.trim() === '' ? raw : Number(raw);
+  }
+  if (spec.type === 'enum' && spec.values) {
+    const hit = spec.values.find(v => String(v) === raw);
+    return hit === undefined ? raw : hit;
+  }
+  return raw;
+}
+
+export class WorkbenchPanel extends Widget {
+  constructor(
+    readonly api: WorkbenchAPI,
+    readonly openTimeline: (engine: string | null) => void
+  ) {
+    super();
+    this.id = 'serving-workbench-panel';
+    this.addClass('wb-Panel');
+    this.title.caption = 'Serving Workbench';
+    this._build();
+    void this.refresh();
+    this._poll = setInterval(() => {
+      if (this.isVisible) {
+        void this.refresh(true);
+      }
+      this._tickUptime();
+    }, 3000);
+  }
+
+  private _engine: string | null = null;
+  private _conn: EngineConnection | null = null;
+  private _schema: ISettingSchema[] = [];
+  private _controls = new Map<string, { spec: ISettingSchema; input: HTMLInputElement | HTMLSelectElement; error: HTMLElement }>();
+  private _poll: any;
+  private _uptimeBase: { value: number; at: number } | null = null;
+  private _picker!: HTMLSelectElement;
+  private _message!: HTMLElement;
+  private _info!: HTMLElement;
+  private _numbers = new Map<string, HTMLElement>();
+  private _settingsBox!: HTMLElement;
+  private _timeline!: TimelineView;
+  private _stopButton!: HTMLButtonElement;
+  private _startName!: HTMLInputElement;
+  private _startModel!: HTMLInputElement;
+  private _startButton!: HTMLButtonElement;
+
+  get engine(): string | null {
+    return this._engine;
+  }
+
+  get timeline(): TimelineView {
+    return this._timeline;
+  }
+
+  private _build(): void {
+    const root = this.node;
+    root.appendChild(el('h2', 'wb-Panel-title', 'Serving Workbench'));
+
+    const pickRow = el('div', 'wb-Row');
+    this._picker = el('select', 'wb-EnginePicker jp-mod-styled');
+    this._picker.title = 'running engines';
+    this._picker.onchange = () => this.selectEngine(this._picker.value || null);
+    const refresh = el('button', 'wb-Button jp-mod-styled', '↻');
+    refresh.title = 'refresh the engine list';
+    refresh.onclick = () => void this.refresh();
+    this._stopButton = el('button', 'wb-Button wb-StopButton jp-mod-styled jp-mod-warn', 'Stop');
+    this._stopButton.title = 'stop this engine';
+    this._stopButton.onclick = () => void this._stop();
+    pickRow.append(this._picker, refresh, this._stopButton);
+    root.appendChild(pickRow);
+
+    const startRow = el('div', 'wb-Row wb-StartRow');
+    this._startName = el('input', 'wb-StartName jp-mod-styled');
+    this._startName.placeholder = 'name';
+    this._startModel = el('input', 'wb-StartModel jp-mod-styled');
+    this._startModel.placeholder = 'model (empty: embedded default)';
+    this._startButton = el('button', 'wb-Button wb-StartButton jp-mod-styled jp-mod-accept', 'Start');
+    this._startButton.onclick = () => void this._start();
+    startRow.append(this._startName, this._startModel, this._startButton);
+    root.appendChild(startRow);
+
+    this._message = el('div', 'wb-Message');
+    root.appendChild(this._message);
+
+    this._info = el('div', 'wb-Info');
+    root.appendChild(this._info);
+
+    const numbers = el('div', 'wb-Numbers');
+    for (const [key, label, help] of NUMBERS) {
+      const cell = el('div', 'wb-Number');
+      cell.title = help;
+      const value = el('div', 'wb-Number-value', '–');
+      value.dataset.metric = key;
+      cell.append(value, el('div', 'wb-Number-label', label));
+      numbers.appendChild(cell);
+      this._numbers.set(key, value);
+    }
+    root.appendChild(numbers);
+
+    this._settingsBox = el('div', 'wb-Settings');
+    root.appendChild(this._settingsBox);
+
+    const tlHead = el('div', 'wb-Row wb-TimelineHead');
+    tlHead.appendChild(el('span', 'wb-Section', 'Timeline'));
+    const open = el('button', 'wb-Button wb-OpenTimeline jp-mod-styled', 'Open in main area');
+    open.onclick = () => this.openTimeline(this._engine);
+    tlHead.appendChild(open);
+    root.appendChild(tlHead);
+    this._timeline = new TimelineView(this.api, null, {
+      rate: 5,
+      stepsHeight: 110,
+      lanesHeight: 150,
+      window: 30,
+      toolbar: false,
+      rollover: 2000,
+      maxRequests: 64
+    });
+    this._timeline.addClass('wb-Panel-timeline');
+    root.appendChild(this._timeline.node);
+  }
+
+  /** Reload the engine list (and the schema the first time). */
+  async refresh(quiet = false): Promise<void> {
+    try {
+      if (!this._schema.length) {
+        this._schema = await this.api.schema();
+        this._buildControls();
+      }
+      const engines = await this.api.listEngines();
+      const names = engines.map(e => e.name);
+      const picker = this._picker;
+      const current = this._engine;
+      const same = names.join('\n') === [...picker.options].map(o => o.value).join('\n');
+      if (!same) {
+        picker.innerHTML = '';
+        if (!names.length) {
+          const opt = el('option', undefined, 'no engine running');
+          opt.value = '';
+          picker.appendChild(opt);
+        }
+        for (const e of engines) {
+          const opt = el('option', undefined, e.model ? `${e.name} (${e.model})` : e.name);
+          opt.value = e.name;
+          picker.appendChild(opt);
+        }
+      }
+      if (current && names.includes(current)) {
+        picker.value = current;
+      } else if (names.length) {
+        if (!current || this._conn?.state.state === 'stopped' || this._conn?.state.state === 'dead') {
+          this.selectEngine(names[0]);
+        }
+      } else if (current && (this._conn?.state.state === 'stopped' || this._conn?.state.state === 'dead')) {
+        this.selectEngine(null);
+      }
+      if (!quiet) {
+        this._say('');
+      }
+    } catch (err: any) {
+      if (!quiet) {
+        this._say(`could not reach the server extension: ${err.message ?? err}`, true);
+      }
+    }
+  }
+
+  selectEngine(name: string | null): void {
+    if (name === this._engine && this._conn && !this._conn.isDisposed) {
+      return;
+    }
+    if (this._conn) {
+      this._conn.changed.disconnect(this._onChange, this);
+      this._conn.dispose();
+      this._conn = null;
+    }
+    this._engine = name;
+    this.node.dataset.engine = name ?? '';
+    this._picker.value = name ?? '';
+    this._stopButton.disabled = !name;
+    if (name) {
+      // one socket feeds the numbers, the controls and the compact timeline
+      this._conn = new EngineConnection(this.api, name, 5);
+      this._conn.changed.connect(this._onChange, this);
+    }
+    this._timeline.setEngine(name, this._conn);
+    this._renderInfo();
+  }
+
+  private _onChange(conn: EngineConnection, change: IChange): void {
+    if (conn !== this._conn) {
+      return;
+    }
+    const st = conn.state;
+    if (change.snapshot || change.stateChanged) {
+      this._uptimeBase =
+        typeof st.status.uptime_s === 'number' ? { value: st.status.uptime_s, at: Date.now() } : null;
+      this._renderInfo();
+    }
+    if (change.metricsChanged) {
+      const nums = liveNumbers(st.metrics);
+      for (const [key, node] of this._numbers) {
+        node.textContent = (nums as any)[key];
+      }
+      const kv = this._numbers.get('kv');
+      if (kv && kv.parentElement) {
+        kv.parentElement.title = `KV cache blocks in use${nums.kvBlocks ? `: ${nums.kvBlocks}` : ''}`;
+      }
+    }
+    if (change.settingsChanged.length) {
+      this._syncControls(change.settingsChanged);
+    }
+    if (change.error) {
+      this._say(change.error, true);
+    }
+  }
+
+  private _renderInfo(): void {
+    const st = this._conn?.state;
+    const info = this._info;
+    info.innerHTML = '';
+    if (!this._engine || !st) {
+      info.appendChild(el('div', 'wb-Dim', 'No engine selected. Start one here, with %engine start in a notebook, or `workbench serve`.'));
+      return;
+    }
+    const s = st.status;
+    const rows: Array<[string, string]> = [
+      ['state', st.state + (st.stateReason ? ` (${st.stateReason})` : '')],
+      ['model', String(s.model ?? '–')],
+      ['device', `${s.device ?? '–'}${s.dtype ? ` · ${s.dtype}` : ''}`],
+      ['uptime', formatUptime(this._uptime())],
+      ['pid', String(s.pid ?? '–')]
+    ];
+    const table = el('table', 'wb-InfoTable');
+    for (const [k, v] of rows) {
+      const tr = el('tr');
+      tr.append(el('th', undefined, k), el('td', `wb-Info-${k}`, v));
+      table.appendChild(tr);
+    }
+    info.appendChild(table);
+    this.node.dataset.state = st.state;
+  }
+
+  private _uptime(): number | null {
+    if (!this._uptimeBase) {
+      return null;
+    }
+    const alive = this._conn && this._conn.state.state === 'ready';
+    return this._uptimeBase.value + (alive ? (Date.now() - this._uptimeBase.at) / 1000 : 0);
+  }
+
+  private _tickUptime(): void {
+    const cell = this._info.querySelector('.wb-Info-uptime');
+    if (cell) {
+      cell.textContent = formatUptime(this._uptime());
+    }
+  }
+
+  /** One control per setting, grouped by kind; restart-only ones are shown read-only. */
+  private _buildControls(): void {
+    const box = this._settingsBox;
+    box.innerHTML = '';
+    this._controls.clear();
+    for (const kind of ['live', 'relayout', 'reload', 'restart']) {
+      const specs = this._schema.filter(s => s.kind === kind);
+      if (!specs.length) {
+        continue;
+      }
+      const section = el('details', `wb-SettingsGroup wb-kind-${kind}`);
+      section.open = kind === 'live';
+      section.appendChild(el('summary', 'wb-Section', KIND_TITLES[kind] ?? kind));
+      for (const spec of specs) {
+        section.appendChild(this._control(spec, kind === 'restart'));
+      }
+      box.appendChild(section);
+    }
+  }
+
+  private _control(spec: ISettingSchema, readOnly: boolean): HTMLElement {
+    const row = el('div', 'wb-Setting');
+    row.dataset.setting = spec.name;
+    row.title = spec.help;
+    const label = el('label', 'wb-Setting-label', spec.name);
+    let input: HTMLInputElement | HTMLSelectElement;
+    if (spec.type === 'bool') {
+      input = el('input', 'wb-Setting-input');
+      input.type = 'checkbox';
+    } else if (spec.type === 'enum' && spec.values) {
+      input = el('select', 'wb-Setting-input jp-mod-styled');
+      for (const v of spec.values) {
+        const opt = el('option', undefined, String(v));
+        opt.value = String(v);
+        input.appendChild(opt);
+      }
+    } else {
+      input = el('input', 'wb-Setting-input jp-mod-styled');
+      if (spec.type === 'int') {
+        input.type = 'number';
+        input.step = '1';
+        if (typeof spec.min === 'number') {
+          input.min = String(spec.min);
+        }
+        if (typeof spec.max === 'number') {
+          input.max = String(spec.max);
+        }
+      } else {
+        input.type = 'text';
+      }
+      if (spec.allow_none) {
+        input.placeholder = 'None';
+      }
+    }
+    input.name = spec.name;
+    input.disabled = readOnly;
+    const error = el('div', 'wb-Setting-error');
+    if (!readOnly) {
+      input.addEventListener('change', () => void this._apply(spec, input, error));
+    }
+    row.append(label, input, error);
+    this._controls.set(spec.name, { spec, input, error });
+    return row;
+  }
+
+  private _syncControls(names: string[]): void {
+    const settings = this._conn?.state.settings ?? {};
+    for (const name of names) {
+      const c = this._controls.get(name);
+      if (!c || !(name in settings) || document.activeElement === c.input) {
+        continue;
+      }
+      this._show(c.spec, c.input, settings[name]);
+    }
+  }
+
+  private _show(spec: ISettingSchema, input: HTMLInputElement | HTMLSelectElement, value: any): void {
+    if (spec.type === 'bool') {
+      (input as HTMLInputElement).checked = Boolean(value);
+    } else {
+      input.value = value === null || value === undefined ? '' : String(value);
+    }
+  }
+
+  private async _apply(spec: ISettingSchema, input: HTMLInputElement | HTMLSelectElement, error: HTMLElement): Promise<void> {
+    const name = this._engine;
+    if (!name) {
+      return;
+    }
+    const value = controlValue(spec, input);
+    error.textContent = '';
+    input.classList.remove('wb-invalid');
+    input.classList.add('wb-pending');
+    try {
+      const settings = await this.api.configure(name, { [spec.name]: value });
+      if (this._conn && this._conn.name === name) {
+        this._conn.state.settings = { ...this._conn.state.settings, ...settings };
+      }
+      this._show(spec, input, settings[spec.name]);
+      this._say(`${spec.name} = ${JSON.stringify(settings[spec.name])}`);
+    } catch (err: any) {
+      const message = err instanceof WorkbenchError ? err.message : String(err.message ?? err);
+      error.textContent = message;
+      input.classList.add('wb-invalid');
+      const current = this._conn?.state.settings?.[spec.name];
+      if (current !== undefined) {
+        this._show(spec, input, current);
+      }
+    } finally {
+      input.classList.remove('wb-pending');
+    }
+  }
+
+  private async _start(): Promise<void> {
+    const name = this._startName.value.trim() || undefined;
+    const model = this._startModel.value.trim() || null;
+    this._startButton.disabled = true;
+    this._say(`starting ${name ?? 'an engine'}… (loading the model)`);
+    try {
+      const res = await this.api.start({ name, model });
+      this._say(`started ${res.name}`);
+      await this.refresh(true);
+      this.selectEngine(res.name);
+    } catch (err: any) {
+      this._say(`could not start: ${err.message ?? err}`, true);
+    } finally {
+      this._startButton.disabled = false;
+    }
+  }
+
+  private async _stop(): Promise<void> {
+    const name = this._engine;
+    if (!name) {
+      return;
+    }
+    this._stopButton.disabled = true;
+    this._say(`stopping ${name}…`);
+    try {
+      await this.api.stop(name);
+      this._say(`stopped ${name}`);
+    } catch (err: any) {
+      this._say(`could not stop ${name}: ${err.message ?? err}`, true);
+    } finally {
+      this._stopButton.disabled = false;
+      await this.refresh(true);
+      if (this._engine === name) {
+        this.selectEngine(null);
+        await this.refresh(true);
+      }
+    }
+  }
+
+  private _say(text: string, isError = false): void {
+    this._message.textContent = text;
+    this._message.classList.toggle('wb-error', isError);
+  }
+
+  dispose(): void {
+    if (this.isDisposed) {
+      return;
+    }
+    clearInterval(this._poll);
+    this._conn?.dispose();
+    this._timeline.dispose();
+    super.dispose();
+  }
+}

@@ -1,0 +1,223 @@
+import {
+  EngineState,
+  IDeltaMessage,
+  IRequestEvent,
+  ISnapshotMessage,
+  IStepEvent,
+  formatUptime,
+  liveNumbers,
+  requestColumns,
+  requestSpans,
+  spanCounts,
+  stepColumns
+} from '../src/model';
+
+function step(seq: number, start: number, phase: string, extra: Partial<IStepEvent> = {}): IStepEvent {
+  return { seq, start, end: start + 0.01, phase, ...extra };
+}
+
+function rev(seq: number, time: number, id: string, kind: string, detail?: string): IRequestEvent {
+  return { seq, time, request_id: id, kind, detail };
+}
+
+function snapshot(over: Partial<ISnapshotMessage> = {}): ISnapshotMessage {
+  return {
+    type: 'snapshot',
+    engine: 'e',
+    status: { model: 'tiny', device: 'cpu', uptime_s: 3 },
+    settings: { max_num_seqs: 64, batching: 'continuous' },
+    metrics: { output_tok_s: 0 },
+    timeline: { steps: [], requests: [], cursor: 0 },
+    time: 100,
+    rate: 10,
+    ...over
+  };
+}
+
+describe('EngineState', () => {
+  it('starts from the snapshot', () => {
+    const st = new EngineState();
+    const ch = st.apply(
+      snapshot({
+        timeline: {
+          steps: [step(2, 100.0, 'prefill'), step(4, 100.02, 'decode')],
+          requests: [rev(1, 99.99, 'r1', 'arrived'), rev(3, 100.0, 'r1', 'scheduled')],
+          cursor: 4
+        }
+      })
+    );
+    expect(ch.snapshot).toBe(true);
+    expect(st.state).toBe('ready');
+    expect(st.cursor).toBe(4);
+    expect(st.steps.map(s => s.seq)).toEqual([2, 4]);
+    expect(st.origin).toBeCloseTo(99.99);
+    expect(st.requests.get('r1')!.scheduled).toBe(100.0);
+    expect(ch.settingsChanged.sort()).toEqual(['batching', 'max_num_seqs']);
+  });
+
+  it('ignores deltas before the snapshot and out of order', () => {
+    const st = new EngineState();
+    const d: IDeltaMessage = { type: 'delta', seq: 1, metrics: { output_tok_s: 5 } };
+    expect(st.apply(d).metricsChanged).toBe(false);
+    st.apply(snapshot());
+    expect(st.apply(d).metricsChanged).toBe(true);
+    expect(st.apply(d).metricsChanged).toBe(false); // same seq again
+    expect(st.ignored).toBe(2);
+  });
+
+  it('appends new timeline events once (dedupe by seq)', () => {
+    const st = new EngineState();
+    st.apply(snapshot({ timeline: { steps: [step(1, 100, 'prefill')], requests: [], cursor: 1 } }));
+    const ch = st.apply({
+      type: 'delta',
+      seq: 1,
+      timeline: { steps: [step(1, 100, 'prefill'), step(2, 100.1, 'decode')], requests: [], cursor: 2 }
+    });
+    expect(ch.newSteps.map(s => s.seq)).toEqual([2]);
+    expect(st.steps.length).toBe(2);
+    expect(st.cursor).toBe(2);
+  });
+
+  it('bounds the steps it keeps', () => {
+    const st = new EngineState({ maxSteps: 3 });
+    st.apply(snapshot());
+    st.apply({
+      type: 'delta',
+      seq: 1,
+      timeline: { steps: [1, 2, 3, 4, 5].map(i => step(i, 100 + i, 'decode')), requests: [], cursor: 5 }
+    });
+    expect(st.steps.map(s => s.seq)).toEqual([3, 4, 5]);
+  });
+
+  it('merges settings and reports what changed', () => {
+    const st = new EngineState();
+    st.apply(snapshot());
+    const ch = st.apply({
+      type: 'delta',
+      seq: 1,
+      settings: { max_num_seqs: 8, batching: 'continuous' },
+      changes: { max_num_seqs: 8 }
+    });
+    expect(st.settings.max_num_seqs).toBe(8);
+    expect(ch.settingsChanged).toEqual(['max_num_seqs']);
+  });
+
+  it('tracks the engine state and dropped counts', () => {
+    const st = new EngineState();
+    st.apply(snapshot());
+    const ch = st.apply({ type: 'delta', seq: 1, engine: { state: 'stopped' }, dropped: 7 });
+    expect(ch.stateChanged).toBe(true);
+    expect(st.state).toBe('stopped');
+    expect(st.dropped).toBe(7);
+  });
+
+  it('a new snapshot replaces everything', () => {
+    const st = new EngineState();
+    st.apply(snapshot({ timeline: { steps: [step(5, 100, 'decode')], requests: [], cursor: 5 } }));
+    st.apply(snapshot({ timeline: { steps: [], requests: [], cursor: 9 }, time: 200 }));
+    expect(st.steps).toEqual([]);
+    expect(st.cursor).toBe(9);
+    expect(st.origin).toBe(200);
+  });
+
+  it('passes errors through', () => {
+    const st = new EngineState();
+    expect(st.apply({ type: 'error', message: 'boom' }).error).toBe('boom');
+  });
+});
+
+describe('request lanes and spans', () => {
+  it('gives concurrent requests their own lanes and reuses free ones', () => {
+    const st = new EngineState();
+    st.apply(snapshot());
+    st.apply({
+      type: 'delta',
+      seq: 1,
+      timeline: {
+        steps: [],
+        requests: [
+          rev(1, 100, 'a', 'arrived'),
+          rev(2, 100, 'b', 'arrived'),
+          rev(3, 101, 'a', 'finished', 'stop'),
+          rev(4, 102, 'c', 'arrived')
+        ],
+        cursor: 4
+      }
+    });
+    expect(st.requests.get('a')!.lane).toBe(0);
+    expect(st.requests.get('b')!.lane).toBe(1);
+    expect(st.requests.get('c')!.lane).toBe(0);
+    expect(st.activeRequests).toBe(2);
+  });
+
+  it('cuts queued / prefill / decode spans, open ones end now', () => {
+    const info = { id: 'r', lane: 0, order: 0, preemptions: 0, lastTime: 3, arrived: 1, scheduled: 2, first_token: 3 };
+    const spans = requestSpans(info, 5);
+    expect(spans.map(s => [s.kind, s.start, s.end, s.open])).toEqual([
+      ['queued', 1, 2, false],
+      ['prefill', 2, 3, false],
+      ['decode', 3, 5, true]
+    ]);
+    const aborted = requestSpans({ ...info, first_token: undefined, finished: 2.5 }, 9);
+    expect(aborted.map(s => s.kind)).toEqual(['queued']);
+  });
+
+  it('builds chart columns relative to the origin and counts spans', () => {
+    const st = new EngineState();
+    st.apply(
+      snapshot({
+        timeline: {
+          steps: [step(2, 10.5, 'prefill', { num_prefill_tokens: 7, batch: [['r', 7, 'prefill']] }), step(4, 10.6, 'decode')],
+          requests: [
+            rev(1, 10.0, 'r', 'arrived'),
+            rev(3, 10.5, 'r', 'scheduled'),
+            rev(5, 10.6, 'r', 'first_token'),
+            rev(6, 11.0, 'r', 'finished', 'length')
+          ],
+          cursor: 6
+        }
+      })
+    );
+    const sc = stepColumns(st, st.steps);
+    expect(sc.left[0]).toBeCloseTo(0.5);
+    expect(sc.phase).toEqual(['prefill', 'decode']);
+    expect(sc.tokens[0]).toBe(7);
+    expect(sc.batch[0]).toBe(1);
+    const rc = requestColumns(st);
+    expect(rc.kind).toEqual(['queued', 'prefill', 'decode']);
+    expect(rc.left[0]).toBeCloseTo(0);
+    expect(rc.right[2]).toBeCloseTo(1.0);
+    const counts = spanCounts(st);
+    expect(counts.steps.prefill).toBe(1);
+    expect(counts.steps.decode).toBe(1);
+    expect(counts.spans).toEqual({ queued: 1, prefill: 1, decode: 1 });
+  });
+});
+
+describe('formatting', () => {
+  it('formats live numbers', () => {
+    const n = liveNumbers({
+      output_tok_s: 123.456,
+      num_waiting: 3,
+      num_running: 2,
+      kv_usage: 0.25,
+      kv_blocks_used: 8,
+      kv_blocks_total: 32,
+      prefix_hit_rate: 0.5,
+      spec_acceptance_rate: 0
+    });
+    expect(n.tokS).toBe('123.5');
+    expect(n.queue).toBe('3');
+    expect(n.kv).toBe('25.0%');
+    expect(n.kvBlocks).toBe('8 / 32 blocks');
+    expect(n.hitRate).toBe('50.0%');
+    expect(n.acceptance).toBe('0.0%');
+    expect(liveNumbers({}).tokS).toBe('–');
+  });
+  it('formats uptime', () => {
+    expect(formatUptime(5)).toBe('5s');
+    expect(formatUptime(65)).toBe('1m 05s');
+    expect(formatUptime(3725)).toBe('1h 02m');
+    expect(formatUptime(undefined)).toBe('–');
+  });
+});

@@ -1,0 +1,150 @@
+"""The lab websocket's coalescing on synthetic events: snapshot first, then rate-limited deltas."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from workbench.jupyter_server.coalesce import (
+    MAX_RATE_HZ,
+    MIN_RATE_HZ,
+    EventCoalescer,
+    clamp_rate,
+    trim_timeline,
+)
+from workbench.timeline import BatchEntry, RequestEvent, StepEvent, Timeline
+
+
+def tl(steps=(), requests=(), cursor=None) -> dict:
+    steps = [StepEvent(seq=s, start=float(s), end=s + 0.5, phase=p,
+                       batch=[BatchEntry("r", 1, "decode")]) for s, p in steps]
+    requests = [RequestEvent(seq=s, time=float(s), request_id=r, kind=k) for s, r, k in requests]
+    seqs = [s.seq for s in steps] + [r.seq for r in requests]
+    t = Timeline(steps=steps, requests=requests, cursor=cursor if cursor is not None else max(seqs, default=0))
+    return msgspec.to_builtins(t)
+
+
+def snap(c: EventCoalescer, timeline=None, now=0.0, **kw):
+    return c.snapshot(engine="e", status={"model": "m"}, settings={"max_num_seqs": 64},
+                      metrics={"output_tok_s": 0.0}, timeline=timeline or tl(), now=now, **kw)
+
+
+def test_timeline_structs_json_through_msgspec():
+    d = tl(steps=[(1, "prefill")], requests=[(2, "r", "arrived")])
+    assert d["steps"][0]["phase"] == "prefill"
+    assert d["steps"][0]["batch"] == [["r", 1, "decode"]]  # array_like entries
+    assert "num_prefill_tokens" not in d["steps"][0]  # defaults omitted
+    assert d["requests"][0]["kind"] == "arrived"
+    assert d["cursor"] == 2
+
+
+def test_nothing_before_the_snapshot():
+    c = EventCoalescer(10)
+    c.add("metrics", {"output_tok_s": 1.0}, 1.0)
+    assert not c.due(100.0)
+    assert c.flush(100.0, force=True) is None
+
+
+def test_snapshot_first_then_deltas_without_duplicates():
+    c = EventCoalescer(10)
+    # subscribed before the snapshot was read: events 1-3 are in the snapshot, 4-5 are not
+    c.add("timeline", tl(steps=[(1, "prefill"), (3, "decode")], requests=[(2, "r", "arrived")]), 3.0)
+    c.add("timeline", tl(steps=[(4, "decode")], requests=[(5, "r", "finished")]), 5.0)
+    s = snap(c, tl(steps=[(1, "prefill"), (3, "decode")], requests=[(2, "r", "arrived")]), now=0.0)
+    assert s["type"] == "snapshot" and s["timeline"]["cursor"] == 3
+    assert s["settings"] == {"max_num_seqs": 64} and s["rate"] == 10
+    d = c.flush(0.1)
+    assert d["type"] == "delta"
+    assert [x["seq"] for x in d["timeline"]["steps"]] == [4]
+    assert [x["seq"] for x in d["timeline"]["requests"]] == [5]
+    assert d["timeline"]["cursor"] == 5
+    # an event repeating what was sent is dropped
+    c.add("timeline", tl(steps=[(4, "decode")]), 5.0)
+    assert c.flush(1.0) is None
+
+
+def test_rate_limit_coalesces_events():
+    c = EventCoalescer(rate_hz=2)  # one delta per 0.5 s
+    snap(c, now=0.0)
+    for i in range(1, 11):
+        c.add("timeline", tl(steps=[(i, "decode")]), float(i))
+        c.add("metrics", {"output_tok_s": float(i)}, float(i))
+    assert not c.due(0.3)
+    assert c.flush(0.3) is None
+    assert c.next_flush_in(0.3) == pytest.approx(0.2)
+    d = c.flush(0.5)
+    assert len(d["timeline"]["steps"]) == 10
+    assert d["metrics"] == {"output_tok_s": 10.0}  # the latest wins
+    assert c.flush(0.6) is None  # nothing pending
+    c.add("metrics", {"output_tok_s": 11.0}, 11.0)
+    assert c.flush(0.7) is None and c.flush(1.0) is not None
+
+
+def test_settings_keep_latest_and_union_of_changes():
+    c = EventCoalescer(10)
+    snap(c)
+    c.add("settings", {"changes": {"max_num_seqs": 8}, "settings": {"max_num_seqs": 8, "batching": "continuous"}})
+    c.add("settings", {"changes": {"batching": "static"}, "settings": {"max_num_seqs": 8, "batching": "static"}})
+    d = c.flush(1.0)
+    assert d["settings"] == {"max_num_seqs": 8, "batching": "static"}
+    assert d["changes"] == {"max_num_seqs": 8, "batching": "static"}
+    assert "timeline" not in d and "metrics" not in d
+
+
+def test_engine_stop_is_sent_at_once_and_relayout_kept_in_order():
+    c = EventCoalescer(rate_hz=MIN_RATE_HZ)
+    snap(c, now=0.0)
+    c.add("relayout", {"setting": "quantization", "value": "int8", "state": "started"})
+    c.add("relayout", {"setting": "quantization", "value": "int8", "state": "done"})
+    c.add("engine", {"state": "stopped"})
+    assert c.due(0.01)  # well inside the 5 s interval
+    d = c.flush(0.01)
+    assert d["engine"]["state"] == "stopped"
+    assert [r["state"] for r in d["relayout"]] == ["started", "done"]
+
+
+def test_dead_engine_marked():
+    c = EventCoalescer(10)
+    snap(c)
+    c.mark_dead("gone")
+    d = c.flush(0.0)
+    assert d["engine"] == {"state": "dead", "reason": "gone"}
+
+
+def test_cap_drops_oldest_and_counts():
+    c = EventCoalescer(10, max_steps=3)
+    snap(c)
+    c.add("timeline", tl(steps=[(i, "decode") for i in range(1, 8)]))
+    d = c.flush(1.0)
+    assert [s["seq"] for s in d["timeline"]["steps"]] == [5, 6, 7]
+    assert d["dropped"] == 4
+    assert d["timeline"]["cursor"] == 7
+
+
+def test_snapshot_is_trimmed_to_the_newest():
+    c = EventCoalescer(10)
+    s = snap(c, tl(steps=[(i, "decode") for i in range(1, 101)]), max_steps=10)
+    assert [x["seq"] for x in s["timeline"]["steps"]] == list(range(91, 101))
+    assert s["timeline"]["cursor"] == 100
+    out, cut = trim_timeline(tl(requests=[(i, "r", "arrived") for i in range(1, 6)]), 10, 2)
+    assert [r["seq"] for r in out["requests"]] == [4, 5] and cut == 3
+
+
+def test_unknown_kinds_are_not_relayed():
+    c = EventCoalescer(10)
+    snap(c)
+    c.add("sync", {"token": "x"})
+    assert not c.pending()
+
+
+@pytest.mark.parametrize("given,expected", [
+    (5, 5.0), ("20", 20.0), ("x", 10.0), (None, 10.0), (0, MIN_RATE_HZ), (1e6, MAX_RATE_HZ), (float("nan"), 10.0),
+])
+def test_clamp_rate(given, expected):
+    assert clamp_rate(given) == expected
+
+
+def test_set_rate_changes_interval():
+    c = EventCoalescer(10)
+    assert c.set_rate(4) == 4.0 and c.interval == 0.25
+    assert c.set_rate("bogus") == 4.0

@@ -1,0 +1,313 @@
+"""The Jupyter server extension against a real engine process (a tiny random Llama).
+
+pytest-jupyter runs a Jupyter server in-process under the base URL ``/a%40b/`` (so every URL
+is checked under a prefix, as with JupyterHub); `jp_fetch` / `jp_ws_fetch` send the server's token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import pytest
+import tornado.httpclient
+import tornado.websocket
+
+from workbench.ipc import connection as conn
+from workbench.ipc.client import start_engine
+from workbench.sampling_params import SamplingParams
+from workbench.settings import schema, setting_names
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+ENGINE_KW = dict(dtype="float32", num_kv_blocks=64, timeout=120)
+PROMPT = [[5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lab-rt")
+    old = os.environ.get(conn.ENV_RUNTIME_DIR)
+    os.environ[conn.ENV_RUNTIME_DIR] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop(conn.ENV_RUNTIME_DIR, None)
+    else:
+        os.environ[conn.ENV_RUNTIME_DIR] = old
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, runtime_dir):
+    eng = start_engine(str(tiny_llama[0]), name="lab", **ENGINE_KW)
+    yield eng
+    try:
+        eng.shutdown(timeout=20)
+    finally:
+        if eng.process is not None and eng.process.poll() is None:
+            eng.process.kill()
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"workbench": True}}}
+
+
+@pytest.fixture
+def hub(jp_serverapp):
+    hub = jp_serverapp.web_app.settings["workbench_hub"]
+    yield hub
+    hub.close(stop_started=True)  # whatever the test did, no client or spawned engine outlives it
+
+
+async def fetch_json(jp_fetch, *parts, **kw):
+    r = await jp_fetch("workbench", "api", *parts, **kw)
+    return json.loads(r.body)
+
+
+async def fetch_error(jp_fetch, *parts, **kw):
+    with pytest.raises(tornado.httpclient.HTTPClientError) as e:
+        await jp_fetch("workbench", "api", *parts, **kw)
+    return e.value.code, json.loads(e.value.response.body)
+
+
+async def ws_messages(ws, until, timeout=30.0):
+    """Messages from the websocket up to the first one `until(msg)` accepts."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"timed out; got {[m.get('type') for m in seen]}")
+        raw = await asyncio.wait_for(ws.read_message(), left)
+        assert raw is not None, "websocket closed"
+        msg = json.loads(raw)
+        seen.append(msg)
+        if until(msg, seen):
+            return seen
+
+
+async def generate(engine, n=12):
+    return await engine.agenerate(prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=n, temperature=0))
+
+
+# -- REST -----------------------------------------------------------------------------------------
+async def test_schema_is_the_settings_schema(jp_fetch, hub):
+    data = await fetch_json(jp_fetch, "schema")
+    assert [s["name"] for s in data["settings"]] == setting_names()
+    assert data["settings"] == json.loads(json.dumps(schema()))
+    kinds = {s["name"]: s["kind"] for s in data["settings"]}
+    assert kinds["max_num_seqs"] == "live" and kinds["quantization"] == "relayout" and kinds["dtype"] == "restart"
+
+
+async def test_list_and_status(jp_fetch, hub, engine):
+    data = await fetch_json(jp_fetch, "engines")
+    names = {e["name"]: e for e in data["engines"]}
+    assert names["lab"]["pid"] == engine.pid
+    assert not names["lab"]["started_here"]
+    info = await fetch_json(jp_fetch, "engines", "lab")
+    for key in ("pid", "model", "device", "uptime_s"):
+        assert key in info["status"]
+    assert info["settings"]["max_num_seqs"] == engine.settings()["max_num_seqs"]
+    assert "output_tok_s" in info["metrics"]
+
+
+async def test_set_settings_reaches_the_engine(jp_fetch, hub, engine):
+    before = engine.settings()["max_num_seqs"]
+    try:
+        data = await fetch_json(jp_fetch, "engines", "lab", "settings", method="PATCH",
+                                body=json.dumps({"max_num_seqs": 7, "prefix_caching": False}))
+        assert data["settings"]["max_num_seqs"] == 7
+        assert engine.settings()["max_num_seqs"] == 7
+        assert engine.settings()["prefix_caching"] is False
+        got = await fetch_json(jp_fetch, "engines", "lab", "settings")
+        assert got["settings"]["max_num_seqs"] == 7
+    finally:
+        engine.configure(max_num_seqs=before, prefix_caching=True)
+
+
+@pytest.mark.parametrize("changes", [{"max_num_seqs": 0}, {"batching": "fastest"}, {"no_such_setting": 1},
+                                     {"kv_cache": "yes"}])
+async def test_engine_errors_pass_through(jp_fetch, hub, engine, changes):
+    with pytest.raises((ValueError, TypeError)) as direct:
+        engine.configure(**changes)
+    code, body = await fetch_error(jp_fetch, "engines", "lab", "settings", method="PATCH",
+                                   body=json.dumps(changes))
+    assert code == 400
+    assert body["message"] == str(direct.value)  # the engine's own words
+    assert body["type"] == type(direct.value).__name__
+
+
+async def test_bad_requests(jp_fetch, hub, engine):
+    code, body = await fetch_error(jp_fetch, "engines", "nobody", "settings")
+    assert code == 404 and "nobody" in body["message"]
+    code, body = await fetch_error(jp_fetch, "engines", "lab", "settings", method="PATCH", body="{not json")
+    assert code == 400
+    code, body = await fetch_error(jp_fetch, "engines", "lab", "timeline", params={"since": "x"})
+    assert code == 400
+
+
+async def test_timeline_route(jp_fetch, hub, engine):
+    first = await fetch_json(jp_fetch, "engines", "lab", "timeline")
+    await generate(engine, 6)
+    data = await fetch_json(jp_fetch, "engines", "lab", "timeline", params={"since": first["cursor"]})
+    assert data["cursor"] > first["cursor"]
+    assert {s["phase"] for s in data["steps"]} >= {"prefill", "decode"}
+    assert all(s["seq"] > first["cursor"] for s in data["steps"])
+    assert {r["kind"] for r in data["requests"]} >= {"arrived", "first_token", "finished"}
+
+
+async def test_bokeh_served_from_the_installed_package(jp_fetch, hub):
+    import bokeh
+
+    r = await jp_fetch("workbench", "static", "bokeh", "bokeh.min.js")
+    assert r.code == 200 and bokeh.__version__.encode() in r.body
+    info = await fetch_json(jp_fetch, "info")
+    assert info["bokeh"] == bokeh.__version__
+
+
+async def test_start_and_stop_an_engine(jp_fetch, hub, engine, tiny_llama):
+    code, body = await fetch_error(jp_fetch, "engines", method="POST",
+                                   body=json.dumps({"name": "spawned", "settings": {"batching": "fastest"}}))
+    assert code == 400 and "batching" in body["message"]
+    assert conn.live_engine("spawned") is None  # rejected before spawning
+    code, body = await fetch_error(jp_fetch, "engines", method="POST", body=json.dumps({"name": "lab"}))
+    assert code == 409  # the name is taken
+
+    data = await fetch_json(jp_fetch, "engines", method="POST", request_timeout=120, body=json.dumps(
+        {"name": "spawned", "model": str(tiny_llama[0]), "settings": {"dtype": "float32", "num_kv_blocks": 32}}))
+    assert data["name"] == "spawned"
+    pid = data["status"]["pid"]
+    listed = {e["name"]: e for e in (await fetch_json(jp_fetch, "engines"))["engines"]}
+    assert listed["spawned"]["started_here"] and listed["spawned"]["pid"] == pid
+    r = await jp_fetch("workbench", "api", "engines", "spawned", method="DELETE", request_timeout=60)
+    assert json.loads(r.body)["state"] == "stopped"
+    assert not conn.pid_alive(pid)
+    names = [e["name"] for e in (await fetch_json(jp_fetch, "engines"))["engines"]]
+    assert "spawned" not in names and "lab" in names
+
+
+# -- websocket ------------------------------------------------------------------------------------
+async def test_events_snapshot_then_deltas(jp_ws_fetch, hub, engine):
+    ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "20"})
+    try:
+        [snap] = await ws_messages(ws, lambda m, _: True)
+        assert snap["type"] == "snapshot" and snap["engine"] == "lab"
+        assert snap["settings"]["max_num_seqs"] == engine.settings()["max_num_seqs"]
+        assert snap["status"]["pid"] == engine.pid
+        cursor = snap["timeline"]["cursor"]
+
+        task = asyncio.ensure_future(generate(engine, 10))
+        phases, kinds, seqs = set(), set(), []
+
+        def done(msg, _):
+            assert msg["type"] == "delta"
+            for s in msg.get("timeline", {}).get("steps", []):
+                phases.add(s["phase"])
+                seqs.append(s["seq"])
+            for r in msg.get("timeline", {}).get("requests", []):
+                kinds.add(r["kind"])
+                seqs.append(r["seq"])
+            return {"prefill", "decode"} <= phases and "finished" in kinds
+
+        await ws_messages(ws, done)
+        await task
+        assert min(seqs) > cursor and len(seqs) == len(set(seqs))  # only new events, each once
+
+        # a settings change made elsewhere arrives as a delta
+        before = engine.settings()["max_num_seqs"]
+        engine.configure(max_num_seqs=5)
+        try:
+            msgs = await ws_messages(ws, lambda m, _: "max_num_seqs" in m.get("changes", {}))
+            assert msgs[-1]["settings"]["max_num_seqs"] == 5
+        finally:
+            engine.configure(max_num_seqs=before)
+        # metrics arrive about once a second
+        msgs = await ws_messages(ws, lambda m, _: "metrics" in m, timeout=5)
+        assert "kv_usage" in msgs[-1]["metrics"]
+    finally:
+        ws.close()
+
+
+async def test_events_are_coalesced_at_the_chosen_rate(jp_ws_fetch, hub, engine):
+    ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "2"})
+    try:
+        await ws_messages(ws, lambda m, _: m["type"] == "snapshot")
+        task = asyncio.ensure_future(generate(engine, 40))
+        times = []
+
+        def done(msg, _):
+            times.append(time.monotonic())
+            return any(r["kind"] == "finished" for r in msg.get("timeline", {}).get("requests", []))
+
+        msgs = await ws_messages(ws, done, timeout=60)
+        await task
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert all(g > 0.35 for g in gaps), gaps  # 2 Hz, with some scheduling slack
+        steps = sum(len(m.get("timeline", {}).get("steps", [])) for m in msgs)
+        assert steps >= 40 / 1 and steps > len(msgs)  # many steps per message
+        # the rate can be changed on the fly
+        ws.write_message(json.dumps({"rate": 50}))
+    finally:
+        ws.close()
+
+
+async def test_events_end_when_the_engine_stops(jp_fetch, jp_ws_fetch, hub, tiny_llama):
+    data = await fetch_json(jp_fetch, "engines", method="POST", request_timeout=120, body=json.dumps(
+        {"name": "short", "model": str(tiny_llama[0]), "settings": {"dtype": "float32", "num_kv_blocks": 16}}))
+    assert data["name"] == "short"
+    ws = await jp_ws_fetch("workbench", "api", "engines", "short", "events", params={"rate": "0.5"})
+    try:
+        await ws_messages(ws, lambda m, _: m["type"] == "snapshot")
+        await jp_fetch("workbench", "api", "engines", "short", method="DELETE", request_timeout=60)
+        t0 = time.monotonic()
+        msgs = await ws_messages(ws, lambda m, _: m.get("engine", {}).get("state") in ("stopped", "dead"))
+        assert time.monotonic() - t0 < 1.9  # not held back by the 0.5 Hz rate
+        assert msgs[-1]["type"] == "delta"
+        assert await asyncio.wait_for(ws.read_message(), 10) is None  # then the server closes it
+    finally:
+        ws.close()
+
+
+async def test_events_unknown_engine_refused(jp_ws_fetch, hub):
+    with pytest.raises(tornado.httpclient.HTTPClientError) as e:
+        await jp_ws_fetch("workbench", "api", "engines", "nobody", "events")
+    assert e.value.code == 404
+
+
+# -- authentication -------------------------------------------------------------------------------
+ROUTES = [
+    ("GET", "workbench/api/info", None),
+    ("GET", "workbench/api/schema", None),
+    ("GET", "workbench/api/engines", None),
+    ("POST", "workbench/api/engines", {"name": "x"}),
+    ("GET", "workbench/api/engines/lab", None),
+    ("DELETE", "workbench/api/engines/lab", None),
+    ("GET", "workbench/api/engines/lab/settings", None),
+    ("PATCH", "workbench/api/engines/lab/settings", {"max_num_seqs": 3}),
+    ("POST", "workbench/api/engines/lab/settings", {"max_num_seqs": 3}),
+    ("GET", "workbench/api/engines/lab/timeline", None),
+    ("GET", "workbench/static/bokeh/bokeh.min.js", None),
+]
+
+
+async def test_every_route_refused_without_a_token(jp_fetch, jp_ws_fetch, hub, engine):
+    before = engine.settings()
+    for method, path, body in ROUTES:
+        kw = {"body": json.dumps(body)} if body is not None else {}
+        if method in ("POST", "PATCH") and body is None:
+            kw["body"] = "{}"
+        for headers in ({"Authorization": ""}, {"Authorization": "token wrong"}):
+            with pytest.raises(tornado.httpclient.HTTPClientError) as e:
+                await jp_fetch(*path.split("/"), method=method, headers=headers, follow_redirects=False, **kw)
+            assert e.value.code in (401, 403), (method, path, e.value.code)
+    for headers in ({"Authorization": ""}, {"Authorization": "token wrong"}):
+        with pytest.raises(tornado.httpclient.HTTPClientError) as e:
+            await jp_ws_fetch("workbench", "api", "engines", "lab", "events", headers=headers)
+        assert e.value.code in (401, 403)
+    assert engine.settings() == before
+    assert conn.live_engine("lab") is not None  # the DELETE did nothing
+    # and the same routes answer with the token
+    r = await jp_fetch("workbench", "api", "engines", "lab", "settings")
+    assert r.code == 200

@@ -1,0 +1,198 @@
+"""Coalescing engine events for a browser: one snapshot first, then deltas at a chosen rate.
+
+Pure logic (no sockets, no clocks of its own) so it can be tested on synthetic events; the
+websocket handler feeds it events from the engine's subscription and asks it, on a timer, for the
+next message. Its TypeScript counterpart (`extension/src/model.ts`) applies the messages.
+
+Messages (JSON-ready dicts):
+
+- ``{"type": "snapshot", "engine", "status", "settings", "metrics", "timeline": {"steps",
+  "requests", "cursor"}, "time", "rate"}`` — always the first message.
+- ``{"type": "delta", "seq", "time", ["timeline"], ["settings", "changes"], ["metrics"],
+  ["relayout"], ["engine"], ["dropped"]}`` — only what changed since the previous message:
+  new step and request events (``seq`` above the last cursor sent, in order), the latest
+  effective settings (with the union of the changed names), the latest metrics, relayout
+  progress, and the engine's state ("ready" / "stopped" / "dead").
+
+Several events of one kind between two flushes collapse: timeline events concatenate (capped,
+oldest dropped first and counted in ``dropped``); settings and metrics keep the latest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MIN_RATE_HZ = 0.2
+MAX_RATE_HZ = 60.0
+DEFAULT_RATE_HZ = 10.0
+SNAPSHOT_STEPS = 3000  # steps in a snapshot (the newest)
+SNAPSHOT_REQUEST_EVENTS = 12000
+DELTA_STEPS = 5000  # most steps in one delta; older ones are dropped and counted
+DELTA_REQUEST_EVENTS = 20000
+
+
+def clamp_rate(rate: Any, default: float = DEFAULT_RATE_HZ) -> float:
+    """A flush rate in Hz from user input (a query argument or a websocket message)."""
+    try:
+        value = float(rate)
+    except (TypeError, ValueError):
+        return default
+    if value != value:  # NaN
+        return default
+    return min(MAX_RATE_HZ, max(MIN_RATE_HZ, value))
+
+
+def trim_timeline(timeline: dict[str, Any], max_steps: int, max_requests: int) -> tuple[dict[str, Any], int]:
+    """Keep the newest steps/request events; returns the trimmed timeline and how many were cut."""
+    steps = list(timeline.get("steps") or [])
+    requests = list(timeline.get("requests") or [])
+    cut = max(0, len(steps) - max_steps) + max(0, len(requests) - max_requests)
+    if len(steps) > max_steps:
+        steps = steps[len(steps) - max_steps:]
+    if len(requests) > max_requests:
+        requests = requests[len(requests) - max_requests:]
+    return {"steps": steps, "requests": requests, "cursor": int(timeline.get("cursor") or 0)}, cut
+
+
+class EventCoalescer:
+    """Per-connection state: what the browser has been sent and what is pending."""
+
+    def __init__(self, rate_hz: float = DEFAULT_RATE_HZ, *, max_steps: int = DELTA_STEPS,
+                 max_requests: int = DELTA_REQUEST_EVENTS):
+        self.rate_hz = clamp_rate(rate_hz)
+        self.max_steps = max_steps
+        self.max_requests = max_requests
+        self.snapshot_sent = False
+        self.cursor = 0  # highest timeline seq sent (or covered by the snapshot)
+        self.messages_sent = 0
+        self.last_flush: float | None = None
+        self.engine_time: float | None = None
+        self._reset_pending()
+
+    def _reset_pending(self) -> None:
+        self._steps: list[dict[str, Any]] = []
+        self._requests: list[dict[str, Any]] = []
+        self._pending_cursor = 0
+        self._settings: dict[str, Any] | None = None
+        self._changes: dict[str, Any] = {}
+        self._metrics: dict[str, Any] | None = None
+        self._relayout: list[dict[str, Any]] = []
+        self._engine: dict[str, Any] | None = None
+        self._dropped = 0
+
+    # -- configuration --------------------------------------------------------------------------
+    def set_rate(self, rate_hz: Any) -> float:
+        self.rate_hz = clamp_rate(rate_hz, self.rate_hz)
+        return self.rate_hz
+
+    @property
+    def interval(self) -> float:
+        return 1.0 / self.rate_hz
+
+    # -- input ----------------------------------------------------------------------------------
+    def add(self, kind: str, data: Any, time: float | None = None) -> None:
+        """One engine event, already in JSON-ready form (``msgspec.to_builtins``)."""
+        if time is not None:
+            self.engine_time = time if self.engine_time is None else max(self.engine_time, time)
+        if kind == "timeline":
+            self._add_timeline(data or {})
+        elif kind == "settings":
+            data = data or {}
+            if isinstance(data.get("settings"), dict):
+                self._settings = dict(data["settings"])
+            if isinstance(data.get("changes"), dict):
+                self._changes.update(data["changes"])
+        elif kind == "metrics":
+            self._metrics = dict(data or {})
+        elif kind == "relayout":
+            self._relayout.append(dict(data or {}))
+        elif kind == "engine":
+            self._engine = dict(data or {})
+        # other kinds (internal "sync" tokens, future kinds) are not relayed
+
+    def _add_timeline(self, data: dict[str, Any]) -> None:
+        floor = max(self.cursor, self._pending_cursor) if self.snapshot_sent else 0
+        steps = [s for s in data.get("steps") or [] if s.get("seq", 0) > floor]
+        requests = [r for r in data.get("requests") or [] if r.get("seq", 0) > floor]
+        self._steps.extend(steps)
+        self._requests.extend(requests)
+        self._pending_cursor = max(self._pending_cursor, int(data.get("cursor") or 0))
+        if len(self._steps) > self.max_steps:
+            cut = len(self._steps) - self.max_steps
+            del self._steps[:cut]
+            self._dropped += cut
+        if len(self._requests) > self.max_requests:
+            cut = len(self._requests) - self.max_requests
+            del self._requests[:cut]
+            self._dropped += cut
+
+    def mark_dead(self, reason: str) -> None:
+        self._engine = {"state": "dead", "reason": reason}
+
+    # -- output ---------------------------------------------------------------------------------
+    def snapshot(self, *, engine: str, status: dict[str, Any], settings: dict[str, Any],
+                 metrics: dict[str, Any], timeline: dict[str, Any], now: float,
+                 max_steps: int = SNAPSHOT_STEPS, max_requests: int = SNAPSHOT_REQUEST_EVENTS) -> dict[str, Any]:
+        """The first message. Events subscribed before the snapshot was read and already covered
+        by it (seq <= its cursor) are discarded; newer ones stay pending for the first delta."""
+        tl, _ = trim_timeline(timeline, max_steps, max_requests)
+        self.cursor = tl["cursor"]
+        self._steps = [s for s in self._steps if s.get("seq", 0) > self.cursor]
+        self._requests = [r for r in self._requests if r.get("seq", 0) > self.cursor]
+        if self._pending_cursor <= self.cursor:
+            self._pending_cursor = 0
+        self._metrics = None  # the snapshot carries fresh metrics
+        self.snapshot_sent = True
+        self.last_flush = now
+        self.messages_sent += 1
+        return {"type": "snapshot", "engine": engine, "status": status, "settings": settings,
+                "metrics": metrics, "timeline": tl, "time": self.engine_time, "rate": self.rate_hz}
+
+    def pending(self) -> bool:
+        return bool(self._steps or self._requests or self._settings is not None or self._changes
+                    or self._metrics is not None or self._relayout or self._engine is not None
+                    or self._dropped)
+
+    def due(self, now: float) -> bool:
+        """Whether a delta should go out now: something is pending and the rate allows it (an
+        engine that stopped or died is reported at once)."""
+        if not (self.snapshot_sent and self.pending()):
+            return False
+        if self._engine is not None and self._engine.get("state") in ("stopped", "dead"):
+            return True
+        return self.last_flush is None or now - self.last_flush >= self.interval - 1e-9
+
+    def next_flush_in(self, now: float) -> float:
+        """Seconds until a flush may go out (0 when one may go now)."""
+        if self.last_flush is None:
+            return 0.0
+        return max(0.0, self.last_flush + self.interval - now)
+
+    def flush(self, now: float, *, force: bool = False) -> dict[str, Any] | None:
+        """The next delta, or None when nothing is pending or it is too early (unless force)."""
+        if not self.snapshot_sent or not self.pending():
+            return None
+        if not force and not self.due(now):
+            return None
+        msg: dict[str, Any] = {"type": "delta", "seq": self.messages_sent, "time": self.engine_time}
+        if self._steps or self._requests or self._pending_cursor > self.cursor:
+            cursor = max(self.cursor, self._pending_cursor,
+                         *(s.get("seq", 0) for s in self._steps), *(r.get("seq", 0) for r in self._requests))
+            msg["timeline"] = {"steps": self._steps, "requests": self._requests, "cursor": cursor}
+            self.cursor = cursor
+        if self._settings is not None or self._changes:
+            if self._settings is not None:
+                msg["settings"] = self._settings
+            msg["changes"] = self._changes
+        if self._metrics is not None:
+            msg["metrics"] = self._metrics
+        if self._relayout:
+            msg["relayout"] = self._relayout
+        if self._engine is not None:
+            msg["engine"] = self._engine
+        if self._dropped:
+            msg["dropped"] = self._dropped
+        self._reset_pending()
+        self.last_flush = now
+        self.messages_sent += 1
+        return msg
