@@ -1,5 +1,9 @@
 import os
 
+# One thread per process: tests run engine processes, clients and Jupyter side by side on
+# 2 cores, and OpenMP threads that spin-wait on a busy core made steps 10x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Triton reads this when @triton.jit runs, so it must be set before any kernel module is
 # imported; without a GPU only the interpreter can run the kernels.
 try:

@@ -436,7 +436,7 @@ class LLMEngine:
             seq.state = SeqState.PREEMPTED
             self.scheduler.waiting.appendleft(seq)
 
-    def score(self, token_ids: list[int], chunk: int = 512) -> list[float]:
+    def score(self, token_ids: list[int], chunk: int = 128) -> list[float]:
         """Log-probability of each token after the first, given those before it (for perplexity
         reports). Runs between steps on spare KV blocks; other requests are untouched."""
         ids = self.encode_prompt(None, token_ids, False)
