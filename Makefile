@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup overlay lab test lint generate clean
+.PHONY: setup overlay lab test lint generate clean browser labextension
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,7 +37,21 @@ generate: setup
 lint: setup
 	$(BIN)/ruff check .
 
-test: setup lint
+# Debian's chromium for the browser test (Playwright drives it via executable_path; never run
+# `playwright install`). Skipped when /usr/bin/chromium exists; without apt/root the test skips.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo -n)
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && $(SUDO) true 2>/dev/null; then \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else echo "no /usr/bin/chromium and cannot apt-get it: the browser test will be skipped"; fi
+
+# Rebuild the JupyterLab extension after editing extension/src (`pip install` builds it only
+# when workbench/labextension is missing).
+labextension: setup
+	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm build
+
+test: setup lint browser
 	$(BIN)/pytest -q
 
 clean:

@@ -53,6 +53,20 @@ if _skip_reason():
     pytest.skip(_skip_reason(), allow_module_level=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_labextension():
+    """Rebuild the working tree's lab extension when its sources changed since the last build."""
+    built = DEV_LABEXTENSION / "package.json"
+    ext = REPO / "extension"
+    jlpm = Path(sys.executable).parent / "jlpm"
+    if not built.exists() or not (ext / "node_modules").exists() or not jlpm.exists():
+        return
+    t = built.stat().st_mtime
+    if any(p.stat().st_mtime > t for d in ("src", "style") for p in (ext / d).rglob("*") if p.is_file()):
+        env = dict(os.environ, PATH=str(jlpm.parent) + os.pathsep + os.environ.get("PATH", ""))
+        subprocess.run([str(jlpm), "build"], cwd=ext, env=env, check=True, timeout=300, capture_output=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -32,12 +32,13 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.utils import url_path_join
 from tornado import websocket
 
-from .coalesce import EventCoalescer, clamp_rate
+from .coalesce import SNAPSHOT_REQUEST_EVENTS, SNAPSHOT_STEPS, EventCoalescer, clamp_rate
 from .hub import EngineHub
 
 NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
 EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
 STATUS_POLL_S = 1.0  # how often a websocket checks that its engine is still alive
+SNAPSHOT_EVENTS = SNAPSHOT_STEPS + SNAPSHOT_REQUEST_EVENTS  # newest events read for a snapshot
 
 
 def _error_status(exc: BaseException) -> int:
@@ -273,9 +274,12 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
                 return
             from ..timeline import Timeline
 
+            # Only the newest events: read the cursor first (an empty read), then a bounded tail.
+            head = await client.acall("timeline", _type=Timeline, since=1 << 62)
+            since = max(0, head.cursor - SNAPSHOT_EVENTS)
             status, settings, metrics, timeline = await asyncio.gather(
                 client.acall("status"), client.acall("settings"), client.acall("metrics"),
-                client.acall("timeline", _type=Timeline))
+                client.acall("timeline", _type=Timeline, since=since))
             snap = self.coalescer.snapshot(engine=self.engine_name, status=_jsonable(status),
                                            settings=_jsonable(settings), metrics=_jsonable(metrics),
                                            timeline=_jsonable(timeline), now=time.monotonic())
