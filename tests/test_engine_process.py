@@ -1,0 +1,746 @@
+"""The engine as a separate, shared process: real processes, real sockets, a tiny model.
+
+Every blocking wait has a timeout, every spawned process is killed in a finalizer, and the
+runtime directory is a private tmp dir (WORKBENCH_RUNTIME_DIR), so a failing test fails fast
+and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from workbench.ipc import connection as conn
+from workbench.ipc.client import (
+    EngineClient,
+    EngineConnectError,
+    EngineDeadError,
+    EngineStartError,
+    start_engine,
+)
+from workbench.ipc.protocol import (
+    HEADER,
+    MAGIC,
+    Abort,
+    Call,
+    Failure,
+    NewRequest,
+    ProtocolError,
+    Rejected,
+    Submit,
+    decode_engine_message,
+    encode,
+)
+from workbench.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 5, 6, 7], [1, 9, 9], [1, 20, 30, 40, 50], [1, 100, 3], [1, 7, 7, 7, 8, 9, 10, 11], [1, 250, 251, 252]]
+ENGINE_KW = dict(dtype="float32", num_kv_blocks=64, timeout=120)
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+# A client in another process: `python -c WORKER <mode> <engine name> <args...>`.
+WORKER = r"""
+import json, sys
+from workbench.ipc.client import EngineClient
+from workbench.sampling_params import SamplingParams
+mode, name = sys.argv[1], sys.argv[2]
+eng = None if mode == "starter" else EngineClient.connect(name, timeout=30)
+if mode == "generate":
+    prompts, max_tokens = json.loads(sys.argv[3]), int(sys.argv[4])
+    outs = eng.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=max_tokens, temperature=0),
+                        timeout=90)
+    print(json.dumps([o.token_ids for o in outs]), flush=True)
+elif mode == "starter":  # starts its own engine, then waits to be killed
+    from workbench.ipc.client import start_engine
+    eng = start_engine(sys.argv[3], name=name, dtype="float32", num_kv_blocks=16, timeout=120)
+    print("READY", eng.pid, flush=True)
+    sys.stdin.read()
+elif mode == "hog":
+    n, max_tokens = int(sys.argv[3]), int(sys.argv[4])
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    streams = [eng.stream(prompt_token_ids=[1, 5, 6, 7], params=params) for _ in range(n)]
+    first = next(iter(streams[0]))
+    print("STREAMING", first.request_id, flush=True)
+    for chunk in streams[0]:
+        pass
+"""
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def runtime_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rt")
+    old = os.environ.get(conn.ENV_RUNTIME_DIR)
+    os.environ[conn.ENV_RUNTIME_DIR] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop(conn.ENV_RUNTIME_DIR, None)
+    else:
+        os.environ[conn.ENV_RUNTIME_DIR] = old
+
+
+class Procs:
+    """Every process a test spawns, killed at teardown whatever happened."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def add(self, p: subprocess.Popen) -> subprocess.Popen:
+        self.procs.append(p)
+        return p
+
+    def worker(self, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        return self.add(subprocess.Popen([sys.executable, "-c", WORKER, *map(str, args)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.kill_all()
+
+
+def _stop(client: EngineClient):
+    try:
+        client.shutdown(timeout=20)
+    except Exception:
+        pass
+    finally:
+        if client.process is not None and client.process.poll() is None:
+            client.process.kill()
+            client.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_llama):
+    return tiny_llama[0]
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    from workbench.llm import LLM
+
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=64)
+    cache = {}
+
+    def ref(prompts, max_tokens=12):
+        key = (json.dumps(prompts), max_tokens)
+        if key not in cache:
+            outs = llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=max_tokens, temperature=0))
+            cache[key] = [o.token_ids for o in outs]
+        return cache[key]
+
+    ref.llm = llm
+    return ref
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    eng = start_engine(str(model_path), name="shared", client_timeout=4.0, max_message_mb=4, **ENGINE_KW)
+    yield eng
+    _stop(eng)
+
+
+def _wait_for(pred, timeout: float, what: str, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _events_until(sub, kind: str, pred=lambda ev: True, timeout: float = 10.0) -> list:
+    """Events from `sub` up to and including the first `kind` event matching `pred`."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no {kind!r} event within {timeout}s; saw {[e.kind for e in seen]}")
+        ev = sub.get(timeout=left)
+        seen.append(ev)
+        if ev.kind == kind and pred(ev):
+            return seen
+
+
+def _next_event(sub, kind: str, pred=lambda ev: True, timeout: float = 10.0):
+    return _events_until(sub, kind, pred, timeout)[-1]
+
+
+# -- serving ------------------------------------------------------------------------------------
+def test_status_and_private_files(engine, runtime_dir, reference):
+    st = engine.status()
+    for key in ("pid", "model", "device", "uptime_s", "weights_checksum"):
+        assert key in st
+    assert st["pid"] == engine.process.pid and st["device"] == "cpu" and st["uptime_s"] >= 0
+    assert stat.S_IMODE(runtime_dir.stat().st_mode) == 0o700
+    cf = runtime_dir / "shared.json"
+    assert stat.S_IMODE(cf.stat().st_mode) == 0o600
+    info = json.loads(cf.read_text())
+    assert info["transport"] == "ipc" and info["request_address"].startswith("ipc://") and info["curve"] is None
+    assert engine.settings()["num_kv_blocks"] == 64
+    assert engine.weights_checksum() == st["weights_checksum"]
+    ids = [1, 5, 6, 7, 8]
+    assert engine.score(ids) == pytest.approx(reference.llm.engine.score(ids), abs=1e-4)
+    with EngineClient.connect("shared", timeout=10) as other:  # closes, does not stop the engine
+        assert other.status()["pid"] == st["pid"]
+    assert engine.status()["pid"] == st["pid"]
+
+
+def test_many_clients_threads_and_processes_match_llm(engine, reference, procs):
+    """Clients in threads (own clients, one shared client, asyncio) and in two other processes
+    generate at once; every output equals the in-process LLM's greedy output."""
+    jobs = {i: [PROMPTS[i % len(PROMPTS)], PROMPTS[(i + 1) % len(PROMPTS)]] for i in range(8)}
+    expected = {i: reference(p, 12) for i, p in jobs.items()}
+    workers = {i: procs.worker("generate", "shared", json.dumps(jobs[i]), 12) for i in (6, 7)}
+
+    def own_client(i):
+        with EngineClient.connect("shared", timeout=20) as c:
+            return [o.token_ids for o in c.generate(prompt_token_ids=jobs[i], params=GREEDY, timeout=60)]
+
+    def shared_client(i):
+        return [o.token_ids for o in engine.generate(prompt_token_ids=jobs[i], params=GREEDY, timeout=60)]
+
+    def streamed(i):
+        out = []
+        for p in jobs[i]:
+            chunks = list(engine.stream(prompt_token_ids=p, params=GREEDY, timeout=60))
+            assert chunks[-1].finish_reason is not None and chunks[-1].output is not None
+            assert [t for c in chunks for t in c.token_ids_delta] == chunks[-1].output.token_ids
+            out.append(chunks[-1].output.token_ids)
+        return out
+
+    def async_client(i):
+        async def go():
+            outs = await engine.agenerate(prompt_token_ids=[jobs[i][0]], params=GREEDY, timeout=60)
+            toks = [t async for c in engine.astream(prompt_token_ids=jobs[i][1], params=GREEDY, timeout=60)
+                    for t in c.token_ids_delta]
+            return [outs[0].token_ids, toks]
+
+        return asyncio.run(go())
+
+    kinds = [own_client, own_client, shared_client, shared_client, streamed, async_client]
+    with ThreadPoolExecutor(len(kinds)) as ex:
+        futs = {i: ex.submit(kind, i) for i, kind in enumerate(kinds)}
+        got = {i: f.result(timeout=120) for i, f in futs.items()}
+    for i, p in workers.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        got[i] = json.loads(out.strip().splitlines()[-1])
+    assert got == expected
+
+
+def test_outputs_go_only_to_the_requester(engine):
+    with EngineClient.connect("shared", timeout=10) as other:
+        # A client that submitted nothing receives nothing: its sink table stays empty and no
+        # stray chunk reaches it while `engine` generates.
+        seen = []
+        orig = other._dispatch
+
+        def spy(frames):
+            seen.append(decode_engine_message(frames[1]))
+            orig(frames)
+
+        other._dispatch = spy
+        engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
+        other.settings()  # one round trip, so anything in flight would have arrived
+        assert not [m for m in seen if type(m).__name__ == "Outputs"]
+
+
+@pytest.mark.parametrize("name,value,default", [
+    ("batching", "static", "continuous"),
+    ("batching", "off", "continuous"),
+    ("max_num_seqs", 1, 64),
+    ("max_num_batched_tokens", 16, 512),
+    ("kv_cache", False, True),
+    ("prefix_caching", False, True),
+    ("attention_backend", "torch", "auto"),
+    ("kv_cache_dtype", "int8", "auto"),
+])
+def test_configure_mid_stream(engine, reference, name, value, default):
+    """Another client changes a live setting while two streams run: they continue, stay
+    correct (greedy), and every client sees the change event."""
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    with EngineClient.connect("shared", timeout=10) as a, EngineClient.connect("shared", timeout=10) as b:
+        try:
+            # A loaded machine can delay the change past the end of short streams; then the
+            # streams are made longer and the change is tried again.
+            for max_tokens in ((32, 96, 192) if name == "kv_cache" else (64, 192, 480)):
+                results, events = _configure_during_streams(engine, a, b, prompts, max_tokens, name, value)
+                changed_at = events[0][-1].time
+                if all(c[-1].output.metrics.first_token < changed_at < c[-1].output.metrics.finished
+                       for c in results):
+                    break
+                b.configure(**{name: default})
+            else:
+                pytest.fail("the change never landed while the streams ran")
+            for evs in events:  # one list per client, each ending with the change
+                assert evs[-1].data["changes"] == {name: value} and evs[-1].data["settings"][name] == value
+                if name == "kv_cache_dtype":
+                    assert [e.data["state"] for e in evs if e.kind == "relayout"] == ["started", "done"]
+            expected = reference(prompts, max_tokens)
+            for chunks, exp in zip(results, expected):
+                out = chunks[-1].output
+                assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
+                assert [t for c in chunks for t in c.token_ids_delta] == out.token_ids
+                if name != "kv_cache_dtype":  # int8 KV may differ slightly; it must complete
+                    assert out.token_ids == exp
+            assert a.settings()[name] == value
+        finally:
+            b.configure(**{name: default})
+    assert engine.settings()[name] == default
+
+
+def _configure_during_streams(engine, a, b, prompts, max_tokens, name, value):
+    """Client `a` streams the prompts while `b` configures; returns each stream's chunks and,
+    per client (a, b, engine), its events up to the settings change."""
+    subs = [c.events(["settings", "relayout"]) for c in (a, b, engine)]
+    started = [threading.Event() for _ in prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    def consume(i):
+        chunks = []
+        for c in a.stream(prompt_token_ids=prompts[i], params=params, timeout=120):
+            chunks.append(c)
+            started[i].set()
+        return chunks
+
+    try:
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            futs = [ex.submit(consume, i) for i in range(len(prompts))]
+            for ev in started:
+                assert ev.wait(60), "streams did not start"
+            effective = b.configure(**{name: value})
+            results = [f.result(timeout=180) for f in futs]
+        assert effective[name] == value
+        events = [_events_until(sub, "settings", lambda e: e.data["changes"].get(name) == value) for sub in subs]
+    finally:
+        for sub in subs:
+            sub.close()
+    return results, events
+
+
+def test_engine_errors_keep_type_and_message(engine, reference):
+    llm = reference.llm
+
+    def local_error(fn):
+        with pytest.raises((ValueError, TypeError)) as info:
+            fn()
+        return type(info.value), str(info.value)
+
+    cases = [
+        (lambda: llm.configure(nope=1), lambda: engine.configure(nope=1)),
+        (lambda: llm.configure(batching="fast"), lambda: engine.configure(batching="fast")),
+        (lambda: llm.configure(max_num_seqs="many"), lambda: engine.configure(max_num_seqs="many")),
+        (lambda: llm.configure(kv_cache=1), lambda: engine.configure(kv_cache=1)),
+        (lambda: llm.configure(block_size=32), lambda: engine.configure(block_size=32)),
+        (lambda: llm.generate(prompt_token_ids=[[1, 999]], params=GREEDY),
+         lambda: engine.generate(prompt_token_ids=[[1, 999]], params=GREEDY, timeout=30)),
+        (lambda: llm.generate(prompt_token_ids=[[1] * 600], params=GREEDY),
+         lambda: engine.generate(prompt_token_ids=[[1] * 600], params=GREEDY, timeout=30)),
+        (lambda: llm.generate("hello", GREEDY), lambda: engine.generate("hello", GREEDY, timeout=30)),
+        (lambda: list(llm.stream(prompt_token_ids=[1, 300], params=GREEDY)),
+         lambda: list(engine.stream(prompt_token_ids=[1, 300], params=GREEDY, timeout=30))),
+        (lambda: llm.generate(prompt_token_ids=[[1, 2]], params={"max_tokens": 0}),
+         lambda: engine.generate(prompt_token_ids=[[1, 2]], params={"max_tokens": 0})),
+    ]
+    for local, remote in cases:
+        assert local_error(remote) == local_error(local)
+    with pytest.raises(ValueError, match="unknown method"):
+        engine.call("no_such_method")
+    with pytest.raises(TypeError):
+        engine.timeline(since="yesterday")
+    # Nothing was admitted by the failed batch (one bad prompt rejects the whole submit).
+    with pytest.raises(ValueError):
+        engine.generate(prompt_token_ids=[[1, 2, 3], [1, 999]], params=GREEDY, timeout=30)
+    assert engine.metrics()["num_waiting"] == 0 and engine.metrics()["num_running"] == 0
+    assert engine.generate(prompt_token_ids=PROMPTS[:1], params=GREEDY, timeout=30)[0].token_ids == \
+        reference(PROMPTS[:1])[0]
+
+
+def test_abort_and_early_exit_free_blocks(engine):
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    it = engine.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60)
+    first = next(it)
+    with EngineClient.connect("shared", timeout=10) as other:
+        other.abort(first.request_id)  # any client may abort by id; the owner sees "abort"
+    last = [first, *it][-1]
+    assert last.finish_reason == "abort" and last.output.finish_reason == "abort"
+    it2 = engine.stream(prompt_token_ids=PROMPTS[1], params=params, timeout=60)
+    next(it2)
+    it2.close()  # leaving a stream early aborts its request
+    _wait_for(lambda: engine.metrics()["kv_blocks_used"] == 0 and engine.metrics()["num_running"] == 0,
+              10, "KV blocks to be freed")
+
+
+def test_events_stream_steps_and_request_lifecycle(engine):
+    got = []
+    with engine.events(["timeline", "metrics"]) as sub, \
+            engine.on_event(got.append, kinds="timeline") as cb:
+        [out] = engine.generate(prompt_token_ids=[PROMPTS[3]], params=GREEDY, timeout=60)
+        rid = out.request_id
+        kinds: set[str] = set()
+        steps = 0
+        deadline = time.monotonic() + 10
+        while ("finished" not in kinds or steps == 0) and time.monotonic() < deadline:
+            ev = sub.get(timeout=max(0.1, deadline - time.monotonic()))
+            if ev.kind == "timeline":
+                kinds |= {r.kind for r in ev.data.requests if r.request_id == rid}
+                steps += sum(any(b.request_id == rid for b in s.batch) for s in ev.data.steps)
+        assert {"arrived", "scheduled", "first_token", "finished"} <= kinds
+        assert steps >= 1
+        _next_event(sub, "metrics", timeout=5)
+        _wait_for(lambda: any(r.request_id == rid for ev in got for r in ev.data.requests), 5, "callback events")
+        assert cb.kinds == {"timeline"}
+
+    async def watch():
+        sub = await engine.aevents("settings")
+        try:
+            await engine.aconfigure(max_num_seqs=32)
+            async for ev in sub:
+                return ev
+        finally:
+            sub.close()
+            await engine.aconfigure(max_num_seqs=64)
+
+    ev = asyncio.run(asyncio.wait_for(watch(), 30))
+    assert ev.kind == "settings" and ev.data["changes"] == {"max_num_seqs": 32}
+
+
+def test_timeline_and_chrome_trace(engine, tmp_path):
+    before = engine.timeline().cursor
+    outs = engine.generate(prompt_token_ids=PROMPTS[:3], params=GREEDY, timeout=60)
+    tl = engine.timeline(since=before)
+    assert tl.cursor > before and tl.steps and all(s.seq > before for s in tl.steps)
+    path = tmp_path / "trace.json"
+    tl.to_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert any(e["cat"] == "step" and e["name"] in ("prefill", "decode", "mixed") for e in spans)
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    for o in outs:
+        assert o.request_id in lanes
+    assert {"queued", "prefill", "decode"} <= {e["name"] for e in spans if e["cat"] == "request"}
+    assert engine.reset_prefix_cache() >= 0
+
+
+# -- bad input ----------------------------------------------------------------------------------
+def _raw_dealer(ctx, address, identity=None):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if identity:
+        s.setsockopt(zmq.ROUTING_ID, identity)
+    s.connect(address)
+    return s
+
+
+def _recv(s, timeout_ms=3000):
+    if not s.poll(timeout_ms):
+        return None
+    frames = s.recv_multipart()
+    assert frames[0] == HEADER
+    return decode_engine_message(frames[1])
+
+
+def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
+    info = conn.read_connection_file(runtime_dir / "shared.json")
+    rng = random.Random(20261129)
+    ctx = zmq.Context()
+    s = _raw_dealer(ctx, info.request_address, b"fuzzer")
+    try:
+        # Targeted cases with a known answer.
+        s.send_multipart([MAGIC + bytes([99]), encode(Call(7, "status"))])
+        m = _recv(s)
+        assert isinstance(m, Failure) and m.call_id == 7 and "protocol version mismatch" in m.error.message
+        s.send_multipart([HEADER, encode(Call(8, "frobnicate"))])
+        m = _recv(s)
+        assert isinstance(m, Failure) and m.error.type == "ValueError" and "unknown method" in m.error.message
+        s.send_multipart([HEADER, encode(Call(9, "configure", {"max_num_seqs": -3}))])
+        m = _recv(s)
+        assert isinstance(m, Failure) and m.error.type == "ValueError" and "max_num_seqs" in m.error.message
+        s.send_multipart([HEADER, msgspec.msgpack.encode(["launch_missiles", 1])])
+        assert isinstance(_recv(s), ProtocolError)
+        s.send_multipart([HEADER, encode(Submit([NewRequest("fz1", prompt_token_ids=[1, 1000])]))])
+        m = _recv(s)
+        assert isinstance(m, Rejected) and m.request_ids == ["fz1"] and m.error.type == "ValueError"
+        s.send_multipart([HEADER, encode(Abort(["no-such-request"]))])  # ignored
+        s.send_multipart([b"only one frame"])
+        assert isinstance(_recv(s), ProtocolError)
+        # Random garbage: bytes, truncated valid messages, random frame counts, random msgpack.
+        valid = [encode(Call(1, "metrics")), encode(Submit([NewRequest("fz2", prompt_token_ids=[1, 2])]))]
+        answered = 0
+        for _ in range(300):
+            r = rng.random()
+            if r < 0.3:
+                frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
+            elif r < 0.55:
+                body = rng.choice(valid)
+                frames = [HEADER, body[:rng.randint(0, len(body) - 1)]]
+            elif r < 0.75:
+                frames = [HEADER, msgspec.msgpack.encode(
+                    [rng.choice(["call", "submit", "abort", "ping", "bye", "x", 3]),
+                     rng.choice([None, -1, 2**63, "s", [], [[1]], {"a": 1}, 1.5])])]
+            else:
+                frames = [rng.choice([HEADER, b"WB", b"", b"WB\x00\x01"]), rng.randbytes(rng.randint(1, 200))]
+            s.send_multipart(frames)
+            while s.poll(0):
+                s.recv_multipart()
+                answered += 1
+        while s.poll(500):
+            s.recv_multipart()
+            answered += 1
+        assert answered > 100  # undecodable messages are answered with an error, not silence
+        # An oversized message (limit 4 MiB here) is dropped by the socket layer.
+        s.send_multipart([HEADER, b"\x00" * (5 << 20)])
+        # Raw bytes straight into the ipc socket, not even ZMTP.
+        path = info.request_address.removeprefix("ipc://")
+        for _ in range(5):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                raw.settimeout(2)
+                raw.connect(path)
+                raw.sendall(rng.randbytes(rng.randint(1, 4096)))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:  # a truncated ZMTP greeting
+            raw.settimeout(2)
+            raw.connect(path)
+            raw.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03")
+    finally:
+        s.close()
+        ctx.term()
+    # Still serving, still correct, nothing leaked.
+    out = engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
+    assert [o.token_ids for o in out] == reference(PROMPTS[:2])
+    _wait_for(lambda: engine.metrics()["num_running"] == 0 and engine.metrics()["num_waiting"] == 0, 10,
+              "fuzzed requests to finish")
+    with pytest.raises(ValueError, match="exceeds the engine's limit"):
+        engine.generate(prompt_token_ids=[[255] * 500] * 5000, params=GREEDY)
+
+
+# -- faults -------------------------------------------------------------------------------------
+def test_kill_client_process_mid_stream_frees_its_kv(engine, reference, procs):
+    # 200 requests of 400 tokens: far more work than fits in the 4 s the engine waits for a
+    # heartbeat, so most of them are still queued or running when the client dies.
+    hog = procs.worker("hog", "shared", 200, 400)
+    line = hog.stdout.readline()
+    assert line.startswith("STREAMING"), hog.stderr.read() if hog.poll() is not None else line
+    m = engine.metrics()
+    assert m["kv_blocks_used"] > 0 and m["num_running"] + m["num_waiting"] >= 2
+    hog.send_signal(signal.SIGKILL)
+    hog.wait(10)
+    killed = time.monotonic()
+    # Others are served meanwhile (after the vanished client's requests are aborted).
+    out = engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
+    assert [o.token_ids for o in out] == reference(PROMPTS[:2])
+    _wait_for(lambda: (lambda m: m["kv_blocks_used"] == 0 and m["num_running"] == 0 and m["num_waiting"] == 0)(
+        engine.metrics()), 15, "the dead client's KV blocks to be freed")
+    aborted = [r for r in engine.timeline().requests
+               if r.kind == "finished" and (r.detail or "").startswith("abort") and r.time > killed]
+    assert len(aborted) >= 50
+
+
+def test_kill_engine_clients_raise(model_path, engine):
+    eng = start_engine(str(model_path), name="victim", client_timeout=2.0, **ENGINE_KW)
+    try:
+        other = EngineClient.connect("victim", timeout=10, check_pid=False)  # heartbeat-only detection
+        # Two engines side by side: different sockets, both serving.
+        assert eng.info.request_address != engine.info.request_address
+        assert engine.status()["name"] == "shared" and eng.status()["name"] == "victim"
+        params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+        errors: dict[str, tuple[type, float]] = {}
+
+        def run(label, client):
+            try:
+                for _ in range(1000):  # keeps streaming until the engine dies
+                    for _ in client.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60):
+                        pass
+            except Exception as e:
+                errors[label] = (type(e), time.monotonic(), str(e))
+
+        threads = [threading.Thread(target=run, args=(k, c), daemon=True) for k, c in (("owner", eng), ("other", other))]
+        for t in threads:
+            t.start()
+        _wait_for(lambda: eng.metrics()["num_running"] >= 2, 30, "both streams to run")
+        killed = time.monotonic()
+        os.kill(eng.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(15)
+        assert set(errors) == {"owner", "other"}
+        for label, (typ, when, msg) in errors.items():
+            assert typ is EngineDeadError, (label, msg)
+            assert when - killed < 8, (label, when - killed)
+        with pytest.raises(EngineDeadError):
+            other.status()
+        other.close()
+    finally:
+        _stop(eng)
+    assert eng.process.returncode == -signal.SIGKILL
+
+
+def test_engine_stops_when_its_starter_dies(model_path, procs):
+    """An engine started by start_engine() (not detached) goes away with the process that
+    started it, e.g. a notebook kernel that is killed, instead of holding memory forever."""
+    starter = procs.worker("starter", "orphan", model_path)
+    line = starter.stdout.readline()
+    assert line.startswith("READY"), starter.stderr.read() if starter.poll() is not None else line
+    pid = int(line.split()[1])
+    assert conn.pid_alive(pid) and conn.connection_path("orphan").exists()
+    starter.kill()
+    starter.wait(10)
+    try:
+        _wait_for(lambda: not conn.pid_alive(pid), 20, "the orphaned engine to exit")
+    finally:
+        if conn.pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not conn.connection_path("orphan").exists()
+
+
+def test_start_failures_surface_the_reason(model_path, tmp_path, engine):
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError) as info:
+        start_engine(str(tmp_path / "no-such-model"), name="broken", timeout=60)
+    text = str(info.value)
+    assert "not found: expected 'smollm2-135m', a Hugging Face model folder or a .gguf file" in text
+    assert "no-such-model" in text and time.monotonic() - t0 < 60
+    assert not conn.connection_path("broken").exists()
+    with pytest.raises(ValueError, match="batching"):
+        start_engine(str(model_path), name="x", batching="fastest")  # rejected before spawning
+    with pytest.raises(FileExistsError, match="already running"):
+        start_engine(str(model_path), name="shared")
+    with pytest.raises(FileNotFoundError, match="no engine named"):
+        EngineClient.connect("nobody")
+
+
+def test_tcp_needs_the_curve_keys(model_path, runtime_dir, tmp_path):
+    eng = start_engine(str(model_path), name="tcp-eng", transport="tcp", **ENGINE_KW)
+    ctx = zmq.Context()
+    try:
+        info = conn.read_connection_file(runtime_dir / "tcp-eng.json")
+        assert info.request_address.startswith("tcp://127.0.0.1:") and info.curve["server_public"]
+        assert eng.generate(prompt_token_ids=PROMPTS[:1], params=GREEDY, timeout=60)[0].finish_reason
+        before = eng.metrics()["total_prompt_tokens"]
+        sub_no_keys = ctx.socket(zmq.SUB)
+        sub_no_keys.setsockopt(zmq.LINGER, 0)
+        sub_no_keys.setsockopt(zmq.SUBSCRIBE, b"")
+        sub_no_keys.connect(info.event_address)
+        wrong_pub, wrong_sec = zmq.curve_keypair()
+        for keys in (None, (wrong_pub, wrong_sec)):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            if keys:
+                s.curve_serverkey = info.curve["server_public"].encode()
+                s.curve_publickey, s.curve_secretkey = keys
+            s.connect(info.request_address)
+            s.send_multipart([HEADER, encode(Submit([NewRequest("intruder", prompt_token_ids=[1, 2, 3],
+                                                                params=GREEDY)]))])
+            s.send_multipart([HEADER, encode(Call(1, "shutdown"))])
+            assert not s.poll(1000), "an unauthenticated peer got an answer"
+            s.close()
+        stripped = dict(json.loads((runtime_dir / "tcp-eng.json").read_text()), curve=None)
+        (tmp_path / "nokeys.json").write_text(json.dumps(stripped))
+        with pytest.raises(EngineConnectError, match="CURVE"):
+            EngineClient.connect(str(tmp_path / "nokeys.json"), timeout=1.5)
+        assert eng.metrics()["total_prompt_tokens"] == before
+        assert all(r.request_id != "intruder" for r in eng.timeline().requests)
+        assert not sub_no_keys.poll(500), "events leaked to a peer without keys"
+        sub_no_keys.close()
+        assert eng.status()["transport"] == "tcp"
+    finally:
+        ctx.term()
+        _stop(eng)
+
+
+def test_graceful_shutdown_drain(model_path, runtime_dir):
+    eng = start_engine(str(model_path), name="drainer", **ENGINE_KW)
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        it = eng.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60)
+        first = next(it)
+        with EngineClient.connect("drainer", timeout=10) as other:
+            with eng.events("engine") as sub:
+                other.shutdown(drain=True, timeout=60)
+                assert _next_event(sub, "engine", lambda e: e.data["state"] == "stopped").data["name"] == "drainer"
+        chunks = [first, *it]
+        assert chunks[-1].finish_reason == "length" and len(chunks[-1].output.token_ids) == 60
+        eng.process.wait(30)
+        assert eng.process.returncode == 0
+        assert not (runtime_dir / "drainer.json").exists()
+        assert not [p for p in runtime_dir.iterdir() if p.name.startswith("drainer-")]  # socket files
+        _wait_for(lambda: not eng.alive, 10, "the owner client to notice the exit")
+        with pytest.raises(EngineDeadError):
+            eng.status()
+    finally:
+        _stop(eng)
+
+
+def test_cli_serve_and_sigterm(model_path, runtime_dir, procs):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = procs.add(subprocess.Popen(
+        [sys.executable, "-m", "workbench.cli", "serve", "--model", str(model_path), "--name", "cli",
+         "--dtype", "float32", "--num-kv-blocks", "48", "--max-num-seqs", "3", "--batching", "static",
+         "--prefix_caching", "false"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    _wait_for(lambda: (runtime_dir / "cli.json").exists() or p.poll() is not None, 60, "the cli engine")
+    assert p.poll() is None, p.stderr.read()
+    with EngineClient.connect("cli", timeout=20) as c:
+        s = c.settings()
+        assert (s["num_kv_blocks"], s["max_num_seqs"], s["batching"], s["prefix_caching"]) == (48, 3, "static", False)
+        it = c.stream(prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=450, temperature=0,
+                                                                        ignore_eos=True), timeout=60)
+        next(it)
+        p.send_signal(signal.SIGTERM)
+        try:
+            last = [*it][-1]
+        except EngineDeadError:
+            last = None
+        assert last is not None and last.finish_reason == "abort"
+    assert p.wait(30) == 0
+    assert not (runtime_dir / "cli.json").exists()
+
+
+def test_cli_help_lists_every_setting(capsys):
+    from workbench.cli import main
+    from workbench.settings import setting_names
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for name in setting_names():
+        assert f"--{name.replace('_', '-')}" in text
+    from workbench.ipc.server import add_serve_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--max-num-seqs", "5", "--kv_cache", "off", "--num-kv-blocks", "none"])
+    assert settings_from_args(args) == {"max_num_seqs": 5, "kv_cache": False, "num_kv_blocks": None}
+    with pytest.raises(ValueError, match="batching"):
+        settings_from_args(parser.parse_args(["--batching", "sometimes"]))

@@ -1,0 +1,247 @@
+"""The `workbench` command line.
+
+    workbench serve [--model M] [--name N] [--transport ipc|tcp] [--<setting> VALUE ...]
+    workbench generate PROMPT [--max-tokens N] [--temperature T] [--chat] [--model M] [--<setting> VALUE ...]
+    workbench bench [--json] [--requests N] [--systems workbench,hf_sequential,hf_static]
+                    [--arrival all|poisson] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
+
+Each subcommand registers itself in `_SUBCOMMANDS` with a function that adds its arguments and
+one that runs it; imports of heavy modules stay inside the run functions so `--help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from .ipc.server import add_serve_arguments
+
+    p = sub.add_parser(
+        "serve", help="run a long-lived engine that clients attach to (EngineClient.connect(name))",
+        description="Run a long-lived engine process. Clients attach by name with EngineClient.connect(name). "
+                    "Stops on Ctrl-C, SIGTERM or a client's shutdown().",
+    )
+    add_serve_arguments(p)
+    p.set_defaults(_run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from .ipc.server import serve
+
+    return serve(args)
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine setting, generated from `workbench.settings.schema()`."""
+    from .settings import allowed_values, schema
+
+    group = parser.add_argument_group("engine settings (same names as configure())")
+    for entry in schema():
+        name = entry["name"]
+        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+        text = f"{entry['help']} [{allowed_values(name)}; default {entry['default']!r}]"
+        group.add_argument(*flags, dest=f"setting_{name}", default=None, metavar="VALUE",
+                           help=text.replace("%", "%%"))
+
+
+def _settings_from_flags(args: argparse.Namespace) -> dict:
+    """Typed, validated settings from the flags given (raises ValueError/TypeError)."""
+    from .settings import parse_value, setting_names, validate
+
+    out = {}
+    for name in setting_names():
+        text = getattr(args, f"setting_{name}", None)
+        if text is not None:
+            out[name] = parse_value(name, text)
+    return validate(out)
+
+
+# ----------------------------------------------------------------------------- generate
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate", help="generate from a prompt in this process, streaming tokens to the terminal",
+        description="Load the engine in this process, stream the completion of PROMPT to stdout and print "
+                    "TTFT and tok/s to stderr.",
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
+    _add_setting_flags(p)
+    p.set_defaults(_run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    try:
+        settings = _settings_from_flags(args)
+        from .sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+    except (ValueError, TypeError) as e:
+        print(f"workbench generate: {e}", file=sys.stderr)
+        return 2
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from .llm import LLM
+
+    llm = LLM(args.model, **settings)
+    out = None
+    start = time.monotonic()
+    try:
+        for chunk in llm.stream(prompt, params, chat=args.chat):
+            if chunk.text_delta:
+                sys.stdout.write(chunk.text_delta)
+                sys.stdout.flush()
+            if chunk.output is not None:
+                out = chunk.output
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if out is not None:
+        m = out.metrics
+        n = len(out.token_ids)
+        total = (m.finished or time.monotonic()) - (m.arrival or start)
+        decode = (m.token_times[-1] - m.token_times[0]) if len(m.token_times) > 1 else 0.0
+        ttft = m.ttft if m.ttft is not None else 0.0
+        rate = f", {(n - 1) / decode:.1f} tok/s decode" if decode > 0 else ""
+        print(f"[{n} tokens in {total:.2f} s: TTFT {ttft * 1e3:.0f} ms, {n / total:.1f} tok/s overall{rate}; "
+              f"finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- bench
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="benchmark the engine against Hugging Face transformers, with the measured roofline",
+        description="Run a fixed, seeded workload (default: 64 requests released at once, prompts 32-512 "
+                    "tokens of English text, outputs 32-256 tokens with ignore_eos, greedy) on each system; "
+                    "measure memory bandwidth and matmul FLOP/s on the spot; report output tok/s, TTFT and "
+                    "ITL percentiles, ratios and fractions of the roofline. Progress goes to stderr.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
+    p.add_argument("--requests", type=int, default=None, metavar="N", help="number of requests (default 64; 8 with --quick)")
+    p.add_argument("--systems", default="workbench,hf_sequential,hf_static",
+                   help="comma-separated: workbench, hf_sequential, hf_static (default: all)")
+    p.add_argument("--arrival", choices=["all", "poisson"], default="all",
+                   help="all: every request at t=0 (default); poisson: exponential gaps at --rate")
+    p.add_argument("--rate", type=float, default=0.5, help="poisson arrivals: requests per second (default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
+    p.add_argument("--quick", action="store_true",
+                   help="a small smoke run: 8 requests, prompts 32-128, outputs 16-64, 64-token single stream")
+    p.add_argument("--no-single-stream", dest="single_stream", action="store_false",
+                   help="skip the single-stream decode scenario")
+    p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads for every system (default: torch's choice)")
+    _add_setting_flags(p)
+    p.set_defaults(_run=_run_bench)
+
+
+def _progress_factory():
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+
+    def make(desc: str, total: int):
+        if tqdm is not None:
+            return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True, dynamic_ncols=True)
+        return _PlainProgress(desc, total)
+
+    return make
+
+
+class _PlainProgress:
+    def __init__(self, desc: str, total: int):
+        self.desc, self.total, self.n = desc, total, 0
+        print(f"{desc}: 0/{total}", file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        print(f"{self.desc}: {self.n}/{self.total}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import SYSTEMS, format_report, run_bench
+    from .bench.report import single_stream_line
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    try:
+        if bad or not systems:
+            raise ValueError(f"unknown system(s) {bad or systems}; choose from {', '.join(SYSTEMS)}")
+        settings = _settings_from_flags(args)
+        if args.requests is not None and args.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {args.requests}")
+        if args.arrival == "poisson" and args.rate <= 0:
+            raise ValueError(f"--rate must be > 0, got {args.rate}")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    except (ValueError, TypeError) as e:
+        print(f"workbench bench: {e}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    report = run_bench(
+        args.model, systems=systems, num_requests=args.requests or (8 if args.quick else 64),
+        arrival=args.arrival, rate=args.rate if args.arrival == "poisson" else None, seed=args.seed,
+        quick=args.quick, settings=settings, single_stream=args.single_stream,
+        progress=_progress_factory(), log=log,
+    )
+    text = json.dumps(report, indent=2)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    # gpt-fast style: every run prints tok/s, GB/s and % of the limit (stderr when stdout is JSON).
+    for name, r in report["results"].items():
+        if name.endswith("single_stream"):
+            log(single_stream_line(name, r))
+    print(text if args.json else format_report(report))
+    return 0
+
+
+_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="workbench", description="Serving Workbench: a live, tunable LLM engine.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    return run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

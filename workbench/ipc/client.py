@@ -1,0 +1,988 @@
+"""Clients of an engine process: `start_engine` spawns one, `EngineClient.connect` attaches.
+
+    eng = start_engine("path/to/model", name="lab", max_num_seqs=8)
+    outs = eng.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+    for chunk in eng.stream("Once upon a time"): ...
+    eng.configure(batching="static")            # every client sees a "settings" event
+    for ev in eng.events(): ...                 # steps, request events, settings, metrics
+    eng.shutdown()
+
+One IO thread per client owns its DEALER socket: callers from any thread (a running cell, a
+widget callback, an asyncio task) hand it messages through a queue and wait on their own
+future or queue, so the client is thread-safe and asyncio-friendly. The IO thread sends
+heartbeats and notices a dead engine (process gone, or silent for the engine's client timeout):
+every waiter then raises `EngineDeadError` instead of hanging. Events come through a SUB socket
+owned by a second thread, started on the first subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ..outputs import RequestOutput, StreamChunk
+from ..sampling_params import SamplingParams
+from ..timeline import Timeline
+from . import connection as conn
+from .protocol import (
+    DEFAULT_MAX_MESSAGE_MB,
+    HEADER,
+    PROTOCOL_VERSION,
+    START_FAILED,
+    Abort,
+    Bye,
+    Call,
+    EngineConnectError,
+    EngineDeadError,
+    EngineStartError,
+    Event,
+    Failure,
+    NewRequest,
+    Outputs,
+    Ping,
+    Pong,
+    ProtocolError,
+    ProtocolMismatchError,
+    Rejected,
+    Result,
+    Submit,
+    WorkbenchIPCError,
+    check_header,
+    decode_engine_message,
+    decode_event,
+    decode_value,
+    encode_strict,
+    error_from_wire,
+)
+
+__all__ = [
+    "EngineClient",
+    "EngineConnectError",
+    "EngineDeadError",
+    "EngineStartError",
+    "Event",
+    "EventSubscription",
+    "ProtocolMismatchError",
+    "start_engine",
+]
+
+log = logging.getLogger("workbench.client")
+
+_POLL_S = 0.5  # longest a waiting caller sleeps before re-checking (keeps Ctrl-C responsive)
+_clients: weakref.WeakSet = weakref.WeakSet()
+_CLOSED = object()
+
+
+def normalize_batch(prompts, params, prompt_token_ids) -> list[tuple[str | None, list[int] | None, SamplingParams]]:
+    """Same rules as `workbench.llm.normalize_batch`, without importing the engine (torch)."""
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts or prompt_token_ids")
+    if prompts is not None:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a str or a list of str")
+        items = [(p, None) for p in prompts]
+    else:
+        if not isinstance(prompt_token_ids, Sequence) or not prompt_token_ids:
+            raise TypeError("prompt_token_ids must be a non-empty list of token-id lists")
+        if all(isinstance(t, int) for t in prompt_token_ids):
+            prompt_token_ids = [prompt_token_ids]
+        items = [(None, list(ids)) for ids in prompt_token_ids]
+    if isinstance(params, (list, tuple)):
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        plist = [SamplingParams.coerce(p) for p in params]
+    else:
+        plist = [SamplingParams.coerce(params)] * len(items)
+    return [(p, ids, sp) for (p, ids), sp in zip(items, plist)]
+
+
+class EventSubscription:
+    """Events from the engine: iterate (blocking), `get(timeout)`, or give a callback.
+
+    ``kinds`` filters: "timeline" (new steps and request events, data is a `Timeline`),
+    "settings" ({"changes", "settings"}), "relayout" ({"setting", "value", "state"}),
+    "metrics" (the metrics dict, once a second) and "engine" ({"state": "ready"|"stopped"}).
+    A slow consumer loses the oldest events (counted in ``dropped``), never blocks the engine.
+    """
+
+    def __init__(self, client: EngineClient, kinds: Iterable[str] | None, callback=None, maxsize: int = 10_000,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        self._client = client
+        self.kinds = None if kinds is None else frozenset([kinds] if isinstance(kinds, str) else kinds)
+        self._callback = callback
+        self._loop = loop
+        self._queue: queue.Queue = queue.Queue(maxsize)
+        self._aqueue: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self.dropped = 0
+        self.closed = False
+
+    def _deliver(self, item: Event | BaseException) -> None:
+        if self.closed:
+            return
+        if isinstance(item, Event) and self.kinds is not None and item.kind not in self.kinds:
+            return
+        if self._callback is not None:
+            if isinstance(item, Event):
+                try:
+                    self._callback(item)
+                except Exception:
+                    log.exception("event callback failed")
+            return
+        if self._aqueue is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, item)
+            except RuntimeError:  # loop closed
+                self.closed = True
+            return
+        while True:
+            try:
+                self._queue.put_nowait(item)
+                return
+            except queue.Full:
+                try:
+                    self._queue.get_nowait()
+                    self.dropped += 1
+                except queue.Empty:
+                    pass
+
+    def get(self, timeout: float | None = None) -> Event:
+        """The next event; TimeoutError after `timeout` seconds; EngineDeadError when the engine
+        is gone; RuntimeError once closed."""
+        ev = self._next(timeout)
+        if ev is None:
+            raise RuntimeError("this event subscription is closed")
+        return ev
+
+    def _next(self, timeout: float | None) -> Event | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.closed:
+                return None
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError(f"no event within {timeout}s")
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def __iter__(self) -> Iterator[Event]:
+        while (ev := self._next(None)) is not None:
+            yield ev
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._aiter()
+
+    async def _aiter(self):
+        if self._aqueue is None:
+            raise TypeError("use client.aevents() for async iteration")
+        while not self.closed:
+            item = await self._aqueue.get()
+            if item is _CLOSED:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._client._unsubscribe(self)
+        if self._aqueue is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, _CLOSED)
+            except RuntimeError:
+                pass
+
+    def __enter__(self) -> EventSubscription:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EngineClient:
+    """A connection to an engine process. Thread-safe; sync and asyncio methods."""
+
+    rpc_timeout: float = 300.0  # seconds an RPC may take (a relayout of a big model is slow)
+
+    def __init__(self, info: conn.ConnectionInfo, *, process: subprocess.Popen | None = None,
+                 timeout: float = 10.0, check_pid: bool = True, client_name: str | None = None):
+        self.info = info
+        self.name = info.name
+        self.pid = info.pid
+        self.process = process
+        self._check_pid = check_pid and info.same_host()
+        self._ctx = zmq.Context()
+        self._lock = threading.Lock()
+        self._outq: deque[list[bytes]] = deque()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._ids = itertools.count(1)
+        self._dead: BaseException | None = None
+        self._closing = False
+        self._closed = False
+        self._got_reply = False
+        self._identity = b"wb" + secrets.token_bytes(10)  # a routing id must not start with 0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._subs: list[EventSubscription] = []
+        self._ev_thread: threading.Thread | None = None
+        self._ev_lock = threading.Lock()
+        self._ev_ready = threading.Event()
+        self._sync_tokens: dict[str, threading.Event] = {}
+        self._io = threading.Thread(target=self._io_loop, name=f"wb-client-io-{info.name}", daemon=True)
+        self._io.start()
+        try:
+            self.engine_info = self.call("hello", _timeout=timeout, name=client_name or _default_client_name(),
+                                         pid=os.getpid(), protocol=PROTOCOL_VERSION)
+        except TimeoutError:
+            self.close()
+            hint = (" For tcp, check that this connection file carries the engine's CURVE keys."
+                    if info.transport == "tcp" else "")
+            raise EngineConnectError(
+                f"engine {info.name!r} at {info.request_address} did not answer the handshake within "
+                f"{timeout}s.{hint}") from None
+        except BaseException:
+            self.close()
+            raise
+        _clients.add(self)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def connect(cls, name_or_connection_file: str | os.PathLike | None = None, *, timeout: float = 10.0,
+                check_pid: bool = True) -> EngineClient:
+        """Attach to a running engine by name (looked up in the runtime dir) or connection file."""
+        path = conn.resolve(name_or_connection_file)
+        info = conn.read_connection_file(path)
+        if check_pid and not info.engine_alive():
+            raise EngineDeadError(f"engine {info.name!r} (pid {info.pid}) is not running; {path} is stale")
+        return cls(info, timeout=timeout, check_pid=check_pid)
+
+    def __repr__(self) -> str:
+        state = "dead" if self._dead else "connected"
+        return f"<EngineClient {self.name!r} pid={self.pid} {self.info.transport} {state}>"
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            self.shutdown()
+        else:
+            self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    @property
+    def connection_file(self) -> str | None:
+        return self.info.path
+
+    @property
+    def log_file(self) -> str | None:
+        return self.info.log_file
+
+    # -- IO thread ------------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        info = self.info
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self._identity)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        _apply_curve(sock, info)
+        sock.connect(info.request_address)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        hb = max(0.05, float(info.heartbeat_s))
+        dead_after = max(float(info.client_timeout_s), 3 * hb)
+        last_send = last_check = time.monotonic()
+        # Silence counts from the first ping left unanswered, not from the last message: after
+        # this process was suspended (a laptop asleep) the engine gets a fresh chance to answer.
+        unanswered_since: float | None = None
+        try:
+            while True:
+                ready = dict(poller.poll(int(hb * 500)))
+                if self._wake_r.fileno() in ready:
+                    try:
+                        while self._wake_r.recv(4096):
+                            pass
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                while self._outq:
+                    sock.send_multipart(self._outq.popleft(), copy=False)
+                    last_send = time.monotonic()
+                if sock in ready:
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        unanswered_since = None
+                        self._got_reply = True
+                        self._dispatch(frames)
+                t = time.monotonic()
+                if self._closing:
+                    if self._dead is None:
+                        while self._outq:  # what was posted just before close() still goes out
+                            sock.send_multipart(self._outq.popleft(), copy=False)
+                        sock.send_multipart([HEADER, encode_strict(Bye())])
+                    break
+                if t - last_send >= hb:
+                    sock.send_multipart([HEADER, encode_strict(Ping())])
+                    last_send = t
+                    if unanswered_since is None:
+                        unanswered_since = t
+                if t - last_check >= min(hb, 0.5):
+                    last_check = t
+                    silent = 0.0 if unanswered_since is None else t - unanswered_since
+                    reason = self._death_reason(silent, dead_after)
+                    if reason:
+                        self._set_dead(EngineDeadError(f"engine {info.name!r} (pid {info.pid}) is gone: {reason}"))
+                        break
+        except Exception as e:  # pragma: no cover - a bug here must surface, not hang callers
+            log.exception("client IO thread crashed")
+            self._set_dead(EngineDeadError(f"client IO thread crashed: {e!r}"))
+        finally:
+            sock.close()
+
+    def _death_reason(self, silent_s: float, dead_after: float) -> str | None:
+        if self.process is not None:
+            rc = self.process.poll()
+            if rc is not None:
+                return f"its process exited with code {rc}"
+        elif self._check_pid and not conn.pid_alive(self.info.pid):
+            return "its process no longer exists"
+        if self._got_reply and silent_s > dead_after:
+            return f"no heartbeat for {silent_s:.1f}s"
+        return None
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) != 2 or check_header(frames[0]) is not None:
+            log.warning("dropping a malformed message from the engine")
+            return
+        try:
+            msg = decode_engine_message(frames[1])
+        except Exception as e:
+            log.warning("dropping an undecodable message from the engine: %s", e)
+            return
+        if isinstance(msg, Outputs):
+            for chunk in msg.chunks:
+                with self._lock:
+                    sink = self._sinks.get(chunk.request_id)
+                    if sink is not None and chunk.finish_reason is not None:
+                        del self._sinks[chunk.request_id]
+                if sink is not None:
+                    _safe(sink, chunk)
+        elif isinstance(msg, (Result, Failure)):
+            with self._lock:
+                fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if isinstance(msg, Result):
+                    fut.set_result(bytes(msg.value))
+                else:
+                    fut.set_exception(error_from_wire(msg.error))
+        elif isinstance(msg, Rejected):
+            for rid in msg.request_ids:
+                with self._lock:
+                    sink = self._sinks.pop(rid, None)
+                if sink is not None:
+                    _safe(sink, error_from_wire(msg.error))
+        elif isinstance(msg, ProtocolError):
+            log.error("the engine could not understand a message from this client: %s", msg.message)
+        elif isinstance(msg, Pong):
+            pass
+
+    def _set_dead(self, exc: BaseException, quiet: bool = False) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = exc
+            calls, self._calls = self._calls, {}
+            sinks, self._sinks = self._sinks, {}
+            subs = list(self._subs)
+        if not quiet:
+            log.warning("%s", exc)
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(_copy_exc(exc))
+        for sink in set(sinks.values()):
+            _safe(sink, _copy_exc(exc))
+        for sub in subs:
+            sub._deliver(_copy_exc(exc))
+
+    def _post(self, msg: Any) -> None:
+        if self._dead is not None:
+            raise _copy_exc(self._dead)
+        frames = [HEADER, encode_strict(msg)]
+        if len(frames[1]) > self.info.max_message_bytes:
+            raise ValueError(
+                f"message of {len(frames[1]) / 2**20:.1f} MiB exceeds the engine's limit of "
+                f"{self.info.max_message_bytes / 2**20:.0f} MiB; submit fewer or shorter prompts at once"
+            )
+        self._outq.append(frames)
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending
+
+    # -- RPC ------------------------------------------------------------------------------------
+    def _start_call(self, method: str, kwargs: dict) -> tuple[int, concurrent.futures.Future]:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        with self._lock:
+            if self._dead is not None:
+                raise _copy_exc(self._dead)
+            self._calls[call_id] = fut
+        try:
+            self._post(Call(call_id, method, kwargs))
+        except BaseException:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise
+        return call_id, fut
+
+    def call(self, method: str, *, _timeout: float | None = None, _type: Any = Any, **kwargs) -> Any:
+        """Run an engine RPC (between steps) and return its value; engine errors re-raised."""
+        timeout = self.rpc_timeout if _timeout is None else _timeout
+        call_id, fut = self._start_call(method, kwargs)
+        try:
+            raw = fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"engine {self.name!r} did not answer {method}() within {timeout}s") from None
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+        return decode_value(raw, _type)
+
+    async def acall(self, method: str, *, _timeout: float | None = None, _type: Any = Any, **kwargs) -> Any:
+        timeout = self.rpc_timeout if _timeout is None else _timeout
+        call_id, fut = self._start_call(method, kwargs)
+        try:
+            raw = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"engine {self.name!r} did not answer {method}() within {timeout}s") from None
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
+        return decode_value(raw, _type)
+
+    def configure(self, **changes: Any) -> dict:
+        """Change settings; applied by the engine at the next step boundary. Returns the
+        effective settings. Invalid names/values raise ValueError/TypeError (nothing applied)."""
+        return self.call("configure", **changes)
+
+    async def aconfigure(self, **changes: Any) -> dict:
+        return await self.acall("configure", **changes)
+
+    def settings(self) -> dict:
+        return self.call("settings")
+
+    def metrics(self) -> dict:
+        return self.call("metrics")
+
+    def status(self) -> dict:
+        return self.call("status")
+
+    def schema(self) -> list[dict]:
+        return self.call("schema")
+
+    def weights_checksum(self) -> str:
+        return self.call("weights_checksum")
+
+    def reset_prefix_cache(self) -> int:
+        return self.call("reset_prefix_cache")
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probability of each token after the first given those before it (for perplexity);
+        run by the engine between steps without disturbing other requests."""
+        return self.call("score", token_ids=list(token_ids))
+
+    def timeline(self, since: int | None = None) -> Timeline:
+        """Steps and request events after cursor `since` (all that the ring buffer holds if None)."""
+        return self.call("timeline", since=since, _type=Timeline)
+
+    # -- requests -------------------------------------------------------------------------------
+    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None]) -> list[str]:
+        reqs = [NewRequest(request_id=f"{secrets.token_hex(6)}", prompt=p, prompt_token_ids=ids, params=sp,
+                           chat=bool(chat), stream=stream) for p, ids, sp in batch]
+        rids = [r.request_id for r in reqs]
+        with self._lock:
+            if self._dead is not None:
+                raise _copy_exc(self._dead)
+            for rid in rids:
+                self._sinks[rid] = sink
+        try:
+            self._post(Submit(reqs))
+        except BaseException:
+            self._drop_sinks(rids)
+            raise
+        return rids
+
+    def _drop_sinks(self, rids: Iterable[str]) -> None:
+        with self._lock:
+            for rid in rids:
+                self._sinks.pop(rid, None)
+
+    def _cleanup(self, rids: Iterable[str], finished: set[str]) -> None:
+        left = [r for r in rids if r not in finished]
+        self._drop_sinks(left)
+        if left and self._dead is None and not self._closed:
+            try:
+                self._post(Abort(left))
+            except Exception:
+                pass
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (of any client) by id; their owner gets finish_reason="abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not all(isinstance(r, str) for r in ids):
+            raise TypeError("request_id must be a str or a list of str")
+        self._post(Abort(ids))
+
+    def generate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
+                 timeout: float | None = None) -> list[RequestOutput]:
+        """Like `LLM.generate`: one RequestOutput per prompt, in order."""
+        batch = normalize_batch(prompts, params, prompt_token_ids)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        rids = self._submit(batch, chat, False, q.put)
+        done: dict[str, RequestOutput] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while len(done) < len(rids):
+                item = _get(q, deadline, timeout)
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    done[item.request_id] = item.output
+        finally:
+            self._cleanup(rids, set(done))
+        return [done[r] for r in rids]
+
+    def stream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
+               timeout: float | None = None) -> Iterator[StreamChunk]:
+        """Like `LLM.stream`: chunks of one request as they are produced. Leaving the loop early
+        (break, exception, Ctrl-C) aborts the request."""
+        [item] = normalize_batch(prompt, params, None if prompt_token_ids is None else [prompt_token_ids])
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        [rid] = self._submit([item], chat, True, q.put)
+        return self._stream_iter(rid, q, timeout)
+
+    def _stream_iter(self, rid: str, q: queue.SimpleQueue, timeout: float | None) -> Iterator[StreamChunk]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        finished = False
+        try:
+            while not finished:
+                item = _get(q, deadline, timeout)
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._cleanup([rid], {rid} if finished else set())
+
+    async def agenerate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
+                        timeout: float | None = None) -> list[RequestOutput]:
+        batch = normalize_batch(prompts, params, prompt_token_ids)
+        aq, sink = _async_sink()
+        rids = self._submit(batch, chat, False, sink)
+        done: dict[str, RequestOutput] = {}
+        try:
+            async with _atimeout(timeout):
+                while len(done) < len(rids):
+                    item = await aq.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item.finish_reason is not None:
+                        done[item.request_id] = item.output
+        finally:
+            self._cleanup(rids, set(done))
+        return [done[r] for r in rids]
+
+    async def astream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
+                      timeout: float | None = None) -> AsyncIterator[StreamChunk]:
+        [item] = normalize_batch(prompt, params, None if prompt_token_ids is None else [prompt_token_ids])
+        aq, sink = _async_sink()
+        [rid] = self._submit([item], chat, True, sink)
+        finished = False
+        try:
+            async with _atimeout(timeout):
+                while not finished:
+                    got = await aq.get()
+                    if isinstance(got, BaseException):
+                        finished = True
+                        raise got
+                    finished = got.finish_reason is not None
+                    yield got
+        finally:
+            self._cleanup([rid], {rid} if finished else set())
+
+    # -- events ---------------------------------------------------------------------------------
+    def events(self, kinds: Iterable[str] | str | None = None, *, maxsize: int = 10_000,
+               timeout: float = 10.0) -> EventSubscription:
+        """Subscribe to engine events; returns once the subscription is live (so no event
+        published after this call returns is missed)."""
+        return self._subscribe(EventSubscription(self, kinds, maxsize=maxsize), timeout)
+
+    def on_event(self, callback: Callable[[Event], None], kinds: Iterable[str] | str | None = None, *,
+                 timeout: float = 10.0) -> EventSubscription:
+        """Call `callback(event)` on the client's event thread for each event; `.close()` stops."""
+        return self._subscribe(EventSubscription(self, kinds, callback=callback), timeout)
+
+    async def aevents(self, kinds: Iterable[str] | str | None = None, *, timeout: float = 10.0
+                      ) -> EventSubscription:
+        """`async for ev in await client.aevents(): ...`"""
+        sub = EventSubscription(self, kinds, loop=asyncio.get_running_loop())
+        return await asyncio.get_running_loop().run_in_executor(None, self._subscribe, sub, timeout)
+
+    def _subscribe(self, sub: EventSubscription, timeout: float) -> EventSubscription:
+        with self._ev_lock:
+            if self._dead is not None:
+                raise _copy_exc(self._dead)
+            if self._ev_thread is None:
+                self._ev_thread = threading.Thread(target=self._event_loop, name=f"wb-client-events-{self.name}",
+                                                   daemon=True)
+                self._ev_thread.start()
+                if not self._ev_ready.wait(timeout):
+                    raise TimeoutError("event thread did not start")
+        self._sync_events(timeout)
+        with self._lock:
+            self._subs.append(sub)
+        return sub
+
+    def _sync_events(self, timeout: float) -> None:
+        """Wait until our SUB socket receives events (a PUB drops what it sends before then)."""
+        token = secrets.token_hex(8)
+        seen = threading.Event()
+        self._sync_tokens[token] = seen
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                self.call("sync_events", token=token, _timeout=max(0.1, deadline - time.monotonic()))
+                if seen.wait(0.2):
+                    return
+            raise TimeoutError(f"event subscription to engine {self.name!r} not live within {timeout}s")
+        finally:
+            self._sync_tokens.pop(token, None)
+
+    def _unsubscribe(self, sub: EventSubscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def _event_loop(self) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        _apply_curve(sock, self.info)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.info.event_address)
+        self._ev_ready.set()
+        try:
+            while not self._closing and self._dead is None:
+                if not sock.poll(200):
+                    continue
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_event_frames(frames)
+        except Exception:  # pragma: no cover
+            log.exception("client event thread crashed")
+        finally:
+            sock.close()
+
+    def _on_event_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or check_header(frames[1]) is not None:
+            return
+        try:
+            msg = decode_event(frames[2])
+            data = decode_value(msg.data, Timeline if msg.kind == "timeline" else Any)
+        except Exception as e:
+            log.warning("dropping an undecodable event: %s", e)
+            return
+        if msg.kind == "sync":
+            token = data.get("token") if isinstance(data, dict) else None
+            seen = self._sync_tokens.get(token)
+            if seen is not None:
+                seen.set()
+            return
+        ev = Event(msg.kind, msg.time, data)
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            sub._deliver(ev)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Disconnect (the engine aborts this client's unfinished requests). The engine runs on."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = True
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+        threads = [t for t in (self._io, self._ev_thread) if t is not None]
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(5)
+        self._set_dead(WorkbenchIPCError(f"this client of engine {self.name!r} is closed"), quiet=True)
+        _clients.discard(self)
+        if any(t.is_alive() for t in threads):
+            return  # closed from a callback on one of our threads: it closes its socket on its way out
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        self._ctx.term()
+
+    def shutdown(self, drain: bool = False, timeout: float = 60.0) -> None:
+        """Stop the engine: abort (or, with drain=True, finish) what is in flight, free its
+        memory, remove its connection file. Waits until the process is gone."""
+        deadline = time.monotonic() + timeout
+        if self._dead is None:
+            try:
+                self.call("shutdown", drain=drain, _timeout=min(timeout, 30.0))
+            except (EngineDeadError, WorkbenchIPCError):
+                pass
+        try:
+            self._wait_gone(deadline)
+        finally:
+            self.close()
+
+    def _wait_gone(self, deadline: float) -> None:
+        if self.process is not None:
+            try:
+                self.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+                raise TimeoutError(f"engine {self.name!r} did not exit in time; killed it") from None
+            return
+        while time.monotonic() < deadline:
+            if self._dead is not None or (self._check_pid and not conn.pid_alive(self.pid)):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"engine {self.name!r} (pid {self.pid}) did not exit in time")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _default_client_name() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def _apply_curve(sock: zmq.Socket, info: conn.ConnectionInfo) -> None:
+    if info.transport != "tcp":
+        return
+    keys = info.curve or {}
+    if not all(keys.get(k) for k in ("server_public", "client_public", "client_secret")):
+        # No keys: connect anyway; the engine's CURVE handshake will never let us in, and the
+        # handshake timeout reports it.
+        return
+    sock.curve_serverkey = keys["server_public"].encode()
+    sock.curve_publickey = keys["client_public"].encode()
+    sock.curve_secretkey = keys["client_secret"].encode()
+
+
+def _safe(sink: Callable[[Any], None], item: Any) -> None:
+    try:
+        sink(item)
+    except Exception:  # a closed event loop, a consumer that went away
+        log.debug("dropping an item for a gone consumer", exc_info=True)
+
+
+def _copy_exc(exc: BaseException) -> BaseException:
+    try:
+        return type(exc)(*exc.args)
+    except Exception:
+        return exc
+
+
+def _get(q: queue.SimpleQueue, deadline: float | None, timeout: float | None):
+    while True:
+        wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+        if wait <= 0:
+            raise TimeoutError(f"no result within {timeout}s")
+        try:
+            return q.get(timeout=wait)
+        except queue.Empty:
+            continue
+
+
+def _async_sink() -> tuple[asyncio.Queue, Callable[[Any], None]]:
+    loop = asyncio.get_running_loop()
+    aq: asyncio.Queue = asyncio.Queue()
+
+    def sink(item: Any) -> None:
+        loop.call_soon_threadsafe(aq.put_nowait, item)
+
+    return aq, sink
+
+
+class _atimeout:
+    """`asyncio.timeout` for Python 3.10 too: cancels the body after `seconds` (None: never)."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self._handle = None
+        self._fired = False
+
+    async def __aenter__(self):
+        if self.seconds is not None:
+            task = asyncio.current_task()
+            loop = asyncio.get_running_loop()
+
+            def fire():
+                self._fired = True
+                task.cancel()
+
+            self._handle = loop.call_later(self.seconds, fire)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        if self._handle is not None:
+            self._handle.cancel()
+        if self._fired and exc_type is asyncio.CancelledError:
+            raise TimeoutError(f"no result within {self.seconds}s") from None
+        return False
+
+
+# -- start_engine -------------------------------------------------------------------------------
+def start_engine(model: str | os.PathLike | None = None, *, name: str | None = None, timeout: float = 600.0,
+                 transport: str = "ipc", host: str = "127.0.0.1", port: int = 0, client_timeout: float = 10.0,
+                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, detach: bool = False,
+                 **settings: Any) -> EngineClient:
+    """Spawn a long-lived engine process (a fresh interpreter: never a fork, so it is safe from a
+    notebook), wait until it is ready, and return a client of it.
+
+    `settings` are engine settings (validated here first). Unless `detach=True`, the engine stops
+    when this process exits. Raises EngineStartError with the engine's last log lines when it
+    fails to start (a bad model path shows the loader's message), or does not become ready within
+    `timeout` seconds (loading, or converting the default model the first time, is the usual
+    cause)."""
+    from ..settings import validate
+
+    settings = validate(settings)
+    if transport not in ("ipc", "tcp"):
+        raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+    directory = conn.runtime_dir()
+    name = conn.check_name(name) if name is not None else conn.unique_name(directory)
+    holder = conn.live_engine(name, directory)
+    if holder is not None:
+        raise FileExistsError(f"an engine named {name!r} is already running (pid {holder.pid}); connect with "
+                              f"EngineClient.connect({name!r}) or pass another name")
+    log_file = conn.log_path(name, directory)
+    cmd = [sys.executable, "-m", "workbench.ipc.server", "--name", name, "--transport", transport,
+           "--host", host, "--port", str(int(port)), "--client-timeout", str(float(client_timeout)),
+           "--max-message-mb", str(float(max_message_mb)), "--settings-json", json.dumps(settings),
+           "--log-file", str(log_file)]
+    if model is not None:
+        cmd += ["--model", os.fspath(model)]
+    if not detach:
+        cmd += ["--parent-pid", str(os.getpid())]
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[conn.ENV_RUNTIME_DIR] = str(directory)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    with open(log_file, "wb") as logf:
+        os.chmod(log_file, 0o600)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                close_fds=True, start_new_session=True)
+    try:
+        return _wait_ready(proc, name, directory, log_file, timeout)
+    except BaseException:
+        _kill(proc)
+        raise
+
+
+def _wait_ready(proc: subprocess.Popen, name: str, directory: Path, log_file: Path, timeout: float) -> EngineClient:
+    deadline = time.monotonic() + timeout
+    path = conn.connection_path(name, directory)
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            raise EngineStartError(_start_failure(name, f"exited with code {rc} while starting", log_file))
+        try:
+            info = conn.read_connection_file(path)
+        except (OSError, ValueError, TypeError):
+            info = None
+        if info is not None and info.pid == proc.pid:
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                return EngineClient(info, process=proc, timeout=min(left, 60.0))
+            except EngineDeadError:
+                raise EngineStartError(_start_failure(name, "died during the handshake", log_file)) from None
+        if time.monotonic() > deadline:
+            raise EngineStartError(_start_failure(
+                name, f"did not become ready within {timeout}s (loading the weights, or converting the "
+                "default model the first time, is the usual cause; pass a larger timeout=)", log_file))
+        time.sleep(0.05)
+
+
+def _start_failure(name: str, what: str, log_file: Path) -> str:
+    tail = _tail(log_file)
+    reason = next((line.split(START_FAILED, 1)[1].strip() for line in reversed(tail) if START_FAILED in line), None)
+    head = f"engine {name!r} {what}" + (f": {reason}" if reason else "")
+    return head + f"\n--- last lines of {log_file} ---\n" + "\n".join(tail)
+
+
+def _tail(path: Path, lines: int = 30) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16_384))
+            return f.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@atexit.register
+def _close_all() -> None:
+    for client in list(_clients):
+        try:
+            client.close()
+        except Exception:
+            pass
+

@@ -1,0 +1,253 @@
+"""The wire protocol between engine processes and their clients: typed msgpack, no pickle.
+
+Sockets (addresses in the connection file, see `connection.py`):
+
+- requests: the engine binds a ROUTER, each client connects a DEALER (one per client, owned by
+  the client's IO thread). Every message is two frames, ``[HEADER, body]`` (the ROUTER adds the
+  client's routing id in front). ``HEADER`` is ``b"WB"`` plus one byte of protocol version;
+  ``body`` is one msgpack-encoded tagged struct from the unions below.
+- events: the engine binds a PUB, clients connect a SUB. Every event is three frames,
+  ``[kind, HEADER, body]`` (``kind`` first so SUB prefix filters work), body an `EventMsg`.
+
+Client -> engine: `Call` (an RPC: ``configure``, ``metrics``, ``timeline`` ...), `Submit`
+(new requests, validated as a batch), `Abort`, `Ping` (heartbeat) and `Bye`.
+Engine -> client: `Result` / `Failure` (answer a `Call` by ``call_id``), `Outputs` (stream
+chunks, sent only to the requester), `Rejected` (a `Submit` that failed validation),
+`Pong` and `ProtocolError` (a message that could not be understood).
+
+Errors keep their type: a ValueError raised in the engine travels as ``("ValueError", message)``
+and is raised again as ValueError with the same message by the client (`error_from_wire`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from ..outputs import StreamChunk
+from ..sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAGIC = b"WB"
+HEADER = MAGIC + bytes([PROTOCOL_VERSION])
+DEFAULT_MAX_MESSAGE_MB = 64
+START_FAILED = "ENGINE START FAILED:"  # the log line start_engine quotes when the engine cannot start
+
+
+class WorkbenchIPCError(RuntimeError):
+    """Base of the errors raised by the IPC layer itself."""
+
+
+class ProtocolMismatchError(WorkbenchIPCError):
+    """The other side sent something this version of the protocol does not understand."""
+
+
+class EngineError(WorkbenchIPCError):
+    """An exception raised in the engine whose type is not re-raised as itself."""
+
+
+class EngineDeadError(WorkbenchIPCError):
+    """The engine process is gone (crashed, killed or shut down) or stopped answering."""
+
+
+class EngineConnectError(WorkbenchIPCError, ConnectionError):
+    """No engine answered the handshake."""
+
+
+class EngineStartError(WorkbenchIPCError):
+    """The engine process exited, or never became ready, while starting."""
+
+
+# -- client -> engine ---------------------------------------------------------------------------
+class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    chat: bool = False
+    stream: bool = True  # False: only the final chunk (with the whole output) is sent
+
+
+class Call(msgspec.Struct, tag="call", array_like=True, omit_defaults=True):
+    call_id: int
+    method: str
+    kwargs: dict[str, Any] = {}
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True):
+    requests: list[NewRequest]
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    pass
+
+
+class Bye(msgspec.Struct, tag="bye", array_like=True):
+    pass
+
+
+ClientMessage = Call | Submit | Abort | Ping | Bye
+
+
+# -- engine -> client ---------------------------------------------------------------------------
+class ErrorInfo(msgspec.Struct, array_like=True):
+    type: str
+    message: str
+
+
+class Result(msgspec.Struct, tag="result", array_like=True):
+    call_id: int
+    value: msgspec.Raw  # msgpack of the return value; decoded by the caller with the right type
+
+
+class Failure(msgspec.Struct, tag="failure", array_like=True):
+    call_id: int
+    error: ErrorInfo
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    chunks: list[StreamChunk]
+
+
+class Rejected(msgspec.Struct, tag="rejected", array_like=True):
+    request_ids: list[str]
+    error: ErrorInfo
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True):
+    time: float = 0.0
+
+
+class ProtocolError(msgspec.Struct, tag="protocol_error", array_like=True):
+    message: str
+
+
+EngineMessage = Result | Failure | Outputs | Rejected | Pong | ProtocolError
+
+
+# -- events (PUB) -------------------------------------------------------------------------------
+class EventMsg(msgspec.Struct, array_like=True):
+    kind: str  # "timeline" | "settings" | "relayout" | "metrics" | "engine" | "sync"
+    time: float  # time.monotonic() in the engine
+    data: msgspec.Raw
+
+
+class Event(msgspec.Struct):
+    """What subscribers receive. ``data`` is a `Timeline` for "timeline" events, else a dict."""
+
+    kind: str
+    time: float
+    data: Any
+
+
+EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
+
+
+# -- codecs -------------------------------------------------------------------------------------
+def _enc_hook(obj: Any) -> Any:
+    # Values we do not know how to encode (a torch dtype in a status dict) travel as text.
+    return str(obj)
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_strict_encoder = msgspec.msgpack.Encoder()  # clients: an unencodable argument is a TypeError here
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_event_decoder = msgspec.msgpack.Decoder(EventMsg)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def encode_strict(obj: Any) -> bytes:
+    return _strict_encoder.encode(obj)
+
+
+def encode_raw(obj: Any) -> msgspec.Raw:
+    return msgspec.Raw(_encoder.encode(obj))
+
+
+def decode_client_message(body: bytes) -> ClientMessage:
+    return _client_decoder.decode(body)
+
+
+def decode_engine_message(body: bytes) -> EngineMessage:
+    return _engine_decoder.decode(body)
+
+
+def decode_event(body: bytes) -> EventMsg:
+    return _event_decoder.decode(body)
+
+
+def decode_value(raw: bytes | msgspec.Raw, type: Any = Any) -> Any:
+    if type is Any:
+        return _any_decoder.decode(raw)
+    return msgspec.msgpack.decode(raw, type=type)
+
+
+def check_header(header: bytes) -> str | None:
+    """None when the header is ours and of this version, else why not."""
+    if header == HEADER:
+        return None
+    if len(header) == 3 and header[:2] == MAGIC:
+        return (f"protocol version mismatch: this side speaks version {PROTOCOL_VERSION}, "
+                f"the message has version {header[2]}; use the same workbench version on both sides")
+    return "not a workbench message (bad header frame)"
+
+
+def guess_refs(body: bytes) -> tuple[int | None, list[str]]:
+    """Best effort for a message that failed to decode: the call id or request ids it carries,
+    so the error can be routed to whoever waits for them."""
+    try:
+        obj = _any_decoder.decode(body)
+    except Exception:
+        return None, []
+    if not isinstance(obj, list) or len(obj) < 2:
+        return None, []
+    if obj[0] == "call" and isinstance(obj[1], int) and not isinstance(obj[1], bool):
+        return obj[1], []
+    if obj[0] == "submit" and isinstance(obj[1], list):
+        ids = [r[0] for r in obj[1] if isinstance(r, list) and r and isinstance(r[0], str)]
+        return None, ids[:1000]
+    return None, []
+
+
+# -- errors -------------------------------------------------------------------------------------
+# Exceptions re-raised as their own type; anything else becomes EngineError("Type: message").
+_BUILTIN_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (ValueError, TypeError, KeyError, IndexError, LookupError, RuntimeError,
+                NotImplementedError, TimeoutError, FileNotFoundError, OverflowError, ZeroDivisionError)
+}
+_IPC_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls for cls in (ProtocolMismatchError, EngineError, EngineDeadError)
+}
+
+
+def error_to_wire(exc: BaseException) -> ErrorInfo:
+    if isinstance(exc, KeyError) and len(exc.args) == 1:
+        message = str(exc.args[0])
+    elif isinstance(exc, msgspec.ValidationError):
+        return ErrorInfo("ValueError", str(exc))
+    else:
+        message = str(exc)
+    return ErrorInfo(type(exc).__name__, message)
+
+
+def error_from_wire(err: ErrorInfo) -> BaseException:
+    cls = _BUILTIN_ERRORS.get(err.type) or _IPC_ERRORS.get(err.type)
+    if cls is not None:
+        return cls(err.message)
+    return EngineError(f"{err.type}: {err.message}")
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,684 @@
+"""The engine process: one `LLMEngine` served to many clients over ZeroMQ.
+
+    python -m workbench.ipc.server [--model M] [--name N] [--<setting> value ...]
+    workbench serve ...          (the same, from the CLI)
+
+Threads:
+
+- main: the step loop. It drains the inbox (requests, aborts, RPCs, "client gone" notices),
+  then runs one `engine.step()`, routes the chunks to their requesters, and publishes timeline
+  increments. Everything that touches the engine (add, abort, configure, metrics...) runs here,
+  between steps, so a setting never changes under a running step.
+- router IO: owns the ROUTER socket. Decodes and checks incoming messages and puts them in the
+  inbox, answers pings itself (so heartbeats flow while a long step runs), encodes and sends
+  what the main thread put in the outbox, and notices clients that stopped sending heartbeats.
+- event IO: owns the PUB socket; encodes and publishes events (steps, request lifecycle,
+  settings changes, relayout progress, metrics once a second).
+
+Socket work thus overlaps compute (torch releases the GIL inside its kernels).
+
+TCP is only offered with CURVE: the engine's keypair plus one client keypair, both written to
+the (0600) connection file; a ZAP handler accepts only that client key, so a peer without the
+keys can neither submit work nor read events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from . import connection as conn
+from .protocol import (
+    DEFAULT_MAX_MESSAGE_MB,
+    HEADER,
+    PROTOCOL_VERSION,
+    START_FAILED,
+    Abort,
+    Bye,
+    Call,
+    ErrorInfo,
+    EventMsg,
+    Failure,
+    Outputs,
+    Ping,
+    Pong,
+    ProtocolError,
+    Rejected,
+    Result,
+    Submit,
+    check_header,
+    decode_client_message,
+    encode,
+    encode_raw,
+    error_to_wire,
+    guess_refs,
+)
+
+log = logging.getLogger("workbench.engine")
+
+TIMELINE_FLUSH_S = 0.05  # publish step/request events at most 20 times a second
+METRICS_EVERY_S = 1.0
+
+
+class EngineServer:
+    def __init__(self, engine, *, name: str, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
+                 client_timeout_s: float = 10.0, max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+                 parent_pid: int | None = None, directory: Path | None = None, log_file: str | None = None):
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        if not client_timeout_s > 0:
+            raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
+        self.engine = engine
+        self.name = conn.check_name(name)
+        self.transport, self.host, self.port = transport, host, int(port)
+        self.client_timeout_s = float(client_timeout_s)
+        self.heartbeat_s = min(1.0, self.client_timeout_s / 4)
+        self.max_message_bytes = int(max_message_mb * 2**20)
+        self.parent_pid = parent_pid
+        self.directory = directory or conn.runtime_dir()
+        self.log_file = log_file
+        self.started = time.monotonic()
+
+        self._ctx = zmq.Context()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: deque = deque()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._io_stop = threading.Event()
+        self._clients: dict[bytes, float] = {}  # router thread only: identity -> last seen
+        self._owners: dict[str, tuple[bytes, bool]] = {}  # request_id -> (identity, stream)
+        self._owned: dict[bytes, set[str]] = defaultdict(set)
+        self._client_names: dict[bytes, str] = {}
+        self._stop_mode: str | None = None  # None | "abort" | "drain"
+        self._tl_cursor = engine.timeline.cursor
+        self._last_tl_flush = 0.0
+        self._last_metrics = 0.0
+        self._stalled = False
+        self._own_ipc_dir: Path | None = None
+        self._ipc_files: list[str] = []
+        self._curve: dict[str, str] | None = None
+        self._auth = None
+        self.connection_file: Path | None = None
+        self.info: conn.ConnectionInfo | None = None
+        self._methods = {
+            "hello": self._hello,
+            "configure": lambda **changes: self.engine.configure(**changes),
+            "settings": lambda: self.engine.settings.as_dict(),
+            "metrics": lambda **kw: self.engine.metrics(**kw),
+            "status": self.status,
+            "timeline": self._timeline,
+            "reset_prefix_cache": lambda: self.engine.reset_prefix_cache(),
+            "weights_checksum": lambda: self.engine.weights_checksum(),
+            "schema": _schema,
+            "shutdown": self._shutdown_rpc,
+            "sync_events": self._sync_events,
+        }
+        if hasattr(engine, "score"):  # log-probabilities of a token sequence (perplexity), between steps
+            self._methods["score"] = lambda token_ids, **kw: self.engine.score(token_ids, **kw)
+        engine.event_hooks.append(self._on_engine_event)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def start(self) -> Path:
+        """Bind the sockets, start the IO threads, then write the connection file (= ready)."""
+        if self.transport == "ipc":
+            req_addr, evt_addr, self._own_ipc_dir = conn.ipc_addresses(self.name, self.directory)
+        else:
+            req_addr = f"tcp://{self.host}:{self.port or '*'}"
+            evt_addr = f"tcp://{self.host}:*"
+            self._setup_curve()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._pub = self._ctx.socket(zmq.PUB)
+        for s in (self._router, self._pub):
+            s.setsockopt(zmq.LINGER, 2000)
+            if self._curve is not None:
+                s.curve_server = True
+                s.curve_secretkey = self._curve["server_secret"].encode()
+                s.curve_publickey = self._curve["server_public"].encode()
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self._pub.setsockopt(zmq.SNDHWM, 10_000)
+        self._router.bind(req_addr)
+        self._pub.bind(evt_addr)
+        req_addr = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        evt_addr = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        if self.transport == "ipc":
+            self._ipc_files = [a.removeprefix("ipc://") for a in (req_addr, evt_addr)]
+        # Wakes the router thread when the main thread queued something to send.
+        self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://wake-{id(self)}")
+        self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://wake-{id(self)}")
+        self._router_thread = threading.Thread(target=self._router_loop, name="wb-router-io", daemon=True)
+        self._event_thread = threading.Thread(target=self._event_loop, name="wb-event-io", daemon=True)
+        self._router_thread.start()
+        self._event_thread.start()
+        curve = None
+        if self._curve is not None:
+            curve = {k: self._curve[k] for k in ("server_public", "client_public", "client_secret")}
+        self.info = conn.ConnectionInfo(
+            name=self.name, pid=os.getpid(), transport=self.transport, request_address=req_addr,
+            event_address=evt_addr, model=self.engine.model_name, heartbeat_s=self.heartbeat_s,
+            client_timeout_s=self.client_timeout_s, max_message_bytes=self.max_message_bytes,
+            protocol=PROTOCOL_VERSION, curve=curve, log_file=self.log_file,
+        )
+        self.connection_file = conn.write_connection_file(self.info, self.directory)
+        log.info("engine %r ready (pid %d, model %s, %s); connection file %s", self.name, os.getpid(),
+                 self.engine.model_name, req_addr, self.connection_file)
+        return self.connection_file
+
+    def _setup_curve(self) -> None:
+        if not zmq.has("curve"):
+            raise RuntimeError("this libzmq has no CURVE support; TCP needs it (use transport='ipc')")
+        from zmq.auth.thread import ThreadAuthenticator
+
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        self._curve = {k: v.decode() for k, v in dict(
+            server_public=server_public, server_secret=server_secret,
+            client_public=client_public, client_secret=client_secret).items()}
+        allowed = client_public
+
+        class _OneKey:
+            def callback(self, domain, key):  # key: z85 public key of the connecting client
+                return key == allowed
+
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("workbench.engine.auth"))
+        self._auth.start()
+        self._auth.configure_curve_callback(domain="*", credentials_provider=_OneKey())
+
+    # -- router IO thread -------------------------------------------------------------------------
+    def _router_loop(self) -> None:
+        sock, wake = self._router, self._wake_rx
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        next_check = time.monotonic() + self.heartbeat_s
+        try:
+            while True:
+                ready = dict(poller.poll(100))
+                if wake in ready:
+                    while True:
+                        try:
+                            wake.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._flush_outbox()
+                if sock in ready:
+                    for _ in range(256):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                    self._flush_outbox()
+                t = time.monotonic()
+                if t >= next_check:
+                    next_check = t + self.heartbeat_s / 2
+                    self._check_clients(t)
+                if self._io_stop.is_set():
+                    self._flush_outbox()
+                    break
+        except Exception:  # pragma: no cover - a bug here must not hang clients silently
+            log.exception("router IO thread crashed")
+            self._inbox.put(("signal", None, "router IO thread crashed"))
+        finally:
+            sock.close()
+            wake.close()
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            ident, msg = self._outbox.popleft()
+            self._send_now(ident, msg)
+
+    def _send_now(self, ident: bytes, msg: Any) -> None:
+        try:
+            self._router.send_multipart([ident, HEADER, encode(msg)], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # unknown peer is dropped silently by ROUTER; anything else: log
+            log.debug("send to %r failed: %s", ident, e)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        ident = frames[0]
+        if len(frames) != 3:
+            self._send_now(ident, ProtocolError(f"expected 2 frames [header, body], got {len(frames) - 1}"))
+            return
+        header, body = frames[1], frames[2]
+        problem, kind = check_header(header), "ProtocolMismatchError"
+        if problem is None:
+            try:
+                msg = decode_client_message(body)
+            except msgspec.ValidationError as e:  # well-formed msgpack, wrong shape or values
+                problem, kind = f"invalid message: {e}", "ValueError"
+            except Exception as e:  # msgspec.DecodeError: not msgpack at all
+                problem = f"undecodable message: {e}"
+        if problem is not None:
+            call_id, request_ids = guess_refs(body)
+            err = ErrorInfo(kind, problem)
+            if call_id is not None:
+                self._send_now(ident, Failure(call_id, err))
+            elif request_ids:
+                self._send_now(ident, Rejected(request_ids, err))
+            else:
+                self._send_now(ident, ProtocolError(problem))
+            return
+        self._clients[ident] = time.monotonic()
+        if isinstance(msg, Ping):
+            self._send_now(ident, Pong(time.monotonic()))
+        elif isinstance(msg, Bye):
+            self._clients.pop(ident, None)
+            self._inbox.put(("gone", ident, "said bye"))
+        else:
+            self._inbox.put(("msg", ident, msg))
+
+    def _check_clients(self, t: float) -> None:
+        for ident, seen in list(self._clients.items()):
+            if t - seen > self.client_timeout_s:
+                del self._clients[ident]
+                self._inbox.put(("gone", ident, f"no heartbeat for {t - seen:.1f}s"))
+
+    # -- event IO thread --------------------------------------------------------------------------
+    def _event_loop(self) -> None:
+        pub = self._pub
+        try:
+            while True:
+                item = self._events.get()
+                if item is None:
+                    break
+                kind, t, data = item
+                try:
+                    body = encode(EventMsg(kind, t, encode_raw(data)))
+                    pub.send_multipart([kind.encode(), HEADER, body], zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass
+                except Exception:
+                    log.exception("could not publish a %s event", kind)
+        finally:
+            pub.close()
+
+    def publish(self, kind: str, data: Any) -> None:
+        self._events.put((kind, time.monotonic(), data))
+
+    # -- main loop ------------------------------------------------------------------------------
+    def send(self, ident: bytes, msg: Any) -> None:
+        self._outbox.append((ident, msg))
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def install_signal_handlers(self) -> None:
+        received = []
+
+        def handler(signum, frame):
+            received.append(signum)
+            if len(received) > 1:  # a second Ctrl-C / SIGTERM: stop waiting for a graceful exit
+                os._exit(128 + signum)
+            self._inbox.put(("signal", None, signal.Signals(signum).name))
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def serve_forever(self) -> None:
+        self.publish("engine", {"state": "ready", "name": self.name, "pid": os.getpid()})
+        last_parent_check = time.monotonic()
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                self._drain_inbox(0.0 if busy and not self._stalled else (0.005 if busy else 0.05))
+                if self._stop_mode == "abort" or (self._stop_mode == "drain" and not self.engine.has_unfinished_requests()):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                t = time.monotonic()
+                if t - self._last_tl_flush >= TIMELINE_FLUSH_S:
+                    self._flush_timeline(t)
+                if t - self._last_metrics >= METRICS_EVERY_S:
+                    self._last_metrics = t
+                    self.publish("metrics", self.engine.metrics())
+                if self.parent_pid and t - last_parent_check > 0.5:
+                    last_parent_check = t
+                    if os.getppid() != self.parent_pid:
+                        log.warning("the process that started this engine (pid %d) is gone; shutting down",
+                                    self.parent_pid)
+                        self._stop_mode = "abort"
+        finally:
+            self.close()
+
+    def _drain_inbox(self, wait: float) -> None:
+        try:
+            item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, ident: bytes | None, payload: Any) -> None:
+        if kind == "msg":
+            if isinstance(payload, Submit):
+                self._on_submit(ident, payload)
+            elif isinstance(payload, Abort):
+                for rid in payload.request_ids:
+                    self._abort(rid)
+            elif isinstance(payload, Call):
+                self._on_call(ident, payload)
+        elif kind == "gone":
+            rids = self._owned.pop(ident, set())
+            self._client_names.pop(ident, None)
+            for rid in list(rids):
+                self._abort(rid)
+            if rids:
+                log.warning("client %r vanished (%s): aborted %d request(s)", ident, payload, len(rids))
+        elif kind == "signal":
+            log.info("%s: shutting down", payload)
+            self._stop_mode = "abort"
+
+    def _on_submit(self, ident: bytes, msg: Submit) -> None:
+        reqs = msg.requests
+        ids = [r.request_id for r in reqs]
+        try:
+            if self._stop_mode is not None:
+                raise RuntimeError("the engine is shutting down and accepts no new requests")
+            if not reqs:
+                raise ValueError("submit carries no requests")
+            if not all(ids) or len(set(ids)) != len(ids):
+                raise ValueError("request ids must be non-empty and distinct")
+            taken = [rid for rid in ids if rid in self._owners]
+            if taken:
+                raise ValueError(f"request_id {taken[0]!r} is already in use")
+            encoded = [self.engine.encode_prompt(r.prompt, r.prompt_token_ids, r.chat) for r in reqs]
+            added: list[str] = []
+            try:
+                for r, tokens in zip(reqs, encoded):
+                    added.append(self.engine.add_request(r.prompt, r.params, prompt_token_ids=tokens,
+                                                         request_id=r.request_id))
+            except BaseException:
+                for rid in added:
+                    self.engine.abort_request(rid)
+                raise
+        except Exception as e:
+            self.send(ident, Rejected(ids, error_to_wire(e)))
+            return
+        for r in reqs:
+            self._owners[r.request_id] = (ident, r.stream)
+            self._owned[ident].add(r.request_id)
+
+    def _abort(self, rid: str) -> None:
+        chunk = self.engine.abort_request(rid)
+        if chunk is not None:
+            self._route([chunk])
+
+    def _on_call(self, ident: bytes, call: Call) -> None:
+        fn = self._methods.get(call.method)
+        try:
+            if fn is None:
+                raise ValueError(f"unknown method {call.method!r}; known: {', '.join(sorted(self._methods))}")
+            if call.method == "hello":
+                value = fn(ident, **call.kwargs)
+            else:
+                value = fn(**call.kwargs)
+            raw = encode_raw(value)
+        except Exception as e:
+            self.send(ident, Failure(call.call_id, error_to_wire(e)))
+            if call.method == "configure":
+                log.info("configure %s rejected: %s", call.kwargs, e)
+            return
+        self.send(ident, Result(call.call_id, raw))
+
+    def _step(self) -> None:
+        cursor = self.engine.timeline.cursor
+        try:
+            chunks = self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(e)
+            return
+        self._route(chunks)
+        self._stalled = not chunks and self.engine.timeline.cursor == cursor
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = ErrorInfo("EngineError", f"engine step failed: {type(exc).__name__}: {exc}")
+        by_owner: dict[bytes, list[str]] = defaultdict(list)
+        for rid, (ident, _) in list(self._owners.items()):
+            by_owner[ident].append(rid)
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+        self._owners.clear()
+        self._owned.clear()
+        for ident, rids in by_owner.items():
+            self.send(ident, Rejected(rids, err))
+
+    def _route(self, chunks) -> None:
+        by_owner: dict[bytes, list] = defaultdict(list)
+        for c in chunks:
+            owner = self._owners.get(c.request_id)
+            if owner is None:
+                continue
+            ident, stream = owner
+            if c.finish_reason is not None:
+                del self._owners[c.request_id]
+                owned = self._owned.get(ident)
+                if owned is not None:
+                    owned.discard(c.request_id)
+            elif not stream:
+                continue
+            by_owner[ident].append(c)
+        for ident, cs in by_owner.items():
+            self.send(ident, Outputs(cs))
+
+    def _flush_timeline(self, t: float) -> None:
+        from ..timeline import Timeline
+
+        self._last_tl_flush = t
+        rec = self.engine.timeline
+        if rec.cursor == self._tl_cursor:
+            return
+        steps, reqs = _newer(rec.steps, self._tl_cursor), _newer(rec.requests, self._tl_cursor)
+        self._tl_cursor = rec.cursor
+        self.publish("timeline", Timeline(steps=steps, requests=reqs, cursor=rec.cursor))
+
+    def _on_engine_event(self, kind: str, payload: dict) -> None:
+        if kind == "settings":
+            log.info("settings changed: %s", payload.get("changes"))
+        self._flush_timeline(time.monotonic())
+        self.publish(kind, payload)
+
+    # -- RPC methods ----------------------------------------------------------------------------
+    def _hello(self, ident: bytes, name: str = "", pid: int = 0, protocol: int = PROTOCOL_VERSION) -> dict:
+        if protocol != PROTOCOL_VERSION:
+            raise ValueError(f"protocol version mismatch: engine speaks {PROTOCOL_VERSION}, client {protocol}")
+        self._client_names[ident] = f"{name or 'client'} (pid {pid})"
+        log.info("client %s connected", self._client_names[ident])
+        return {**self.status(), "settings": self.engine.settings.as_dict(), "heartbeat_s": self.heartbeat_s,
+                "client_timeout_s": self.client_timeout_s}
+
+    def status(self) -> dict:
+        st = self.engine.status()
+        st.update(name=self.name, protocol=PROTOCOL_VERSION, transport=self.transport,
+                  uptime_s=time.monotonic() - self.started, num_clients=len(self._client_names),
+                  num_requests=len(self.engine.requests),
+                  connection_file=str(self.connection_file) if self.connection_file else None)
+        return st
+
+    def _timeline(self, since: int | None = None):
+        if since is not None and (not isinstance(since, int) or isinstance(since, bool)):
+            raise TypeError(f"since must be an int cursor or None, got {since!r}")
+        return self.engine.timeline.read(since)
+
+    def _shutdown_rpc(self, drain: bool = False) -> dict:
+        if not isinstance(drain, bool):
+            raise TypeError(f"drain must be a bool, got {drain!r}")
+        mode = "drain" if drain else "abort"
+        log.info("shutdown requested (%s)", mode)
+        if self._stop_mode != "abort":
+            self._stop_mode = mode
+        return {"state": "stopping", "mode": mode, "pid": os.getpid()}
+
+    def _sync_events(self, token: str = "") -> bool:
+        self.publish("sync", {"token": token})
+        return True
+
+    # -- teardown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort what is left, tell everyone, remove the connection file, close the sockets."""
+        for rid in list(self.engine.requests):
+            try:
+                self._abort(rid)
+            except Exception:
+                log.exception("abort of %s failed during shutdown", rid)
+        self._flush_timeline(time.monotonic())
+        self.publish("engine", {"state": "stopped", "name": self.name, "pid": os.getpid()})
+        conn.remove_connection_file(self.name, os.getpid(), self.directory)
+        self._io_stop.set()
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._router_thread.join(5)
+        self._events.put(None)
+        self._event_thread.join(5)
+        self._wake_tx.close()
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+        for f in self._ipc_files:
+            Path(f).unlink(missing_ok=True)
+        if self._own_ipc_dir is not None:
+            shutil.rmtree(self._own_ipc_dir, ignore_errors=True)
+        log.info("engine %r stopped", self.name)
+
+
+def _newer(buf, cursor: int) -> list:
+    """Items of an append-only ring buffer with seq > cursor, oldest first, in O(new)."""
+    out = []
+    for item in reversed(buf):
+        if item.seq <= cursor:
+            break
+        out.append(item)
+    out.reverse()
+    return out
+
+
+def _schema() -> list:
+    from ..settings import schema
+
+    return schema()
+
+
+# -- command line -------------------------------------------------------------------------------
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `workbench serve` (also `python -m workbench.ipc.server`); one flag per setting,
+    generated from `workbench.settings.schema()`."""
+    from ..settings import allowed_values, schema
+
+    parser.add_argument("--model", default=None, help="model: 'smollm2-135m' (default), a HF folder or a .gguf file")
+    parser.add_argument("--name", default=None, help="engine name clients connect to (default: 'default' if free)")
+    parser.add_argument("--transport", choices=["ipc", "tcp"], default="ipc",
+                        help="ipc (default, this machine only) or tcp (always CURVE-encrypted and authenticated)")
+    parser.add_argument("--host", default="127.0.0.1", help="tcp: interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="tcp: request port (default: any free port)")
+    parser.add_argument("--client-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="abort a client's requests after this long without its heartbeat (default 10)")
+    parser.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_MB,
+                        help=f"largest accepted message (default {DEFAULT_MAX_MESSAGE_MB} MiB)")
+    parser.add_argument("--log-level", default="INFO", help="engine log level (default INFO)")
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--settings-json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--log-file", default=None, help=argparse.SUPPRESS)
+    group = parser.add_argument_group("engine settings (same names as configure(); live ones can change later)")
+    for entry in schema():
+        name = entry["name"]
+        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+        text = f"{entry['help']} [{entry['kind']}; {allowed_values(name)}; default {entry['default']!r}]"
+        group.add_argument(*flags, dest=f"setting_{name}", default=argparse.SUPPRESS, metavar="VALUE",
+                           help=text.replace("%", "%%"))
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Typed, validated settings from parsed flags (raises ValueError/TypeError)."""
+    from ..settings import parse_value, setting_names, validate
+
+    out: dict[str, Any] = {}
+    if getattr(args, "settings_json", None):
+        data = json.loads(args.settings_json)
+        if not isinstance(data, dict):
+            raise ValueError("--settings-json must be a JSON object")
+        out.update(data)
+    for name in setting_names():
+        value = getattr(args, f"setting_{name}", None)
+        if value is not None:
+            out[name] = parse_value(name, value)
+    return validate(out)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until shutdown() or SIGTERM/SIGINT, then exit the process
+    (code 0; 1 when the engine cannot start). A process entry point: it never returns."""
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The IO threads need the GIL for a moment per message; a shorter switch interval keeps a
+    # busy step loop from delaying them by 5 ms per hand-over (the "convoy effect").
+    sys.setswitchinterval(0.001)
+    try:
+        settings = settings_from_args(args)
+        name = conn.check_name(args.name) if args.name else conn.unique_name()
+        holder = conn.live_engine(name)
+        if holder is not None and holder.pid != os.getpid():
+            raise FileExistsError(f"an engine named {name!r} is already running (pid {holder.pid}); connect to "
+                                  f"it with EngineClient.connect({name!r}) or choose another name")
+        log.info("engine %r starting (pid %d): loading model %s", name, os.getpid(), args.model or "(default)")
+        from ..engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(args.model, **settings)
+        server = EngineServer(engine, name=name, transport=args.transport, host=args.host, port=args.port,
+                              client_timeout_s=args.client_timeout, max_message_mb=args.max_message_mb,
+                              parent_pid=args.parent_pid, log_file=args.log_file)
+        server.install_signal_handlers()
+        server.start()
+    except Exception as e:
+        log.error("engine failed to start", exc_info=True)
+        print(f"{START_FAILED} {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        # Threads or sockets may be half set up; nothing here is worth a clean interpreter exit.
+        os._exit(1)
+    if sys.stdout.isatty():
+        print(f"engine {name!r} serving {engine.model_name} (pid {os.getpid()}); connect with "
+              f"EngineClient.connect({name!r}); Ctrl-C stops it", flush=True)
+    server.serve_forever()
+    # Sockets are closed and flushed, the connection file is gone: skip the slow interpreter
+    # teardown (the OS frees the memory, GPU memory included).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbench.ipc.server", description="Run a workbench engine.")
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
