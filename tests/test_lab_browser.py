@@ -28,6 +28,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]
 DEV_LABEXTENSION = REPO / "workbench" / "labextension"
+PREFIX = "/user/e2e/"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -118,12 +119,12 @@ def engine(runtime_dir):
 
 NOTEBOOK_CELLS = [
     "%load_ext workbench\n%engine connect e2e",
-    "%%generate --max-tokens 24 --temperature 0\nOnce upon a time, there was a little\n---\nThe capital of France is",
+    "%%generate --max-tokens 12 --temperature 0\nOnce upon a time, there was a little\n---\nThe capital of France is",
 ]
 FALLBACK_CELLS = [  # while workbench.jupyter.magics is missing: the same requests from plain Python
     "from workbench import EngineClient, SamplingParams\neng = EngineClient.connect('e2e')",
     "outs = eng.generate(['Once upon a time, there was a little', 'The capital of France is'],\n"
-    "                    SamplingParams(max_tokens=24, temperature=0))\nprint([o.text for o in outs])",
+    "                    SamplingParams(max_tokens=12, temperature=0))\nprint([o.text for o in outs])",
 ]
 
 
@@ -165,7 +166,7 @@ def lab(tmp_path_factory, runtime_dir, engine):
     (cfg / "jupyter_server_config.json").write_text(json.dumps({
         "ServerApp": {"jpserver_extensions": {"workbench": True}, "ip": "127.0.0.1", "port": port,
                       "open_browser": False, "root_dir": str(root), "port_retries": 0,
-                      "allow_root": True},
+                      "allow_root": True, "base_url": PREFIX},
         "IdentityProvider": {"token": token},
         "LabApp": {"app_settings_dir": str(settings), "user_settings_dir": str(user),
                    "workspaces_dir": str(work), "extra_labextensions_path": extra},
@@ -179,7 +180,7 @@ def lab(tmp_path_factory, runtime_dir, engine):
     log = open(base / "lab.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser"], cwd=root, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}{PREFIX.rstrip('/')}"  # under a prefix, as behind JupyterHub
     try:
         def up():
             if proc.poll() is not None:
