@@ -535,8 +535,7 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
             raw.connect(path)
             raw.sendall(b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03")
     finally:
-        s.close()
-        ctx.term()
+        ctx.destroy(linger=0)
     # Still serving, still correct, nothing leaked.
     out = engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
     assert [o.token_ids for o in out] == reference(PROMPTS[:2])
@@ -648,14 +647,14 @@ def test_tcp_needs_the_curve_keys(model_path, runtime_dir, tmp_path):
         assert info.request_address.startswith("tcp://127.0.0.1:") and info.curve["server_public"]
         assert eng.generate(prompt_token_ids=PROMPTS[:1], params=GREEDY, timeout=60)[0].finish_reason
         before = eng.metrics()["total_prompt_tokens"]
+        # Peers without the keys: no keys at all, or a keypair the engine does not know; plus
+        # a subscriber without keys. All are sent work, then given 1.5 s to get anything back.
         sub_no_keys = ctx.socket(zmq.SUB)
-        sub_no_keys.setsockopt(zmq.LINGER, 0)
         sub_no_keys.setsockopt(zmq.SUBSCRIBE, b"")
         sub_no_keys.connect(info.event_address)
-        wrong_pub, wrong_sec = zmq.curve_keypair()
-        for keys in (None, (wrong_pub, wrong_sec)):
+        intruders = []
+        for keys in (None, zmq.curve_keypair()):
             s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
             if keys:
                 s.curve_serverkey = info.curve["server_public"].encode()
                 s.curve_publickey, s.curve_secretkey = keys
@@ -663,19 +662,19 @@ def test_tcp_needs_the_curve_keys(model_path, runtime_dir, tmp_path):
             s.send_multipart([HEADER, encode(Submit([NewRequest("intruder", prompt_token_ids=[1, 2, 3],
                                                                 params=GREEDY)]))])
             s.send_multipart([HEADER, encode(Call(1, "shutdown"))])
-            assert not s.poll(1000), "an unauthenticated peer got an answer"
-            s.close()
+            intruders.append(s)
         stripped = dict(json.loads((runtime_dir / "tcp-eng.json").read_text()), curve=None)
         (tmp_path / "nokeys.json").write_text(json.dumps(stripped))
         with pytest.raises(EngineConnectError, match="CURVE"):
             EngineClient.connect(str(tmp_path / "nokeys.json"), timeout=1.5)
+        for s in intruders:
+            assert not s.poll(0), "an unauthenticated peer got an answer"
+        assert not sub_no_keys.poll(0), "events leaked to a peer without keys"
         assert eng.metrics()["total_prompt_tokens"] == before
         assert all(r.request_id != "intruder" for r in eng.timeline().requests)
-        assert not sub_no_keys.poll(500), "events leaked to a peer without keys"
-        sub_no_keys.close()
         assert eng.status()["transport"] == "tcp"
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
         _stop(eng)
 
 
@@ -707,7 +706,7 @@ def test_cli_serve_and_sigterm(model_path, runtime_dir, procs):
     p = procs.add(subprocess.Popen(
         [sys.executable, "-m", "workbench.cli", "serve", "--model", str(model_path), "--name", "cli",
          "--dtype", "float32", "--num-kv-blocks", "48", "--max-num-seqs", "3", "--batching", "static",
-         "--prefix_caching", "false"],
+         "--prefix_caching", "false", "--parent-pid", str(os.getpid())],  # dies with this process
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     _wait_for(lambda: (runtime_dir / "cli.json").exists() or p.poll() is not None, 60, "the cli engine")
     assert p.poll() is None, p.stderr.read()
@@ -744,3 +743,31 @@ def test_cli_help_lists_every_setting(capsys):
     assert settings_from_args(args) == {"max_num_seqs": 5, "kv_cache": False, "num_kv_blocks": None}
     with pytest.raises(ValueError, match="batching"):
         settings_from_args(parser.parse_args(["--batching", "sometimes"]))
+
+
+def test_connection_files_stale_and_private(runtime_dir, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    sock = runtime_dir / "ghost-0000.req.sock"
+    sock.write_text("")
+    stale = conn.ConnectionInfo(name="ghost", pid=dead.pid, transport="ipc", request_address=f"ipc://{sock}",
+                                event_address=f"ipc://{runtime_dir / 'ghost-0000.evt.sock'}")
+    conn.write_connection_file(stale)
+    assert conn.live_engine("ghost") is None and "ghost" not in [c.name for c in conn.list_engines()]
+    fresh = conn.ConnectionInfo(name="ghost", pid=os.getpid(), transport="ipc", request_address="ipc://x",
+                                event_address="ipc://y")
+    path = conn.write_connection_file(fresh)  # a dead engine's file is replaced, its sockets removed
+    assert conn.read_connection_file(path).pid == os.getpid() and not sock.exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(FileExistsError, match="already running"):
+        conn.write_connection_file(conn.ConnectionInfo(name="ghost", pid=dead.pid, transport="ipc",
+                                                       request_address="ipc://z", event_address="ipc://w"))
+    conn.remove_connection_file("ghost", os.getpid())
+    assert not path.exists()
+    with pytest.raises(ValueError, match="invalid engine name"):
+        conn.connection_path("../etc")
+    shared_dir = tmp_path / "open"
+    shared_dir.mkdir(mode=0o755)
+    shared_dir.chmod(0o755)
+    with pytest.raises(PermissionError, match="open to other users"):
+        conn.ensure_private_dir(shared_dir)

@@ -242,10 +242,30 @@ def _link_exclusive(tmp: Path, path: Path, info: ConnectionInfo, directory: Path
                     f"an engine named {info.name!r} is already running (pid {holder.pid}); connect to it "
                     f"with EngineClient.connect({info.name!r}) or choose another name"
                 ) from None
-            path.unlink(missing_ok=True)
+            _remove_stale(path)
             continue
         return path
     raise FileExistsError(f"could not create {path}")
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove the connection file of a dead engine, and the ipc socket files it left behind."""
+    try:
+        stale = read_connection_file(path)
+        sockets = [a.removeprefix("ipc://") for a in (stale.request_address, stale.event_address)
+                   if a.startswith("ipc://")]
+    except (OSError, ValueError, TypeError):
+        sockets = []
+    for sock in sockets:
+        p = Path(sock)
+        if p.parent == path.parent or p.parent.name.startswith("wb-"):  # only where we put them
+            p.unlink(missing_ok=True)
+            if p.parent != path.parent:
+                try:
+                    p.parent.rmdir()
+                except OSError:
+                    pass
+    path.unlink(missing_ok=True)
 
 
 def remove_connection_file(name: str, pid: int, directory: Path | None = None) -> None:
