@@ -230,11 +230,32 @@ async def test_events_snapshot_then_deltas(jp_ws_fetch, hub, engine):
         ws.close()
 
 
+async def test_relayout_progress_is_relayed(jp_fetch, jp_ws_fetch, hub, engine):
+    ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "20"})
+    try:
+        await ws_messages(ws, lambda m, _: m["type"] == "snapshot")
+        states = []
+
+        def done(msg, _):
+            states.extend(r["state"] for r in msg.get("relayout", []) if r.get("setting") == "quantization")
+            return "done" in states
+
+        await fetch_json(jp_fetch, "engines", "lab", "settings", method="PATCH", request_timeout=120,
+                         body=json.dumps({"quantization": "int8"}))
+        await ws_messages(ws, done, timeout=60)
+        assert states[0] == "started"
+        out = await generate(engine, 4)  # still serving after the re-layout
+        assert len(out[0].token_ids) == 4
+    finally:
+        ws.close()
+        engine.configure(quantization="none")
+
+
 async def test_events_are_coalesced_at_the_chosen_rate(jp_ws_fetch, hub, engine):
     ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "2"})
     try:
         await ws_messages(ws, lambda m, _: m["type"] == "snapshot")
-        task = asyncio.ensure_future(generate(engine, 40))
+        task = asyncio.ensure_future(generate(engine, 120))
         times = []
 
         def done(msg, _):
@@ -246,7 +267,7 @@ async def test_events_are_coalesced_at_the_chosen_rate(jp_ws_fetch, hub, engine)
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert all(g > 0.35 for g in gaps), gaps  # 2 Hz, with some scheduling slack
         steps = sum(len(m.get("timeline", {}).get("steps", [])) for m in msgs)
-        assert steps >= 40 / 1 and steps > len(msgs)  # many steps per message
+        assert steps >= 120 and steps > 2 * len(msgs)  # many steps per message
         # the rate can be changed on the fly
         ws.write_message(json.dumps({"rate": 50}))
     finally:

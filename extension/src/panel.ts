@@ -282,6 +282,10 @@ export class WorkbenchPanel extends Widget {
       ['uptime', formatUptime(this._uptime())],
       ['pid', String(s.pid ?? '–')]
     ];
+    const last = st.relayout.length ? st.relayout[st.relayout.length - 1] : null;
+    if (last) {
+      rows.push(['relayout', `${last.setting} = ${JSON.stringify(last.value)}: ${last.state}`]);
+    }
     const table = el('table', 'wb-InfoTable');
     for (const [k, v] of rows) {
       const tr = el('tr');

@@ -244,6 +244,9 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
     def on_close(self):
         self.closed = True
         self.wake()
+        task = getattr(self, "task", None)
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
         sub = getattr(self, "subscription", None)
         if sub is not None:
             sub.close()
