@@ -259,7 +259,7 @@ export class WorkbenchPanel extends Widget {
       }
     }
     if (change.settingsChanged.length) {
-      this._syncControls(change.settingsChanged);
+      this._syncControls(change.settingsChanged, change.snapshot ? [] : change.settingsChanged);
     }
     if (change.error) {
       this._say(change.error, true);
@@ -376,14 +376,19 @@ export class WorkbenchPanel extends Widget {
     return row;
   }
 
-  private _syncControls(names: string[]): void {
+  private _syncControls(names: string[], changed?: string[]): void {
     const settings = this._conn?.state.settings ?? {};
+    const change = changed ? new Set(changed) : null;
     for (const name of names) {
       const c = this._controls.get(name);
       if (!c || !(name in settings) || document.activeElement === c.input) {
         continue;
       }
       this._show(c.spec, c.input, settings[name]);
+      if (!change || change.has(name)) {
+        c.error.textContent = ''; // the setting moved on since the refused attempt
+        c.input.classList.remove('wb-invalid');
+      }
     }
   }
 
