@@ -2,37 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput, StreamChunk
-from .sampling_params import SamplingParams
-
-
-def normalize_batch(prompts, params, prompt_token_ids) -> list[tuple[str | None, list[int] | None, SamplingParams]]:
-    """One (prompt, ids, params) per request, validated before anything is submitted."""
-    if (prompts is None) == (prompt_token_ids is None):
-        raise ValueError("give exactly one of prompts or prompt_token_ids")
-    if prompts is not None:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
-            raise TypeError("prompts must be a str or a list of str")
-        items = [(p, None) for p in prompts]
-    else:
-        if not isinstance(prompt_token_ids, Sequence) or not prompt_token_ids:
-            raise TypeError("prompt_token_ids must be a non-empty list of token-id lists")
-        if all(isinstance(t, int) for t in prompt_token_ids):
-            prompt_token_ids = [prompt_token_ids]
-        items = [(None, list(ids)) for ids in prompt_token_ids]
-    if isinstance(params, (list, tuple)):
-        if len(params) != len(items):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
-        plist = [SamplingParams.coerce(p) for p in params]
-    else:
-        plist = [SamplingParams.coerce(params)] * len(items)
-    return [(p, ids, sp) for (p, ids), sp in zip(items, plist)]
+from .sampling_params import normalize_batch
 
 
 class LLM:

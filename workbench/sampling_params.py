@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 
@@ -84,3 +86,29 @@ def _check_number(name: str, value, kind: type) -> None:
     ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
     if isinstance(value, bool) or not ok:
         raise TypeError(f"SamplingParams.{name} must be {kind.__name__}, got {value!r}")
+
+
+def normalize_batch(prompts, params, prompt_token_ids) -> list[tuple[str | None, list[int] | None, SamplingParams]]:
+    """One (prompt, ids, params) per request, validated before anything is submitted.
+    Shared by `LLM` and the engine clients (it imports no torch)."""
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts or prompt_token_ids")
+    if prompts is not None:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a str or a list of str")
+        items = [(p, None) for p in prompts]
+    else:
+        if not isinstance(prompt_token_ids, Sequence) or not prompt_token_ids:
+            raise TypeError("prompt_token_ids must be a non-empty list of token-id lists")
+        if all(isinstance(t, int) for t in prompt_token_ids):
+            prompt_token_ids = [prompt_token_ids]
+        items = [(None, list(ids)) for ids in prompt_token_ids]
+    if isinstance(params, (list, tuple)):
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        plist = [SamplingParams.coerce(p) for p in params]
+    else:
+        plist = [SamplingParams.coerce(params)] * len(items)
+    return [(p, ids, sp) for (p, ids), sp in zip(items, plist)]
