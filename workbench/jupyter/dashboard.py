@@ -1,0 +1,369 @@
+"""`%dashboard`: a control for every live setting, bound to the engine, over live Bokeh plots.
+
+Controls are generated from the engine's `schema()` (every setting that is not fixed at start).
+A change runs `configure` on a worker thread (a re-layout may take seconds; the kernel loop keeps
+drawing meanwhile); a rejected change puts the control back and says why. The engine announces
+every applied change to every client, so a change made in another notebook, the lab panel or
+through `configure()` shows here too.
+
+Engine events arrive on the client's event thread and are queued; `pump()` (an asyncio task on
+the kernel loop, `hz` times a second) feeds them to the reducer and streams one batch per plot
+source, so many requests in flight cost a bounded number of IOPub messages. When the engine
+goes away the dashboard says so and reconnects when an engine of the same name is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .reducer import TimelineReducer
+from .session import EngineSession, get_session
+from .views import TimelineView
+
+EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
+_OPEN: list[Dashboard] = []
+
+
+def control_for(entry: dict[str, Any]):
+    """An ipywidgets control for one `settings.schema()` entry."""
+    import ipywidgets as w
+
+    name, kind = entry["name"], entry["kind"]
+    tip = f"{entry.get('help', '')} [{kind}]"
+    style = {"description_width": "170px"}
+    layout = w.Layout(width="330px")
+    common = dict(description=name, description_tooltip=tip, tooltip=tip, style=style, layout=layout)
+    default = entry.get("default")
+    if entry.get("values"):
+        options = [(str(v), v) for v in entry["values"]]
+        value = default if default in entry["values"] else entry["values"][0]
+        return w.Dropdown(options=options, value=value, **common)
+    if entry["type"] == "bool":
+        return w.Checkbox(value=bool(default), indent=False, **{**common, "style": {}})
+    if entry["type"] == "int":
+        lo = entry.get("min")
+        hi = entry.get("max")
+        return w.BoundedIntText(value=int(default if default is not None else (lo or 0)),
+                                min=lo if lo is not None else -(1 << 31), max=hi if hi is not None else (1 << 31),
+                                continuous_update=False, **common)
+    return w.Text(value="" if default is None else str(default), placeholder="None" if entry.get("allow_none") else "",
+                  continuous_update=False, **common)
+
+
+def _to_widget(control, value):
+    import ipywidgets as w
+
+    if isinstance(control, w.Text):
+        return "" if value is None else str(value)
+    return value
+
+
+def _from_widget(control, value):
+    import ipywidgets as w
+
+    if isinstance(control, w.Text):
+        return value.strip() or None
+    return value
+
+
+class Dashboard:
+    """Controls + live plots for one engine. `display(dash)` or `%dashboard` shows it."""
+
+    def __init__(self, session: EngineSession | None = None, *, client=None, hz: float = 10.0,
+                 window_s: float = 60.0, history_s: float | None = 30.0, start: bool = True):
+        import ipywidgets as w
+
+        self.session = session or get_session()
+        self.client = client or self.session.require()
+        self.name = self.client.name
+        self.hz = float(hz)
+        self.window_s = window_s
+        self._events: deque = deque(maxlen=100_000)
+        self._lock = threading.Lock()
+        self._syncing = False
+        self._settings: dict[str, Any] = {}
+        self._pending: dict[str, Any] = {}
+        self._relayouts: dict[str, float] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="workbench-configure")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._sub = None
+        self._gone_since: float | None = None
+        self._next_reconnect = 0.0
+        self.closed = False
+        self.configure_calls: list[dict[str, Any]] = []  # what this dashboard sent (tests, debugging)
+        self.messages: list[str] = []
+
+        self.reducer = TimelineReducer()
+        self.view = TimelineView(live=True, window_s=window_s)
+        self.schema = [e for e in self.client.schema() if e["kind"] != "restart"]
+        self.controls: dict[str, Any] = {}
+        for entry in self.schema:
+            c = control_for(entry)
+            c.observe(self._on_control, names="value")
+            self.controls[entry["name"]] = c
+        self.header = w.HTML()
+        self.status = w.HTML(value="")
+        self.metrics_line = w.HTML(value="")
+        grid = w.GridBox(list(self.controls.values()),
+                         layout=w.Layout(grid_template_columns="repeat(auto-fill, 340px)", grid_gap="2px 8px"))
+        self.widget = w.VBox([self.header, grid, self.status, self.metrics_line, self.view.widget()])
+        self._attach(self.client, history_s)
+        _OPEN.append(self)
+        if start:
+            self.start()
+
+    # -- display --------------------------------------------------------------------------------
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+    # -- engine attachment ----------------------------------------------------------------------
+    def _attach(self, client, history_s: float | None) -> None:
+        self.client = client
+        self.name = client.name
+        self._apply_settings(client.settings(), source=None)
+        info = client.engine_info or {}
+        self.header.value = (f"<b>Engine {html.escape(self.name)}</b> · {html.escape(str(info.get('model')))} on "
+                             f"{html.escape(str(info.get('device')))} · pid {client.pid}")
+        if history_s:
+            tl = client.timeline()
+            cutoff = time.monotonic() - history_s
+            tl.steps = [s for s in tl.steps if s.end >= cutoff]
+            tl.requests = [r for r in tl.requests if r.time >= cutoff]
+            self.reducer.add(tl)
+        else:
+            self.reducer.cursor = client.timeline(since=1 << 62).cursor
+        self._sub = client.on_event(self._events.append, kinds=EVENT_KINDS)
+        self._gone_since = None
+
+    def _detach(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                sub.close()
+            except Exception:
+                pass
+
+    def _check_engine(self, now: float) -> bool:
+        """False while the engine is gone (after saying so); reconnects by name when it is back."""
+        if self.client.alive:
+            return True
+        if self._gone_since is None:
+            self._gone_since = now
+            self._detach()
+            self._set_status(f"Engine {self.name!r} is gone (stopped or restarted). Waiting for an engine named "
+                             f"{self.name!r} to come back; start one with `%engine start`.", "error")
+            for c in self.controls.values():
+                c.disabled = True
+        if now < self._next_reconnect:
+            return False
+        self._next_reconnect = now + 1.0
+        from ..ipc import connection as conn
+
+        try:
+            if conn.live_engine(self.name) is None:
+                return False
+            if self.session.name == self.name:
+                client = self.session.client()
+            else:
+                from ..ipc.client import EngineClient
+
+                client = EngineClient.connect(self.name, timeout=5)
+            if client is None:
+                return False
+            self.reducer = TimelineReducer(t0=self.reducer.t0)
+            self.view.load(TimelineReducer.empty(), 1)
+            self._attach(client, history_s=None)
+        except Exception as e:  # still starting, or gone again
+            self._set_status(f"Engine {self.name!r} is gone; reconnecting failed: {e}", "error")
+            return False
+        for c in self.controls.values():
+            c.disabled = False
+        self._set_status(f"Reconnected to engine {self.name!r} (pid {self.client.pid}).", "ok")
+        return True
+
+    # -- the feed ---------------------------------------------------------------------------------
+    def start(self) -> bool:
+        """Run `pump()` hz times a second as an asyncio task on this thread's running loop (the
+        kernel's); False when there is none (then call `pump()` yourself)."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            try:
+                loop = asyncio.get_event_loop()
+            except RuntimeError:
+                return False
+            if not loop.is_running():
+                return False
+            self._loop = loop
+        self._task = self._loop.create_task(self._run())
+        return True
+
+    async def _run(self) -> None:
+        period = 1.0 / self.hz
+        while not self.closed:
+            try:
+                self.pump()
+            except Exception as e:  # keep the feed alive; say what went wrong
+                self._set_status(f"dashboard update failed: {type(e).__name__}: {e}", "error")
+            await asyncio.sleep(period)
+
+    def pump(self) -> int:
+        """Apply queued engine events; stream new plot rows. Returns the number of sources
+        updated (each is one Bokeh patch, i.e. a few IOPub messages)."""
+        now = time.monotonic()
+        if not self._check_engine(now):
+            return 0
+        events = []
+        while True:
+            try:
+                events.append(self._events.popleft())
+            except IndexError:
+                break
+        last_metrics = None
+        for ev in events:
+            if ev.kind == "timeline":
+                self.reducer.add(ev.data)
+            elif ev.kind == "settings":
+                self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}))
+            elif ev.kind == "relayout":
+                self._on_relayout(ev.data)
+            elif ev.kind == "metrics":
+                last_metrics = ev.data
+            elif ev.kind == "engine" and ev.data.get("state") == "stopped":
+                self._set_status(f"Engine {self.name!r} is stopping.", "error")
+        if last_metrics is not None:
+            self._show_metrics(last_metrics)
+        self.reducer.tick(now)
+        drained = self.reducer.drain()
+        return self.view.push(drained, self.reducer.num_lanes) if drained else 0
+
+    # -- settings ---------------------------------------------------------------------------------
+    def _apply_settings(self, settings: dict[str, Any], source: dict[str, Any] | None) -> None:
+        """Show the engine's settings in the controls (without sending them back)."""
+        self._settings.update(settings)
+        self._syncing = True
+        try:
+            for name, c in self.controls.items():
+                if name in settings and name not in self._pending:
+                    v = _to_widget(c, settings[name])
+                    if c.value != v:
+                        c.value = v
+        finally:
+            self._syncing = False
+        if source:
+            mine = all(self._pending.get(k, object()) == v for k, v in source.items())
+            if not mine:
+                text = ", ".join(f"{k}={v!r}" for k, v in source.items())
+                self._set_status(f"Changed by another client: {text}", "info")
+
+    def _on_control(self, change: dict[str, Any]) -> None:
+        if self._syncing or self.closed:
+            return
+        control = change["owner"]
+        name = next(k for k, c in self.controls.items() if c is control)
+        value = _from_widget(control, change["new"])
+        if self._settings.get(name) == value:
+            return
+        self._pending[name] = value
+        control.disabled = True
+        self._set_status(f"Applying {name}={value!r}…", "info")
+        self.configure_calls.append({name: value})
+        client = self.client
+        fut = self._pool.submit(self._configure, client, name, value)
+        fut.add_done_callback(lambda f, n=name, v=value: self._call_back(self._configured, n, v, f))
+
+    @staticmethod
+    def _configure(client, name: str, value: Any) -> tuple[float, dict]:
+        t0 = time.monotonic()
+        settings = client.configure(**{name: value})
+        return time.monotonic() - t0, settings
+
+    def _call_back(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _on_loop_thread(loop):
+            loop.call_soon_threadsafe(fn, *args)
+        else:
+            fn(*args)
+
+    def _configured(self, name: str, value: Any, fut) -> None:
+        control = self.controls[name]
+        self._pending.pop(name, None)
+        control.disabled = False
+        try:
+            took, settings = fut.result()
+        except Exception as e:
+            self._syncing = True
+            try:
+                control.value = _to_widget(control, self._settings.get(name))
+            finally:
+                self._syncing = False
+            self._set_status(f"Rejected {name}={value!r}: {e}", "error")
+            return
+        self._apply_settings(settings, source=None)
+        self._set_status(f"Applied {name}={value!r} ({took * 1e3:.0f} ms; takes effect at the next step).", "ok")
+
+    def _on_relayout(self, data: dict[str, Any]) -> None:
+        name, state = data.get("setting"), data.get("state")
+        c = self.controls.get(name)
+        if state == "started":
+            self._relayouts[name] = time.monotonic()
+            if c is not None:
+                c.disabled = True
+            self._set_status(f"Re-layout: {name} → {data.get('value')!r} in progress… (requests are kept)", "info")
+        elif state == "done":
+            t0 = self._relayouts.pop(name, None)
+            if c is not None and name not in self._pending:
+                c.disabled = False
+            took = f" in {time.monotonic() - t0:.1f} s" if t0 else ""
+            self._set_status(f"Re-layout: {name} → {data.get('value')!r} done{took}.", "ok")
+
+    def _set_status(self, text: str, level: str = "info") -> None:
+        self.messages.append(text)
+        del self.messages[:-50]
+        color = {"ok": "#2a7a2a", "error": "#b00020", "info": "var(--jp-ui-font-color1, #333)"}[level]
+        self.status.value = f'<span style="color: {color}; font-size: 12px;">{html.escape(text)}</span>'
+
+    def _show_metrics(self, m: dict[str, Any]) -> None:
+        self.metrics_line.value = (
+            '<span style="font-size: 12px; color: var(--jp-ui-font-color2, #555);">'
+            f"{m.get('output_tok_s', 0):.1f} tok/s · running {m.get('num_running', 0)} · waiting "
+            f"{m.get('num_waiting', 0)} · KV {m.get('kv_blocks_used', 0)}/{m.get('kv_blocks_total', 0)} blocks · "
+            f"prefix hits {m.get('prefix_hit_rate', 0) * 100:.0f}% · spec accepted "
+            f"{m.get('spec_acceptance_rate', 0) * 100:.0f}% · TTFT p50 {m.get('ttft_p50_ms', 0):.0f} ms · "
+            f"ITL p50 {m.get('itl_p50_ms', 0):.0f} ms</span>")
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+        self._detach()
+        self._pool.shutdown(wait=False)
+        try:
+            self.widget.close()
+        except Exception:
+            pass
+        if self in _OPEN:
+            _OPEN.remove(self)
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def open_dashboards() -> list[Dashboard]:
+    return list(_OPEN)

@@ -1,0 +1,340 @@
+"""Engine events -> plot columns. Pure: no Bokeh, no ipywidgets, no I/O.
+
+The dashboard and `%timeline` feed `TimelineReducer` with engine timeline increments (steps and
+request events, in any chunking) and stream what `drain()` returns into Bokeh column data
+sources, each bounded by `ROLLOVER`. Tests feed it synthetic events and check the columns.
+
+Sources and their columns:
+
+- ``steps``: one rectangle per engine step on the top row (y = 0), coloured by phase; hover
+  text describes the batch composition.
+- ``lanes``: one rectangle per request and state (queued / prefill / decode / verify) in the
+  request's lane (y = 1, 2, ...). Lanes are reused: a request takes the lowest lane free when it
+  arrives and frees it when it finishes, so the plot stays as tall as the concurrency.
+- ``series``: one row per time bin (``bin_s`` seconds): output tokens/s, mean inter-token
+  latency, KV blocks used, prefix hit rate, speculative acceptance, queue length.
+- ``ttft``: one point per request at its first token: time to first token.
+
+Times (``t``, ``left``, ``right``) are seconds since ``t0`` (the first event seen unless given).
+Rates with nothing to measure in a bin are NaN (a gap in the line).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+PHASE_COLORS = {
+    "prefill": "#4C72B0",
+    "decode": "#55A868",
+    "mixed": "#8172B3",
+    "verify": "#DD8452",
+    "relayout": "#8C8C8C",
+}
+STATE_COLORS = {
+    "queued": "#D9D9D9",
+    "prefill": PHASE_COLORS["prefill"],
+    "decode": PHASE_COLORS["decode"],
+    "verify": PHASE_COLORS["verify"],
+}
+OTHER_COLOR = "#999999"
+
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "steps": ("left", "right", "bottom", "top", "seq", "phase", "color", "duration_ms", "batch_size",
+              "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests"),
+    "lanes": ("left", "right", "bottom", "top", "lane", "request", "state", "color", "tokens"),
+    "series": ("t", "tok_s", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
+               "waiting", "running"),
+    "ttft": ("t", "ttft_ms", "request", "lane"),
+}
+ROLLOVER = {"steps": 5_000, "lanes": 20_000, "series": 2_000, "ttft": 5_000}
+
+_HALF = 0.4  # half the height of a rectangle in its row
+
+
+def short_id(request_id: str) -> str:
+    return request_id[:6]
+
+
+class _Bin:
+    __slots__ = ("index", "out_tokens", "itl_sum", "itl_n", "kv_used", "kv_total", "hits", "prefill",
+                 "proposed", "accepted", "waiting", "running", "steps")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.out_tokens = 0
+        self.itl_sum = 0.0
+        self.itl_n = 0
+        self.kv_used = 0
+        self.kv_total = 0
+        self.hits = 0
+        self.prefill = 0
+        self.proposed = 0
+        self.accepted = 0
+        self.waiting = 0
+        self.running = 0
+        self.steps = 0
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+class TimelineReducer:
+    """Accumulates engine activity and hands out new plot rows.
+
+    ``add(timeline)`` takes anything with ``steps`` and ``requests`` (a `workbench.Timeline`, or
+    dicts with the same fields); ``add_steps`` / ``add_requests`` take the events directly.
+    Events are applied in ``seq`` order within one call. ``tick(now)`` closes time bins that
+    ended before ``now`` (engine clock) so an idle engine's throughput drops to zero.
+    ``drain()`` returns ``{source: {column: [values]}}`` with the rows added since the last
+    drain (sources without new rows are left out).
+
+    ``only``: a set of request ids; then only steps that ran one of them, and only their lanes,
+    are kept (the per-cell timeline of `%%generate --timeline`).
+    """
+
+    def __init__(self, *, bin_s: float = 0.5, t0: float | None = None, max_lanes: int = 48,
+                 only: Iterable[str] | None = None, max_listed: int = 8):
+        if bin_s <= 0:
+            raise ValueError("bin_s must be > 0")
+        self.bin_s = float(bin_s)
+        self.t0 = t0
+        self.max_lanes = int(max_lanes)
+        self.only = None if only is None else frozenset(only)
+        self.max_listed = max_listed
+        self._pending: dict[str, dict[str, list]] = {k: {c: [] for c in cols} for k, cols in COLUMNS.items()}
+        self.rows = dict.fromkeys(COLUMNS, 0)  # rows produced so far, per source
+        self._lane_of: OrderedDict[str, int] = OrderedDict()  # also remembers finished requests (bounded)
+        self._busy: set[int] = set()
+        self._active: set[str] = set()
+        self._arrived: dict[str, float] = {}
+        self._queued_since: dict[str, float] = {}
+        self._last_token: dict[str, float] = {}
+        self._bin: _Bin | None = None
+        self._last_emitted_bin: int | None = None
+        self.cursor = 0  # highest seq applied
+        self.num_lanes = 0  # lanes used so far (the plot's height)
+
+    # -- input --------------------------------------------------------------------------------
+    def add(self, timeline: Any) -> None:
+        steps = list(_field(timeline, "steps", None) or [])
+        requests = list(_field(timeline, "requests", None) or [])
+        events = [(int(_field(s, "seq", 0)), 1, s) for s in steps] + [(int(_field(r, "seq", 0)), 0, r) for r in requests]
+        events.sort(key=lambda e: (e[0], e[1]))
+        for seq, is_step, ev in events:
+            if seq and seq <= self.cursor:
+                continue  # already applied (overlapping reads)
+            if is_step:
+                self._step(ev)
+            else:
+                self._request(ev)
+            self.cursor = max(self.cursor, seq)
+
+    def add_steps(self, steps: Iterable[Any]) -> None:
+        self.add({"steps": list(steps), "requests": []})
+
+    def add_requests(self, requests: Iterable[Any]) -> None:
+        self.add({"steps": [], "requests": list(requests)})
+
+    def tick(self, now: float, grace: float = 0.25) -> None:
+        """Close the open time bin if it ended more than `grace` seconds before `now` (engine
+        `time.monotonic()` clock; the grace covers events still on their way)."""
+        if self._bin is not None and self.t0 is not None:
+            end = (self._bin.index + 1) * self.bin_s
+            if now - self.t0 >= end + grace:
+                self._close_bin()
+
+    # -- output -------------------------------------------------------------------------------
+    def drain(self) -> dict[str, dict[str, list]]:
+        out = {}
+        for name, cols in self._pending.items():
+            first = cols[COLUMNS[name][0]]
+            if first:
+                out[name] = cols
+                self._pending[name] = {c: [] for c in COLUMNS[name]}
+        return out
+
+    @staticmethod
+    def empty() -> dict[str, dict[str, list]]:
+        return {k: {c: [] for c in cols} for k, cols in COLUMNS.items()}
+
+    # -- internals ----------------------------------------------------------------------------
+    def _rel(self, t: float) -> float:
+        if self.t0 is None:
+            self.t0 = t
+        return t - self.t0
+
+    def _emit(self, source: str, **row: Any) -> None:
+        cols = self._pending[source]
+        for c in COLUMNS[source]:
+            cols[c].append(row[c])
+        self.rows[source] += 1
+
+    def _wanted(self, rid: str) -> bool:
+        return self.only is None or rid in self.only
+
+    def _lane(self, rid: str) -> int:
+        lane = self._lane_of.get(rid)
+        if lane is not None:
+            self._lane_of.move_to_end(rid)
+            return lane
+        free = next((i for i in range(self.max_lanes) if i not in self._busy), None)
+        lane = self.max_lanes if free is None else free  # the last lane holds the overflow
+        if free is not None:
+            self._busy.add(free)
+        self._active.add(rid)
+        self._lane_of[rid] = lane
+        while len(self._lane_of) > 4 * self.max_lanes + 1024:
+            old, old_lane = self._lane_of.popitem(last=False)
+            if old in self._active:  # never forget a live request: put it back at the end
+                self._lane_of[old] = old_lane
+                break
+        self.num_lanes = max(self.num_lanes, lane + 1)
+        return lane
+
+    def _release(self, rid: str) -> None:
+        if rid in self._active:
+            self._active.discard(rid)
+            lane = self._lane_of.get(rid)
+            if lane is not None and lane < self.max_lanes:
+                self._busy.discard(lane)
+        self._arrived.pop(rid, None)
+        self._queued_since.pop(rid, None)
+        self._last_token.pop(rid, None)
+
+    def _lane_rect(self, rid: str, left: float, right: float, state: str, tokens: int) -> None:
+        lane = self._lane(rid)
+        y = lane + 1
+        self._emit("lanes", left=left, right=right, bottom=y - _HALF, top=y + _HALF, lane=lane,
+                   request=short_id(rid), state=state, color=STATE_COLORS.get(state, OTHER_COLOR), tokens=tokens)
+
+    def _request(self, ev: Any) -> None:
+        rid = _field(ev, "request_id")
+        kind = _field(ev, "kind")
+        t = float(_field(ev, "time"))
+        if not self._wanted(rid):
+            return
+        rel = self._rel(t)
+        if kind == "arrived":
+            self._lane(rid)
+            self._arrived[rid] = t
+            self._queued_since[rid] = rel
+        elif kind in ("scheduled", "resumed"):
+            since = self._queued_since.pop(rid, None)
+            if since is not None:
+                self._lane_rect(rid, since, rel, "queued", 0)
+        elif kind == "preempted":
+            self._queued_since[rid] = rel
+            self._last_token.pop(rid, None)
+        elif kind == "first_token":
+            self._last_token[rid] = t
+            arrived = self._arrived.get(rid)
+            if arrived is not None:
+                self._emit("ttft", t=rel, ttft_ms=(t - arrived) * 1e3, request=short_id(rid), lane=self._lane(rid))
+        elif kind == "finished":
+            since = self._queued_since.pop(rid, None)
+            if since is not None:  # aborted while queued
+                self._lane_rect(rid, since, rel, "queued", 0)
+            self._release(rid)
+
+    def _step(self, s: Any) -> None:
+        batch = list(_field(s, "batch", None) or [])
+        entries = [(_field(b, "request_id") if not isinstance(b, (list, tuple)) else b[0],
+                    int(_field(b, "num_tokens") if not isinstance(b, (list, tuple)) else b[1]),
+                    _field(b, "kind") if not isinstance(b, (list, tuple)) else b[2]) for b in batch]
+        if self.only is not None:
+            if not any(rid in self.only for rid, _, _ in entries):
+                return
+        start, end = float(_field(s, "start")), float(_field(s, "end"))
+        left, right = self._rel(start), self._rel(end)
+        phase = _field(s, "phase", "mixed")
+        prefill_tok = int(_field(s, "num_prefill_tokens", 0) or 0)
+        decode_tok = int(_field(s, "num_decode_tokens", 0) or 0)
+        hits = int(_field(s, "prefix_hit_tokens", 0) or 0)
+        proposed = int(_field(s, "spec_proposed", 0) or 0)
+        accepted = int(_field(s, "spec_accepted", 0) or 0)
+        kv_used = int(_field(s, "kv_blocks_used", 0) or 0)
+        kv_total = int(_field(s, "kv_blocks_total", 0) or 0)
+        self._emit("steps", left=left, right=right, bottom=-_HALF, top=_HALF, seq=int(_field(s, "seq", 0)),
+                   phase=phase, color=PHASE_COLORS.get(phase, OTHER_COLOR), duration_ms=(end - start) * 1e3,
+                   batch_size=len(entries), prefill_tokens=prefill_tok, decode_tokens=decode_tok,
+                   prefix_hit_tokens=hits, spec=f"{accepted}/{proposed}" if proposed else "-",
+                   kv=f"{kv_used}/{kv_total}", composition=self._composition(entries),
+                   requests=self._listing(entries))
+        for rid, ntok, kind in entries:
+            if not self._wanted(rid):
+                continue
+            self._lane_rect(rid, left, right, kind, ntok)
+            if kind in ("decode", "verify"):
+                last = self._last_token.get(rid)
+                if last is not None:
+                    self._bin_for(right).itl_sum += end - last
+                    self._bin_for(right).itl_n += 1
+                self._last_token[rid] = end
+        b = self._bin_for(right)
+        b.steps += 1
+        b.out_tokens += int(_field(s, "output_tokens", 0) or 0)
+        b.kv_used = max(b.kv_used, kv_used)
+        b.kv_total = kv_total
+        b.hits += hits
+        b.prefill += prefill_tok
+        b.proposed += proposed
+        b.accepted += accepted
+        b.waiting = int(_field(s, "num_waiting", 0) or 0)
+        b.running = int(_field(s, "num_running", 0) or 0)
+
+    def _composition(self, entries: list[tuple[str, int, str]]) -> str:
+        parts = []
+        for kind in ("prefill", "decode", "verify"):
+            sel = [n for _, n, k in entries if k == kind]
+            if sel:
+                parts.append(f"{len(sel)} {kind} ({sum(sel)} tok)")
+        return " · ".join(parts) or "empty"
+
+    def _listing(self, entries: list[tuple[str, int, str]]) -> str:
+        shown = [f"{short_id(rid)}:{kind[0]}{n}" for rid, n, kind in entries[:self.max_listed]]
+        more = len(entries) - len(shown)
+        return " ".join(shown) + (f" +{more}" if more > 0 else "")
+
+    def _bin_for(self, rel: float) -> _Bin:
+        index = max(0, int(math.floor(rel / self.bin_s)))
+        if self._last_emitted_bin is not None:
+            index = max(index, self._last_emitted_bin + 1)  # a late event joins the next open bin
+        if self._bin is None:
+            self._bin = _Bin(index)
+        elif index > self._bin.index:
+            self._close_bin()
+            self._bin = _Bin(index)
+        return self._bin  # an event older than the open bin counts in the open bin
+
+    def _close_bin(self) -> None:
+        b = self._bin
+        if b is None:
+            return
+        self._bin = None
+        prev = self._last_emitted_bin
+        if prev is not None and b.index - prev > 1:
+            # idle gap: drop throughput to zero right after the last bin and just before this one
+            self._emit_idle(prev + 1)
+            if b.index - prev > 2:
+                self._emit_idle(b.index - 1)
+        nan = float("nan")
+        self._emit(
+            "series", t=(b.index + 1) * self.bin_s, tok_s=b.out_tokens / self.bin_s,
+            itl_ms=b.itl_sum / b.itl_n * 1e3 if b.itl_n else nan,
+            kv_used=b.kv_used, kv_total=b.kv_total, kv_frac=b.kv_used / b.kv_total if b.kv_total else nan,
+            prefix_hit_rate=b.hits / (b.hits + b.prefill) if (b.hits + b.prefill) else nan,
+            spec_accept_rate=b.accepted / b.proposed if b.proposed else nan,
+            waiting=b.waiting, running=b.running,
+        )
+        self._last_emitted_bin = b.index
+
+    def _emit_idle(self, index: int) -> None:
+        nan = float("nan")
+        self._emit("series", t=(index + 1) * self.bin_s, tok_s=0.0, itl_ms=nan, kv_used=nan, kv_total=nan,
+                   kv_frac=nan, prefix_hit_rate=nan, spec_accept_rate=nan, waiting=0, running=0)

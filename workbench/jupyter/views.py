@@ -1,0 +1,191 @@
+"""Bokeh figures for the reducer's columns, shown through `jupyter_bokeh.BokehModel`.
+
+BokehJS is put on the page inline once per kernel (`ensure_bokehjs`): never from a CDN, so
+the plots work offline. `TimelineView` owns the column data sources and the layout; `push()`
+streams a reducer drain into them (one patch per source that has new rows, each bounded by
+the reducer's rollover).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .reducer import COLUMNS, PHASE_COLORS, ROLLOVER, STATE_COLORS
+
+_BOKEHJS_LOADED = False
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel (where widgets and BokehJS can render)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover
+        return False
+    ip = get_ipython()
+    return ip is not None and getattr(ip, "kernel", None) is not None
+
+
+def ensure_bokehjs() -> None:
+    """Load BokehJS into the page from the installed bokeh package (INLINE), once per kernel."""
+    global _BOKEHJS_LOADED
+    if _BOKEHJS_LOADED or not in_kernel():
+        return
+    from bokeh.io import output_notebook
+    from bokeh.resources import INLINE
+
+    output_notebook(resources=INLINE, hide_banner=True)
+    _BOKEHJS_LOADED = True
+
+
+class TimelineView:
+    """The timeline (steps + request lanes) and four small time series, sharing the x axis.
+
+    ``live=True`` makes the x range follow the newest data over ``window_s`` seconds."""
+
+    def __init__(self, *, live: bool = True, window_s: float = 60.0, width: int = 900, title: str | None = None):
+        from bokeh.models import ColumnDataSource
+
+        self.live = live
+        self.window_s = window_s
+        self.width = width
+        self.sources = {name: ColumnDataSource({c: [] for c in cols}) for name, cols in COLUMNS.items()}
+        self.layout = self._build(title)
+        self._model = None
+        self.pushes = 0
+
+    # -- data -------------------------------------------------------------------------------------
+    def push(self, drained: dict[str, dict[str, list]], num_lanes: int | None = None) -> int:
+        """Stream new rows into the sources; returns how many sources changed."""
+        n = 0
+        for name, cols in drained.items():
+            if cols and cols[COLUMNS[name][0]]:
+                self.sources[name].stream(cols, rollover=ROLLOVER[name])
+                n += 1
+        if num_lanes is not None and num_lanes + 1 != self._lanes_shown:
+            self._set_lanes(num_lanes)
+        self.pushes += n
+        return n
+
+    def load(self, data: dict[str, dict[str, list]], num_lanes: int | None = None) -> None:
+        """Replace all rows (a static view, or a reset after the engine restarted)."""
+        for name, cols in COLUMNS.items():
+            self.sources[name].data = {c: list(data.get(name, {}).get(c, [])) for c in cols}
+        if num_lanes is not None:
+            self._set_lanes(num_lanes)
+
+    # -- widget -----------------------------------------------------------------------------------
+    def widget(self):
+        """The `jupyter_bokeh.BokehModel` showing this view (created once)."""
+        if self._model is None:
+            from jupyter_bokeh import BokehModel
+
+            ensure_bokehjs()
+            self._model = BokehModel(self.layout)
+        return self._model
+
+    # -- layout -----------------------------------------------------------------------------------
+    def _build(self, title: str | None):
+        from bokeh.layouts import column, gridplot
+        from bokeh.models import DataRange1d, HoverTool, Legend, LegendItem, Range1d
+
+        x_range = DataRange1d(range_padding=0.02)
+        if self.live:
+            x_range.follow = "end"
+            x_range.follow_interval = self.window_s
+        tools = "xpan,xwheel_zoom,box_zoom,reset,save"
+        self._lanes_shown = 1
+        self._y_range = Range1d(start=1.6, end=-0.6)  # flipped: steps on top, lanes downwards
+        from bokeh.plotting import figure
+
+        tl = figure(title=title or "Engine steps (top row) and requests (one lane each)", height=260,
+                    width=self.width, x_range=x_range, y_range=self._y_range, tools=tools,
+                    sizing_mode="stretch_width", x_axis_label="seconds", toolbar_location="above")
+        tl.yaxis.ticker = [0]
+        tl.yaxis.major_label_overrides = {0: "steps"}
+        tl.ygrid.grid_line_color = None
+        steps = tl.quad(left="left", right="right", bottom="bottom", top="top", color="color",
+                        source=self.sources["steps"], line_color=None)
+        lanes = tl.quad(left="left", right="right", bottom="bottom", top="top", color="color",
+                        source=self.sources["lanes"], line_color=None, alpha=0.9)
+        tl.add_tools(HoverTool(renderers=[steps], tooltips=[
+            ("step", "@seq (@phase)"), ("time", "@duration_ms{0.0} ms"), ("batch", "@batch_size: @composition"),
+            ("requests", "@requests"), ("tokens", "@prefill_tokens prefill, @decode_tokens decode"),
+            ("prefix hits", "@prefix_hit_tokens tok"), ("spec accepted", "@spec"), ("KV blocks", "@kv"),
+        ]))
+        tl.add_tools(HoverTool(renderers=[lanes], tooltips=[
+            ("request", "@request (lane @lane)"), ("state", "@state"), ("tokens", "@tokens"),
+        ]))
+        legend_items = []
+        for state, color in {**{"queued": STATE_COLORS["queued"]}, **PHASE_COLORS}.items():
+            r = tl.quad(left=[], right=[], bottom=[], top=[], color=color)  # legend swatch only
+            legend_items.append(LegendItem(label=state, renderers=[r]))
+        tl.add_layout(Legend(items=legend_items, orientation="horizontal", location="top_left",
+                             label_text_font_size="8pt", glyph_height=10, glyph_width=10, spacing=4,
+                             padding=2, margin=2, background_fill_alpha=0.6), "above")
+        self.timeline_figure = tl
+
+        def small(title: str, y_label: str):
+            f = figure(title=title, height=170, width=self.width // 2, x_range=x_range, tools=tools,
+                       sizing_mode="stretch_width", toolbar_location=None, y_axis_label=y_label)
+            f.title.text_font_size = "9pt"
+            return f
+
+        series = self.sources["series"]
+        tput = small("Output tokens/s", "tok/s")
+        tput.line("t", "tok_s", source=series, line_width=2, color=PHASE_COLORS["decode"])
+        tput.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("tok/s", "@tok_s{0.0}"),
+                                           ("running", "@running"), ("waiting", "@waiting")], mode="vline"))
+        lat = small("Latency: TTFT (dots) and inter-token (line)", "ms")
+        lat.scatter("t", "ttft_ms", source=self.sources["ttft"], size=6, color=PHASE_COLORS["prefill"],
+                    legend_label="TTFT")
+        lat.line("t", "itl_ms", source=series, line_width=2, color=PHASE_COLORS["verify"], legend_label="ITL")
+        lat.legend.location = "top_left"
+        lat.legend.label_text_font_size = "8pt"
+        lat.add_tools(HoverTool(tooltips=[("request", "@request"), ("TTFT", "@ttft_ms{0} ms")]))
+        kv = small("KV-cache blocks used", "blocks")
+        kv.varea(x="t", y1=0, y2="kv_used", source=series, alpha=0.4, color=PHASE_COLORS["mixed"])
+        kv.line("t", "kv_total", source=series, line_dash="dashed", color="#666666")
+        kv.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("used", "@kv_used / @kv_total")], mode="vline"))
+        rates = small("Prefix hit rate and speculative acceptance", "fraction")
+        rates.y_range = Range1d(-0.02, 1.05)
+        rates.line("t", "prefix_hit_rate", source=series, line_width=2, color=PHASE_COLORS["prefill"],
+                   legend_label="prefix hits")
+        rates.scatter("t", "prefix_hit_rate", source=series, size=4, color=PHASE_COLORS["prefill"])
+        rates.line("t", "spec_accept_rate", source=series, line_width=2, color=PHASE_COLORS["verify"],
+                   legend_label="spec accepted")
+        rates.scatter("t", "spec_accept_rate", source=series, size=4, color=PHASE_COLORS["verify"])
+        rates.legend.location = "bottom_left"
+        rates.legend.label_text_font_size = "8pt"
+        self.figures = {"timeline": tl, "throughput": tput, "latency": lat, "kv": kv, "rates": rates}
+        grid = gridplot([[tput, lat], [kv, rates]], sizing_mode="stretch_width", toolbar_location=None)
+        return column(tl, grid, sizing_mode="stretch_width")
+
+    def _set_lanes(self, num_lanes: int) -> None:
+        lanes = max(1, num_lanes)
+        self._lanes_shown = lanes + 1
+        self._y_range.start = lanes + 0.6
+        self._y_range.end = -0.6
+        self.timeline_figure.height = int(min(620, 90 + 22 * (lanes + 1)))
+
+
+def static_timeline(data: dict[str, dict[str, list]], num_lanes: int, *, title: str | None = None):
+    """A finished timeline (for `%timeline` and `%%generate --timeline`) as a BokehModel."""
+    view = TimelineView(live=False, title=title)
+    view.load(data, num_lanes)
+    return view
+
+
+def merge(a: dict[str, dict[str, list]], b: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    """Append drained rows `b` to `a` (both {source: {column: [..]}})."""
+    for name, cols in b.items():
+        into = a.setdefault(name, {c: [] for c in COLUMNS[name]})
+        for c, values in cols.items():
+            into[c].extend(values)
+    return a
+
+
+def to_columns(reducer: Any) -> dict[str, dict[str, list]]:
+    """Everything a reducer has not handed out yet, with empty sources filled in."""
+    out = reducer.empty()
+    merge(out, reducer.drain())
+    return out
