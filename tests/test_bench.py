@@ -1,0 +1,249 @@
+"""`workbench bench`: workloads, statistics, roofline arithmetic, and a tiny end-to-end run.
+
+No wall-clock assertions: timings on a shared 2-core box are noise; only shapes, orderings and
+token equality are checked.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workbench.bench import RESULT_KEYS, percentile, summarize
+from workbench.bench.runner import run_engine, token_agreement
+from workbench.bench.stats import RequestRecord
+from workbench.bench.workload import TEXT_FILE, make_workload, single_stream_request
+from workbench.cli import main
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one token per character (enough to test the text path)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 1000 for c in text]
+
+
+# ----------------------------------------------------------------------------- workload
+def test_workload_is_deterministic_and_in_range():
+    a = make_workload(64, seed=3, vocab_size=256)
+    b = make_workload(64, seed=3, vocab_size=256)
+    c = make_workload(64, seed=4, vocab_size=256)
+    assert a.to_dict() == b.to_dict()
+    assert a.to_dict() != c.to_dict()
+    assert len(a) == 64 and a.source == "vocab"
+    for r in a.requests:
+        assert 32 <= r.prompt_len <= 512
+        assert 32 <= r.max_tokens <= 256
+        assert r.arrival_s == 0.0
+        assert all(3 <= t < 256 for t in r.prompt_token_ids)  # clear of pad/bos/eos
+    assert a.prompt_tokens == sum(r.prompt_len for r in a.requests)
+    assert a.output_tokens == sum(r.max_tokens for r in a.requests)
+    # Lengths actually spread over the range.
+    assert min(r.prompt_len for r in a.requests) < 150 and max(r.prompt_len for r in a.requests) > 400
+
+
+def test_text_workload_uses_the_shipped_text_at_distinct_offsets():
+    text = TEXT_FILE.read_text(encoding="utf-8")
+    assert 10_000 < len(text.encode()) < 500_000
+    tok = CharTokenizer()
+    corpus = tok.encode(text)
+    w = make_workload(64, seed=0, tokenizer=tok, prompt_len=(32, 512))
+    assert w.source == "text"
+    as_str = "".join(map(chr, corpus))
+    for r in w.requests:
+        ids = r.prompt_token_ids
+        assert 32 <= len(ids) <= 512
+        assert "".join(map(chr, ids)) in as_str  # a contiguous slice of the text
+    # No two prompts share their first 16 tokens (a KV block): no accidental prefix-cache hits.
+    assert len({tuple(r.prompt_token_ids[:16]) for r in w.requests}) == 64
+    assert make_workload(64, seed=0, tokenizer=tok).to_dict() == w.to_dict()
+
+
+def test_poisson_arrivals_are_seeded_and_increasing():
+    w = make_workload(400, seed=1, vocab_size=100, arrival="poisson", rate=4.0, output_len=(1, 2))
+    arr = [r.arrival_s for r in w.requests]
+    assert arr[0] == 0.0 and all(b >= a for a, b in zip(arr, arr[1:]))
+    mean_gap = arr[-1] / (len(arr) - 1)
+    assert 0.2 < mean_gap < 0.3  # 1/rate = 0.25 s
+    assert make_workload(400, seed=1, vocab_size=100, arrival="poisson", rate=4.0,
+                         output_len=(1, 2)).to_dict() == w.to_dict()
+    assert w.describe()["rate"] == 4.0 and w.describe()["arrival"] == "poisson"
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_requests=0, vocab_size=10),
+    dict(vocab_size=10, prompt_len=(5, 4)),
+    dict(vocab_size=10, output_len=(0, 4)),
+    dict(vocab_size=10, arrival="poisson"),
+    dict(vocab_size=10, arrival="burst"),
+    dict(),
+])
+def test_bad_workload_arguments_raise(kwargs):
+    with pytest.raises(ValueError):
+        make_workload(**kwargs)
+
+
+def test_single_stream_request():
+    r = single_stream_request(list(range(1000)), max_tokens=256)
+    assert r.prompt_token_ids == list(range(936, 1000)) and r.max_tokens == 256
+    r2 = single_stream_request(None, vocab_size=50, max_tokens=8)
+    assert len(r2.prompt_token_ids) == 64 and all(3 <= t < 50 for t in r2.prompt_token_ids)
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_percentile_matches_linear_interpolation():
+    np = pytest.importorskip("numpy")
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0]
+    for q in (0, 1, 25, 50, 75, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([4.0], 99) == 4.0
+    assert percentile([], 50) == 0.0
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_summarize_counts_from_release():
+    recs = [
+        RequestRecord(0, arrival=10.0, prompt_tokens=5, token_ids=[1, 2, 3], token_times=[10.5, 10.6, 10.8],
+                      finished=10.8),
+        RequestRecord(1, arrival=10.0, prompt_tokens=7, token_ids=[4, 5], token_times=[11.0, 12.0], finished=12.0),
+    ]
+    s = summarize(recs, start=10.0)
+    assert set(RESULT_KEYS) <= s.keys()
+    assert s["output_tok_s"] == pytest.approx(5 / 2.0)
+    assert s["total_tok_s"] == pytest.approx(17 / 2.0)
+    assert s["ttft_p50_ms"] == pytest.approx(750.0)  # TTFTs 0.5 s and 1.0 s
+    assert s["ttft_p99_ms"] == pytest.approx(995.0)
+    assert s["itl_p50_ms"] == pytest.approx(200.0)  # gaps 0.1, 0.2, 1.0
+    assert s["itl_p99_ms"] == pytest.approx(984.0)
+    assert s["output_tokens"] == 5 and s["prompt_tokens"] == 12 and s["requests"] == 2
+
+
+def test_token_agreement():
+    a = [RequestRecord(0, 0.0, 1, [1, 2, 3, 4]), RequestRecord(1, 0.0, 1, [5, 6])]
+    b = [RequestRecord(0, 0.0, 1, [1, 2, 9, 4]), RequestRecord(1, 0.0, 1, [5, 6])]
+    got = token_agreement(a, b)
+    assert got["identical_requests"] == 1 and got["requests"] == 2
+    assert got["common_prefix_token_fraction"] == pytest.approx(4 / 6)
+
+
+# ----------------------------------------------------------------------------- roofline
+def test_model_costs_for_smollm2_shape():
+    import torch
+
+    from workbench.bench.roofline import model_costs, workload_limit
+    from workbench.models.loader import ModelConfig
+
+    cfg = ModelConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "tie_word_embeddings": True,
+    })
+    bf16 = model_costs(cfg, torch.bfloat16)
+    assert 134e6 < bf16["params"] < 135e6
+    assert bf16["matmul_params"] == bf16["params"] - 61 * 576  # everything but the 61 norm vectors
+    assert bf16["weight_bytes"] == 2 * bf16["params"]  # tied: the embedding is read as the LM head
+    assert bf16["flop_per_token"] == 2 * bf16["matmul_params"]
+    int8 = model_costs(cfg, torch.bfloat16, "int8")
+    int4 = model_costs(cfg, torch.bfloat16, "int4")
+    assert int4["weight_bytes"] < int8["weight_bytes"] < bf16["weight_bytes"]
+    roof = {**bf16, "peak_gflop_s": 1000.0}
+    wl = workload_limit(roof, prompt_tokens=3000, output_tokens=1000)
+    assert wl["min_seconds"] == pytest.approx(bf16["flop_per_token"] * 4000 / 1e12)
+    assert wl["output_tok_s_limit"] == pytest.approx(1000 / wl["min_seconds"])
+
+
+def test_measurements_return_positive_numbers():
+    from workbench.bench.roofline import measure_bandwidth, measure_matmul
+
+    assert all(x > 0 for x in measure_bandwidth(1 << 20, repeats=2))
+    assert measure_matmul(16, 32, 64, min_time=0.01, repeats=1) > 0
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def tiny_bench_model(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-bench")
+    make_tiny_model(path, "llama")
+    return path
+
+
+def test_bench_cli_end_to_end_on_a_tiny_model(tiny_bench_model, capsys, tmp_path):
+    pytest.importorskip("transformers")
+    out_file = tmp_path / "report.json"
+    rc = main(["bench", "--json", "--quick", "--requests", "4", "--model", str(tiny_bench_model),
+               "--systems", "workbench,hf_sequential,hf_static", "--dtype", "float32",
+               "--max-num-seqs", "8", "--output", str(out_file)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout is exactly one JSON object
+    assert json.loads(out_file.read_text()) == report
+    results = report["results"]
+    assert {"workbench", "hf_sequential", "hf_static", "workbench_single_stream"} <= results.keys()
+    for name, r in results.items():
+        for key in RESULT_KEYS:
+            assert isinstance(r[key], float) and r[key] >= 0, (name, key)
+        assert r["output_tok_s"] > 0
+    for name in ("workbench", "hf_sequential", "hf_static"):
+        assert results[name]["requests"] == 4
+        assert results[name]["output_tokens"] == report["workload"]["output_tokens"]
+    ss = results["workbench_single_stream"]
+    assert ss["output_tokens"] == 64 and ss["achieved_gb_s"] > 0 and 0 < ss["bandwidth_fraction"]
+    roof = report["roofline"]
+    for key in ("memory_bandwidth_gb_s", "peak_gflop_s", "decode_limit_tok_s", "compute_limit_tok_s",
+                "weight_bytes", "workload"):
+        assert key in roof
+    assert roof["memory_bandwidth_gb_s"] > 0 and roof["peak_gflop_s"] > 0
+    assert report["settings"]["max_num_seqs"] == 8 and report["settings"]["dtype"] == "float32"
+    assert report["workload"]["source"] == "vocab" and report["workload"]["num_requests"] == 4
+    assert {"workbench_vs_hf_sequential", "workbench_vs_hf_static"} <= report["ratios"].keys()
+    assert [t["target"] for t in report["targets"]] == [8.0, 2.0, 0.6]
+    # Same greedy tokens from every system (fp32, so no rounding drift).
+    for peer, agree in report["token_agreement"].items():
+        assert agree["identical_requests"] == agree["requests"], peer
+    assert "single_stream" in captured.err  # tok/s, GB/s and % of limit printed on every run
+
+
+def test_bench_table_output(tiny_bench_model, capsys):
+    rc = main(["bench", "--quick", "--requests", "2", "--model", str(tiny_bench_model), "--systems", "workbench",
+               "--dtype", "float32", "--no-single-stream", "--arrival", "poisson", "--rate", "20"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "out tok/s" in out and "workbench" in out and "roofline" in out
+    assert "Poisson" in out
+
+
+def test_engine_runner_honours_arrival_times(tiny_bench_model):
+    from workbench import LLM
+
+    llm = LLM(str(tiny_bench_model), dtype="float32")
+    w = make_workload(3, seed=0, vocab_size=256, prompt_len=(8, 16), output_len=(4, 6),
+                      arrival="poisson", rate=10.0)
+    records, start = run_engine(llm.engine, w)
+    assert [r.index for r in records] == [0, 1, 2]
+    for req, rec in zip(w.requests, records):
+        assert rec.arrival == pytest.approx(start + req.arrival_s)
+        assert rec.token_times[0] >= start + req.arrival_s  # nothing before its release
+        assert len(rec.token_ids) == req.max_tokens
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bench_cli_rejects_bad_arguments(capsys):
+    assert main(["bench", "--systems", "workbench,vllm"]) == 2
+    assert "vllm" in capsys.readouterr().err
+    assert main(["bench", "--batching", "sometimes"]) == 2
+    assert "batching" in capsys.readouterr().err
+    assert main(["bench", "--requests", "0"]) == 2
+
+
+@pytest.mark.slow
+def test_generate_cli_on_the_default_model(capsys):
+    rc = main(["generate", "Once upon a time", "--max-tokens", "8"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()  # the streamed text
+    assert "TTFT" in captured.err and "tok/s" in captured.err and "8 tokens" in captured.err

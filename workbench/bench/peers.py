@@ -1,0 +1,114 @@
+"""Peers: Hugging Face transformers `generate` on the same weights and the same prompts.
+
+- `hf_sequential`: one request at a time, batch 1, no padding;
+- `hf_static`: padded static batches (16 by default, left padding): a batch starts when the
+  previous one is done and takes the requests that have arrived by then, runs until its longest
+  request is done, and each request keeps only its own number of tokens.
+
+Greedy, EOS ignored (the model's generation config is replaced so nothing stops early). Per-token
+times come from a streamer, which `generate` calls right after each step's tokens are chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .stats import RequestRecord
+from .workload import BenchRequest, Workload
+
+
+def load_hf_model(path: str, dtype: torch.dtype, device="cpu"):
+    """The transformers model for a Hugging Face folder, set up for greedy, EOS-free decoding."""
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("the hf_* peers need transformers: pip install transformers") from e
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    pad = model.config.pad_token_id
+    if pad is None:
+        eos = model.config.eos_token_id
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    # No eos_token_id: generate never stops early (ignore_eos), so every request gets its length.
+    model.generation_config = transformers.GenerationConfig(
+        do_sample=False, eos_token_id=None, pad_token_id=pad, bos_token_id=model.config.bos_token_id,
+    )
+    return model
+
+
+class _TokenClock:
+    """A transformers streamer (duck-typed: `generate` calls put/end) recording when each
+    generation step's tokens arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        now = time.monotonic()
+        if not self._prompt_seen:  # the first put is the prompt itself
+            self._prompt_seen = True
+            return
+        self.times.append(now)
+
+    def end(self) -> None:
+        pass
+
+
+def generate_batch(model, batch: list[BenchRequest], arrivals: list[float]) -> list[RequestRecord]:
+    """One padded `generate` call for `batch`; records each request's tokens and token times."""
+    pad = model.generation_config.pad_token_id
+    width = max(r.prompt_len for r in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, r in enumerate(batch):
+        ids[row, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+        mask[row, width - r.prompt_len:] = 1
+    max_new = max(r.max_tokens for r in batch)
+    clock = _TokenClock()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new,
+                             do_sample=False, streamer=clock)
+    gen = out[:, width:]
+    records = []
+    for row, (r, arrival) in enumerate(zip(batch, arrivals)):
+        n = r.max_tokens
+        times = clock.times[:n]
+        records.append(RequestRecord(r.index, arrival, r.prompt_len, gen[row, :n].tolist(), times,
+                                     times[-1] if times else time.monotonic()))
+    return records
+
+
+def run_hf(model, workload: Workload, *, batch_size: int = 1,
+           progress: Callable[[int], None] | None = None) -> tuple[list[RequestRecord], float]:
+    """Serve the workload with `generate`, honouring arrival times. Returns (records, start)."""
+    pending = sorted(workload.requests, key=lambda r: (r.arrival_s, r.index))
+    records: list[RequestRecord] = []
+    start = time.monotonic()
+    i = 0
+    while i < len(pending):
+        release = start + pending[i].arrival_s
+        now = time.monotonic()
+        if release > now:
+            time.sleep(release - now)
+            now = time.monotonic()
+        batch = [pending[i]]
+        i += 1
+        while i < len(pending) and len(batch) < batch_size and start + pending[i].arrival_s <= now:
+            batch.append(pending[i])
+            i += 1
+        records += generate_batch(model, batch, [start + r.arrival_s for r in batch])
+        if progress is not None:
+            progress(len(batch))
+    records.sort(key=lambda r: r.index)
+    return records, start
+
+
+def warm_up(model, vocab_size: int) -> None:
+    """One short generate so one-time costs (allocations, kernel selection) stay out of the timing."""
+    r = BenchRequest(-1, [min(5 + i, vocab_size - 1) for i in range(16)], 4)
+    generate_batch(model, [r, BenchRequest(-2, r.prompt_token_ids[:8], 4)], [time.monotonic()] * 2)

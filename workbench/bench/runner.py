@@ -1,0 +1,393 @@
+"""Runs the benchmark: our engine and the peers on one workload, plus the roofline.
+
+`run_bench(...)` returns the report dict that `workbench bench --json` prints: `results` maps each
+system run to its summary (`output_tok_s`, `ttft_p50_ms`, `ttft_p99_ms`, `itl_p50_ms`,
+`itl_p99_ms`, ...) and `roofline` holds the measured limits.
+
+Systems:
+- `workbench`: our engine (`LLMEngine`), requests added when their arrival time comes, the
+  engine stepped in between; TTFT counted from each request's release;
+- `workbench_single_stream`: one request, short prompt, 256 output tokens: decode tok/s, achieved
+  GB/s (weight bytes x tok/s) and the fraction of the measured bandwidth;
+- `hf_sequential`, `hf_static`: transformers `generate` (see `peers.py`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..runs import record_bench
+from .roofline import measure_roofline, model_costs
+from .stats import RequestRecord, summarize
+from .workload import (
+    DEFAULT_NUM_REQUESTS,
+    DEFAULT_OUTPUT_LEN,
+    DEFAULT_PROMPT_LEN,
+    BenchRequest,
+    Workload,
+    make_workload,
+    single_stream_request,
+    text_token_ids,
+)
+
+SYSTEMS = ("workbench", "hf_sequential", "hf_static")
+DEFAULT_SYSTEMS = SYSTEMS
+HF_STATIC_BATCH = 16
+SINGLE_STREAM_TOKENS = 256
+
+# The issue's targets.
+TARGET_VS_HF_SEQUENTIAL = 8.0
+TARGET_VS_HF_STATIC = 2.0
+TARGET_SINGLE_STREAM_BW_FRACTION = 0.60
+
+Progress = Callable[[str, int], Any]  # (description, total) -> object with update(n) and close()
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _no_progress(desc: str, total: int):
+    return _NoProgress()
+
+
+# ----------------------------------------------------------------------------- our engine
+def run_engine(engine, workload: Workload, *, progress=None) -> tuple[list[RequestRecord], float]:
+    """Serve `workload` on an `LLMEngine`, adding each request when its arrival time comes.
+
+    Returns (records in request order, start time). Requests are greedy with ignore_eos.
+    """
+    from ..sampling_params import SamplingParams
+
+    pending = sorted(workload.requests, key=lambda r: (r.arrival_s, r.index))
+    done: dict[int, RequestRecord] = {}
+    ids: dict[str, BenchRequest] = {}
+    tag = f"bench{time.monotonic_ns()}"
+    start = time.monotonic()
+    i = 0
+    while i < len(pending) or len(done) < len(ids):
+        now = time.monotonic()
+        while i < len(pending) and start + pending[i].arrival_s <= now:
+            r = pending[i]
+            i += 1
+            rid = engine.add_request(
+                None, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+                prompt_token_ids=r.prompt_token_ids, request_id=f"{tag}-{r.index}", arrival=start + r.arrival_s,
+            )
+            ids[rid] = r
+        if len(done) < len(ids):
+            for chunk in engine.step():
+                out = chunk.output
+                if out is None or chunk.request_id not in ids:
+                    continue
+                r = ids[chunk.request_id]
+                m = out.metrics
+                done[r.index] = RequestRecord(r.index, m.arrival, len(out.prompt_token_ids), list(out.token_ids),
+                                              list(m.token_times), m.finished)
+                if progress is not None:
+                    progress.update(1)
+        elif i < len(pending):
+            time.sleep(max(0.0, start + pending[i].arrival_s - time.monotonic()))
+    return [done[k] for k in sorted(done)], start
+
+
+def warm_up_engine(engine, vocab_size: int) -> None:
+    """A prefill and a few batched decodes so one-time costs stay out of the timed run."""
+    from ..sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    base = [min(7 + i, vocab_size - 1) for i in range(24)]
+    for ids in (base, base[::-1][:9]):
+        engine.add_request(None, sp, prompt_token_ids=ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_prefix_cache()
+
+
+def single_stream_summary(records: list[RequestRecord], start: float, roof: dict) -> dict:
+    """Summary of the one-request run plus decode tok/s, achieved GB/s and the roofline fraction."""
+    s = summarize(records, start)
+    times = records[0].token_times
+    decode_tok_s = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+    gb_s = roof["weight_bytes"] * decode_tok_s / 1e9
+    s.update(
+        decode_tok_s=decode_tok_s,
+        achieved_gb_s=gb_s,
+        bandwidth_fraction=gb_s / roof["memory_bandwidth_gb_s"] if roof["memory_bandwidth_gb_s"] else 0.0,
+        decode_limit_tok_s=roof["decode_limit_tok_s"],
+    )
+    return s
+
+
+# ----------------------------------------------------------------------------- helpers
+def hf_folder(model, loaded) -> str:
+    """A Hugging Face folder with these weights (a .gguf is converted once into the cache)."""
+    if loaded.config.path and Path(loaded.config.path).is_dir():
+        return loaded.config.path
+    if model is not None and str(model).lower().endswith(".gguf"):
+        from ..models.loader import ensure_converted
+
+        return str(ensure_converted(model, Path(model).stem))
+    raise ValueError(f"no Hugging Face folder for model {model!r}: the hf_* peers cannot load it")
+
+
+def token_agreement(reference: list[RequestRecord], other: list[RequestRecord]) -> dict:
+    """How far two systems' greedy outputs agree: identical requests, and the share of tokens
+    before the first difference (bf16 rounding differs between implementations, so long greedy
+    runs can drift apart without either being wrong)."""
+    same = 0
+    prefix = total = 0
+    for a, b in zip(reference, other):
+        same += a.token_ids == b.token_ids
+        n = 0
+        for x, y in zip(a.token_ids, b.token_ids):
+            if x != y:
+                break
+            n += 1
+        prefix += n
+        total += len(a.token_ids)
+    return {"identical_requests": same, "requests": len(reference),
+            "common_prefix_token_fraction": prefix / total if total else 1.0}
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
+                                           "CUDA_VISIBLE_DEVICES") if k in os.environ},
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------- the benchmark
+@record_bench  # every run lands in the run log (workbench/runs.py); record=False / run_log=PATH per call
+def run_bench(
+    model=None,
+    *,
+    systems=DEFAULT_SYSTEMS,
+    num_requests: int = DEFAULT_NUM_REQUESTS,
+    arrival: str = "all",
+    rate: float | None = None,
+    seed: int = 0,
+    quick: bool = False,
+    settings: dict | None = None,
+    prompt_len: tuple[int, int] | None = None,
+    output_len: tuple[int, int] | None = None,
+    single_stream: bool = True,
+    single_stream_tokens: int | None = None,
+    hf_batch_size: int = HF_STATIC_BATCH,
+    progress: Progress | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Run the benchmark and return the report (see the module doc).
+
+    `quick` shrinks everything (prompt 32-128, output 16-64 tokens unless given, a 64-token single
+    stream, smaller roofline probes) for smoke tests; the default is the full workload.
+    """
+    from ..models.loader import load_model
+    from ..settings import EngineSettings, validate
+
+    progress = progress or _no_progress
+    log = log or (lambda msg: None)
+    systems = list(systems)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    settings = validate(dict(settings or {}))
+    eff = EngineSettings(**settings)
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}[eff.dtype]
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if eff.device == "auto" else eff.device)
+    prompt_len = tuple(prompt_len or ((32, 128) if quick else DEFAULT_PROMPT_LEN))
+    output_len = tuple(output_len or ((16, 64) if quick else DEFAULT_OUTPUT_LEN))
+    ss_tokens = single_stream_tokens or (64 if quick else SINGLE_STREAM_TOKENS)
+
+    log("loading the model")
+    loaded = load_model(model, dtype=dtype)
+    config, tokenizer = loaded.config, loaded.tokenizer
+    model_name = config.name
+    hf_path = None
+    if any(s.startswith("hf_") for s in systems):
+        hf_path = hf_folder(model, loaded)
+    del loaded
+    gc.collect()
+
+    workload = make_workload(num_requests, seed=seed, tokenizer=tokenizer, vocab_size=config.vocab_size,
+                             prompt_len=prompt_len, output_len=output_len, arrival=arrival, rate=rate,
+                             special_token_ids=tuple(config.eos_token_ids) + (
+                                 (config.bos_token_id,) if config.bos_token_id is not None else ()))
+    ss_req = single_stream_request(text_token_ids(tokenizer) if tokenizer is not None else None,
+                                   vocab_size=config.vocab_size, max_tokens=ss_tokens, seed=seed)
+    ss_workload = Workload([ss_req], seed)
+
+    report: dict[str, Any] = {
+        "model": model_name,
+        "model_path": config.path,
+        "machine": machine_info(),
+        "loadavg_start": _loadavg(),
+        "settings": eff.as_dict(),
+        "workload": workload.describe(),
+        "systems": systems,
+    }
+
+    log("measuring the roofline")
+    costs = model_costs(config, dtype, eff.quantization, eff.quant_group_size)
+    roof = measure_roofline(costs, dtype=dtype, quick=quick, workload=workload,
+                            hidden_size=config.hidden_size, device=device)
+    report["roofline"] = roof
+
+    results: dict[str, dict] = {}
+    records: dict[str, list[RequestRecord]] = {}
+
+    if "workbench" in systems:
+        from ..llm import LLM
+
+        log("workbench: loading the engine")
+        llm = LLM(model, **settings)
+        engine = llm.engine
+        warm_up_engine(engine, config.vocab_size)
+        bar = progress("workbench", len(workload))
+        try:
+            recs, start = run_engine(engine, workload, progress=bar)
+        finally:
+            bar.close()
+        results["workbench"] = summarize(recs, start)
+        records["workbench"] = recs
+        report["engine_status"] = {k: v for k, v in engine.status().items() if k not in ("pid", "uptime_s")}
+        if single_stream:
+            engine.reset_prefix_cache()
+            bar = progress("workbench_single_stream", 1)
+            try:
+                recs, start = run_engine(engine, ss_workload, progress=bar)
+            finally:
+                bar.close()
+            results["workbench_single_stream"] = single_stream_summary(recs, start, roof)
+            records["workbench_single_stream"] = recs
+        del llm, engine
+        gc.collect()
+
+    hf_systems = [s for s in ("hf_static", "hf_sequential") if s in systems]
+    if hf_systems:
+        from .peers import load_hf_model, run_hf, warm_up
+
+        log("hf: loading transformers")
+        hf = load_hf_model(hf_path, dtype, device)
+        warm_up(hf, config.vocab_size)
+        for name in hf_systems:
+            bar = progress(name, len(workload))
+            try:
+                recs, start = run_hf(hf, workload, batch_size=hf_batch_size if name == "hf_static" else 1,
+                                     progress=bar.update)
+            finally:
+                bar.close()
+            results[name] = summarize(recs, start)
+            records[name] = recs
+        if single_stream and "hf_sequential" in systems:
+            bar = progress("hf_single_stream", 1)
+            try:
+                recs, start = run_hf(hf, ss_workload, batch_size=1, progress=bar.update)
+            finally:
+                bar.close()
+            results["hf_single_stream"] = single_stream_summary(recs, start, roof)
+            records["hf_single_stream"] = recs
+        del hf
+        gc.collect()
+
+    # Order results as asked, single streams after their system.
+    order = [s for s in ("workbench", "workbench_single_stream", "hf_sequential", "hf_static",
+                         "hf_single_stream") if s in results]
+    report["results"] = {name: results[name] for name in order}
+    _add_comparisons(report, records)
+    report["loadavg_end"] = _loadavg()
+    report["argv"] = sys.argv[1:]
+    return report
+
+
+def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> None:
+    results, roof = report["results"], report["roofline"]
+    wl_limit = roof.get("workload", {}).get("output_tok_s_limit", 0.0)
+    fractions: dict[str, float] = {}
+    for name, r in results.items():
+        if name.endswith("single_stream"):
+            fractions[name] = r["decode_tok_s"] / roof["decode_limit_tok_s"] if roof["decode_limit_tok_s"] else 0.0
+            r["roofline_fraction"] = fractions[name]
+        elif wl_limit:
+            fractions[name] = r["output_tok_s"] / wl_limit
+            r["roofline_fraction"] = fractions[name]
+    report["roofline_fraction"] = fractions
+
+    ratios: dict[str, float] = {}
+    ours = results.get("workbench")
+    for peer in ("hf_sequential", "hf_static"):
+        if ours and peer in results and results[peer]["output_tok_s"] > 0:
+            ratios[f"workbench_vs_{peer}"] = ours["output_tok_s"] / results[peer]["output_tok_s"]
+    ss, hs = results.get("workbench_single_stream"), results.get("hf_single_stream")
+    if ss and hs and hs["decode_tok_s"] > 0:
+        ratios["single_stream_vs_hf"] = ss["decode_tok_s"] / hs["decode_tok_s"]
+    report["ratios"] = ratios
+
+    agreement = {}
+    if "workbench" in records:
+        for peer in ("hf_sequential", "hf_static"):
+            if peer in records:
+                agreement[peer] = token_agreement(records["workbench"], records[peer])
+    if "workbench_single_stream" in records and "hf_single_stream" in records:
+        agreement["hf_single_stream"] = token_agreement(records["workbench_single_stream"], records["hf_single_stream"])
+    report["token_agreement"] = agreement
+
+    targets = []
+    if "workbench_vs_hf_sequential" in ratios:
+        v = ratios["workbench_vs_hf_sequential"]
+        targets.append({"name": "throughput vs hf_sequential", "value": v, "target": TARGET_VS_HF_SEQUENTIAL,
+                        "met": v >= TARGET_VS_HF_SEQUENTIAL})
+    if "workbench_vs_hf_static" in ratios:
+        v = ratios["workbench_vs_hf_static"]
+        targets.append({"name": "throughput vs hf_static", "value": v, "target": TARGET_VS_HF_STATIC,
+                        "met": v >= TARGET_VS_HF_STATIC})
+    if ss:
+        v = ss["bandwidth_fraction"]
+        targets.append({"name": "single-stream decode, fraction of bandwidth roofline", "value": v,
+                        "target": TARGET_SINGLE_STREAM_BW_FRACTION, "met": v >= TARGET_SINGLE_STREAM_BW_FRACTION})
+    report["targets"] = targets
