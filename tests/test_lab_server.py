@@ -7,6 +7,7 @@ is checked under a prefix, as with JupyterHub); `jp_fetch` / `jp_ws_fetch` send 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import time
@@ -15,12 +16,36 @@ import pytest
 import tornado.httpclient
 import tornado.websocket
 
+# pytest-jupyter's fixtures, imported so they stay local to this module: loading it as a plugin
+# (pytest_plugins) would put its autouse event loop and its test-call hook on every test of the
+# session (and break the Playwright browser test).
+from pytest_jupyter.jupyter_server import *  # noqa: E402, F403
+
 from workbench.ipc import connection as conn
 from workbench.ipc.client import start_engine
 from workbench.sampling_params import SamplingParams
 from workbench.settings import schema, setting_names
 
-pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+def aio(fn):
+    """Run an async test on pytest-jupyter's event loop (the loop its server runs on)."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    if "jp_asyncio_loop" not in sig.parameters:
+        params.append(inspect.Parameter("jp_asyncio_loop", inspect.Parameter.KEYWORD_ONLY))
+
+    def test(*args, jp_asyncio_loop, **kwargs):
+        if "jp_asyncio_loop" in sig.parameters:
+            kwargs["jp_asyncio_loop"] = jp_asyncio_loop
+        return jp_asyncio_loop.run_until_complete(fn(*args, **kwargs))
+
+    test.__name__, test.__qualname__, test.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    test.__module__ = fn.__module__
+    test.__signature__ = sig.replace(parameters=params)
+    if hasattr(fn, "pytestmark"):
+        test.pytestmark = fn.pytestmark
+    return test
+
 
 ENGINE_KW = dict(dtype="float32", num_kv_blocks=64, timeout=120)
 PROMPT = [[5, 6, 7, 8, 9, 10, 11, 12]]
@@ -93,6 +118,7 @@ async def generate(engine, n=12):
 
 
 # -- REST -----------------------------------------------------------------------------------------
+@aio
 async def test_schema_is_the_settings_schema(jp_fetch, hub):
     data = await fetch_json(jp_fetch, "schema")
     assert [s["name"] for s in data["settings"]] == setting_names()
@@ -101,6 +127,7 @@ async def test_schema_is_the_settings_schema(jp_fetch, hub):
     assert kinds["max_num_seqs"] == "live" and kinds["quantization"] == "relayout" and kinds["dtype"] == "restart"
 
 
+@aio
 async def test_list_and_status(jp_fetch, hub, engine):
     data = await fetch_json(jp_fetch, "engines")
     names = {e["name"]: e for e in data["engines"]}
@@ -113,6 +140,7 @@ async def test_list_and_status(jp_fetch, hub, engine):
     assert "output_tok_s" in info["metrics"]
 
 
+@aio
 async def test_set_settings_reaches_the_engine(jp_fetch, hub, engine):
     before = engine.settings()["max_num_seqs"]
     try:
@@ -129,6 +157,7 @@ async def test_set_settings_reaches_the_engine(jp_fetch, hub, engine):
 
 @pytest.mark.parametrize("changes", [{"max_num_seqs": 0}, {"batching": "fastest"}, {"no_such_setting": 1},
                                      {"kv_cache": "yes"}])
+@aio
 async def test_engine_errors_pass_through(jp_fetch, hub, engine, changes):
     with pytest.raises((ValueError, TypeError)) as direct:
         engine.configure(**changes)
@@ -139,6 +168,7 @@ async def test_engine_errors_pass_through(jp_fetch, hub, engine, changes):
     assert body["type"] == type(direct.value).__name__
 
 
+@aio
 async def test_bad_requests(jp_fetch, hub, engine):
     code, body = await fetch_error(jp_fetch, "engines", "nobody", "settings")
     assert code == 404 and "nobody" in body["message"]
@@ -148,6 +178,7 @@ async def test_bad_requests(jp_fetch, hub, engine):
     assert code == 400
 
 
+@aio
 async def test_timeline_route(jp_fetch, hub, engine):
     first = await fetch_json(jp_fetch, "engines", "lab", "timeline")
     await generate(engine, 6)
@@ -158,6 +189,7 @@ async def test_timeline_route(jp_fetch, hub, engine):
     assert {r["kind"] for r in data["requests"]} >= {"arrived", "first_token", "finished"}
 
 
+@aio
 async def test_bokeh_served_from_the_installed_package(jp_fetch, hub):
     import bokeh
 
@@ -167,6 +199,7 @@ async def test_bokeh_served_from_the_installed_package(jp_fetch, hub):
     assert info["bokeh"] == bokeh.__version__
 
 
+@aio
 async def test_start_and_stop_an_engine(jp_fetch, hub, engine, tiny_llama):
     code, body = await fetch_error(jp_fetch, "engines", method="POST",
                                    body=json.dumps({"name": "spawned", "settings": {"batching": "fastest"}}))
@@ -189,6 +222,7 @@ async def test_start_and_stop_an_engine(jp_fetch, hub, engine, tiny_llama):
 
 
 # -- websocket ------------------------------------------------------------------------------------
+@aio
 async def test_events_snapshot_then_deltas(jp_ws_fetch, hub, engine):
     ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "20"})
     try:
@@ -230,6 +264,7 @@ async def test_events_snapshot_then_deltas(jp_ws_fetch, hub, engine):
         ws.close()
 
 
+@aio
 async def test_relayout_progress_is_relayed(jp_fetch, jp_ws_fetch, hub, engine):
     ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "20"})
     try:
@@ -251,6 +286,7 @@ async def test_relayout_progress_is_relayed(jp_fetch, jp_ws_fetch, hub, engine):
         engine.configure(quantization="none")
 
 
+@aio
 async def test_events_are_coalesced_at_the_chosen_rate(jp_ws_fetch, hub, engine):
     ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "2"})
     try:
@@ -274,6 +310,7 @@ async def test_events_are_coalesced_at_the_chosen_rate(jp_ws_fetch, hub, engine)
         ws.close()
 
 
+@aio
 async def test_events_end_when_the_engine_stops(jp_fetch, jp_ws_fetch, hub, tiny_llama):
     data = await fetch_json(jp_fetch, "engines", method="POST", request_timeout=120, body=json.dumps(
         {"name": "short", "model": str(tiny_llama[0]), "settings": {"dtype": "float32", "num_kv_blocks": 16}}))
@@ -291,6 +328,7 @@ async def test_events_end_when_the_engine_stops(jp_fetch, jp_ws_fetch, hub, tiny
         ws.close()
 
 
+@aio
 async def test_events_unknown_engine_refused(jp_ws_fetch, hub):
     with pytest.raises(tornado.httpclient.HTTPClientError) as e:
         await jp_ws_fetch("workbench", "api", "engines", "nobody", "events")
@@ -313,6 +351,7 @@ ROUTES = [
 ]
 
 
+@aio
 async def test_every_route_refused_without_a_token(jp_fetch, jp_ws_fetch, hub, engine):
     before = engine.settings()
     for method, path, body in ROUTES:
