@@ -38,7 +38,7 @@ def control_for(entry: dict[str, Any]):
     tip = f"{entry.get('help', '')} [{kind}]"
     style = {"description_width": "170px"}
     layout = w.Layout(width="330px")
-    common = dict(description=name, description_tooltip=tip, tooltip=tip, style=style, layout=layout)
+    common = dict(description=name, tooltip=tip, style=style, layout=layout)
     default = entry.get("default")
     if entry.get("values"):
         options = [(str(v), v) for v in entry["values"]]

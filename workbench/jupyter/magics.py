@@ -276,7 +276,8 @@ class WorkbenchMagics(Magics):
 
         holder = conn.live_engine(name)
         if holder is not None:
-            client = session.connect(name)
+            current = session.client(reconnect=False)
+            client = current if current is not None and current.name == name else session.connect(name)
             msg = f"Engine {name!r} is already running (pid {client.pid}, {client.engine_info.get('model')}): attached to it."
             if opts.get("model"):
                 msg += " (--model ignored: `%engine stop` first to start another model.)"

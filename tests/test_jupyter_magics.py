@@ -1,0 +1,214 @@
+"""`%load_ext workbench` in a bare IPython InteractiveShell against a real engine process.
+
+The embedded default model (text prompts need its tokenizer); generations are a few tokens.
+One engine for the module, started by `%%generate` itself (the auto-start path), stopped at the
+end whatever happens; the runtime dir is private to the module.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+from jupyter_helpers import kill_engines_in, private_runtime_dir, stop_engine, wait_for
+
+from workbench.jupyter import session as wb_session
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def shown(cap) -> str:
+    return cap.stdout + "\n".join(str(o.data.get("text/plain", "")) for o in cap.outputs)
+
+
+@pytest.fixture(scope="module")
+def shell(tmp_path_factory):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    rt = tmp_path_factory.mktemp("rt-magics")
+    with private_runtime_dir(rt):
+        wb_session.reset_session("default")
+        ip = InteractiveShell.instance()
+        ip.run_line_magic("load_ext", "workbench")
+        # No engine yet: --no-start says exactly what to run.
+        with capture_output() as cap:
+            ip.run_cell("%%generate --no-start\nHello")
+        ip.no_engine_text = shown(cap)
+        # Then the auto-start path: the embedded default model, and the output says so.
+        t0 = time.monotonic()
+        with capture_output() as cap:
+            res = ip.run_cell("%%generate --max-tokens 6 -o first\nOnce upon a time")
+        ip.autostart_text = shown(cap)
+        ip.autostart_s = time.monotonic() - t0
+        ip.autostart_ok = res.success
+        try:
+            yield ip
+        finally:
+            for dash in list(__import__("workbench.jupyter.dashboard", fromlist=["_"]).open_dashboards()):
+                dash.close()
+            stop_engine(wb_session.get_session().client(reconnect=True))
+            kill_engines_in(rt)
+            wb_session.reset_session()
+
+
+@pytest.fixture(scope="module")
+def client(shell):
+    c = wb_session.get_session().client()
+    assert c is not None
+    return c
+
+
+def test_without_engine_says_what_to_run_then_autostarts(shell):
+    assert "%engine start" in shell.no_engine_text and "No engine named 'default'" in shell.no_engine_text
+    assert shell.autostart_ok
+    assert "No engine was running: starting the embedded default model" in shell.autostart_text
+    assert "Engine 'default' ready: smollm2-135m" in shell.autostart_text
+    [out] = shell.user_ns["first"]
+    assert out.finish_reason in ("length", "stop") and out.token_ids
+
+
+def test_generate_concurrent_prompts_sections_and_output_var(shell, client):
+    cursor = client.timeline(since=1 << 62).cursor
+    with capture_output() as cap:
+        shell.run_cell("%%generate --max-tokens 5 --ignore-eos -o outs\nThe sky is\n---\nOne, two,\n---\n"
+                       "Paris is the capital of")
+    text = shown(cap)
+    outs = shell.user_ns["outs"]
+    assert [o.prompt for o in outs] == ["The sky is", "One, two,", "Paris is the capital of"]
+    assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in outs)
+    for i in (1, 2, 3):
+        assert f"── Prompt {i} ──" in text
+    assert text.count("TTFT") == 3 and text.count("tok/s") >= 3 and text.count("finish: length") == 3
+    assert outs[0].text in text
+    # submitted together: some engine step ran at least two of them at once
+    ids = {o.request_id for o in outs}
+    tl = client.timeline(since=cursor)
+    assert max(len({b.request_id for b in s.batch} & ids) for s in tl.steps) >= 2
+
+
+def test_generate_sync_path_n_samples_stop_and_chat(shell):
+    with capture_output() as cap:
+        shell.run_cell_magic("generate", "--max-tokens 4 --n 2 --temperature 0.8 --seed 1 --chat -o outs",
+                             "Say hi")
+    outs = shell.user_ns["outs"]
+    assert len(outs) == 2 and all(o.token_ids for o in outs)
+    assert "sample 2" in shown(cap)
+    with pytest.raises(UsageError, match="max-tokens"):
+        shell.run_cell_magic("generate", "--max-tokens nope", "x")
+    with pytest.raises(UsageError, match="no prompt"):
+        shell.run_cell_magic("generate", "", "\n---\n")
+
+
+def test_engine_status_set_and_errors(shell, client):
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "status")
+    text = shown(cap)
+    for needle in ("smollm2-135m", "batching", "prefix_caching", "output tok/s", "setting (live)", "pid"):
+        assert needle in text
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "set batching=static max_num_seqs=8")
+    assert "batching: 'continuous' → 'static'" in shown(cap)
+    assert client.settings()["batching"] == "static" and client.settings()["max_num_seqs"] == 8
+    with pytest.raises(UsageError, match=r"allowed: 'continuous', 'static', 'off'"):
+        shell.run_line_magic("engine", "set batching=sometimes")
+    with pytest.raises(UsageError, match="unknown setting 'bogus'"):
+        shell.run_line_magic("engine", "set bogus=1")
+    with pytest.raises(UsageError, match="fixed when the engine starts"):
+        shell.run_line_magic("engine", "set block_size=32")
+    with pytest.raises(UsageError, match="unknown subcommand"):
+        shell.run_line_magic("engine", "frobnicate")
+    shell.run_line_magic("engine", "set batching=continuous max_num_seqs=64")
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "settings")
+        shell.run_line_magic("engine", "list")
+    assert "relayout" in shown(cap) and "default" in shown(cap)
+    with pytest.raises(UsageError, match="no engine named 'nope'"):
+        shell.run_line_magic("engine", "connect nope")
+    # start while running attaches (and applies live settings)
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "start prefix_caching=false")
+    assert "already running" in shown(cap)
+    assert client.settings()["prefix_caching"] is False
+    shell.run_line_magic("engine", "set prefix_caching=true")
+
+
+def test_timeline_magics_render_bokeh(shell):
+    with capture_output() as cap:
+        shell.run_cell("%%generate --max-tokens 3 --timeline\nA\n---\nB")
+    text = shown(cap)
+    assert "[timeline: " in text and "2 requests" in text
+    assert any("application/vnd.jupyter.widget-view+json" in o.data for o in cap.outputs)
+    with capture_output() as cap:
+        shell.run_line_magic("timeline", "--last 120")
+    assert "[timeline: " in shown(cap)
+
+
+def test_dashboard_controls_bound_to_engine(shell, client):
+    from workbench.ipc.client import EngineClient
+    from workbench.jupyter.dashboard import Dashboard
+    from workbench.settings import schema
+
+    with capture_output() as cap:
+        shell.run_line_magic("dashboard", "")
+    assert any("application/vnd.jupyter.widget-view+json" in o.data for o in cap.outputs)
+    d1 = shell.user_ns["_dashboard"]
+    d2 = Dashboard(wb_session.get_session(), start=False)  # a second "notebook" on the same engine
+    live = [e["name"] for e in schema() if e["kind"] != "restart"]
+    assert list(d1.controls) == live and "batching" in live and "attention_backend" in live
+    assert d1.controls["batching"].options[1][1] == "static"
+
+    # a widget change reaches the engine, and every dashboard shows it
+    d1.controls["batching"].value = "static"
+    wait_for(lambda: client.settings()["batching"] == "static", 20, "the engine to apply batching=static")
+    wait_for(lambda: (d2.pump(), d2.controls["batching"].value == "static")[1], 20, "the 2nd dashboard to follow")
+    # a change made elsewhere (another client's configure) shows in both
+    other = EngineClient.connect("default")
+    try:
+        other.configure(max_num_seqs=5)
+        for d in (d1, d2):
+            wait_for(lambda d=d: (d.pump(), d.controls["max_num_seqs"].value == 5)[1], 20, "max_num_seqs to show")
+        assert any("another client" in m for m in d2.messages)
+    finally:
+        other.configure(max_num_seqs=64, batching="continuous")
+        other.close()
+    wait_for(lambda: (d1.pump(), d1.controls["batching"].value == "continuous")[1], 20, "batching back")
+
+    # a rejected change reverts the control and says why (fp8 weights need a capable GPU)
+    d1.controls["quantization"].value = "fp8"
+    wait_for(lambda: any(m.startswith("Rejected quantization='fp8'") for m in d1.messages), 20, "the rejection")
+    assert d1.controls["quantization"].value == "none" and "fp8" in d1.status.value
+    assert client.settings()["quantization"] == "none"
+
+    # a re-layout shows progress (started / done)
+    d2.controls["kv_cache_dtype"].value = "int8"
+    wait_for(lambda: (d2.pump(), any("Re-layout: kv_cache_dtype" in m and "done" in m for m in d2.messages))[1],
+             30, "re-layout progress")
+    assert any("in progress" in m for m in d2.messages)
+    client.configure(kv_cache_dtype="auto")
+
+    # plots fill from engine events
+    shell.run_cell("%%generate --max-tokens 4\nx\n---\ny")
+    wait_for(lambda: (d2.pump(), len(d2.view.sources["steps"].data["left"]) > 0)[1], 20, "steps in the plot")
+    wait_for(lambda: (d2.pump(), len(d2.view.sources["lanes"].data["left"]) > 0)[1], 20, "request lanes")
+    d2.close()
+
+
+def test_engine_restart_dashboard_reconnects(shell, client):
+    from workbench.jupyter.dashboard import Dashboard
+
+    dash = Dashboard(wb_session.get_session(), start=False)
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "stop")
+    assert "Engine 'default' stopped." in shown(cap)
+    wait_for(lambda: (dash.pump(), any("is gone" in m for m in dash.messages))[1], 20, "the dashboard to say gone")
+    assert all(c.disabled for c in dash.controls.values())
+    with pytest.raises(UsageError, match="%engine start"):
+        shell.run_line_magic("engine", "status")
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "start --max-num-seqs 16")
+    assert "ready" in shown(cap)
+    wait_for(lambda: (dash.pump(), any("Reconnected" in m for m in dash.messages))[1], 30, "the reconnect")
+    assert dash.controls["max_num_seqs"].value == 16 and not dash.controls["batching"].disabled
+    dash.close()

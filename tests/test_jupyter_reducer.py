@@ -1,0 +1,247 @@
+"""The dashboard's reducer on synthetic engine events: pure, fast, no engine."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from workbench.jupyter.reducer import COLUMNS, PHASE_COLORS, STATE_COLORS, TimelineReducer
+from workbench.timeline import BatchEntry, RequestEvent, StepEvent, Timeline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Fake:
+    """Builds a consistent synthetic event stream with one increasing seq over both kinds."""
+
+    def __init__(self):
+        self.seq = 0
+        self.steps: list[StepEvent] = []
+        self.requests: list[RequestEvent] = []
+
+    def req(self, t, rid, kind, detail=None):
+        self.seq += 1
+        self.requests.append(RequestEvent(self.seq, t, rid, kind, detail))
+
+    def step(self, start, end, phase, batch, **kw):
+        self.seq += 1
+        entries = [BatchEntry(r, n, k) for r, n, k in batch]
+        self.steps.append(StepEvent(self.seq, start, end, phase, batch=entries,
+                                    num_prefill_tokens=sum(n for _, n, k in batch if k == "prefill"),
+                                    num_decode_tokens=sum(n for _, n, k in batch if k != "prefill"), **kw))
+
+    def timeline(self):
+        return Timeline(steps=list(self.steps), requests=list(self.requests), cursor=self.seq)
+
+
+def two_requests() -> Fake:
+    """A arrives at 10.0, B at 10.05; both prefill in one step, then decode together; A ends first."""
+    f = Fake()
+    f.req(10.00, "aaaaaaaa", "arrived")
+    f.req(10.05, "bbbbbbbb", "arrived")
+    f.req(10.10, "aaaaaaaa", "scheduled")
+    f.req(10.10, "bbbbbbbb", "scheduled")
+    f.req(10.30, "aaaaaaaa", "first_token")
+    f.req(10.30, "bbbbbbbb", "first_token")
+    f.step(10.10, 10.30, "prefill", [("aaaaaaaa", 8, "prefill"), ("bbbbbbbb", 4, "prefill")],
+           kv_blocks_used=2, kv_blocks_total=100, output_tokens=2, prefix_hit_tokens=4)
+    t = 10.30
+    for i in range(6):
+        batch = [("aaaaaaaa", 1, "decode"), ("bbbbbbbb", 1, "decode")] if i < 3 else [("bbbbbbbb", 1, "decode")]
+        if i == 2:
+            f.req(t + 0.1, "aaaaaaaa", "finished", "length")
+        f.step(t, t + 0.1, "decode", batch, kv_blocks_used=2 if i < 3 else 1, kv_blocks_total=100,
+               output_tokens=len(batch))
+        t += 0.1
+    f.req(t, "bbbbbbbb", "finished", "stop")
+    return f
+
+
+def test_columns_steps_lanes_and_ttft():
+    r = TimelineReducer(bin_s=0.5)
+    r.add(two_requests().timeline())
+    r.tick(1e9)
+    d = r.drain()
+    for name, cols in d.items():
+        assert tuple(cols) == COLUMNS[name]
+        assert len({len(v) for v in cols.values()}) == 1, f"ragged columns in {name}"
+    steps = d["steps"]
+    assert len(steps["left"]) == 7
+    assert steps["left"][0] == pytest.approx(0.10) and steps["right"][0] == pytest.approx(0.30)  # t0 = first event
+    assert steps["phase"][:2] == ["prefill", "decode"]
+    assert steps["color"][0] == PHASE_COLORS["prefill"]
+    assert steps["batch_size"] == [2, 2, 2, 2, 1, 1, 1]
+    assert steps["composition"][0] == "2 prefill (12 tok)"
+    assert steps["composition"][1] == "2 decode (2 tok)"
+    assert "aaaaaa:p8" in steps["requests"][0] and "bbbbbb:p4" in steps["requests"][0]
+    assert steps["prefix_hit_tokens"][0] == 4 and steps["kv"][0] == "2/100"
+
+    lanes = d["lanes"]
+    by_req = {}
+    for req, state, lane, left, right in zip(lanes["request"], lanes["state"], lanes["lane"], lanes["left"],
+                                             lanes["right"]):
+        by_req.setdefault(req, []).append((state, lane, left, right))
+    a, b = by_req["aaaaaa"], by_req["bbbbbb"]
+    assert a[0] == ("queued", 0, pytest.approx(0.0), pytest.approx(0.10))
+    assert b[0] == ("queued", 1, pytest.approx(0.05), pytest.approx(0.10))
+    assert [s for s, *_ in a] == ["queued", "prefill", "decode", "decode", "decode"]
+    assert [s for s, *_ in b] == ["queued", "prefill"] + ["decode"] * 6
+    assert {lane for _, lane, *_ in a} == {0} and {lane for _, lane, *_ in b} == {1}
+    assert all(c == STATE_COLORS[s] for c, s in zip(lanes["color"], lanes["state"]))
+    assert r.num_lanes == 2
+
+    ttft = d["ttft"]
+    assert ttft["request"] == ["aaaaaa", "bbbbbb"]
+    assert ttft["ttft_ms"] == [pytest.approx(300.0), pytest.approx(250.0)]
+
+
+def test_series_bins_throughput_itl_kv_and_rates():
+    r = TimelineReducer(bin_s=0.5)
+    r.add(two_requests().timeline())
+    r.tick(1e9)
+    s = r.drain()["series"]
+    # steps end at 0.3, 0.4, ..., 0.9 (relative): bin [0, 0.5) holds 2 steps, [0.5, 1.0) holds 5
+    assert s["t"] == [0.5, 1.0]
+    assert s["tok_s"] == [pytest.approx((2 + 2) / 0.5), pytest.approx((2 + 2 + 1 + 1 + 1) / 0.5)]
+    assert s["itl_ms"][0] == pytest.approx(100.0) and s["itl_ms"][1] == pytest.approx(100.0)
+    assert s["kv_used"] == [2, 2] and s["kv_total"] == [100, 100]
+    assert s["prefix_hit_rate"][0] == pytest.approx(4 / (4 + 12))
+    assert math.isnan(s["prefix_hit_rate"][1]) and math.isnan(s["spec_accept_rate"][0])
+
+
+def test_incremental_feeding_matches_one_shot_and_skips_repeats():
+    f = two_requests()
+    whole = TimelineReducer(bin_s=0.5)
+    whole.add(f.timeline())
+    whole.tick(1e9)
+    expected = whole.drain()
+
+    parts = TimelineReducer(bin_s=0.5)
+    got: dict = {}
+    events = sorted([(s.seq, s) for s in f.steps] + [(q.seq, q) for q in f.requests], key=lambda x: x[0])
+    for i in range(0, len(events), 3):  # increments of 3 events, each fed twice (overlapping reads)
+        chunk = [e for _, e in events[i:i + 3]]
+        tl = Timeline(steps=[e for e in chunk if isinstance(e, StepEvent)],
+                      requests=[e for e in chunk if isinstance(e, RequestEvent)], cursor=0)
+        parts.add(tl)
+        parts.add(tl)
+        for name, cols in parts.drain().items():
+            into = got.setdefault(name, {c: [] for c in cols})
+            for c, v in cols.items():
+                into[c].extend(v)
+    parts.tick(1e9)
+    for name, cols in parts.drain().items():
+        for c, v in cols.items():
+            got[name][c].extend(v)
+    for name in ("steps", "lanes", "ttft"):
+        assert got[name] == expected[name], name
+    assert got["series"]["tok_s"] == expected["series"]["tok_s"]
+    assert r_empty(parts.drain())
+
+
+def r_empty(d):
+    return d == {}
+
+
+def test_lanes_are_reused_and_bounded():
+    f = Fake()
+    t = 0.0
+    for i in range(200):  # 200 requests, at most 3 in flight
+        rid = f"r{i:07d}"
+        f.req(t, rid, "arrived")
+        f.req(t + 0.01, rid, "scheduled")
+        f.step(t + 0.01, t + 0.02, "prefill", [(rid, 4, "prefill")], output_tokens=1)
+        if i >= 2:
+            f.req(t + 0.02, f"r{i - 2:07d}", "finished", "length")
+        t += 0.03
+    r = TimelineReducer(bin_s=0.5, max_lanes=8)
+    r.add(f.timeline())
+    lanes = r.drain()["lanes"]
+    assert max(lanes["lane"]) <= 3 and r.num_lanes <= 4
+    assert len(r._lane_of) <= 4 * 8 + 1024
+
+
+def test_overflow_lane_and_filter_only():
+    f = Fake()
+    for i in range(5):
+        f.req(0.0, f"x{i}", "arrived")
+    f.step(0.0, 0.1, "prefill", [(f"x{i}", 2, "prefill") for i in range(5)])
+    f.step(0.1, 0.2, "decode", [("other", 1, "decode")])
+    r = TimelineReducer(max_lanes=2)
+    r.add(f.timeline())
+    d = r.drain()
+    assert sorted(set(d["lanes"]["lane"])) == [0, 1, 2]  # lanes 0, 1, then everyone else on the overflow lane
+    only = TimelineReducer(only={"x0", "x1"})
+    only.add(f.timeline())
+    d = only.drain()
+    assert len(d["steps"]["left"]) == 1  # the step without x0/x1 is left out
+    assert set(d["lanes"]["request"]) == {"x0", "x1"}
+
+
+def test_preemption_shows_queued_again_and_abort_while_queued():
+    f = Fake()
+    f.req(0.0, "p", "arrived")
+    f.req(0.1, "p", "scheduled")
+    f.step(0.1, 0.2, "prefill", [("p", 4, "prefill")])
+    f.req(0.25, "p", "preempted")
+    f.req(0.5, "p", "resumed")
+    f.step(0.5, 0.6, "prefill", [("p", 5, "prefill")])
+    f.req(0.0, "q", "arrived")
+    f.req(0.7, "q", "finished", "abort (queued)")
+    r = TimelineReducer()
+    r.add(f.timeline())
+    lanes = r.drain()["lanes"]
+    rows = [(req, st, round(a, 2), round(b, 2)) for req, st, a, b in
+            zip(lanes["request"], lanes["state"], lanes["left"], lanes["right"])]
+    assert ("p", "queued", 0.0, 0.1) in rows
+    assert ("p", "queued", 0.25, 0.5) in rows
+    assert ("q", "queued", 0.0, 0.7) in rows
+
+
+def test_speculative_acceptance_and_idle_gap():
+    f = Fake()
+    f.req(0.0, "s", "arrived")
+    f.step(0.0, 0.1, "verify", [("s", 5, "verify")], spec_proposed=4, spec_accepted=3, output_tokens=4)
+    f.step(3.0, 3.1, "verify", [("s", 5, "verify")], spec_proposed=4, spec_accepted=1, output_tokens=2)
+    r = TimelineReducer(bin_s=0.5)
+    r.add(f.timeline())
+    r.tick(100.0)
+    s = r.drain()["series"]
+    assert s["spec_accept_rate"][0] == pytest.approx(0.75)
+    assert s["spec_accept_rate"][-1] == pytest.approx(0.25)
+    # the idle gap drops throughput to zero right after the first bin and just before the last
+    assert s["t"] == [0.5, 1.0, 3.0, 3.5]
+    assert s["tok_s"][1] == 0.0 and s["tok_s"][2] == 0.0
+    assert r.drain() == {}
+
+
+def test_tick_closes_bins_and_late_events_join_the_next_bin():
+    f = Fake()
+    f.step(0.0, 0.1, "decode", [("a", 1, "decode")], output_tokens=1)
+    r = TimelineReducer(bin_s=0.5)
+    r.add(f.timeline())
+    r.tick(0.4)
+    assert "series" not in r.drain()  # bin still open
+    r.tick(0.8)
+    assert r.drain()["series"]["t"] == [0.5]
+    f.step(0.3, 0.45, "decode", [("a", 1, "decode")], output_tokens=1)  # arrives after its bin closed
+    r.add(f.timeline())
+    r.tick(5.0)
+    assert r.drain()["series"]["t"] == [1.0]
+
+
+def test_accepts_dicts_and_is_pure():
+    r = TimelineReducer()
+    r.add({"steps": [{"seq": 1, "start": 1.0, "end": 1.5, "phase": "mixed",
+                      "batch": [["abc", 3, "prefill"], ["def", 1, "decode"]], "output_tokens": 2}],
+           "requests": []})
+    d = r.drain()
+    assert d["steps"]["composition"] == ["1 prefill (3 tok) · 1 decode (1 tok)"]
+    code = ("import sys, workbench.jupyter.reducer; "
+            "bad = [m for m in ('bokeh', 'ipywidgets', 'IPython', 'torch', 'zmq') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
