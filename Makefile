@@ -25,6 +25,9 @@ $(STAMP): $(BIN)/python pyproject.toml
 overlay:
 	mkdir -p .dev && ln -sfn ../workbench .dev/workbench && ln -sfn ../kernels .dev/workbench_kernels
 	echo "import sys; sys.path.insert(0, '$(CURDIR)/.dev')" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_workbench_dev.pth"
+	# the lab extension too: the venv's copy becomes a link to workbench/labextension (`make labextension` rebuilds it)
+	if [ -f workbench/labextension/package.json ]; then \
+	  PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter labextension develop --overwrite . >/dev/null; fi
 
 setup: $(STAMP)
 
