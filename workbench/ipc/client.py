@@ -253,7 +253,13 @@ class EngineClient:
     @classmethod
     def connect(cls, name_or_connection_file: str | os.PathLike | None = None, *, timeout: float = 10.0,
                 check_pid: bool = True) -> EngineClient:
-        """Attach to a running engine by name (looked up in the runtime dir) or connection file."""
+        """Attach to a running engine by name (looked up in the runtime dir) or connection file.
+        An http(s):// URL attaches to an OpenAI-compatible server instead (workbench.remote)."""
+        # Hook for remote backends (workbench/remote.py): same surface, settings read-only.
+        if isinstance(name_or_connection_file, str) and name_or_connection_file.startswith(("http://", "https://")):
+            from ..remote import RemoteEngineClient
+
+            return RemoteEngineClient.connect(name_or_connection_file, timeout=timeout)
         path = conn.resolve(name_or_connection_file)
         info = conn.read_connection_file(path)
         if check_pid and not info.engine_alive():

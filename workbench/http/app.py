@@ -1,0 +1,595 @@
+"""The FastAPI app: OpenAI routes, auth, SSE streaming, disconnect handling, /health, /metrics.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
+``stream=true``), ``GET /health``, ``GET /metrics`` (Prometheus), and for `RemoteEngineClient`
+``GET /workbench/status|settings|metrics`` (JSON). With an API key, everything but /health
+and /metrics needs ``Authorization: Bearer <key>`` (as vLLM does).
+
+Each choice of each request is one engine request through the shared `EngineClient`
+(thread-safe, asyncio-friendly). A client that disconnects cancels the task waiting on the
+engine; the client's stream cleanup then sends the engine an abort, so the KV blocks are freed
+at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..outputs import RequestOutput, StreamChunk, TokenLogprobs
+from ..sampling_params import SamplingParams
+from .metrics import CONTENT_TYPE, FrontMetrics
+from .protocol import (
+    DEFAULT_MAX_BODY_MB,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    check_unsupported,
+    completion_prompts,
+    decode_request,
+    logprobs_count,
+    message_dicts,
+    num_choices,
+    sampling_params,
+)
+
+log = logging.getLogger("workbench.http")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+@dataclass
+class Job:
+    """One engine request: one choice of one prompt."""
+
+    index: int  # the choice index in the response
+    prompt_index: int
+    params: SamplingParams
+    text: str | None = None  # prompt text (sent as text when ids is None)
+    ids: list[int] | None = None  # prompt token ids (preferred)
+    chat: bool = False  # let the engine apply the chat template to `text`
+    echo: str = ""  # text to put in front of the completion (echo=true)
+
+
+@dataclass
+class Ctx:
+    kind: str  # "completion" | "chat"
+    id: str
+    model: str
+    jobs: list[Job]
+    logprobs: int | None
+    token_ids: bool = False  # return_token_ids
+    ids_as_tokens: bool = False  # return_tokens_as_token_ids
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Front:
+    """Everything the routes share: the engine client, the model's names and tokenizer, limits."""
+
+    def __init__(self, engine, *, model_names: list[str], tokenizer=None, max_model_len: int | None = None,
+                 api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20,
+                 status: dict | None = None, aliases: list[str] | None = None):
+        if not model_names:
+            raise ValueError("model_names must name at least one model")
+        self.engine = engine
+        self.model_names = list(model_names)
+        self.aliases = set(self.model_names) | set(aliases or ())
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.api_key = api_key or None
+        self.max_body_bytes = int(max_body_bytes)
+        self.status = dict(status or {})
+        self.metrics = FrontMetrics(self.model_names[0])
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # -- request checks -------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        too_big = APIError(413, f"request body exceeds {limit >> 20} MiB", code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            parts.append(part)
+        return b"".join(parts)
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.aliases:
+            return self.model_names[0] if model is None or model not in self.model_names else model
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{', '.join(repr(m) for m in self.model_names)}", param="model", code="model_not_found")
+
+    def max_tokens_for(self, ids: list[int] | None, requested: int | None, default: int | None) -> int:
+        """Check the prompt against the context; the max_tokens to run with."""
+        if ids is not None and self.max_model_len:
+            room = self.max_model_len - len(ids)
+            if room < 1:
+                raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                  f"has {len(ids)} tokens (plus at least one output token must fit)",
+                                  param="messages" if default is None else "prompt", code="context_length_exceeded")
+            if requested is not None and requested > room:
+                raise bad_request(
+                    f"this model's maximum context length is {self.max_model_len} tokens; you requested "
+                    f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the completion); "
+                    "shorten the prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
+            if requested is None:
+                return room if default is None else min(default, room)
+        if requested is not None:
+            return requested
+        if default is not None:
+            return default
+        return max(1, (self.max_model_len or 4096) - (len(ids) if ids else 0))
+
+    # -- token text ------------------------------------------------------------------------------
+    def token_text(self, token_id: int, as_id: bool) -> str:
+        if as_id or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 200_000:
+                self._token_text[token_id] = s
+        return s
+
+    # -- engine ----------------------------------------------------------------------------------
+    def _call_kwargs(self, job: Job) -> dict[str, Any]:
+        if job.ids is not None:
+            return {"prompt_token_ids": job.ids, "params": job.params}
+        return {"prompt": job.text, "params": job.params, "chat": job.chat}
+
+    async def generate(self, jobs: list[Job]) -> list[RequestOutput]:
+        async def one(job: Job) -> RequestOutput:
+            kw = self._call_kwargs(job)
+            if "prompt_token_ids" in kw:
+                [out] = await self.engine.agenerate(prompt_token_ids=[kw["prompt_token_ids"]], params=kw["params"])
+            else:
+                [out] = await self.engine.agenerate(kw["prompt"], kw["params"], chat=kw["chat"])
+            self.metrics.observe(out)
+            return out
+
+        tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # on an error or a disconnect, the other choices stop too (their engine requests abort)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def merged_streams(self, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """(job number, chunk) from every job's stream, as they come."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, job: Job) -> None:
+            try:
+                async for chunk in self.engine.astream(**self._call_kwargs(job)):
+                    q.put_nowait((k, chunk))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                q.put_nowait((k, e))
+
+        tasks = [asyncio.ensure_future(pump(k, j)) for k, j in enumerate(jobs)]
+        left = len(jobs)
+        try:
+            while left:
+                k, item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    left -= 1
+                    if item.output is not None:
+                        self.metrics.observe(item.output)
+                yield k, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """An engine-side exception as the HTTP error it deserves."""
+    from ..ipc.protocol import EngineDeadError, WorkbenchIPCError
+
+    if isinstance(exc, APIError):
+        return exc
+    msg = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    if isinstance(exc, (ValueError, TypeError, LookupError)):
+        code = "context_length_exceeded" if ("context" in msg or "KV blocks" in msg) else None
+        return APIError(400, msg, code=code)
+    if isinstance(exc, (EngineDeadError, WorkbenchIPCError)):
+        return APIError(503, f"the engine is unavailable: {msg}", code="engine_unavailable")
+    if isinstance(exc, TimeoutError):
+        return APIError(504, f"the engine did not answer in time: {msg}", code="timeout")
+    log.error("unexpected error serving a request", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {msg}")
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(receive, aw):
+    """Await `aw` unless the client disconnects first (then it is cancelled: _ClientGone)."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise _ClientGone()
+    return task.result()
+
+
+class SSEResponse(Response):
+    """Server-sent events from an async iterator of bytes. A client disconnect (noticed on the
+    receive channel, or as a failed send) stops the iterator, whose cleanup aborts the engine
+    requests."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        super().__init__(content=None, status_code=200, headers={"cache-control": "no-cache",
+                                                                  "x-accel-buffering": "no", **(headers or {})},
+                         media_type=self.media_type)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # streamed: chunked
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for data in self.events:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        task = asyncio.ensure_future(pump())
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, watch):
+                t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            if not isinstance(exc, OSError):
+                log.warning("stream ended with %s: %s", type(exc).__name__, exc)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+# -- response pieces ------------------------------------------------------------------------------
+def _completion_logprobs(front: Front, lps: list[TokenLogprobs], offset: int, as_id: bool) -> dict:
+    tokens = [front.token_text(x.token_id, as_id) for x in lps]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [x.logprob for x in lps],
+        "top_logprobs": [{front.token_text(t, as_id): lp for t, lp in (x.top or [(x.token_id, x.logprob)])}
+                         for x in lps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(front: Front, lps: list[TokenLogprobs], top: int, as_id: bool) -> dict:
+    def entry(token_id: int, lp: float) -> dict:
+        s = front.token_text(token_id, as_id)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top[:top]]}
+                        for x in lps], "refusal": None}
+
+
+def _usage(ctx: Ctx, outputs: dict[int, RequestOutput]) -> dict:
+    prompt = {}
+    completion = 0
+    for k, out in outputs.items():
+        prompt[ctx.jobs[k].prompt_index] = len(out.prompt_token_ids)
+        completion += len(out.token_ids)
+    p = sum(prompt.values())
+    return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+
+
+def completion_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
+    choices = []
+    for job, out in zip(ctx.jobs, outs):
+        choice: dict[str, Any] = {"index": job.index, "text": job.echo + out.text, "logprobs": None,
+                                  "finish_reason": out.finish_reason}
+        if ctx.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(front, out.logprobs or [], len(job.echo), ctx.ids_as_tokens)
+        if ctx.token_ids:
+            choice["token_ids"] = out.token_ids
+            choice["prompt_token_ids"] = out.prompt_token_ids
+        choices.append(choice)
+    return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(ctx, dict(enumerate(outs))),
+            "system_fingerprint": None}
+
+
+def chat_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
+    choices = []
+    for job, out in zip(ctx.jobs, outs):
+        choice: dict[str, Any] = {"index": job.index, "message": {"role": "assistant", "content": out.text},
+                                  "logprobs": None, "finish_reason": out.finish_reason}
+        if ctx.logprobs is not None:
+            choice["logprobs"] = _chat_logprobs(front, out.logprobs or [], ctx.logprobs, ctx.ids_as_tokens)
+        if ctx.token_ids:
+            choice["token_ids"] = out.token_ids
+        choices.append(choice)
+    body = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
+            "choices": choices, "usage": _usage(ctx, dict(enumerate(outs))), "system_fingerprint": None}
+    if ctx.token_ids and outs:
+        body["prompt_token_ids"] = outs[0].prompt_token_ids
+    return body
+
+
+async def stream_events(front: Front, ctx: Ctx, first: tuple[int, StreamChunk],
+                        rest: AsyncIterator[tuple[int, StreamChunk]]) -> AsyncIterator[bytes]:
+    obj = "text_completion" if ctx.kind == "completion" else "chat.completion.chunk"
+    head = {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model}
+    chat = ctx.kind == "chat"
+    started: set[int] = set()
+    offsets = {k: len(j.echo) for k, j in enumerate(ctx.jobs)}
+    outputs: dict[int, RequestOutput] = {}
+    lp_sent: dict[int, int] = {}
+    if chat:
+        for job in ctx.jobs:
+            yield _sse({**head, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+
+    def render(k: int, chunk: StreamChunk) -> bytes | None:
+        job = ctx.jobs[k]
+        text = chunk.text_delta
+        if not chat and k not in started and job.echo:
+            text = job.echo + text
+        first_chunk = k not in started
+        started.add(k)
+        lps = chunk.logprobs_delta or []
+        if chunk.finish_reason is not None and chunk.output is not None:
+            outputs[k] = chunk.output
+            if ctx.logprobs is not None and not lps:  # the engine's last chunk carries only the output
+                lps = (chunk.output.logprobs or [])[lp_sent.get(k, 0):]
+        lp_sent[k] = lp_sent.get(k, 0) + len(lps)
+        if not text and chunk.finish_reason is None and not (ctx.token_ids and chunk.token_ids_delta) and not lps:
+            return None
+        choice: dict[str, Any] = {"index": job.index}
+        if chat:
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        if ctx.logprobs is not None and lps:
+            if chat:
+                choice["logprobs"] = _chat_logprobs(front, lps, ctx.logprobs, ctx.ids_as_tokens)
+            else:
+                choice["logprobs"] = _completion_logprobs(front, lps, offsets[k], ctx.ids_as_tokens)
+        offsets[k] += len(chunk.text_delta)
+        choice["finish_reason"] = chunk.finish_reason
+        if ctx.token_ids:
+            choice["token_ids"] = chunk.token_ids_delta
+            if first_chunk and chunk.output is None and job.ids is not None:
+                choice["prompt_token_ids"] = job.ids
+            elif first_chunk and chunk.output is not None:
+                choice["prompt_token_ids"] = chunk.output.prompt_token_ids
+        return _sse({**head, "choices": [choice]})
+
+    try:
+        data = render(*first)
+        if data is not None:
+            yield data
+        async for k, chunk in rest:
+            data = render(k, chunk)
+            if data is not None:
+                yield data
+    except Exception as e:  # the engine failed mid-stream: say so in the stream
+        yield _sse(engine_error(e).to_dict())
+    else:
+        if ctx.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(ctx, outputs)})
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield b"data: [DONE]\n\n"
+
+
+# -- the app --------------------------------------------------------------------------------------
+def create_app(front: Front) -> FastAPI:
+    app = FastAPI(title="Serving Workbench", description="OpenAI-compatible API of a workbench engine",
+                  version="1", docs_url="/docs", redoc_url=None)
+    app.state.front = front
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        err = engine_error(exc)
+        return JSONResponse(err.to_dict(), status_code=err.status)
+
+    @app.get("/health")
+    async def health():
+        alive = getattr(front.engine, "alive", True)
+        body = {"status": "ok" if alive else "engine unavailable", "server": "workbench",
+                "engine": getattr(front.engine, "name", None), "model": front.model_names[0]}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        engine_metrics = settings = None
+        try:
+            engine_metrics, settings = await asyncio.gather(front.engine.acall("metrics"),
+                                                            front.engine.acall("settings"))
+        except Exception as e:  # the engine is gone: still serve the histograms
+            log.warning("/metrics: engine metrics unavailable: %s", e)
+        data = await asyncio.to_thread(front.metrics.render, engine_metrics, settings, front.status)
+        return Response(data, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        front.check_auth(request)
+        return {"object": "list", "data": [_model_card(front, m) for m in front.model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        front.check_auth(request)
+        return _model_card(front, front.check_model(model))
+
+    @app.get("/workbench/status")
+    async def wb_status(request: Request):
+        front.check_auth(request)
+        status = await front.engine.acall("status")
+        return {"server": "workbench", "models": front.model_names, "max_model_len": front.max_model_len,
+                "front_tokenizer": front.tokenizer is not None, "engine": status}
+
+    @app.get("/workbench/settings")
+    async def wb_settings(request: Request):
+        front.check_auth(request)
+        settings, schema = await asyncio.gather(front.engine.acall("settings"), front.engine.acall("schema"))
+        return {"settings": settings, "schema": schema}
+
+    @app.get("/workbench/metrics")
+    async def wb_metrics(request: Request):
+        front.check_auth(request)
+        return await front.engine.acall("metrics")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        front.check_auth(request)
+        req = decode_request(await front.read_body(request), CompletionRequest)
+        model = front.check_model(req.model)
+        check_unsupported(req)
+        n = num_choices(req)
+        lp = logprobs_count(req)
+        jobs = []
+        for i, p in enumerate(completion_prompts(req.prompt)):
+            text, ids = (p, None) if isinstance(p, str) else (None, p)
+            if ids is None and front.tokenizer is not None:
+                ids = front.tokenizer.encode(text, add_special_tokens=True)  # exactly as the engine would
+            echo = ""
+            if req.echo:
+                echo = text if text is not None else (front.tokenizer.decode(ids, skip_special_tokens=False)
+                                                      if front.tokenizer is not None else "")
+            max_tokens = front.max_tokens_for(ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+            for j in range(n):
+                params = sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j)
+                jobs.append(Job(index=i * n + j, prompt_index=i, params=params, text=text, ids=ids, echo=echo))
+        ctx = Ctx("completion", f"cmpl-{secrets.token_hex(12)}", model, jobs, lp,
+                  token_ids=bool(req.return_token_ids), ids_as_tokens=bool(req.return_tokens_as_token_ids),
+                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await _answer(front, request, ctx, bool(req.stream), completion_body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        front.check_auth(request)
+        req = decode_request(await front.read_body(request), ChatCompletionRequest)
+        model = front.check_model(req.model)
+        check_unsupported(req)
+        n = num_choices(req)
+        lp = logprobs_count(req)
+        messages = message_dicts(req.messages)
+        text, ids, chat = None, None, False
+        if front.tokenizer is not None:
+            try:
+                rendered = front.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt is not False)
+            except Exception as e:  # no template, or the template raised (e.g. roles out of order)
+                raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+            ids = front.tokenizer.encode(rendered, add_special_tokens=False)
+        elif len(messages) == 1 and messages[0]["role"] == "user":
+            text, chat = messages[0]["content"], True  # the engine applies the template
+        else:
+            raise bad_request("this server has no tokenizer for the model here, so only a single user message "
+                              "can be sent (start it with --model so the chat template can be rendered)",
+                              param="messages")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = front.max_tokens_for(ids, requested, None)
+        jobs = [Job(index=j, prompt_index=0, text=text, ids=ids, chat=chat,
+                    params=sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j)) for j in range(n)]
+        ctx = Ctx("chat", f"chatcmpl-{secrets.token_hex(12)}", model, jobs, lp,
+                  token_ids=bool(req.return_token_ids), ids_as_tokens=bool(req.return_tokens_as_token_ids),
+                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        return await _answer(front, request, ctx, bool(req.stream), chat_body)
+
+    return app
+
+
+def _model_card(front: Front, name: str) -> dict:
+    card = {"id": name, "object": "model", "created": front.created, "owned_by": "workbench", "root": name,
+            "parent": None}
+    if front.max_model_len:
+        card["max_model_len"] = front.max_model_len
+    return card
+
+
+async def _answer(front: Front, request: Request, ctx: Ctx, stream: bool, body_fn) -> Response:
+    try:
+        if not stream:
+            outs = await until_disconnect(request.receive, front.generate(ctx.jobs))
+            return JSONResponse(body_fn(front, ctx, outs))
+        events = front.merged_streams(ctx.jobs)
+        try:
+            # The first chunk comes before the 200: a request the engine rejects gets a 4xx.
+            first = await until_disconnect(request.receive, events.__anext__())
+        except BaseException:
+            await events.aclose()
+            raise
+        return SSEResponse(stream_events(front, ctx, first, events))
+    except _ClientGone:
+        return Response(status_code=499)
+    except StopAsyncIteration:  # pragma: no cover - a stream always ends with a finish chunk
+        raise APIError(500, "the engine returned no output") from None
+    except APIError:
+        raise
+    except Exception as e:
+        raise engine_error(e) from None

@@ -1,0 +1,253 @@
+"""OpenAI request models, OpenAI-style errors, and the mapping onto `SamplingParams`.
+
+Requests are decoded with msgspec (strict types: ``"max_tokens": "8"`` is a 400 naming the
+field, not a silent coercion). Unknown fields are ignored, as OpenAI-compatible servers do;
+fields whose meaning we cannot honour (tools, logit_bias, presence/frequency penalties, ...)
+are rejected with a 400 that says so, rather than ignored.
+
+Extensions beyond OpenAI's API use vLLM's names, so one client works against both:
+``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``return_token_ids`` (adds ``token_ids`` to each choice and ``prompt_token_ids`` to the
+response) and ``return_tokens_as_token_ids`` (logprob tokens spelled ``"token_id:<id>"``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from ..sampling_params import SamplingParams
+
+MAX_N = 64  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+MAX_LOGPROBS = 20
+DEFAULT_MAX_BODY_MB = 16  # largest request body (413 beyond)
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error object: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-compatible extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: Any = None  # str | list of {"type": "text", "text": ...} parts | None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool | None = True
+
+
+_PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode a JSON body into `kind`; malformed JSON and wrong types become 400s."""
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        m = _PATH_RE.search(str(e))
+        raise bad_request(f"invalid request: {e}", param=m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+
+
+# -- prompts --------------------------------------------------------------------------------------
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of strings, a list of token ids, a list of lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            out = list(prompt)
+        elif all(_is_id(t) for t in prompt):
+            out = [list(prompt)]
+        elif all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+            out = [list(p) for p in prompt]
+        else:
+            out = None
+        if out is not None:
+            if len(out) > MAX_PROMPTS:
+                raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", param="prompt")
+            return out
+    raise bad_request("prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
+                      "lists of token ids", param="prompt")
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template wants them: text content only."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, developer, user, assistant, "
+                              "tool", param="messages")
+        content = m.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                                      "supported by this text-only model", param="messages")
+                parts.append(part["text"])
+            text = "".join(parts)
+        else:
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        role = "system" if m.role == "developer" else m.role
+        d = {"role": role, "content": text}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+# -- sampling -------------------------------------------------------------------------------------
+def check_unsupported(req: _Common) -> None:
+    """Reject what we would otherwise silently get wrong."""
+    if req.presence_penalty:
+        raise bad_request("presence_penalty is not supported; use repetition_penalty", param="presence_penalty")
+    if req.frequency_penalty:
+        raise bad_request("frequency_penalty is not supported; use repetition_penalty", param="frequency_penalty")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.min_tokens:
+        raise bad_request("min_tokens is not supported; use ignore_eos with max_tokens", param="min_tokens")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise bad_request("suffix (insertion) is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise bad_request("tools (function calling) are not supported", param="tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported without tools", param="tool_choice")
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(f"response_format {fmt!r} is not supported (only 'text')", param="response_format")
+
+
+def num_choices(req: _Common) -> int:
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {n}", param="n")
+    return n
+
+
+def logprobs_count(req: _Common) -> int | None:
+    """Top alternatives per token to ask the engine for (None: no logprobs)."""
+    if isinstance(req, ChatCompletionRequest):
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+        if not req.logprobs:
+            if top:
+                raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return top or 0
+    lp = req.logprobs
+    if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {lp}", param="logprobs")
+    return lp
+
+
+_FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
+
+
+def sampling_params(req: _Common, *, max_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+    """The engine's params for choice number `choice` (seeded choices get seed + choice, so n
+    seeded samples differ from each other and are each reproducible)."""
+    kw: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "ignore_eos"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if req.seed is not None:
+        kw["seed"] = req.seed + choice
+    if req.stop:
+        kw["stop"] = req.stop
+    if req.stop_token_ids:
+        kw["stop_token_ids"] = req.stop_token_ids
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        m = _FIELD_RE.search(str(e))
+        raise bad_request(str(e).replace("SamplingParams.", ""), param=m.group(1) if m else None) from None

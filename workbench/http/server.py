@@ -1,0 +1,257 @@
+"""Running the HTTP front: `workbench serve --http HOST:PORT`, or in a thread from Python.
+
+    workbench serve --http 127.0.0.1:8000 [--api-key KEY] [--served-model-name NAME] [--model M] [--<setting> V]
+    python -m workbench.http --attach NAME --http 127.0.0.1:8000      (front an engine already running)
+
+    srv = start_http_server(eng, port=0)          # eng: an EngineClient; serves from a thread
+    srv.url  ->  "http://127.0.0.1:40123";  srv.stop()
+
+`workbench serve --http` starts the engine process (`start_engine`, so it is also reachable by
+name with `EngineClient.connect(name)`), then serves HTTP in this process until Ctrl-C/SIGTERM,
+then shuts the engine down. If this process is killed outright, the engine notices its parent is
+gone and exits too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .protocol import DEFAULT_MAX_BODY_MB
+
+log = logging.getLogger("workbench.http")
+
+ENV_API_KEY = "WORKBENCH_API_KEY"
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """'HOST:PORT', ':PORT' or 'PORT' (host 127.0.0.1); '[::1]:PORT' for IPv6."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif ":" in text:
+        host, _, port_text = text.rpartition(":")
+    else:
+        host, port_text = "", text
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"--http wants HOST:PORT (e.g. 127.0.0.1:8000), got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    return host or "127.0.0.1", port
+
+
+def load_front_tokenizer(model=None, engine_model_name: str | None = None):
+    """The tokenizer of the model the engine serves, for chat templates, token counts and
+    logprob token strings in the front; None when it cannot be found (then text prompts are
+    tokenized by the engine, and chats are limited to one user message)."""
+    from ..models import loader
+    from ..tokenizer import Tokenizer
+
+    aliases = {loader.DEFAULT_MODEL, "default"}
+    if model is None and engine_model_name not in aliases:
+        return None
+    if model is None or (isinstance(model, str) and model in aliases and not os.path.exists(model)):
+        folder = loader.ensure_converted(loader.default_gguf_path(), loader.DEFAULT_MODEL)
+        return Tokenizer.from_dir(folder) if (folder / "tokenizer.json").is_file() else None
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        import gguf
+
+        # Only the tokenizer's metadata is read (the file is memory-mapped, the weights not touched).
+        return loader._gguf_tokenizer(gguf.GGUFReader(str(path)))
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(path)
+    return None
+
+
+def make_front(engine, *, model=None, served_model_name: str | list[str] | None = None, api_key: str | None = None,
+               tokenizer="auto", max_body_mb: float = DEFAULT_MAX_BODY_MB):
+    from .app import Front
+
+    status = engine.status()
+    engine_model = status.get("model") or "model"
+    if isinstance(served_model_name, str):
+        served_model_name = [n.strip() for n in served_model_name.split(",") if n.strip()]
+    names = list(served_model_name or [engine_model])
+    aliases = [engine_model] + ([os.fspath(model)] if model is not None else [])
+    if tokenizer == "auto":
+        tokenizer = load_front_tokenizer(model, engine_model)
+        if tokenizer is None:
+            log.warning("no tokenizer for %s in the HTTP front: chats are limited to one user message and logprob "
+                        "tokens are spelled token_id:<id> (pass the model path to fix that)", engine_model)
+    return Front(engine, model_names=names, tokenizer=tokenizer, max_model_len=status.get("max_model_len"),
+                 api_key=api_key, max_body_bytes=int(max_body_mb * 2**20), status=status, aliases=aliases)
+
+
+def _uvicorn_server(app, host: str, port: int, log_level: str = "info"):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a caught SIGTERM after its graceful shutdown, which would kill this
+            # process before it stops the engine; catch the signal and just exit the serve loop.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in original.items():
+                    signal.signal(s, h)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=2048)
+    return Server(config)
+
+
+def _bound_port(server) -> int:
+    for s in getattr(server, "servers", []) or []:
+        for sock in getattr(s, "sockets", []) or []:
+            return sock.getsockname()[1]
+    return server.config.port
+
+
+class HttpServerHandle:
+    """An HTTP front serving from a background thread (`start_http_server`)."""
+
+    def __init__(self, server, thread: threading.Thread, host: str, port: int):
+        self.server, self.thread, self.host, self.port = server, thread, host, port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> HttpServerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<HttpServerHandle {self.url}>"
+
+
+def start_http_server(engine, host: str = "127.0.0.1", port: int = 0, *, model=None, api_key: str | None = None,
+                      served_model_name=None, timeout: float = 30.0, log_level: str = "warning") -> HttpServerHandle:
+    """Serve `engine` (an EngineClient) over HTTP from a daemon thread of this process (a
+    notebook, a test). For production use `workbench serve --http`, a process of its own."""
+    from .app import create_app
+
+    front = make_front(engine, model=model, served_model_name=served_model_name, api_key=api_key)
+    server = _uvicorn_server(create_app(front), host, port, log_level)
+    thread = threading.Thread(target=server.run, name="wb-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.02)
+    return HttpServerHandle(server, thread, host, _bound_port(server))
+
+
+# -- command line ---------------------------------------------------------------------------------
+def add_http_arguments(parser: argparse.ArgumentParser, *, attach: bool = False) -> None:
+    g = parser.add_argument_group("HTTP (OpenAI-compatible API)")
+    g.add_argument("--http", metavar="HOST:PORT", default=None,
+                   help="also serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health, /metrics) on HOST:PORT")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, else none)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME[,NAME...]",
+                   help="model name(s) the API answers to (default: the engine's model name)")
+    g.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                   help=f"largest request body (default {DEFAULT_MAX_BODY_MB} MiB; larger: 413)")
+    g.add_argument("--http-log-level", default="info", help="uvicorn log level (default info)")
+    if attach:
+        g.add_argument("--attach", default=None, metavar="NAME",
+                       help="front an engine that is already running (by name or connection file)")
+
+
+def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
+    """`workbench serve --http`: start (or attach to) the engine, serve HTTP until a signal."""
+    from ..ipc.client import EngineClient, start_engine
+    from .app import create_app
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host, port = parse_host_port(args.http)
+    api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    model = getattr(args, "model", None)
+    attach = getattr(args, "attach", None)
+    if attach:
+        engine = EngineClient.connect(attach)
+        owned = False
+    else:
+        kw = {k: getattr(args, k) for k in ("name", "transport", "host", "port") if getattr(args, k, None) is not None}
+        if getattr(args, "client_timeout", None) is not None:
+            kw["client_timeout"] = args.client_timeout
+        if getattr(args, "max_message_mb", None) is not None:
+            kw["max_message_mb"] = args.max_message_mb
+        print(f"workbench: starting the engine ({model or 'default model'})...", file=sys.stderr, flush=True)
+        engine = start_engine(model, **kw, **(settings or {}))
+        owned = True
+    try:
+        front = make_front(engine, model=model, served_model_name=args.served_model_name, api_key=api_key,
+                           max_body_mb=args.max_request_mb)
+        server = _uvicorn_server(create_app(front), host, port, args.http_log_level)
+        watchdog = threading.Thread(target=_watch_engine, args=(engine, server), daemon=True)
+        watchdog.start()
+        shown = f"[{host}]" if ":" in host else host
+        print(f"workbench: engine {engine.name!r} (log: {engine.log_file}) serving {front.model_names[0]!r} on "
+              f"http://{shown}:{port}/v1" + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+        server.run()
+        if server.started is False:
+            print(f"workbench: the HTTP server could not start on {host}:{port}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+    finally:
+        if owned:
+            engine.shutdown()
+        else:
+            engine.close()
+
+
+def _watch_engine(engine, server) -> None:
+    """Stop serving when the engine is gone (health would only ever say 503 again)."""
+    while not server.should_exit:
+        if not engine.alive:
+            log.error("the engine is gone; stopping the HTTP server")
+            server.should_exit = True
+            return
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workbench.http --attach NAME --http HOST:PORT` (or --model M to start one)."""
+    from ..ipc.server import add_serve_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser(prog="python -m workbench.http", description="OpenAI-compatible HTTP front.")
+    add_serve_arguments(parser)
+    add_http_arguments(parser, attach=True)
+    args = parser.parse_args(argv)
+    if not args.http:
+        parser.error("--http HOST:PORT is required")
+    try:
+        settings = settings_from_args(args)
+        parse_host_port(args.http)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    return run_front(args, settings)
