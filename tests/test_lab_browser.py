@@ -317,14 +317,16 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
 
         assert bokeh_version == bokeh.__version__
         page.wait_for_selector(".wb-TimelineWidget canvas", state="attached")
-        main = _counts(page, ".wb-TimelineWidget")
-        assert main.get("spansDecode", 0) >= 2 and main.get("stepsPrefill", 0) >= 1
+        _wait_for(lambda: (lambda c: c.get("spansDecode", 0) >= 2 and c.get("stepsPrefill", 0) >= 1)(
+            _counts(page, ".wb-TimelineWidget")), 30, "the main-area timeline to show the requests")
         page.wait_for_timeout(700)
         page.screenshot(path=str(ARTIFACTS / "lab-timeline.png"))
 
         # restored on reload
         page.reload(wait_until="domcontentloaded")
         page.wait_for_selector(".wb-TimelineWidget .wb-Timeline-chart[data-spans-decode]", timeout=60_000)
+        _wait_for(lambda: _counts(page, ".wb-TimelineWidget").get("spansDecode", 0) >= 2, 30,
+                  "the restored timeline to show the requests again")
         assert page.locator(".wb-TimelineWidget").first.locator(".wb-Timeline").get_attribute("data-engine") == "e2e"
         page.screenshot(path=str(ARTIFACTS / "lab-restored.png"))
     except BaseException:

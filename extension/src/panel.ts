@@ -172,6 +172,16 @@ export class WorkbenchPanel extends Widget {
     root.appendChild(this._timeline.node);
   }
 
+  // A collapsed sidebar still listens, but slowly.
+  protected onAfterShow(): void {
+    this._conn?.setRate(5);
+    void this.refresh(true);
+  }
+
+  protected onAfterHide(): void {
+    this._conn?.setRate(0.5);
+  }
+
   /** Reload the engine list (and the schema the first time). */
   async refresh(quiet = false): Promise<void> {
     try {
