@@ -4,6 +4,16 @@ import os
 # 2 cores, and OpenMP threads that spin-wait on a busy core made steps 10x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Bench and sweep runs record into the run log: keep tests out of the user's (one file per session).
+if "WORKBENCH_RUNS_DB" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _runs_dir = tempfile.mkdtemp(prefix="workbench-runs-")
+    atexit.register(shutil.rmtree, _runs_dir, ignore_errors=True)
+    os.environ["WORKBENCH_RUNS_DB"] = os.path.join(_runs_dir, "runs.sqlite")
+
 # Triton reads this when @triton.jit runs, so it must be set before any kernel module is
 # imported; without a GPU only the interpreter can run the kernels.
 try:

@@ -14,6 +14,7 @@ _LAZY = {
     "EngineClient": ("workbench.ipc.client", "EngineClient"),
     "start_engine": ("workbench.ipc.client", "start_engine"),
     "sweep": ("workbench.sweep", "sweep"),
+    "runs": ("workbench.runs", None),  # the run log module: workbench.runs.list_runs(), ...
     "RequestOutput": ("workbench.outputs", "RequestOutput"),
     "StreamChunk": ("workbench.outputs", "StreamChunk"),
     "Timeline": ("workbench.timeline", "Timeline"),
@@ -39,7 +40,8 @@ def __getattr__(name: str):
         import importlib
 
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
+        mod = importlib.import_module(module)
+        value = mod if attr is None else getattr(mod, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")

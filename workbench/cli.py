@@ -4,6 +4,7 @@
     workbench generate PROMPT [--max-tokens N] [--temperature T] [--chat] [--model M] [--<setting> VALUE ...]
     workbench bench [--json] [--requests N] [--systems workbench,hf_sequential,hf_static]
                     [--arrival all|poisson] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
+    workbench runs list|show|compare|export|path [...]     (the run log; workbench/runs_cli.py)
 
 Each subcommand registers itself in `_SUBCOMMANDS` with a function that adds its arguments and
 one that runs it; imports of heavy modules stay inside the run functions so `--help` is fast.
@@ -283,7 +284,13 @@ def _run_bench_endpoints(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench]
+def _add_runs(sub: argparse._SubParsersAction) -> None:
+    from .runs_cli import add_runs_parser
+
+    add_runs_parser(sub)
+
+
+_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench, _add_runs]
 
 
 def build_parser() -> argparse.ArgumentParser:
