@@ -21,6 +21,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-" + secrets.token_hex(4)
+MAX_LEN = 2048  # the tiny model's context: long enough that a long request cannot finish before it is aborted
 _server: dict | None = None
 
 
@@ -30,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_tiny_tokenized_model(path: Path, *, seed: int = 0, max_len: int = 512) -> Path:
+def make_tiny_tokenized_model(path: Path, *, seed: int = 0, max_len: int = MAX_LEN) -> Path:
     """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer files (no transformers)."""
     import torch
     from safetensors.torch import save_file
@@ -115,7 +116,14 @@ def shared_server(config, tmp_root: Path) -> dict:
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
     atexit.register(stop_process, proc, 10.0)
-    config.add_cleanup(lambda: stop_process(proc))
+
+    def cleanup():
+        stop_process(proc)
+        from workbench.ipc import connection as conn
+
+        conn.log_path(name).unlink(missing_ok=True)  # the engine's log in the shared runtime dir
+
+    config.add_cleanup(cleanup)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url, proc, 240, log)

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from http_helpers import ROOT, shared_server
+from http_helpers import MAX_LEN, ROOT, shared_server
 
 from workbench.http.protocol import (
     APIError,
@@ -159,10 +159,11 @@ def test_errors_are_openai_objects(server, client):
         client.completions.create(model=name, prompt="x", max_tokens=2, temperature=-1)
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "word " * 600}], max_tokens=4)
+        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "word " * (MAX_LEN + 50)}],
+                                       max_tokens=4)
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):  # prompt fits, prompt + max_tokens does not
-        client.completions.create(model=name, prompt="word " * 400, max_tokens=200)
+        client.completions.create(model=name, prompt="word " * (MAX_LEN - 100), max_tokens=200)
     with pytest.raises(openai.BadRequestError):  # token ids outside the vocabulary: rejected by the engine
         client.completions.create(model=name, prompt=[10 ** 7], max_tokens=1)
     h = {"Authorization": f"Bearer {server['key']}", "Content-Type": "application/json"}
@@ -187,7 +188,7 @@ def test_client_disconnect_aborts_in_engine(server):
     engine = _engine(server)
     try:
         h = {"Authorization": f"Bearer {server['key']}"}
-        body = {"prompt": "Go on", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        body = {"prompt": "Go on", "max_tokens": MAX_LEN - 16, "ignore_eos": True, "temperature": 0}
         # streaming: read one event, then hang up
         since = engine.timeline(1 << 62).cursor
         with httpx.stream("POST", server["url"] + "/v1/completions", json={**body, "stream": True}, headers=h,
@@ -203,7 +204,7 @@ def test_client_disconnect_aborts_in_engine(server):
         # non-streaming: the client gives up (read timeout) while the engine works
         since = engine.timeline(1 << 62).cursor
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server["url"] + "/v1/completions", json=body, headers=h, timeout=httpx.Timeout(30, read=1.0))
+            httpx.post(server["url"] + "/v1/completions", json=body, headers=h, timeout=httpx.Timeout(30, read=0.5))
         deadline = time.monotonic() + 30
         while not _finished(engine, since) and time.monotonic() < deadline:
             time.sleep(0.1)

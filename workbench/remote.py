@@ -20,8 +20,8 @@ How each part is built:
 - `metrics()` has the engine's keys: gauges and counters from the server's Prometheus
   ``/metrics`` when it has one (vLLM ``vllm:*``, SGLang ``sglang:*``, llama.cpp
   ``llamacpp:*``, TGI ``tgi_*``, ours ``workbench:*``), the latency percentiles from this
-  client's requests; a value nobody reports is None (never made up), and ``sources`` says
-  where each came from;
+  client's requests; a value nobody reports is absent (never made up; same in `status()`),
+  and ``sources`` says where each value came from ("server" or "client");
 - `settings()` maps what the server tells about itself onto our setting names (ours: all of
   them; vLLM: the KV cache config from /metrics; SGLang: /get_server_info; llama.cpp: /props);
   `configure()` raises `RemoteSettingsError`;
@@ -431,7 +431,7 @@ class RemoteEngineClient:
         if self.max_model_len and "max_model_len" not in out:
             out["max_model_len"] = self.max_model_len
         known = set(setting_names())
-        return {k: v for k, v in out.items() if k in known}
+        return {k: v for k, v in out.items() if k in known and v is not None}
 
     async def asettings(self) -> dict:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._asettings(), self._loop))
@@ -441,7 +441,7 @@ class RemoteEngineClient:
         from .settings import schema
 
         reported = self.settings()
-        return [{**e, "kind": "read-only", "read_only": True, "value": reported[e["name"]]}
+        return [{**e, "kind": "read-only", "read_only": True, "engine_kind": e["kind"], "value": reported[e["name"]]}
                 for e in schema() if e["name"] in reported]
 
     def status(self) -> dict:
@@ -454,7 +454,7 @@ class RemoteEngineClient:
             except Exception as e:
                 log.debug("%s: /workbench/status failed: %s", self.base, e)
         rs = self._remote_status
-        return {
+        st = {
             "pid": None, "model": self.model, "device": f"remote ({self.kind})",
             "uptime_s": rs.get("uptime_s"), "weights_checksum": rs.get("weights_checksum"),
             "remote": self.base, "server": self.kind, "models": self.models, "max_model_len": self.max_model_len,
@@ -462,6 +462,7 @@ class RemoteEngineClient:
             "num_requests": len(self._pending),
             **({"remote_engine": {k: v for k, v in rs.items() if k not in ("pid", "connection_file")}} if rs else {}),
         }
+        return {k: v for k, v in st.items() if v is not None}  # absent: the server does not say
 
     def metrics(self) -> dict:
         return self._run(self._ametrics(), self.rpc_timeout)
@@ -504,7 +505,8 @@ class RemoteEngineClient:
                     self._last_scrape = (now, gen)
                 m.update(srv)
                 sources.update({k: "server" for k in srv})
-        m["sources"] = sources
+        m = {k: v for k, v in m.items() if v is not None}  # absent: nobody reports it (never made up)
+        m["sources"] = {k: v for k, v in sources.items() if k in m}
         m["remote"] = self.base
         return m
 
