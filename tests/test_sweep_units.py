@@ -159,3 +159,19 @@ def test_plot_data_and_front_line():
     assert d["noise"][0].startswith("within noise of b") and d["ring_width"] == [3, 1]
     assert math.isnan(d["itl_p99_ms"][1])
     assert front_line(recs, "ttft_p99_ms") == ([10.0, 20.0], [5.0, 9.0])
+
+
+def test_live_costs_window_for_the_dashboard():
+    live = costs.LiveCosts(window_s=5.0, price_per_hour=3.6, watts=100.0)
+    old = {"phase": "prefill", "start": 0.0, "end": 1.0, "num_prefill_tokens": 999, "output_tokens": 1}
+    recent = [{"phase": "prefill", "start": 10.0, "end": 11.0, "num_prefill_tokens": 100, "output_tokens": 1},
+              {"phase": "decode", "start": 11.0, "end": 13.0, "num_decode_tokens": 8, "output_tokens": 8}]
+    live.add({"steps": [old], "requests": []})
+    live.add({"steps": recent, "requests": []})
+    c = live.costs({"output_tok_s": 4.0})
+    assert c["prefill_tok_s"] == pytest.approx(100.0)  # the old step fell out of the window
+    assert c["decode_tok_s"] == pytest.approx(4.5)  # 9 output tokens over 2 s of decode
+    assert c["cost_per_mtok"] == pytest.approx(250.0)
+    text = live.html({"output_tok_s": 4.0})
+    assert "prefill $10/M tok" in text and "$3.6/h" in text and "100 W" in text
+    assert "cost –" in costs.LiveCosts().html({"output_tok_s": 0.0})

@@ -131,3 +131,47 @@ def live_costs(metrics: dict, steps: Iterable[Any] | None = None, *, price_per_h
     m = resolve(price_per_hour, watts, device)
     return run_costs(metrics.get("output_tok_s"), m["price_per_hour"], m["watts"],
                      phase_split(steps) if steps is not None else None)
+
+
+class LiveCosts:
+    """Cost and energy over the engine's last `window_s` seconds of steps, for the dashboard:
+    feed it the timeline events (`add`), ask with the latest `metrics()` (`costs`, `html`)."""
+
+    def __init__(self, window_s: float = 10.0, *, price_per_hour: float | None = None, watts: float | None = None,
+                 device: str | None = None):
+        from collections import deque
+
+        self.window_s = window_s
+        self.prices = resolve(price_per_hour, watts, device)
+        self._steps: deque = deque()
+
+    def add(self, timeline: Any) -> None:
+        steps = timeline.get("steps") if isinstance(timeline, dict) else getattr(timeline, "steps", None)
+        for s in steps or []:
+            self._steps.append(s)
+        if self._steps:
+            last = self._steps[-1]
+            latest = float(last.get("end", 0.0) if isinstance(last, dict) else getattr(last, "end", 0.0))
+            while self._steps:
+                first = self._steps[0]
+                end = float(first.get("end", 0.0) if isinstance(first, dict) else getattr(first, "end", 0.0))
+                if end >= latest - self.window_s:
+                    break
+                self._steps.popleft()
+
+    def costs(self, metrics: dict) -> dict[str, float | None]:
+        return run_costs(metrics.get("output_tok_s"), self.prices["price_per_hour"], self.prices["watts"],
+                         phase_split(self._steps) if self._steps else None)
+
+    def html(self, metrics: dict) -> str:
+        c = self.costs(metrics)
+
+        def pair(cost, joules) -> str:
+            if cost is None:
+                return "–"
+            return f"${cost:.3g}/M tok · {joules:.3g} J/tok"
+
+        return (f"cost {pair(c['cost_per_mtok'], c['joules_per_token'])} (prefill "
+                f"{pair(c.get('prefill_cost_per_mtok'), c.get('prefill_joules_per_token'))}, decode "
+                f"{pair(c.get('decode_cost_per_mtok'), c.get('decode_joules_per_token'))}) at "
+                f"${self.prices['price_per_hour']:g}/h, {self.prices['watts']:g} W")

@@ -101,6 +101,9 @@ class Dashboard:
         self.messages: list[str] = []
 
         self.reducer = TimelineReducer()
+        from ..costs import LiveCosts  # $/M tokens and J/token, prefill and decode (workbench/costs.py)
+
+        self.costs = LiveCosts(device=str((getattr(self.client, "engine_info", None) or {}).get("device", "cpu")))
         self.view = TimelineView(live=True, window_s=window_s)
         self.schema = [e for e in self.client.schema() if e["kind"] != "restart"]
         self.controls: dict[str, Any] = {}
@@ -232,6 +235,7 @@ class Dashboard:
         for ev in events:
             if ev.kind == "timeline":
                 self.reducer.add(ev.data)
+                self.costs.add(ev.data)
             elif ev.kind == "settings":
                 self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}))
             elif ev.kind == "relayout":
@@ -339,7 +343,7 @@ class Dashboard:
             f"{m.get('num_waiting', 0)} · KV {m.get('kv_blocks_used', 0)}/{m.get('kv_blocks_total', 0)} blocks · "
             f"prefix hits {m.get('prefix_hit_rate', 0) * 100:.0f}% · spec accepted "
             f"{m.get('spec_acceptance_rate', 0) * 100:.0f}% · TTFT p50 {m.get('ttft_p50_ms', 0):.0f} ms · "
-            f"ITL p50 {m.get('itl_p50_ms', 0):.0f} ms</span>")
+            f"ITL p50 {m.get('itl_p50_ms', 0):.0f} ms<br>{html.escape(self.costs.html(m))}</span>")
 
     # -- teardown ---------------------------------------------------------------------------------
     def close(self) -> None:
