@@ -25,17 +25,49 @@ from ..sampling_params import SamplingParams
 SEPARATOR = "---"
 
 
-def split_prompts(body: str) -> list[str]:
-    """Prompts of a cell body, separated by lines holding only `---`; blank prompts dropped."""
-    prompts, cur = [], []
+_OVERRIDABLE = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
+                "ignore_eos": bool}
+
+
+def parse_prompts(body: str) -> list[tuple[str, dict[str, Any]]]:
+    """Prompts of a cell body with their per-prompt overrides.
+
+    Prompts are separated by lines holding only `---`; a separator may carry sampling overrides
+    for the prompt after it (``--- max_tokens=32 temperature=0.7``; a leading separator sets
+    the first prompt's). Blank prompts are dropped."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    cur: list[str] = []
+    overrides: dict[str, Any] = {}
     for line in body.splitlines():
-        if line.strip() == SEPARATOR:
-            prompts.append("\n".join(cur))
-            cur = []
+        words = line.split()
+        if words and words[0] == SEPARATOR:
+            out.append(("\n".join(cur), overrides))
+            cur, overrides = [], _overrides(words[1:])
         else:
             cur.append(line)
-    prompts.append("\n".join(cur))
-    return [p.strip("\n") for p in prompts if p.strip()]
+    out.append(("\n".join(cur), overrides))
+    return [(p.strip("\n"), o) for p, o in out if p.strip()]
+
+
+def split_prompts(body: str) -> list[str]:
+    """Just the prompts of a cell body (see `parse_prompts`)."""
+    return [p for p, _ in parse_prompts(body)]
+
+
+def _overrides(words: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for w in words:
+        key, eq, text = w.partition("=")
+        key = key.replace("-", "_")
+        if not eq or key not in _OVERRIDABLE:
+            raise ValueError(f"bad per-prompt option {w!r} after ---: use key=value with keys "
+                             f"{', '.join(_OVERRIDABLE)}")
+        kind = _OVERRIDABLE[key]
+        try:
+            out[key] = (text.lower() in ("1", "true", "yes", "on")) if kind is bool else kind(text)
+        except ValueError:
+            raise ValueError(f"bad value in per-prompt option {w!r}: expected {kind.__name__}") from None
+    return out
 
 
 @dataclass
@@ -97,7 +129,8 @@ _CSS = ("font-family: var(--jp-code-font-family, monospace); font-size: var(--jp
 class GenerateRun:
     """One `%%generate` cell: its requests, their streams, and the display they update."""
 
-    def __init__(self, prompts: list[str], params: SamplingParams, *, n: int = 1, chat: bool = False,
+    def __init__(self, prompts: list[str] | list[tuple[str, dict]], params: SamplingParams, *, n: int = 1,
+                 chat: bool = False,
                  hz: float = 10.0, display: bool = True, note: str | None = None,
                  timeout: float | None = None):
         if not prompts:
@@ -110,11 +143,13 @@ class GenerateRun:
         self.note = note
         self.timeout = timeout
         self.sections: list[Section] = []
-        for i, p in enumerate(prompts):
+        for i, item in enumerate(prompts):
+            p, over = (item, {}) if isinstance(item, str) else item
+            base = msgspec.structs.replace(params, **over) if over else params
             for k in range(n):
-                sp = params
-                if n > 1 and params.seed is not None:  # distinct but reproducible samples
-                    sp = msgspec.structs.replace(params, seed=params.seed + k)
+                sp = base
+                if n > 1 and base.seed is not None:  # distinct but reproducible samples
+                    sp = msgspec.structs.replace(base, seed=base.seed + k)
                 self.sections.append(Section(i, k, p, sp))
         self.n = n
         self.num_prompts = len(prompts)

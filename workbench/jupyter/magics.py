@@ -21,6 +21,7 @@ import time
 import warnings
 from typing import Any
 
+import msgspec
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
@@ -137,7 +138,8 @@ class _Parser(argparse.ArgumentParser):
 def _generate_parser() -> _Parser:
     p = _Parser(prog="%%generate", add_help=True,
                 description="Generate from the prompts in the cell body (prompts separated by a line holding "
-                            "only --- are submitted together, so they batch).")
+                            "only --- are submitted together, so they batch; `--- max_tokens=8` gives the next "
+                            "prompt its own max_tokens, temperature, top_p, top_k, seed or ignore_eos).")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens per completion (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -161,7 +163,7 @@ def _generate_parser() -> _Parser:
 
 def _prepare_generate(shell, line: str, cell: str):
     from ..sampling_params import SamplingParams
-    from .generate import GenerateRun, split_prompts
+    from .generate import GenerateRun, parse_prompts
 
     args = _generate_parser().parse_args(shlex.split(line))
     if args.var is not None and not args.var.isidentifier():
@@ -171,7 +173,13 @@ def _prepare_generate(shell, line: str, cell: str):
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    prompts = split_prompts(cell or "")
+    try:
+        prompts = parse_prompts(cell or "")
+        for _, over in prompts:  # check per-prompt overrides before anything is submitted
+            if over:
+                msgspec.structs.replace(params, **over)  # runs the same checks as SamplingParams()
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"%%generate: {e}") from None
     if not prompts:
         raise UsageError("%%generate: the cell holds no prompt; write it under the %%generate line "
                          "(separate several prompts with a line holding only ---)")
