@@ -4,6 +4,8 @@
     workbench generate PROMPT [--max-tokens N] [--temperature T] [--chat] [--model M] [--<setting> VALUE ...]
     workbench bench [--json] [--requests N] [--systems workbench,hf_sequential,hf_static]
                     [--arrival all|poisson] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
+    workbench lab [--model M] [--name N] [--port P] [--no-browser] [--<setting> VALUE ...] [-- JUPYTER ARGS]
+    workbench runs list|show|compare|export|path [...]     (the run log; workbench/runs_cli.py)
 
 Each subcommand registers itself in `_SUBCOMMANDS` with a function that adds its arguments and
 one that runs it; imports of heavy modules stay inside the run functions so `--help` is fast.
@@ -24,10 +26,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                     "Stops on Ctrl-C, SIGTERM or a client's shutdown().",
     )
     add_serve_arguments(p)
+    from .http.server import add_http_arguments
+
+    add_http_arguments(p)
     p.set_defaults(_run=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "http", None):  # engine process + OpenAI-compatible HTTP front (workbench/http/)
+        from .http.server import parse_host_port, run_front
+        from .ipc.server import settings_from_args
+
+        try:
+            settings = settings_from_args(args)
+            parse_host_port(args.http)
+        except (ValueError, TypeError) as e:
+            print(f"workbench serve: {e}", file=sys.stderr)
+            return 2
+        return run_front(args, settings)
     from .ipc.server import serve
 
     return serve(args)
@@ -144,6 +160,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for every system (default: torch's choice)")
+    g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
+    g.add_argument("--endpoint", action="append", default=None, metavar="[LABEL=]URL",
+                   help="benchmark this server (ours via `serve --http`, vLLM, SGLang, TGI, llama.cpp) with the same "
+                        "seeded workload; repeat to compare several side by side (e.g. --arrival poisson --rate 4)")
+    g.add_argument("--api-key", default=None, help="bearer token for the endpoints (default: $WORKBENCH_API_KEY)")
+    g.add_argument("--served-model", default=None, help="model name at the endpoints (default: their first)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer for the workload text (default: the embedded one)")
+    g.add_argument("--token-ids", action="store_true", help="send prompts as token ids (servers of the same model)")
+    g.add_argument("--max-concurrency", type=int, default=None, metavar="N", help="at most N requests in flight")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (default: ignore_eos where the server supports it)")
     _add_setting_flags(p)
     p.set_defaults(_run=_run_bench)
 
@@ -178,6 +205,8 @@ class _PlainProgress:
 def _run_bench(args: argparse.Namespace) -> int:
     import json
 
+    if getattr(args, "endpoint", None):
+        return _run_bench_endpoints(args)
     from .bench import SYSTEMS, format_report, run_bench
     from .bench.report import single_stream_line
 
@@ -222,7 +251,73 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench]
+def _run_bench_endpoints(args: argparse.Namespace) -> int:
+    """`workbench bench --endpoint URL ...`: the seeded workload against OpenAI-compatible servers."""
+    import json
+
+    from .bench.endpoint import format_endpoint_report, run_endpoint_bench
+
+    try:
+        if args.requests is not None and args.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {args.requests}")
+        if args.arrival == "poisson" and args.rate <= 0:
+            raise ValueError(f"--rate must be > 0, got {args.rate}")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    except ValueError as e:
+        print(f"workbench bench: {e}", file=sys.stderr)
+        return 2
+
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    kw = dict(prompt_len=(32, 128), output_len=(16, 64)) if args.quick else {}
+    report = run_endpoint_bench(
+        args.endpoint, num_requests=args.requests or (8 if args.quick else 64), arrival=args.arrival,
+        rate=args.rate, seed=args.seed, tokenizer_model=args.tokenizer, token_ids=args.token_ids,
+        ignore_eos=args.ignore_eos, api_key=args.api_key, model=args.served_model,
+        max_concurrency=args.max_concurrency, progress=_progress_factory(), log=log, **kw)
+    text = json.dumps(report, indent=2)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    print(text if args.json else format_endpoint_report(report))
+    return 0
+
+
+def _add_runs(sub: argparse._SubParsersAction) -> None:
+    from .runs_cli import add_runs_parser
+
+    add_runs_parser(sub)
+
+
+# ----------------------------------------------------------------------------- lab
+def _add_lab(sub: argparse._SubParsersAction) -> None:
+    from .jupyter.lab import add_lab_arguments
+
+    p = sub.add_parser(
+        "lab", help="start an engine on the embedded default model and JupyterLab on the tutorial notebooks",
+        description="Start (or attach to) the engine named 'default' and open JupyterLab on notebooks/ with "
+                    "00-quickstart.ipynb; notebooks attach with %%load_ext workbench. The engine stops when "
+                    "JupyterLab exits.",
+    )
+    add_lab_arguments(p)
+    _add_setting_flags(p)
+    p.set_defaults(_run=_run_lab)
+
+
+def _run_lab(args: argparse.Namespace) -> int:
+    from .jupyter.lab import run_lab
+
+    try:
+        settings = _settings_from_flags(args)
+    except (ValueError, TypeError) as e:
+        print(f"workbench lab: {e}", file=sys.stderr)
+        return 2
+    return run_lab(args, settings)
+
+
+_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench, _add_runs, _add_lab]
 
 
 def build_parser() -> argparse.ArgumentParser:
