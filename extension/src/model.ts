@@ -506,8 +506,8 @@ export function liveNumbers(metrics: Dict): ILiveNumbers {
     kvBlocks: kvUsed !== null && kvTotal !== null ? `${kvUsed} / ${kvTotal} blocks` : '',
     hitRate: pct(metrics.prefix_hit_rate),
     acceptance: pct(metrics.spec_acceptance_rate),
-    ttft: fixed(metrics.ttft_p50_ms, 0, ' ms'),
-    itl: fixed(metrics.itl_p50_ms, 1, ' ms')
+    ttft: fixed(metrics.ttft_p50_ms, 0),
+    itl: fixed(metrics.itl_p50_ms, 1)
   };
 }
 

@@ -23,8 +23,8 @@ const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks'>,
   ['kv', 'KV use', 'KV cache blocks in use'],
   ['hitRate', 'prefix hit', 'prompt tokens served from the prefix cache'],
   ['acceptance', 'spec accept', 'speculative tokens accepted'],
-  ['ttft', 'TTFT p50', 'time to first token, median of recent requests'],
-  ['itl', 'ITL p50', 'inter-token latency, median']
+  ['ttft', 'TTFT ms', 'time to first token (ms), median of recent requests'],
+  ['itl', 'ITL ms', 'inter-token latency (ms), median of recent requests']
 ];
 
 function el<K extends keyof HTMLElementTagNameMap>(
