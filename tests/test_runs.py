@@ -198,3 +198,21 @@ def test_a_killed_writer_leaves_a_consistent_log_and_an_abandoned_run(log):
     assert isinstance(run["metrics"]["t"], float)  # the last committed update, whole
     assert sum(r["status"] == "completed" for r in log.list(kind="bench", limit=None)) == 30
     log.finish(log.start("bench", facts=False))  # still writable
+
+
+@pytest.mark.timeout(300)
+def test_run_bench_is_recorded(tiny_llama, log):
+    from workbench.bench import run_bench
+
+    rep = run_bench(str(tiny_llama[0]), systems=["workbench"], num_requests=3, quick=True, single_stream=False,
+                    prompt_len=(8, 16), output_len=(4, 8), settings={"num_kv_blocks": 128}, run_log=log)
+    run = log.get(rep["run_id"])
+    assert run["kind"] == "bench" and run["status"] == "completed"
+    assert run["model"] == rep["model"] == tiny_llama[0].name and run["device"] == "cpu"
+    assert run["weights_checksum"] == rep["engine_status"]["weights_checksum"]
+    assert run["settings"]["num_kv_blocks"] == 128 and run["workload"]["num_requests"] == 3
+    w = run["metrics"]["results"]["workbench"]
+    assert w["output_tok_s"] == pytest.approx(rep["results"]["workbench"]["output_tok_s"])
+    assert w["cost_per_mtok"] > 0 and w["joules_per_token"] > 0 and run["metrics"]["roofline"]
+    assert run["versions"]["torch"] and run["machine"]["cpu_count"]
+    assert runs.headline(run)["output_tok_s"] == w["output_tok_s"]
