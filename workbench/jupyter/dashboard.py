@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .reducer import TimelineReducer
-from .session import EngineSession, get_session
+from .session import EngineSession, _local_name, get_session
 from .views import TimelineView
 
 EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
@@ -172,7 +172,7 @@ class Dashboard:
         from ..ipc import connection as conn
 
         try:
-            if conn.live_engine(self.name) is None:
+            if not _local_name(self.name) or conn.live_engine(self.name) is None:
                 return False
             if self.session.name == self.name:
                 client = self.session.client()

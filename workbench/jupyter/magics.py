@@ -25,7 +25,7 @@ import msgspec
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from .session import NoEngineError, get_session
+from .session import DEFAULT_NAME, NoEngineError, _local_name, get_session
 
 # "module:Class" of every Magics class `%load_ext workbench` registers.
 MAGIC_CLASSES: list[str] = [
@@ -279,7 +279,7 @@ class WorkbenchMagics(Magics):
 
         opts, settings = _parse_start(words)
         session = get_session()
-        name = opts.get("name") or session.name
+        name = opts.get("name") or (session.name if _local_name(session.name) else DEFAULT_NAME)
         from ..ipc import connection as conn
 
         holder = conn.live_engine(name)

@@ -44,8 +44,8 @@ class EngineSession:
             c = self._client
             if c is not None and c.alive:
                 return c
-            if not reconnect:
-                return None
+            if not reconnect or not _local_name(self.name):
+                return None  # a remote server (a URL) has no name to find it by again
             from ..ipc import connection as conn
             from ..ipc.client import EngineClient
 
@@ -94,7 +94,7 @@ class EngineSession:
 
         with self._lock:
             c = EngineClient.connect(name, timeout=10)
-            self.name = name
+            self.name = c.name or name
             self._set(c, started_here=False)
             return c
 
@@ -143,6 +143,17 @@ class EngineSession:
                 cb(client)
             except Exception:
                 pass
+
+
+def _local_name(name: str) -> bool:
+    """Whether `name` names an engine in the runtime dir (not a URL or a connection file)."""
+    from ..ipc import connection as conn
+
+    try:
+        conn.check_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 _SESSION: EngineSession | None = None
