@@ -210,6 +210,41 @@ def test_bench_endpoint_against_our_server(server, capsys):
                                                           "itl_p99_ms"} <= set(res)
 
 
+@pytest.mark.timeout(120)
+def test_named_remote_reaches_the_lab_server_hub(server):
+    """register_remote gives a server an engine name: EngineClient.connect(name) and the Jupyter
+    server extension's hub (which attach by name) then reach it."""
+    import secrets
+
+    from workbench.jupyter_server.hub import EngineHub
+    from workbench.remote import list_remotes, register_remote, unregister_remote
+
+    name = f"remote-{secrets.token_hex(3)}"
+    register_remote(name, server["url"], api_key=API_KEY)
+    try:
+        assert {"name": name, "url": server["url"], "model": None} in list_remotes()
+        with EngineClient.connect(name) as eng:
+            assert isinstance(eng, RemoteEngineClient) and eng.name == name
+            assert eng.generate(["hi"], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+        async def via_hub():
+            hub = EngineHub()
+            client = await hub.client(name)
+            try:
+                tl = await client.acall("timeline", _type=Timeline, since=None)
+                return await client.acall("status"), await client.acall("settings"), tl
+            finally:
+                hub.forget(name)
+
+        status, settings, tl = asyncio.run(via_hub())
+        assert status["server"] == "workbench" and settings["max_num_seqs"] == 64 and isinstance(tl, Timeline)
+    finally:
+        unregister_remote(name)
+    assert all(r["name"] != name for r in list_remotes())
+    with pytest.raises(FileNotFoundError):
+        EngineClient.connect(name)
+
+
 # -- a third-party-style server: text only, no /metrics, no extensions ----------------------------
 @contextlib.contextmanager
 def plain_openai_server():

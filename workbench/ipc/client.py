@@ -255,11 +255,14 @@ class EngineClient:
                 check_pid: bool = True) -> EngineClient:
         """Attach to a running engine by name (looked up in the runtime dir) or connection file.
         An http(s):// URL attaches to an OpenAI-compatible server instead (workbench.remote)."""
-        # Hook for remote backends (workbench/remote.py): same surface, settings read-only.
-        if isinstance(name_or_connection_file, str) and name_or_connection_file.startswith(("http://", "https://")):
-            from ..remote import RemoteEngineClient
+        # Hook for remote backends (workbench/remote.py): a URL, or a name given to one with
+        # register_remote(), returns a RemoteEngineClient (same surface, settings read-only).
+        from ..remote import RemoteEngineClient, registered_remote
 
-            return RemoteEngineClient.connect(name_or_connection_file, timeout=timeout)
+        x = name_or_connection_file
+        remote = {"url": x} if isinstance(x, str) and x.startswith(("http://", "https://")) else registered_remote(x or "default")
+        if remote is not None:
+            return RemoteEngineClient.connect(timeout=timeout, **remote)
         path = conn.resolve(name_or_connection_file)
         info = conn.read_connection_file(path)
         if check_pid and not info.engine_alive():
