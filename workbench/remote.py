@@ -41,6 +41,7 @@ loop hand requests to it, as with `EngineClient`'s IO thread.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import json
 import logging
@@ -51,6 +52,7 @@ import threading
 import time
 import urllib.parse
 import warnings
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -70,6 +72,7 @@ log = logging.getLogger("workbench.remote")
 
 ENV_API_KEYS = ("WORKBENCH_API_KEY", "OPENAI_API_KEY")
 _RECENT = 1000  # finished requests kept for the latency percentiles
+_clients: weakref.WeakSet = weakref.WeakSet()  # closed at exit (their loop threads are daemons)
 _TOK_WINDOW_S = 10.0  # output_tok_s window (as the engine's metrics())
 
 
@@ -292,6 +295,7 @@ class RemoteEngineClient:
         except BaseException:
             self.close()
             raise
+        _clients.add(self)
 
     @classmethod
     def connect(cls, url: str, *, timeout: float = 10.0, **kwargs) -> RemoteEngineClient:
@@ -1008,6 +1012,15 @@ def list_remotes() -> list[dict]:
         if isinstance(entry, dict) and isinstance(entry.get("remote_url"), str):
             out.append({"name": entry.get("name") or p.stem, "url": entry["remote_url"], "model": entry.get("model")})
     return out
+
+
+@atexit.register
+def _close_all() -> None:
+    for client in list(_clients):
+        try:
+            client.close()
+        except Exception:
+            pass
 
 
 # -- helpers --------------------------------------------------------------------------------------
