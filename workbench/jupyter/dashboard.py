@@ -105,7 +105,8 @@ class Dashboard:
 
         self.costs = LiveCosts(device=str((getattr(self.client, "engine_info", None) or {}).get("device", "cpu")))
         self.view = TimelineView(live=True, window_s=window_s)
-        self.schema = [e for e in self.client.schema() if e["kind"] != "restart"]
+        order = {"live": 0, "relayout": 1, "reload": 2}  # live first; fixed-at-start ones get no control
+        self.schema = sorted((e for e in self.client.schema() if e["kind"] in order), key=lambda e: order[e["kind"]])
         self.controls: dict[str, Any] = {}
         for entry in self.schema:
             c = control_for(entry)

@@ -1,0 +1,164 @@
+"""`%dashboard` in a real browser: headless Chromium on JupyterLab, a real kernel and engine.
+
+Checks what only a page can show: BokehJS arrives inline (no CDN: the page has no network), the
+BokehModel widget renders its canvases, the ipywidgets controls render, and picking a value in
+the page's dropdown reaches the engine. Screenshots go to test-artifacts/. Skipped without
+Debian's chromium (`make browser`) or Playwright.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from jupyter_helpers import REPO, kill_engines_in, private_runtime_dir, stop_engine, wait_for
+
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def _skip_reason() -> str | None:
+    if not os.path.exists(CHROMIUM):
+        return "no chromium (run `make browser`)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed"
+    return None
+
+
+if _skip_reason():
+    pytest.skip(_skip_reason(), allow_module_level=True)
+
+CELLS = [
+    "%load_ext workbench\n%engine connect dash",
+    "%dashboard",
+    "%%generate --max-tokens 12 --ignore-eos\nOnce upon a time\n---\nThe capital of France is\n---\nRed, green,",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from workbench.ipc.client import start_engine
+
+    base = tmp_path_factory.mktemp("dash-browser")
+    rt = base / "rt"
+    with private_runtime_dir(rt):
+        eng = start_engine(None, name="dash", timeout=300)
+        root, cfg, ipy = base / "root", base / "cfg", base / "ipy"
+        for d in (root, cfg, ipy):
+            d.mkdir()
+        nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
+                         "source": src} for i, src in enumerate(CELLS)],
+              "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+              "nbformat": 4, "nbformat_minor": 5}
+        (root / "dash.ipynb").write_text(json.dumps(nb))
+        token = "dash-" + os.urandom(6).hex()
+        port = _free_port()
+        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(cfg), IPYTHONDIR=str(ipy), JUPYTER_RUNTIME_DIR=str(base / "jrt"))
+        log = open(base / "lab.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+                                 "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
+                                 f"--ServerApp.root_dir={root}", "--allow-root", "--ServerApp.port_retries=0"],
+                                cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            def up():
+                try:
+                    with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
+                        return r.status == 200
+                except OSError:
+                    return False
+            wait_for(up, 90, "jupyter lab to answer", every=0.3)
+            yield {"url": url, "token": token, "engine": eng}
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            log.close()
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            shutil.copy(base / "lab.log", ARTIFACTS / "dashboard-lab.log")
+            stop_engine(eng)
+            kill_engines_in(rt)
+
+
+def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):
+    from playwright.sync_api import sync_playwright
+
+    eng = setup["engine"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True, timeout=60_000)
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+        page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+        page.set_default_timeout(30_000)
+        try:
+            page.goto(f"{setup['url']}/lab/tree/dash.ipynb?token={setup['token']}&reset", wait_until="domcontentloaded")
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+            page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=90_000)
+            first = page.locator(".jp-Notebook .jp-Cell").first
+            for _attempt in range(3):
+                first.click()
+                page.keyboard.press("Escape")
+                for _ in CELLS:
+                    page.keyboard.press("Shift+Enter")
+                try:
+                    page.wait_for_function("el => /\\[(\\d+|\\*)\\]/.test(el.textContent)",
+                                           arg=first.locator(".jp-InputPrompt").element_handle(), timeout=15_000)
+                    break
+                except Exception:  # noqa: BLE001 - the kernel was not ready: again
+                    continue
+            dash = page.locator(".jp-Notebook .jp-Cell").nth(1)
+            dash.locator("select").first.wait_for(timeout=90_000)  # the ipywidgets controls
+            dash.locator(".bk-Canvas, canvas").first.wait_for(state="attached", timeout=60_000)
+            assert "Could not create a view" not in dash.text_content()
+            assert "Error displaying widget" not in dash.text_content()
+            page.wait_for_function("() => window.Bokeh !== undefined")
+            # the third cell's requests show up in the dashboard's plots
+            page.locator(".jp-Notebook .jp-Cell").nth(2).locator("text=finish: length").first.wait_for(timeout=180_000)
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+            # pick "static" in the batching dropdown, as a user would
+            select = dash.locator(".widget-dropdown", has_text="batching").locator("select")
+            options = select.locator("option").all_text_contents()
+            assert options == ["continuous", "static", "off"], options
+            select.select_option("static")
+            wait_for(lambda: eng.settings()["batching"] == "static", 20, "the dropdown to reach the engine")
+            eng.configure(batching="continuous")
+            page.wait_for_function("el => el.value !== undefined && el.selectedIndex === 0",
+                                   arg=select.element_handle(), timeout=20_000)  # and back, from the engine
+        except BaseException:
+            try:
+                page.screenshot(path=str(ARTIFACTS / "dashboard-failure.png"), full_page=True)
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        finally:
+            (ARTIFACTS / "dashboard-console.txt").write_text("\n".join(problems))
+            browser.close()
+    cdn = [x for x in problems if "cdn.bokeh.org" in x or "unpkg" in x or "jsdelivr" in x]
+    assert not cdn, cdn
