@@ -61,6 +61,8 @@ def test_every_magic_through_nbclient(engine, tmp_path):
         "%dashboard",
         "_dashboard.pump(); print(sorted(_dashboard.controls)[:3], _dashboard.controls['max_num_batched_tokens'].value)",
         "%engine set max_num_batched_tokens=512",
+        # the blocking path (no input transformer): a helper thread runs it, output lands in this cell
+        "get_ipython().run_cell_magic('generate', '--max-tokens 3 -o outs2', 'Hi')\nprint(len(outs2))",
     ]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -78,6 +80,7 @@ def test_every_magic_through_nbclient(engine, tmp_path):
     assert "[timeline: " in flat[6]
     assert "application/vnd.jupyter.widget-view+json" in flat[7]
     assert "256" in flat[8]
+    assert "Prompt 1" in flat[10] and "finish:" in flat[10] and '"1\\n"' in flat[10]
     assert engine.settings()["max_num_batched_tokens"] == 512
 
 

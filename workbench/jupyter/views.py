@@ -143,8 +143,9 @@ class TimelineView:
         lat.legend.label_text_font_size = "8pt"
         lat.add_tools(HoverTool(tooltips=[("request", "@request"), ("TTFT", "@ttft_ms{0} ms")]))
         kv = small("KV-cache blocks used", "blocks")
-        kv.varea(x="t", y1=0, y2="kv_used", source=series, alpha=0.4, color=PHASE_COLORS["mixed"])
-        kv.line("t", "kv_total", source=series, line_dash="dashed", color="#666666")
+        used = kv.varea(x="t", y1=0, y2="kv_used", source=series, alpha=0.4, color=PHASE_COLORS["mixed"])
+        kv.line("t", "kv_used", source=series, color=PHASE_COLORS["mixed"])
+        kv.y_range = DataRange1d(renderers=[used], start=0)  # scale to what is used; the total is in the hover
         kv.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("used", "@kv_used / @kv_total")], mode="vline"))
         rates = small("Prefix hit rate and speculative acceptance", "fraction")
         rates.y_range = Range1d(-0.02, 1.05)
