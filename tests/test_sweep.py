@@ -211,3 +211,64 @@ def test_sweep_magic(llm, log, monkeypatch):
         assert _async_sweep(["x = 1\n"]) == ["x = 1\n"]
     finally:
         InteractiveShell.clear_instance()
+
+
+class _Plain:
+    """A look-alike engine: only configure/settings/generate/metrics/status (no tokenizer, no
+    timeline, no in-process core): text is tokenized by the engine, runs go through generate()."""
+
+    def __init__(self, llm):
+        self._llm = llm
+
+    def __getattr__(self, name):
+        if name in ("configure", "settings", "generate", "metrics", "status"):
+            return getattr(self._llm, name)
+        raise AttributeError(name)
+
+
+def test_text_prompts_cell_magic_and_a_plain_engine(tmp_path, log, monkeypatch):
+    from http_helpers import make_tiny_tokenized_model
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from workbench import LLM
+    from workbench.jupyter.sweep_magic import SweepMagics
+
+    tok_llm = LLM(str(make_tiny_tokenized_model(tmp_path / "tok", max_len=512)), num_kv_blocks=128)
+    w = make_sweep_workload(tok_llm, {"num_requests": 3, "prompt_len": (8, 12), "output_len": (3, 3)})
+    assert w.source == "text"  # the bench's English prompts, through the model's tokenizer
+    prompts = ["Once upon a time", "The quick brown fox jumps over"]
+    ids = [tok_llm.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    assert [r.prompt_token_ids for r in make_sweep_workload(tok_llm, prompts).requests] == ids
+    plain = _Plain(tok_llm)
+    assert [r.prompt_token_ids for r in make_sweep_workload(plain, prompts).requests] == ids  # engine-tokenized
+    res = workbench.sweep(plain, grid={"max_num_seqs": [1, 2]}, workload=prompts, max_tokens=3, repeats=1, warmup=1,
+                          progress=False, run_log=log)
+    assert [r["output_tokens"] for r in res] == [6, 6] and res[0]["kv_usage_peak"] is None  # no timeline there
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.register_magics(SweepMagics)
+        shell.user_ns["eng"] = tok_llm
+        monkeypatch.setenv("WORKBENCH_RUNS_DB", str(log.path))
+        shell.run_cell_magic("sweep", "batching=continuous,off --engine eng --max-tokens 3 --repeats 1 --warmup 0 "
+                                      "--no-plot", "Once upon a time\n---\nThe quick brown fox jumps over\n")
+        res = shell.user_ns["_sweep"]
+        assert [r["batching"] for r in res] == ["continuous", "off"] and res.workload["prompts"] == prompts
+        assert all(r["output_tokens"] == 6 for r in res)
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_table_is_a_dataframe_when_pandas_is_there(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("pandas")
+    fake.DataFrame = lambda rows: ("frame", rows)
+    res = SweepResult([{"label": "a", "point": {"batching": "off"}, "output_tok_s": 1.0}])
+    monkeypatch.setitem(sys.modules, "pandas", fake)
+    kind, rows = res.table()
+    assert kind == "frame" and rows[0]["batching"] == "off"
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import fails: plain rows
+    rows = res.table()
+    assert isinstance(rows, list) and rows[0]["label"] == "a" and "<table>" in rows._repr_html_()
