@@ -273,3 +273,12 @@ def test_stream_closed_early_aborts(tiny_qwen2):
     stream.close()
     assert not llm.engine.has_unfinished_requests()
     llm.engine.block_manager.check_idle()
+
+
+def test_last_chunk_carries_its_logprobs(tiny_qwen2):
+    path, _ = tiny_qwen2
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    chunks = list(llm.stream(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=3, temperature=0, logprobs=2)))
+    streamed = [lp for c in chunks for lp in (c.logprobs_delta or [])]
+    assert [lp.token_id for lp in streamed] == chunks[-1].output.token_ids
+    assert streamed == chunks[-1].output.logprobs

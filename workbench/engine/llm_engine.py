@@ -290,13 +290,6 @@ class LLMEngine:
     def _emit(self, req: _Request, new_tokens: list[int], lps, now: float) -> StreamChunk | None:
         seq, params = req.seq, req.seq.params
         m = seq.metrics
-        if m.first_token is None:
-            m.first_token = now
-            self.timeline.add_request(now, seq.request_id, "first_token")
-        m.token_times.extend([now] * len(new_tokens))
-        self.totals["output_tokens"] += len(new_tokens)
-        if req.logprobs is not None and lps:
-            req.logprobs.extend(x for x in lps if x is not None)
         reason = None
         emitted = new_tokens
         for k, tok in enumerate(new_tokens):
@@ -308,10 +301,17 @@ class LLMEngine:
             if reason:
                 emitted = new_tokens[:k + 1]
                 drop = len(new_tokens) - k - 1
-                if drop:
+                if drop:  # accepted draft tokens past the stop are not output
                     del seq.token_ids[-drop:]
-                    del m.token_times[-drop:]
                 break
+        lps = [x for x in (lps or [])[:len(emitted)] if x is not None] or None
+        if m.first_token is None:
+            m.first_token = now
+            self.timeline.add_request(now, seq.request_id, "first_token")
+        m.token_times.extend([now] * len(emitted))
+        self.totals["output_tokens"] += len(emitted)
+        if req.logprobs is not None and lps:
+            req.logprobs.extend(lps)
         if req.detok is not None:
             before = len(req.text)
             req.text += req.detok.add(emitted)
@@ -321,14 +321,14 @@ class LLMEngine:
                     req.text = req.text[:hit]
                     reason = "stop"
         if reason:
-            return self._finish(req, reason, emitted)
+            return self._finish(req, reason, emitted, lps)
         hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
         upto = max(req.sent, len(req.text) - hold)
         delta, req.sent = req.text[req.sent:upto], upto
-        return StreamChunk(seq.request_id, delta, list(emitted),
-                           logprobs_delta=[x for x in (lps or []) if x is not None] or None)
+        return StreamChunk(seq.request_id, delta, list(emitted), logprobs_delta=lps)
 
-    def _finish(self, req: _Request, reason: str, last_tokens: list[int] | None = None) -> StreamChunk:
+    def _finish(self, req: _Request, reason: str, last_tokens: list[int] | None = None,
+                last_logprobs=None) -> StreamChunk:
         seq = req.seq
         now = time.monotonic()
         seq.metrics.finished = now
@@ -347,7 +347,8 @@ class LLMEngine:
         self.timeline.add_request(now, seq.request_id, "finished", reason if was_running or reason != "abort" else "abort (queued)")
         delta = req.text[req.sent:]
         req.sent = len(req.text)
-        return StreamChunk(seq.request_id, delta, list(last_tokens or []), reason, output=out)
+        return StreamChunk(seq.request_id, delta, list(last_tokens or []), reason,
+                           logprobs_delta=last_logprobs, output=out)
 
     def _eos_ids(self) -> tuple[int, ...]:
         return tuple(self.model_config.eos_token_ids or ())
