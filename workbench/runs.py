@@ -613,9 +613,10 @@ def record_bench(fn):
     @functools.wraps(fn)
     def wrapper(*args, record: bool = True, run_log=None, **kwargs):
         log = _log(run_log) if record and (run_log is not None or recording_enabled()) else None
-        model = args[0] if args else kwargs.get("model")
+        model = args[0] if args and isinstance(args[0], (str, os.PathLike)) else kwargs.get("model")
+        what = kwargs.get("systems") or (args[0] if args and isinstance(args[0], (list, tuple)) else None)
         start_fields = {
-            "label": "bench " + ",".join(kwargs.get("systems") or ("workbench", "hf_sequential", "hf_static")),
+            "label": "bench " + ",".join(map(str, what or ("workbench", "hf_sequential", "hf_static"))),
             "model": None if model is None else str(model),
             "settings": kwargs.get("settings") or {},
             "workload": {k: kwargs.get(k) for k in ("num_requests", "arrival", "rate", "seed", "quick", "prompt_len",
@@ -658,8 +659,11 @@ def bench_fields(report: dict) -> dict[str, Any]:
         "token_agreement": report.get("token_agreement"),
         **prices,
     }
+    if report.get("endpoints"):  # `workbench bench --endpoint`: the servers measured
+        metrics["endpoints"] = report["endpoints"]
     return {
-        "model": report.get("model"),
+        "label": "bench " + ",".join(results),
+        "model": report.get("model") or ",".join(sorted({str(e.get("model")) for e in (report.get("endpoints") or {}).values()})) or None,
         "weights_checksum": status.get("weights_checksum"),
         "device": device,
         "machine": machine,

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..runs import record_bench
 from .stats import RequestRecord, summarize
 from .workload import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, Workload, make_workload
 
@@ -79,6 +80,7 @@ def endpoint_summary(results: list[dict], start: float) -> dict:
     return s
 
 
+@record_bench  # recorded in the run log (workbench/runs.py); record=False / run_log=PATH per call
 def run_endpoint_bench(
     endpoints: list[str],
     *,
