@@ -197,6 +197,10 @@ def test_dashboard_controls_bound_to_engine(shell, client):
     wait_for(lambda: (d2.pump(), len(d2.view.sources["steps"].data["left"]) > 0)[1], 20, "steps in the plot")
     wait_for(lambda: (d2.pump(), len(d2.view.sources["lanes"].data["left"]) > 0)[1], 20, "request lanes")
     d2.close()
+    with capture_output():
+        shell.run_line_magic("dashboard", "")  # again: the previous one's feed is closed
+    assert d1.closed and shell.user_ns["_dashboard"] is not d1
+    shell.user_ns["_dashboard"].close()
 
 
 def test_engine_restart_dashboard_reconnects(shell, client):

@@ -420,7 +420,12 @@ class WorkbenchMagics(Magics):
         p.add_argument("--hz", type=float, default=10.0, help="plot refresh rate (default 10, 1-20)")
         p.add_argument("--window", type=float, default=60.0, help="seconds of activity shown (default 60)")
         p.add_argument("--no-start", action="store_true", help="do not start the default engine when none runs")
+        p.add_argument("--keep", action="store_true",
+                       help="keep the dashboard this magic opened before (default: close it, one feed per kernel)")
         args = p.parse_args(shlex.split(line))
+        previous = self.shell.user_ns.get("_dashboard")
+        if not args.keep and isinstance(previous, Dashboard):
+            previous.close()
         notes: list[str] = []
         client = engine_for_magics(start=not args.no_start, say=notes.append)
         for n in notes:
