@@ -160,6 +160,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for every system (default: torch's choice)")
+    p.add_argument("--scenario", action="append", default=None, choices=["prefix", "quant", "spec"],
+                   help="instead of the peer comparison, measure one optimisation on and off in this run "
+                        "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode, n-gram/draft "
+                        "speculation (with transformers' prompt lookup as the peer); repeatable")
     g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
     g.add_argument("--endpoint", action="append", default=None, metavar="[LABEL=]URL",
                    help="benchmark this server (ours via `serve --http`, vLLM, SGLang, TGI, llama.cpp) with the same "
@@ -207,6 +211,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if getattr(args, "endpoint", None):
         return _run_bench_endpoints(args)
+    if getattr(args, "scenario", None):
+        return _run_bench_scenarios(args)
     from .bench import SYSTEMS, format_report, run_bench
     from .bench.report import single_stream_line
 
@@ -248,6 +254,30 @@ def _run_bench(args: argparse.Namespace) -> int:
         if name.endswith("single_stream"):
             log(single_stream_line(name, r))
     print(text if args.json else format_report(report))
+    return 0
+
+
+def _run_bench_scenarios(args: argparse.Namespace) -> int:
+    """`workbench bench --scenario NAME`: one optimisation on and off, ratios against the targets."""
+    import json
+
+    from .bench.scenarios import run_scenarios
+
+    try:
+        settings = _settings_from_flags(args)
+    except (ValueError, TypeError) as e:
+        print(f"workbench bench: {e}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    report = run_scenarios(args.scenario, args.model, **settings)
+    text = json.dumps(report, indent=2)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    print(text)
     return 0
 
 
