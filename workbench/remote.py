@@ -46,7 +46,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -54,15 +53,16 @@ import urllib.parse
 import warnings
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
 
-from .ipc.client import EventSubscription, _async_sink, _atimeout, _get
+from .ipc.client import EventSubscription
 from .ipc.protocol import EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
+from .ipc.surface import RequestSurface, request_ids
 from .outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
-from .sampling_params import SamplingParams, normalize_batch
+from .sampling_params import SamplingParams
 from .timeline import Timeline, TimelineRecorder
 
 __all__ = ["RemoteEngineClient", "RemoteError", "RemoteSettingsError", "list_remotes", "parse_prometheus",
@@ -245,7 +245,7 @@ class _Pending:
         self.first: float | None = None
 
 
-class RemoteEngineClient:
+class RemoteEngineClient(RequestSurface):
     """An OpenAI-compatible server behind the `EngineClient` surface. Thread-safe."""
 
     rpc_timeout: float = 30.0
@@ -709,97 +709,19 @@ class RemoteEngineClient:
         self._ensure_ticker()
         return rids
 
-    def _cleanup(self, rids: Iterable[str], finished: set[str]) -> None:
-        left = [r for r in rids if r not in finished]
-        if left and not self._closed:
-            self.abort(left)
+    def _abandon(self, rids: list[str]) -> None:
+        if not self._closed:
+            self.abort(rids)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests of this client: the HTTP stream is closed, which the server takes as an
         abort (ours, vLLM, SGLang do)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if not all(isinstance(r, str) for r in ids):
-            raise TypeError("request_id must be a str or a list of str")
+        ids = request_ids(request_id)
         with self._lock:
             futs = [self._pending[r].future for r in ids if r in self._pending]
         for f in futs:
             if f is not None:
                 f.cancel()
-
-    def generate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                 timeout: float | None = None) -> list[RequestOutput]:
-        batch = normalize_batch(prompts, params, prompt_token_ids)
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        rids = self._submit(batch, chat, False, q.put)
-        done: dict[str, RequestOutput] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while len(done) < len(rids):
-                item = _get(q, deadline, timeout)
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    done[item.request_id] = item.output
-        finally:
-            self._cleanup(rids, set(done))
-        return [done[r] for r in rids]
-
-    def stream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-               timeout: float | None = None) -> Iterator[StreamChunk]:
-        [item] = normalize_batch(prompt, params, None if prompt_token_ids is None else [prompt_token_ids])
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        [rid] = self._submit([item], chat, True, q.put)
-        return self._stream_iter(rid, q, timeout)
-
-    def _stream_iter(self, rid: str, q: queue.SimpleQueue, timeout: float | None) -> Iterator[StreamChunk]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        finished = False
-        try:
-            while not finished:
-                item = _get(q, deadline, timeout)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-        finally:
-            self._cleanup([rid], {rid} if finished else set())
-
-    async def agenerate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                        timeout: float | None = None) -> list[RequestOutput]:
-        batch = normalize_batch(prompts, params, prompt_token_ids)
-        aq, sink = _async_sink()
-        rids = self._submit(batch, chat, False, sink)
-        done: dict[str, RequestOutput] = {}
-        try:
-            async with _atimeout(timeout):
-                while len(done) < len(rids):
-                    item = await aq.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item.finish_reason is not None:
-                        done[item.request_id] = item.output
-        finally:
-            self._cleanup(rids, set(done))
-        return [done[r] for r in rids]
-
-    async def astream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                      timeout: float | None = None) -> AsyncIterator[StreamChunk]:
-        [item] = normalize_batch(prompt, params, None if prompt_token_ids is None else [prompt_token_ids])
-        aq, sink = _async_sink()
-        [rid] = self._submit([item], chat, True, sink)
-        finished = False
-        try:
-            async with _atimeout(timeout):
-                while not finished:
-                    got = await aq.get()
-                    if isinstance(got, BaseException):
-                        finished = True
-                        raise got
-                    finished = got.finish_reason is not None
-                    yield got
-        finally:
-            self._cleanup([rid], {rid} if finished else set())
 
     def run_load(self, items: list[dict], *, max_concurrency: int | None = None, progress=None,
                  timeout: float | None = None) -> tuple[list[dict], float]:
@@ -854,10 +776,6 @@ class RemoteEngineClient:
         self._ensure_ticker()
         return sub
 
-    def _unsubscribe(self, sub: EventSubscription) -> None:
-        with self._lock:
-            if sub in self._subs:
-                self._subs.remove(sub)
 
     def _ensure_ticker(self) -> None:
         with self._lock:

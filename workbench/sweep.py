@@ -299,8 +299,7 @@ class _Engine:
             raise
 
     def _run_client(self, w: Workload, progress):
-        from .ipc.client import normalize_batch
-        from .sampling_params import SamplingParams
+        from .sampling_params import SamplingParams, normalize_batch
 
         eng = self.obj
         pending = sorted(w.requests, key=lambda r: (r.arrival_s, r.index))

@@ -39,8 +39,6 @@ from typing import Any
 
 import zmq
 
-from ..outputs import RequestOutput, StreamChunk
-from ..sampling_params import normalize_batch
 from ..timeline import Timeline
 from . import connection as conn
 from .protocol import (
@@ -73,6 +71,7 @@ from .protocol import (
     encode_strict,
     error_from_wire,
 )
+from .surface import _POLL_S, RequestSurface, request_ids
 
 __all__ = [
     "EngineClient",
@@ -87,7 +86,6 @@ __all__ = [
 
 log = logging.getLogger("workbench.client")
 
-_POLL_S = 0.5  # longest a waiting caller sleeps before re-checking (keeps Ctrl-C responsive)
 _clients: weakref.WeakSet = weakref.WeakSet()
 _CLOSED = object()
 
@@ -201,7 +199,7 @@ class EventSubscription:
         self.close()
 
 
-class EngineClient:
+class EngineClient(RequestSurface):
     """A connection to an engine process. Thread-safe; sync and asyncio methods."""
 
     rpc_timeout: float = 300.0  # seconds an RPC may take (a relayout of a big model is slow)
@@ -537,99 +535,17 @@ class EngineClient:
             for rid in rids:
                 self._sinks.pop(rid, None)
 
-    def _cleanup(self, rids: Iterable[str], finished: set[str]) -> None:
-        left = [r for r in rids if r not in finished]
-        self._drop_sinks(left)
-        if left and self._dead is None and not self._closed:
+    def _abandon(self, rids: list[str]) -> None:
+        self._drop_sinks(rids)
+        if self._dead is None and not self._closed:
             try:
-                self._post(Abort(left))
+                self._post(Abort(rids))
             except Exception:
                 pass
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (of any client) by id; their owner gets finish_reason="abort"."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if not all(isinstance(r, str) for r in ids):
-            raise TypeError("request_id must be a str or a list of str")
-        self._post(Abort(ids))
-
-    def generate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                 timeout: float | None = None) -> list[RequestOutput]:
-        """Like `LLM.generate`: one RequestOutput per prompt, in order."""
-        batch = normalize_batch(prompts, params, prompt_token_ids)
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        rids = self._submit(batch, chat, False, q.put)
-        done: dict[str, RequestOutput] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while len(done) < len(rids):
-                item = _get(q, deadline, timeout)
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    done[item.request_id] = item.output
-        finally:
-            self._cleanup(rids, set(done))
-        return [done[r] for r in rids]
-
-    def stream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-               timeout: float | None = None) -> Iterator[StreamChunk]:
-        """Like `LLM.stream`: chunks of one request as they are produced. Leaving the loop early
-        (break, exception, Ctrl-C) aborts the request."""
-        [item] = normalize_batch(prompt, params, None if prompt_token_ids is None else [prompt_token_ids])
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        [rid] = self._submit([item], chat, True, q.put)
-        return self._stream_iter(rid, q, timeout)
-
-    def _stream_iter(self, rid: str, q: queue.SimpleQueue, timeout: float | None) -> Iterator[StreamChunk]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        finished = False
-        try:
-            while not finished:
-                item = _get(q, deadline, timeout)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-        finally:
-            self._cleanup([rid], {rid} if finished else set())
-
-    async def agenerate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                        timeout: float | None = None) -> list[RequestOutput]:
-        batch = normalize_batch(prompts, params, prompt_token_ids)
-        aq, sink = _async_sink()
-        rids = self._submit(batch, chat, False, sink)
-        done: dict[str, RequestOutput] = {}
-        try:
-            async with _atimeout(timeout):
-                while len(done) < len(rids):
-                    item = await aq.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item.finish_reason is not None:
-                        done[item.request_id] = item.output
-        finally:
-            self._cleanup(rids, set(done))
-        return [done[r] for r in rids]
-
-    async def astream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                      timeout: float | None = None) -> AsyncIterator[StreamChunk]:
-        [item] = normalize_batch(prompt, params, None if prompt_token_ids is None else [prompt_token_ids])
-        aq, sink = _async_sink()
-        [rid] = self._submit([item], chat, True, sink)
-        finished = False
-        try:
-            async with _atimeout(timeout):
-                while not finished:
-                    got = await aq.get()
-                    if isinstance(got, BaseException):
-                        finished = True
-                        raise got
-                    finished = got.finish_reason is not None
-                    yield got
-        finally:
-            self._cleanup([rid], {rid} if finished else set())
+        self._post(Abort(request_ids(request_id)))
 
     # -- events ---------------------------------------------------------------------------------
     def events(self, kinds: Iterable[str] | str | None = None, *, maxsize: int = 10_000,
@@ -678,11 +594,6 @@ class EngineClient:
             raise TimeoutError(f"event subscription to engine {self.name!r} not live within {timeout}s")
         finally:
             self._sync_tokens.pop(token, None)
-
-    def _unsubscribe(self, sub: EventSubscription) -> None:
-        with self._lock:
-            if sub in self._subs:
-                self._subs.remove(sub)
 
     def _event_loop(self) -> None:
         sock = self._ctx.socket(zmq.SUB)
@@ -811,55 +722,6 @@ def _copy_exc(exc: BaseException) -> BaseException:
         return type(exc)(*exc.args)
     except Exception:
         return exc
-
-
-def _get(q: queue.SimpleQueue, deadline: float | None, timeout: float | None):
-    while True:
-        wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-        if wait <= 0:
-            raise TimeoutError(f"no result within {timeout}s")
-        try:
-            return q.get(timeout=wait)
-        except queue.Empty:
-            continue
-
-
-def _async_sink() -> tuple[asyncio.Queue, Callable[[Any], None]]:
-    loop = asyncio.get_running_loop()
-    aq: asyncio.Queue = asyncio.Queue()
-
-    def sink(item: Any) -> None:
-        loop.call_soon_threadsafe(aq.put_nowait, item)
-
-    return aq, sink
-
-
-class _atimeout:
-    """`asyncio.timeout` for Python 3.10 too: cancels the body after `seconds` (None: never)."""
-
-    def __init__(self, seconds: float | None):
-        self.seconds = seconds
-        self._handle = None
-        self._fired = False
-
-    async def __aenter__(self):
-        if self.seconds is not None:
-            task = asyncio.current_task()
-            loop = asyncio.get_running_loop()
-
-            def fire():
-                self._fired = True
-                task.cancel()
-
-            self._handle = loop.call_later(self.seconds, fire)
-        return self
-
-    async def __aexit__(self, exc_type, exc, tb):
-        if self._handle is not None:
-            self._handle.cancel()
-        if self._fired and exc_type is asyncio.CancelledError:
-            raise TimeoutError(f"no result within {self.seconds}s") from None
-        return False
 
 
 # -- start_engine -------------------------------------------------------------------------------
