@@ -1,14 +1,20 @@
-"""Shared by the Jupyter tests: private runtime dirs, engines that always get stopped, kernels."""
+"""Shared by the engine-process and Jupyter tests: private runtime dirs, engines that always get
+stopped, kernels, JupyterLab processes and notebooks."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import queue
+import shutil
+import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @contextlib.contextmanager
@@ -29,18 +35,21 @@ def private_runtime_dir(path: Path):
             os.environ[conn.ENV_RUNTIME_DIR] = old
 
 
-def stop_engine(client) -> None:
-    """Shut an engine down whatever state it is in; kill its process if needed."""
+def stop_engine(client, *, check: bool = False) -> None:
+    """Shut an engine down whatever state it is in; kill its process if needed. With `check`, a
+    failing shutdown still raises (after the process is killed)."""
     if client is None:
         return
     try:
         client.shutdown(timeout=20)
     except Exception:
-        pass
-    proc = getattr(client, "process", None)
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+        if check:
+            raise
+    finally:
+        proc = getattr(client, "process", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def kill_engines_in(runtime_dir: Path) -> None:
@@ -54,6 +63,21 @@ def kill_engines_in(runtime_dir: Path) -> None:
             os.kill(info.pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def private_engine(runtime_dir: Path, model=None, **kwargs):
+    """`start_engine(model, **kwargs)` in a private runtime dir; stopped at the end whatever
+    happens, with any engine left behind in that dir killed too."""
+    from workbench.ipc.client import start_engine
+
+    with private_runtime_dir(runtime_dir):
+        eng = start_engine(model, **kwargs)
+        try:
+            yield eng
+        finally:
+            stop_engine(eng)
+            kill_engines_in(runtime_dir)
 
 
 def wait_for(pred, timeout: float, what: str, every: float = 0.05):
@@ -133,3 +157,43 @@ def texts(msgs: list[dict], mime: str = "text/plain") -> str:
         elif m["msg_type"] == "error":
             out.append("\n".join(c["traceback"]))
     return "\n".join(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def notebook(cells: list[str]) -> dict:
+    """An nbformat 4 notebook of code cells (python3 kernel)."""
+    return {
+        "cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
+                   "source": src} for i, src in enumerate(cells)],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    }
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM a process started with `start_new_session=True` and its group; SIGKILL if it lingers."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+def browser_skip_reason() -> str | None:
+    """Why a headless-Chromium test cannot run here (None: it can)."""
+    if not os.path.exists(CHROMIUM):
+        return "no chromium (run `make browser`)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed"
+    return None

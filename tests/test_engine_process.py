@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from jupyter_helpers import private_runtime_dir, stop_engine, wait_for
 
 from workbench.ipc import connection as conn
 from workbench.ipc.client import (
@@ -87,14 +88,8 @@ elif mode == "hog":
 # -- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
 def runtime_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rt")
-    old = os.environ.get(conn.ENV_RUNTIME_DIR)
-    os.environ[conn.ENV_RUNTIME_DIR] = str(d)
-    yield d
-    if old is None:
-        os.environ.pop(conn.ENV_RUNTIME_DIR, None)
-    else:
-        os.environ[conn.ENV_RUNTIME_DIR] = old
+    with private_runtime_dir(tmp_path_factory.mktemp("rt")) as d:
+        yield d
 
 
 class Procs:
@@ -129,17 +124,6 @@ def procs():
     p.kill_all()
 
 
-def _stop(client: EngineClient):
-    try:
-        client.shutdown(timeout=20)
-    except Exception:
-        pass
-    finally:
-        if client.process is not None and client.process.poll() is None:
-            client.process.kill()
-            client.process.wait(10)
-
-
 @pytest.fixture(scope="module")
 def model_path(tiny_llama):
     return tiny_llama[0]
@@ -167,17 +151,7 @@ def reference(model_path):
 def engine(model_path):
     eng = start_engine(str(model_path), name="shared", client_timeout=4.0, max_message_mb=4, **ENGINE_KW)
     yield eng
-    _stop(eng)
-
-
-def _wait_for(pred, timeout: float, what: str, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    stop_engine(eng)
 
 
 def _events_until(sub, kind: str, pred=lambda ev: True, timeout: float = 10.0) -> list:
@@ -400,7 +374,7 @@ def test_abort_and_early_exit_free_blocks(engine):
     it2 = engine.stream(prompt_token_ids=PROMPTS[1], params=params, timeout=60)
     next(it2)
     it2.close()  # leaving a stream early aborts its request
-    _wait_for(lambda: engine.metrics()["kv_blocks_used"] == 0 and engine.metrics()["num_running"] == 0,
+    wait_for(lambda: engine.metrics()["kv_blocks_used"] == 0 and engine.metrics()["num_running"] == 0,
               10, "KV blocks to be freed")
 
 
@@ -421,7 +395,7 @@ def test_events_stream_steps_and_request_lifecycle(engine):
         assert {"arrived", "scheduled", "first_token", "finished"} <= kinds
         assert steps >= 1
         _next_event(sub, "metrics", timeout=5)
-        _wait_for(lambda: any(r.request_id == rid for ev in got for r in ev.data.requests), 5, "callback events")
+        wait_for(lambda: any(r.request_id == rid for ev in got for r in ev.data.requests), 5, "callback events")
         assert cb.kinds == {"timeline"}
 
     async def watch():
@@ -539,7 +513,7 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
     # Still serving, still correct, nothing leaked.
     out = engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
     assert [o.token_ids for o in out] == reference(PROMPTS[:2])
-    _wait_for(lambda: engine.metrics()["num_running"] == 0 and engine.metrics()["num_waiting"] == 0, 10,
+    wait_for(lambda: engine.metrics()["num_running"] == 0 and engine.metrics()["num_waiting"] == 0, 10,
               "fuzzed requests to finish")
     with pytest.raises(ValueError, match="exceeds the engine's limit"):
         engine.generate(prompt_token_ids=[[255] * 500] * 5000, params=GREEDY)
@@ -560,7 +534,7 @@ def test_kill_client_process_mid_stream_frees_its_kv(engine, reference, procs):
     # Others are served meanwhile (after the vanished client's requests are aborted).
     out = engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
     assert [o.token_ids for o in out] == reference(PROMPTS[:2])
-    _wait_for(lambda: (lambda m: m["kv_blocks_used"] == 0 and m["num_running"] == 0 and m["num_waiting"] == 0)(
+    wait_for(lambda: (lambda m: m["kv_blocks_used"] == 0 and m["num_running"] == 0 and m["num_waiting"] == 0)(
         engine.metrics()), 15, "the dead client's KV blocks to be freed")
     aborted = [r for r in engine.timeline().requests
                if r.kind == "finished" and (r.detail or "").startswith("abort") and r.time > killed]
@@ -588,7 +562,7 @@ def test_kill_engine_clients_raise(model_path, engine):
         threads = [threading.Thread(target=run, args=(k, c), daemon=True) for k, c in (("owner", eng), ("other", other))]
         for t in threads:
             t.start()
-        _wait_for(lambda: eng.metrics()["num_running"] >= 2, 30, "both streams to run")
+        wait_for(lambda: eng.metrics()["num_running"] >= 2, 30, "both streams to run")
         killed = time.monotonic()
         os.kill(eng.pid, signal.SIGKILL)
         for t in threads:
@@ -601,7 +575,7 @@ def test_kill_engine_clients_raise(model_path, engine):
             other.status()
         other.close()
     finally:
-        _stop(eng)
+        stop_engine(eng)
     assert eng.process.returncode == -signal.SIGKILL
 
 
@@ -616,7 +590,7 @@ def test_engine_stops_when_its_starter_dies(model_path, procs):
     starter.kill()
     starter.wait(10)
     try:
-        _wait_for(lambda: not conn.pid_alive(pid), 20, "the orphaned engine to exit")
+        wait_for(lambda: not conn.pid_alive(pid), 20, "the orphaned engine to exit")
     finally:
         if conn.pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
@@ -675,7 +649,7 @@ def test_tcp_needs_the_curve_keys(model_path, runtime_dir, tmp_path):
         assert eng.status()["transport"] == "tcp"
     finally:
         ctx.destroy(linger=0)
-        _stop(eng)
+        stop_engine(eng)
 
 
 def test_graceful_shutdown_drain(model_path, runtime_dir):
@@ -694,11 +668,11 @@ def test_graceful_shutdown_drain(model_path, runtime_dir):
         assert eng.process.returncode == 0
         assert not (runtime_dir / "drainer.json").exists()
         assert not [p for p in runtime_dir.iterdir() if p.name.startswith("drainer-")]  # socket files
-        _wait_for(lambda: not eng.alive, 10, "the owner client to notice the exit")
+        wait_for(lambda: not eng.alive, 10, "the owner client to notice the exit")
         with pytest.raises(EngineDeadError):
             eng.status()
     finally:
-        _stop(eng)
+        stop_engine(eng)
 
 
 def test_cli_serve_and_sigterm(model_path, runtime_dir, procs):
@@ -708,7 +682,7 @@ def test_cli_serve_and_sigterm(model_path, runtime_dir, procs):
          "--dtype", "float32", "--num-kv-blocks", "48", "--max-num-seqs", "3", "--batching", "static",
          "--prefix_caching", "false", "--parent-pid", str(os.getpid())],  # dies with this process
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    _wait_for(lambda: (runtime_dir / "cli.json").exists() or p.poll() is not None, 60, "the cli engine")
+    wait_for(lambda: (runtime_dir / "cli.json").exists() or p.poll() is not None, 60, "the cli engine")
     assert p.poll() is None, p.stderr.read()
     with EngineClient.connect("cli", timeout=20) as c:
         s = c.settings()

@@ -11,35 +11,31 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 
 import pytest
-from jupyter_helpers import REPO, kill_engines_in, private_runtime_dir, stop_engine, wait_for
+from jupyter_helpers import (
+    CHROMIUM,
+    REPO,
+    browser_skip_reason,
+    free_port,
+    notebook,
+    private_engine,
+    stop_process_group,
+    wait_for,
+)
 
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def _skip_reason() -> str | None:
-    if not os.path.exists(CHROMIUM):
-        return "no chromium (run `make browser`)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "playwright is not installed"
-    return None
-
-
-if _skip_reason():
-    pytest.skip(_skip_reason(), allow_module_level=True)
+if browser_skip_reason():
+    pytest.skip(browser_skip_reason(), allow_module_level=True)
 
 CELLS = [
     "%load_ext workbench\n%engine connect dash",
@@ -48,30 +44,16 @@ CELLS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from workbench.ipc.client import start_engine
-
     base = tmp_path_factory.mktemp("dash-browser")
-    rt = base / "rt"
-    with private_runtime_dir(rt):
-        eng = start_engine(None, name="dash", timeout=300)
+    with private_engine(base / "rt", None, name="dash", timeout=300) as eng:
         root, cfg, ipy = base / "root", base / "cfg", base / "ipy"
         for d in (root, cfg, ipy):
             d.mkdir()
-        nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
-                         "source": src} for i, src in enumerate(CELLS)],
-              "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
-              "nbformat": 4, "nbformat_minor": 5}
-        (root / "dash.ipynb").write_text(json.dumps(nb))
+        (root / "dash.ipynb").write_text(json.dumps(notebook(CELLS)))
         token = "dash-" + os.urandom(6).hex()
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ, JUPYTER_CONFIG_DIR=str(cfg), IPYTHONDIR=str(ipy), JUPYTER_RUNTIME_DIR=str(base / "jrt"))
         log = open(base / "lab.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
@@ -89,19 +71,10 @@ def setup(tmp_path_factory):
             wait_for(up, 90, "jupyter lab to answer", every=0.3)
             yield {"url": url, "token": token, "engine": eng}
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            stop_process_group(proc)
             log.close()
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             shutil.copy(base / "lab.log", ARTIFACTS / "dashboard-lab.log")
-            stop_engine(eng)
-            kill_engines_in(rt)
 
 
 def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):

@@ -14,7 +14,7 @@ import os
 import time
 
 import pytest
-from jupyter_helpers import REPO, Kernel, kill_engines_in, private_runtime_dir, stop_engine, texts, wait_for
+from jupyter_helpers import REPO, Kernel, private_engine, texts, wait_for
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
@@ -23,16 +23,8 @@ IOPUB_LIMIT = 1000  # Jupyter Server's default iopub_msg_rate_limit (messages/s)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from workbench.ipc.client import start_engine
-
-    rt = tmp_path_factory.mktemp("rt-kernel")
-    with private_runtime_dir(rt):
-        eng = start_engine(None, name="default", timeout=300)
-        try:
-            yield eng
-        finally:
-            stop_engine(eng)
-            kill_engines_in(rt)
+    with private_engine(tmp_path_factory.mktemp("rt-kernel"), None, name="default", timeout=300) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,10 +18,18 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from jupyter_helpers import (
+    CHROMIUM,
+    REPO,
+    browser_skip_reason,
+    free_port,
+    notebook,
+    private_runtime_dir,
+    stop_engine,
+    stop_process_group,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", REPO / "test-artifacts"))
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage"]
@@ -39,12 +45,9 @@ def _installed_labextension() -> Path | None:
 
 
 def _skip_reason() -> str | None:
-    if not os.path.exists(CHROMIUM):
-        return "no chromium (run `make browser`)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "playwright is not installed"
+    reason = browser_skip_reason()
+    if reason:
+        return reason
     if not (DEV_LABEXTENSION / "package.json").exists() and _installed_labextension() is None:
         return "the lab extension is not built (cd extension && jlpm build)"
     return None
@@ -68,12 +71,6 @@ def fresh_labextension():
         subprocess.run([str(jlpm), "build"], cwd=ext, env=env, check=True, timeout=300, capture_output=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for(pred, timeout: float, what: str, every: float = 0.1):
     deadline = time.monotonic() + timeout
     last = None
@@ -92,16 +89,8 @@ def _wait_for(pred, timeout: float, what: str, every: float = 0.1):
 
 @pytest.fixture(scope="module")
 def runtime_dir(tmp_path_factory):
-    from workbench.ipc import connection as conn
-
-    d = tmp_path_factory.mktemp("e2e-rt")
-    old = os.environ.get(conn.ENV_RUNTIME_DIR)
-    os.environ[conn.ENV_RUNTIME_DIR] = str(d)
-    yield d
-    if old is None:
-        os.environ.pop(conn.ENV_RUNTIME_DIR, None)
-    else:
-        os.environ[conn.ENV_RUNTIME_DIR] = old
+    with private_runtime_dir(tmp_path_factory.mktemp("e2e-rt")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +99,7 @@ def engine(runtime_dir):
 
     eng = start_engine(None, name="e2e", timeout=300, max_num_seqs=8)
     yield eng
-    try:
-        eng.shutdown(timeout=20)
-    finally:
-        if eng.process is not None and eng.process.poll() is None:
-            eng.process.kill()
+    stop_engine(eng, check=True)
 
 
 NOTEBOOK_CELLS = [
@@ -137,15 +122,6 @@ def _have_magics() -> bool:
         return False
 
 
-def _notebook(cells: list[str]) -> dict:
-    return {
-        "cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
-                   "source": src} for i, src in enumerate(cells)],
-        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
-        "nbformat": 4, "nbformat_minor": 5,
-    }
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory, runtime_dir, engine):
     """A JupyterLab server (own process group) with the server extension and the lab extension."""
@@ -162,7 +138,7 @@ def lab(tmp_path_factory, runtime_dir, engine):
         (base / "labext" / "serving-workbench").symlink_to(DEV_LABEXTENSION)
         extra = [str(base / "labext")]
     token = "e2e-" + os.urandom(8).hex()
-    port = _free_port()
+    port = free_port()
     (cfg / "jupyter_server_config.json").write_text(json.dumps({
         "ServerApp": {"jpserver_extensions": {"workbench": True}, "ip": "127.0.0.1", "port": port,
                       "open_browser": False, "root_dir": str(root), "port_retries": 0,
@@ -173,7 +149,7 @@ def lab(tmp_path_factory, runtime_dir, engine):
         "LabServerApp": {"app_settings_dir": str(settings)},
     }))
     cells = NOTEBOOK_CELLS if _have_magics() else FALLBACK_CELLS
-    (root / "e2e.ipynb").write_text(json.dumps(_notebook(cells)))
+    (root / "e2e.ipynb").write_text(json.dumps(notebook(cells)))
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(cfg), IPYTHONDIR=str(ipy), JUPYTER_RUNTIME_DIR=str(base / "jrt"),
                PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -190,15 +166,7 @@ def lab(tmp_path_factory, runtime_dir, engine):
         _wait_for(up, 90, "jupyter lab to answer")
         yield {"url": url, "token": token, "root": root, "log": base / "lab.log", "magics": cells is NOTEBOOK_CELLS}
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(10)
+        stop_process_group(proc)
         log.close()
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(base / "lab.log", ARTIFACTS / "lab-e2e.log")

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import os
 import time
 
 import pytest
 import tornado.httpclient
 import tornado.websocket
+from jupyter_helpers import private_runtime_dir, stop_engine
 
 # pytest-jupyter's fixtures, imported so they stay local to this module: loading it as a plugin
 # (pytest_plugins) would put its autouse event loop and its test-call hook on every test of the
@@ -53,25 +53,15 @@ PROMPT = [[5, 6, 7, 8, 9, 10, 11, 12]]
 
 @pytest.fixture(scope="module", autouse=True)
 def runtime_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lab-rt")
-    old = os.environ.get(conn.ENV_RUNTIME_DIR)
-    os.environ[conn.ENV_RUNTIME_DIR] = str(d)
-    yield d
-    if old is None:
-        os.environ.pop(conn.ENV_RUNTIME_DIR, None)
-    else:
-        os.environ[conn.ENV_RUNTIME_DIR] = old
+    with private_runtime_dir(tmp_path_factory.mktemp("lab-rt")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama, runtime_dir):
     eng = start_engine(str(tiny_llama[0]), name="lab", **ENGINE_KW)
     yield eng
-    try:
-        eng.shutdown(timeout=20)
-    finally:
-        if eng.process is not None and eng.process.poll() is None:
-            eng.process.kill()
+    stop_engine(eng, check=True)
 
 
 @pytest.fixture

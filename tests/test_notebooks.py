@@ -12,7 +12,7 @@ import json
 import time
 
 import pytest
-from jupyter_helpers import REPO, kill_engines_in, private_runtime_dir, stop_engine
+from jupyter_helpers import REPO, private_engine
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -25,16 +25,8 @@ CELL_TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from workbench.ipc.client import start_engine
-
-    rt = tmp_path_factory.mktemp("rt-notebooks")
-    with private_runtime_dir(rt):
-        eng = start_engine(None, name="default", timeout=300)
-        try:
-            yield eng
-        finally:
-            stop_engine(eng)
-            kill_engines_in(rt)
+    with private_engine(tmp_path_factory.mktemp("rt-notebooks"), None, name="default", timeout=300) as eng:
+        yield eng
 
 
 def test_the_tutorials_are_there_and_every_notebook_is_run():

@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from jupyter_helpers import Kernel, kill_engines_in, private_runtime_dir, stop_engine, texts, wait_for
+from jupyter_helpers import Kernel, private_engine, texts, wait_for
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
@@ -17,16 +17,9 @@ NAME = "sweep-kernel"
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_llama):
-    from workbench.ipc.client import start_engine
-
-    rt = tmp_path_factory.mktemp("rt-sweep-kernel")
-    with private_runtime_dir(rt):
-        eng = start_engine(str(tiny_llama[0]), name=NAME, timeout=300, num_kv_blocks=256)
-        try:
-            yield eng
-        finally:
-            stop_engine(eng)
-            kill_engines_in(rt)
+    with private_engine(tmp_path_factory.mktemp("rt-sweep-kernel"), str(tiny_llama[0]), name=NAME, timeout=300,
+                        num_kv_blocks=256) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
