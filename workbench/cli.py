@@ -74,6 +74,15 @@ def _settings_from_flags(args: argparse.Namespace) -> dict:
     return validate(out)
 
 
+def _flag_settings_or_report(args: argparse.Namespace, command: str) -> dict | None:
+    """`_settings_from_flags`, or None once a bad flag is reported as `workbench COMMAND: ...`."""
+    try:
+        return _settings_from_flags(args)
+    except (ValueError, TypeError) as e:
+        print(f"workbench {command}: {e}", file=sys.stderr)
+        return None
+
+
 # ----------------------------------------------------------------------------- generate
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -263,10 +272,8 @@ def _run_bench_scenarios(args: argparse.Namespace) -> int:
 
     from .bench.scenarios import run_scenarios
 
-    try:
-        settings = _settings_from_flags(args)
-    except (ValueError, TypeError) as e:
-        print(f"workbench bench: {e}", file=sys.stderr)
+    settings = _flag_settings_or_report(args, "bench")
+    if settings is None:
         return 2
     if args.threads is not None:
         import torch
@@ -339,10 +346,8 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
 def _run_lab(args: argparse.Namespace) -> int:
     from .jupyter.lab import run_lab
 
-    try:
-        settings = _settings_from_flags(args)
-    except (ValueError, TypeError) as e:
-        print(f"workbench lab: {e}", file=sys.stderr)
+    settings = _flag_settings_or_report(args, "lab")
+    if settings is None:
         return 2
     return run_lab(args, settings)
 

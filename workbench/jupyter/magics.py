@@ -81,9 +81,26 @@ def unload_ipython_extension(ipython) -> None:
 
 # -- %%generate as top-level await ----------------------------------------------------------------
 def _install_async_generate(ipython) -> None:
-    transforms = getattr(ipython, "input_transformers_cleanup", None)
-    if transforms is not None and _async_generate not in transforms:
-        transforms.append(_async_generate)
+    install_input_transform(ipython, _async_generate)
+
+
+def install_input_transform(shell, transform) -> None:
+    """Add `transform` to the shell's cleanup input transformers, once (shared with `%sweep`)."""
+    transforms = getattr(shell, "input_transformers_cleanup", None)
+    if transforms is not None and transform not in transforms:
+        transforms.append(transform)
+
+
+def runs_asyncio_await() -> bool:
+    """Whether the current shell runs top-level await on asyncio (a kernel, or a shell with
+    autoawait on): only then can a magic's cell become an `await`."""
+    try:
+        from IPython import get_ipython
+        from IPython.core.interactiveshell import _asyncio_runner
+    except ImportError:  # pragma: no cover
+        return False
+    ip = get_ipython()
+    return not (ip is None or not getattr(ip, "autoawait", False) or ip.loop_runner is not _asyncio_runner)
 
 
 def _async_generate(lines: list[str]) -> list[str]:
@@ -94,13 +111,7 @@ def _async_generate(lines: list[str]) -> list[str]:
     first = lines[0].rstrip("\r\n")
     if first != "%%generate" and not first.startswith(("%%generate ", "%%generate\t")):
         return lines
-    try:
-        from IPython import get_ipython
-        from IPython.core.interactiveshell import _asyncio_runner
-    except ImportError:  # pragma: no cover
-        return lines
-    ip = get_ipython()
-    if ip is None or not getattr(ip, "autoawait", False) or ip.loop_runner is not _asyncio_runner:
+    if not runs_asyncio_await():
         return lines
     args = first[len("%%generate"):].strip()
     body = "".join(lines[1:])

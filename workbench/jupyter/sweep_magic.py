@@ -223,9 +223,9 @@ def register(ipython) -> None:
 
 # -- %sweep as top-level await -------------------------------------------------------------------
 def _install_async_sweep(shell) -> None:
-    transforms = getattr(shell, "input_transformers_cleanup", None)
-    if transforms is not None and _async_sweep not in transforms:
-        transforms.append(_async_sweep)
+    from .magics import install_input_transform
+
+    install_input_transform(shell, _async_sweep)
 
 
 def _async_sweep(lines: list[str]) -> list[str]:
@@ -240,12 +240,8 @@ def _async_sweep(lines: list[str]) -> list[str]:
         args, body = first[len("%sweep"):].strip(), None
     else:
         return lines
-    try:
-        from IPython import get_ipython
-        from IPython.core.interactiveshell import _asyncio_runner
-    except ImportError:  # pragma: no cover
-        return lines
-    ip = get_ipython()
-    if ip is None or not getattr(ip, "autoawait", False) or ip.loop_runner is not _asyncio_runner:
+    from .magics import runs_asyncio_await
+
+    if not runs_asyncio_await():
         return lines
     return [f"await __import__('workbench.jupyter.sweep_magic', fromlist=['_']).sweep_cell_async({args!r}, {body!r})\n"]
