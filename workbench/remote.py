@@ -689,7 +689,8 @@ class RemoteEngineClient(RequestSurface):
             _safe(sink, error if error is not None else StreamChunk(rid, "", [], out.finish_reason, output=out))
         return {"output": out, "usage": usage, "chunk_times": chunk_times, "error": error}
 
-    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None]) -> list[str]:
+    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None],
+                into: list[str] | None = None) -> list[str]:
         if self._closed:
             raise WorkbenchIPCError(f"this client of {self.base} is closed")
         if self._dead is not None:
@@ -699,6 +700,8 @@ class RemoteEngineClient(RequestSurface):
             if chat and prompt is None:
                 raise ValueError("chat=True needs text prompts, not prompt_token_ids")
             rid = secrets.token_hex(6)
+            if into is not None:
+                into.append(rid)
             with self._lock:
                 self._pending[rid] = _Pending(None, time.monotonic())
             fut = asyncio.run_coroutine_threadsafe(self._request(rid, prompt, ids, sp, chat, sink, stream), self._loop)

@@ -305,6 +305,7 @@ class _Engine:
         pending = sorted(w.requests, key=lambda r: (r.arrival_s, r.index))
         q: queue.SimpleQueue = queue.SimpleQueue()
         owner: dict[str, tuple[BenchRequest, float]] = {}
+        submitted: list[str] = []  # filled by _submit before it sends: an interrupt orphans nothing
         done: dict[int, RequestRecord] = {}
         finished: set[str] = set()
         start = time.monotonic()
@@ -321,7 +322,9 @@ class _Engine:
                     batch = normalize_batch(
                         None, [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in group],
                         [r.prompt_token_ids for r in group])
-                    for rid, r in zip(eng._submit(batch, False, False, q.put), group):
+                    first = len(submitted)
+                    eng._submit(batch, False, False, q.put, into=submitted)
+                    for rid, r in zip(submitted[first:], group):
                         owner[rid] = (r, start + r.arrival_s)
                 wait = 0.1 if i >= len(pending) else max(0.0, min(0.1, start + pending[i].arrival_s - time.monotonic()))
                 try:
@@ -341,7 +344,7 @@ class _Engine:
                 if progress is not None:
                     progress.update(1)
         finally:
-            eng._cleanup(list(owner), finished)  # aborts what is still running (interrupt, error)
+            eng._cleanup(submitted, finished)  # aborts what is still running (interrupt, error)
         return [done[k] for k in sorted(done)], start
 
     def _run_plain(self, w: Workload, progress):

@@ -514,10 +514,15 @@ class EngineClient(RequestSurface):
         return self.call("timeline", since=since, _type=Timeline)
 
     # -- requests -------------------------------------------------------------------------------
-    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None]) -> list[str]:
+    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None],
+                into: list[str] | None = None) -> list[str]:
+        """Send a batch; its ids are appended to `into` before anything is sent, so a caller
+        interrupted at any point still knows what to abort."""
         reqs = [NewRequest(request_id=f"{secrets.token_hex(6)}", prompt=p, prompt_token_ids=ids, params=sp,
                            chat=bool(chat), stream=stream) for p, ids, sp in batch]
         rids = [r.request_id for r in reqs]
+        if into is not None:
+            into.extend(rids)
         with self._lock:
             if self._dead is not None:
                 raise _copy_exc(self._dead)
@@ -526,7 +531,8 @@ class EngineClient(RequestSurface):
         try:
             self._post(Submit(reqs))
         except BaseException:
-            self._drop_sinks(rids)
+            # An interrupt can land after the message is queued: abort, so nothing runs unowned.
+            self._abandon(rids)
             raise
         return rids
 

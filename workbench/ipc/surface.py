@@ -33,7 +33,8 @@ _POLL_S = 0.5  # longest a waiting caller sleeps before re-checking (keeps Ctrl-
 class RequestSurface:
     """generate/stream and their asyncio twins, built on `_submit` and `_abandon`."""
 
-    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None]) -> list[str]:
+    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None],
+                into: list[str] | None = None) -> list[str]:
         raise NotImplementedError
 
     def _abandon(self, rids: list[str]) -> None:
