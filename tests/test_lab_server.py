@@ -131,6 +131,21 @@ async def test_list_and_status(jp_fetch, hub, engine):
 
 
 @aio
+async def test_registered_remote_is_listed(jp_fetch, hub, engine):
+    from workbench.remote import register_remote, unregister_remote
+
+    register_remote("remote-vllm", "http://127.0.0.1:9/v1", model="some/model")
+    try:
+        data = await fetch_json(jp_fetch, "engines")
+        names = {e["name"]: e for e in data["engines"]}
+        assert names["remote-vllm"]["transport"] == "http"
+        assert names["remote-vllm"]["remote_url"].startswith("http://127.0.0.1:9")
+        assert names["lab"]["transport"] != "http"
+    finally:
+        unregister_remote("remote-vllm")
+
+
+@aio
 async def test_set_settings_reaches_the_engine(jp_fetch, hub, engine):
     before = engine.settings()["max_num_seqs"]
     try:

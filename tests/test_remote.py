@@ -152,6 +152,13 @@ def test_remote_surface_against_our_endpoint(server, remote):
     assert st["server"] == "workbench" and st["read_only"] and st["remote_engine"]["max_model_len"] == MAX_LEN
     schema = remote.schema()
     assert schema and all(e["kind"] == "read-only" for e in schema)
+    from workbench.jupyter.dashboard import Dashboard
+
+    dash = Dashboard(client=remote, start=False)  # shown, never editable
+    try:
+        assert "batching" in dash.controls and all(c.disabled for c in dash.controls.values())
+    finally:
+        dash.close()
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ export interface IEngineInfo {
 
 export interface ISettingSchema {
   name: string;
-  kind: 'live' | 'relayout' | 'reload' | 'restart';
+  kind: 'live' | 'relayout' | 'reload' | 'restart' | 'read-only';
   help: string;
   default: any;
   type: string; // "enum" | "bool" | "int" | "unicode"
@@ -27,6 +27,7 @@ export interface ISettingSchema {
   values?: any[];
   min?: number | null;
   max?: number | null;
+  read_only?: boolean; // a remote server's setting: shown, not changeable
 }
 
 /** An error answered by the server extension (the engine's own message when it refused). */

@@ -13,7 +13,8 @@ const KIND_TITLES: Record<string, string> = {
   live: 'Live settings (next step)',
   relayout: 'Re-layout (no restart)',
   reload: 'Reload (no restart)',
-  restart: 'Fixed at start (restart to change)'
+  restart: 'Fixed at start (restart to change)',
+  'read-only': 'Remote server (read-only)'
 };
 
 const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks'>, string, string]> = [
@@ -326,7 +327,7 @@ export class WorkbenchPanel extends Widget {
     const box = this._settingsBox;
     box.innerHTML = '';
     this._controls.clear();
-    for (const kind of ['live', 'relayout', 'reload', 'restart']) {
+    for (const kind of ['live', 'relayout', 'reload', 'restart', 'read-only']) {
       const specs = this._schema.filter(s => s.kind === kind);
       if (!specs.length) {
         continue;
@@ -335,7 +336,7 @@ export class WorkbenchPanel extends Widget {
       section.open = kind === 'live';
       section.appendChild(el('summary', 'wb-Section', KIND_TITLES[kind] ?? kind));
       for (const spec of specs) {
-        section.appendChild(this._control(spec, kind === 'restart'));
+        section.appendChild(this._control(spec, kind === 'restart' || kind === 'read-only' || spec.read_only === true));
       }
       box.appendChild(section);
     }

@@ -106,10 +106,17 @@ class Dashboard:
         self.costs = LiveCosts(device=str((getattr(self.client, "engine_info", None) or {}).get("device", "cpu")))
         self.view = TimelineView(live=True, window_s=window_s)
         order = {"live": 0, "relayout": 1, "reload": 2}  # live first; fixed-at-start ones get no control
-        self.schema = sorted((e for e in self.client.schema() if e["kind"] in order), key=lambda e: order[e["kind"]])
+
+        def kind(e):  # a remote's entries are kind "read-only", with the engine's kind beside it
+            return e.get("engine_kind", e["kind"])
+
+        self.schema = sorted((e for e in self.client.schema() if kind(e) in order), key=lambda e: order[kind(e)])
         self.controls: dict[str, Any] = {}
+        # A remote server reports settings it cannot change: shown, never editable.
+        self._read_only = {e["name"] for e in self.schema if e.get("read_only")}
         for entry in self.schema:
             c = control_for(entry)
+            c.disabled = entry["name"] in self._read_only
             c.observe(self._on_control, names="value")
             self.controls[entry["name"]] = c
         self.header = w.HTML()
@@ -189,8 +196,8 @@ class Dashboard:
         except Exception as e:  # still starting, or gone again
             self._set_status(f"Engine {self.name!r} is gone; reconnecting failed: {e}", "error")
             return False
-        for c in self.controls.values():
-            c.disabled = False
+        for name, c in self.controls.items():
+            c.disabled = name in self._read_only
         self._set_status(f"Reconnected to engine {self.name!r} (pid {self.client.pid}).", "ok")
         return True
 
@@ -302,7 +309,7 @@ class Dashboard:
     def _configured(self, name: str, value: Any, fut) -> None:
         control = self.controls[name]
         self._pending.pop(name, None)
-        control.disabled = False
+        control.disabled = name in self._read_only
         try:
             took, settings = fut.result()
         except Exception as e:
@@ -327,7 +334,7 @@ class Dashboard:
         elif state == "done":
             t0 = self._relayouts.pop(name, None)
             if c is not None and name not in self._pending:
-                c.disabled = False
+                c.disabled = name in self._read_only
             took = f" in {time.monotonic() - t0:.1f} s" if t0 else ""
             self._set_status(f"Re-layout: {name} → {data.get('value')!r} done{took}.", "ok")
 

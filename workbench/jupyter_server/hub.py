@@ -42,6 +42,11 @@ class EngineHub:
                 "connection_file": info.path,
                 "started_here": info.name in self._started,
             })
+        from ..remote import list_remotes
+
+        for r in list_remotes():  # OpenAI-compatible servers registered with register_remote()
+            out.append({"name": r["name"], "pid": None, "model": r["model"], "transport": "http",
+                        "connection_file": None, "started_here": False, "remote_url": r["url"]})
         return out
 
     def runtime_dir(self) -> str:
