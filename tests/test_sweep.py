@@ -170,8 +170,6 @@ def test_prompt_list_workload_and_plot(llm, log):
         make_sweep_workload(llm, {"requests": 3})
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: after an interrupt mid-sweep, requests of the interrupted run "
-                   "stay running in the engine process although the client posted their abort")
 def test_engine_process_sweep_and_interrupt(tiny_llama, log):
     eng = workbench.start_engine(str(tiny_llama[0]), num_kv_blocks=256)
     try:

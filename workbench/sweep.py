@@ -202,12 +202,21 @@ class _Engine:
     def __init__(self, engine, cancel: threading.Event | None = None):
         self.obj = engine
         self.cancel = cancel
+        # Ids of requests sent to an engine client and not yet known to be done; filled by the
+        # client before it sends, so an interrupt at any point leaves nothing unaccounted for.
+        self.in_flight: list[str] = []
         core = getattr(engine, "engine", None)
         self.core = core if core is not None and hasattr(core, "step") and hasattr(core, "add_request") else None
         for name in ("configure", "settings", "generate", "metrics", "status"):
             if not callable(getattr(engine, name, None)):
                 raise TypeError(f"sweep needs an engine with configure/settings/generate/metrics/status; "
                                 f"{type(engine).__name__} has no {name}()")
+
+    def abort_in_flight(self) -> None:
+        """Abort whatever a run left behind (an interrupt can skip a run's own clean-up)."""
+        if self.in_flight:
+            left, self.in_flight = self.in_flight, []
+            self.obj._cleanup(left, set())
 
     def check(self) -> None:
         """Raise KeyboardInterrupt when `asweep`'s task was cancelled (the sweep runs on a worker
@@ -305,7 +314,7 @@ class _Engine:
         pending = sorted(w.requests, key=lambda r: (r.arrival_s, r.index))
         q: queue.SimpleQueue = queue.SimpleQueue()
         owner: dict[str, tuple[BenchRequest, float]] = {}
-        submitted: list[str] = []  # filled by _submit before it sends: an interrupt orphans nothing
+        submitted = self.in_flight  # filled by _submit before it sends
         done: dict[int, RequestRecord] = {}
         finished: set[str] = set()
         start = time.monotonic()
@@ -345,6 +354,7 @@ class _Engine:
                     progress.update(1)
         finally:
             eng._cleanup(submitted, finished)  # aborts what is still running (interrupt, error)
+            submitted.clear()
         return [done[k] for k in sorted(done)], start
 
     def _run_plain(self, w: Workload, progress):
@@ -792,6 +802,7 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
                 log.finish_children(parent_id, outcome, error)
             except Exception:
                 pass
+        eng.abort_in_flight()
         restore = {k: original[k] for k in touched}
         if restore:
             _restore(eng, restore)
