@@ -379,3 +379,34 @@ def test_connect_errors_are_clear():
         EngineClient.connect(f"http://127.0.0.1:{port}", timeout=2)
     with pytest.raises(ValueError):
         RemoteEngineClient("ftp://x")
+
+
+@pytest.mark.timeout(300)
+def test_magics_connect_to_url_share_it_with_the_lab_panel(server):
+    """`%engine connect URL` attaches the magics and lists the server for the lab panel."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from workbench.jupyter import session as wb_session
+    from workbench.remote import list_remotes, unregister_remote
+
+    url = server["url"] + "/v1"
+    os.environ["WORKBENCH_API_KEY"] = API_KEY
+    ip = InteractiveShell.instance()
+    try:
+        wb_session.reset_session("default")
+        ip.run_line_magic("load_ext", "workbench")
+        with capture_output() as cap:
+            ip.run_line_magic("engine", f"connect {url}")
+        shown = cap.stdout + "".join(str(o.data) for o in cap.outputs)
+        assert "listed in the lab panel" in shown
+        [entry] = [r for r in list_remotes() if r["url"].rstrip("/") == url]
+        with capture_output():
+            res = ip.run_cell("%%generate --max-tokens 3 --temperature 0 -o outs\nHello")
+        assert res.success and len(ip.user_ns["outs"][0].token_ids) == 3
+    finally:
+        os.environ.pop("WORKBENCH_API_KEY", None)
+        wb_session.reset_session("default")
+        for r in list_remotes():
+            if r["url"].rstrip("/") == url:
+                unregister_remote(r["name"])

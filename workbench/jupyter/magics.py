@@ -341,6 +341,10 @@ class WorkbenchMagics(Magics):
             client = get_session().connect(words[0])
         except Exception as e:
             raise UsageError(f"%engine connect: {e}") from None
+        if words[0].startswith(("http://", "https://")):
+            _show_message(f"Attached to the OpenAI-compatible server {words[0]} ({client.engine_info.get('model')}); "
+                          f"{_share_remote(words[0], client)}", "ok")
+            return
         _show_message(f"Attached to engine {client.name!r} (pid {client.pid}, {client.engine_info.get('model')}).",
                       "ok")
 
@@ -528,3 +532,22 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
         if key in metrics:
             rows.append(("metrics", label, fmt.format(metrics[key])))
     return _table(["", "name", "value"], rows, title=f"Engine {status.get('name')!r}")
+
+
+def _share_remote(url: str, client) -> str:
+    """Register a remote server by name so the lab panel (and other notebooks) can pick it too."""
+    import re
+
+    from ..ipc import connection as conn
+    from ..remote import list_remotes, register_remote
+
+    for r in list_remotes():
+        if r["url"].rstrip("/") == url.rstrip("/"):
+            return f"listed in the lab panel as {r['name']!r}."
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", url.split("://", 1)[1]).strip("-.")[:64] or "remote"
+    try:
+        conn.check_name(name)
+        register_remote(name, url, model=client.engine_info.get("model"))
+    except (ValueError, OSError) as e:
+        return f"not listed in the lab panel ({e})."
+    return f"listed in the lab panel as {name!r}; its settings are read-only."
