@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
+
+# OpenMP threads that spin-wait collapse when anything else is busy on the cores (a bf16 GEMV
+# measured 14 GB/s quiet, 0.4 GB/s with one other busy process; docs/benchmarks.md). Sleeping
+# waits cost little on a quiet machine. Takes effect only if torch is not imported yet.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
