@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-# OpenMP threads that spin-wait collapse when anything else is busy on the cores (a bf16 GEMV
-# measured 14 GB/s quiet, 0.4 GB/s with one other busy process; docs/benchmarks.md). Sleeping
-# waits cost little on a quiet machine. Takes effect only if torch is not imported yet.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How long idle OpenMP threads spin before sleeping. libgomp's default spins long: on a busy
+# 2-core box two threads then collapse (single-stream ITL 232 ms, vs 74 ms sleeping at once),
+# while sleeping at once (OMP_WAIT_POLICY=PASSIVE) costs a wake-up per op when quiet (103 vs
+# 60 ms). A short spin gave 66 ms quiet and 105 ms busy (docs/benchmarks.md). Applies only when
+# the user set neither variable, and only before torch is imported.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 __version__ = "0.1.0"
 
