@@ -10,7 +10,6 @@ thread; `configure` must be called between steps.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 import uuid
@@ -20,8 +19,10 @@ from typing import Any
 
 import torch
 
+from ..bench.stats import percentile
 from ..models.linear import fp8_supported
 from ..models.loader import load_model
+from ..models.loader import weights_checksum as checksum_of
 from ..outputs import RequestOutput, StreamChunk
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
@@ -89,7 +90,7 @@ class LLMEngine:
         self.totals = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "output_tokens": 0,
                        "spec_proposed": 0, "spec_accepted": 0, "spec_verifies": 0, "finished": 0, "preemptions": 0}
         self._draft: DraftProposer | None = None
-        self._weights_checksum = self._checksum()
+        self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, *,
@@ -468,17 +469,9 @@ class LLMEngine:
             hook(kind, payload)
 
     # -- introspection ----------------------------------------------------------------------------
-    def _checksum(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        for name in sorted(self._weights):
-            t = self._weights[name].detach().contiguous().cpu()
-            h.update(name.encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.uint8 else t.numpy().tobytes())
-        return h.hexdigest()
-
     def weights_checksum(self) -> str:
         """Recomputed from the tensors in memory, so it proves serving left them untouched."""
-        return self._checksum()
+        return checksum_of(self._weights)
 
     def status(self) -> dict[str, Any]:
         bm = self.block_manager
@@ -516,8 +509,8 @@ class LLMEngine:
             "prefix_hit_rate": t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
             "spec_acceptance_rate": t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
             "spec_mean_accepted": t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
-            "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
-            "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+            "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
             **{f"total_{k}": v for k, v in t.items()},
         }
 
@@ -530,13 +523,3 @@ def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
         if i != -1 and (best is None or i < best):
             best = i
     return best
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
