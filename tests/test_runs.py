@@ -216,3 +216,38 @@ def test_run_bench_is_recorded(tiny_llama, log):
     assert w["cost_per_mtok"] > 0 and w["joules_per_token"] > 0 and run["metrics"]["roofline"]
     assert run["versions"]["torch"] and run["machine"]["cpu_count"]
     assert runs.headline(run)["output_tok_s"] == w["output_tok_s"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_scenario_is_recorded(tiny_llama, tmp_path, monkeypatch, capsys):
+    """`workbench bench --scenario` runs land in the run log (kind `scenario`) with their results,
+    ratios and targets, and `runs list/show/compare/export` show them."""
+    db = tmp_path / "runs.sqlite"
+    monkeypatch.setenv("WORKBENCH_RUNS_DB", str(db))
+    argv = ["bench", "--scenario", "quant", "--quick", "--model", str(tiny_llama[0]), "--num-kv-blocks", "64",
+            "--threads", "1"]
+    assert main(argv) == 0
+    rep = json.loads(capsys.readouterr().out)
+    run = RunLog(db).get(rep["run_id"])
+    assert run["kind"] == "scenario" and run["status"] == "completed" and run["label"] == "scenario quant"
+    assert run["model"] == tiny_llama[0].name and run["device"] == "cpu"
+    assert run["weights_checksum"] == rep["engine_status"]["weights_checksum"]
+    assert run["settings"]["num_kv_blocks"] == 64 and run["workload"] == {"quant": rep["quant"]["workload"]}
+    m = run["metrics"]
+    assert m["ratios"] == pytest.approx(rep["ratios"]) and m["quant"]["hf"]["none"]["tokens"] == 32
+    assert m["quant"]["none"]["decode_tok_s"] == pytest.approx(rep["quant"]["none"]["decode_tok_s"])
+    assert {t["name"] for t in m["targets"]} == {"int8_vs_bf16", "int4_vs_bf16"}
+    h = runs.headline(run)
+    assert h["int4_vs_bf16"] == pytest.approx(rep["quant"]["int4_vs_bf16"]) and "int4_vs_hf" in h
+    assert "int4_vs_bf16=" in runs.ratios_text(run) and "(>= 2: " in runs.ratios_text(run)
+
+    assert main(["runs", "list", "--kind", "scenario"]) == 0
+    out = capsys.readouterr().out
+    assert "scenario quant" in out and "ratios (targets)" in out and "int8_vs_bf16=" in out
+    assert main(["runs", "show", str(run["id"])]) == 0
+    assert "ratios (targets): int8_vs_bf16=" in capsys.readouterr().out
+    assert main(["runs", "compare", str(run["id"]), str(run["id"])]) == 0
+    assert "ratios.int4_vs_bf16" in capsys.readouterr().out
+    row = list(csv.DictReader(io.StringIO(RunLog(db).export(fmt="csv", kind="scenario"))))[0]
+    assert float(row["metrics.ratios.int4_vs_bf16"]) == pytest.approx(rep["ratios"]["int4_vs_bf16"])
+    assert row["metrics.quant.hf.backend"] == "transformers TorchAoConfig"

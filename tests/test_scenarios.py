@@ -41,3 +41,71 @@ def test_quant_scenario_restores_weights(engine):
 def test_unknown_scenario_named():
     with pytest.raises(ValueError, match="unknown scenario 'nope'; known: prefix, quant, spec"):
         scenarios.run_scenarios(["nope"], model="/nonexistent")
+
+
+# -- the quantisation peer: transformers' own quantised path (TorchAoConfig), on a tiny model ----------
+N_PEER = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama):
+    from workbench.engine.llm_engine import LLMEngine
+
+    return LLMEngine(str(tiny_llama[0]), num_kv_blocks=64)
+
+
+def test_quant_peer_bf16_is_transformers_greedy_generate(tiny_llama, tiny_engine):
+    """The peer's unquantised run is transformers' plain greedy `generate` on the same weights and
+    prompt (same tokens), and its int8/int4 runs really quantise the linear layers."""
+    import torch
+    import transformers
+    from conftest import hf_greedy
+
+    path = str(tiny_llama[0])
+    ids = scenarios._prompt_tokens(tiny_engine)[:12]
+    records = {}
+    out = scenarios.hf_quant_peer(path, ids, N_PEER, dtype=torch.bfloat16, group_size=64, records=records)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    expected = hf_greedy(reference, ids, N_PEER)
+    assert expected and records["none"].token_ids[:len(expected)] == expected  # plain generate may stop at EOS
+    assert len(records["none"].token_ids) == N_PEER  # the peer ignores EOS
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in reference.modules())
+    assert out["none"]["quantized_linears"] == f"0/{n_linear}"
+    for mode in ("int8", "int4"):
+        assert "error" not in out[mode], out[mode]
+        assert out[mode]["tokens"] == N_PEER and out[mode]["decode_tok_s"] > 0
+        assert out[mode]["quantized_linears"] == f"{n_linear - 1}/{n_linear}"  # all but the (tied) lm_head
+        assert out[f"{mode}_vs_bf16"] == pytest.approx(out[mode]["decode_tok_s"] / out["none"]["decode_tok_s"])
+    assert out["backend"] == "transformers TorchAoConfig" and out["versions"]["torchao"]
+
+
+def test_quant_scenario_reports_the_peer_beside_ours(tiny_llama, tiny_engine):
+    out = scenarios.quant_scenario(tiny_engine, output_len=N_PEER, hf_path=str(tiny_llama[0]))
+    assert out["workload"] == {"prompt_tokens": 32, "max_tokens": N_PEER, "int4_group_size": 64}
+    hf = out["hf"]
+    assert hf["group_size"] == 64
+    for mode in ("none", "int8", "int4"):
+        assert out[mode]["tokens"] == hf[mode]["tokens"] == N_PEER
+        assert out["vs_hf"][mode] == pytest.approx(out[mode]["decode_tok_s"] / hf[mode]["decode_tok_s"])
+    assert set(hf) >= {"int8_vs_bf16", "int4_vs_bf16"} and hf["int4_vs_bf16"] > 0
+    assert tiny_engine.settings.quantization == "none"
+
+
+def test_quant_peer_reports_a_failing_mode_instead_of_crashing(tiny_llama, tiny_engine, monkeypatch):
+    from workbench.bench import peers
+
+    def no_int4(mode, group_size=128, device="cpu"):
+        if mode == "int4":
+            raise ImportError("no int4 here")
+        return real(mode, group_size, device)
+
+    real = peers.torchao_config
+    monkeypatch.setattr(peers, "torchao_config", no_int4)
+    out = scenarios.quant_scenario(tiny_engine, output_len=3, hf_path=str(tiny_llama[0]))
+    assert out["hf"]["int4"] == {"error": "ImportError: no int4 here"}
+    assert out["hf"]["int4_vs_bf16"] is None and out["vs_hf"]["int4"] is None
+    assert out["hf"]["int8"]["tokens"] == 3 and out["hf"]["int8_vs_bf16"] > 0
+    assert out["int4"]["tokens"] == 3  # ours still measured
+    ratios = scenarios._ratios({"quant": out})
+    assert ratios["hf_int4_vs_bf16"] is None and ratios["int8_vs_hf"] > 0
+    assert [t["name"] for t in scenarios._targets(ratios)] == ["int4_vs_bf16", "int8_vs_bf16"]

@@ -163,7 +163,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
     p.add_argument("--quick", action="store_true",
-                   help="a small smoke run: 8 requests, prompts 32-128, outputs 16-64, 64-token single stream")
+                   help="a small smoke run: 8 requests, prompts 32-128, outputs 16-64, 64-token single stream "
+                        "(with --scenario: the small sizes of scenarios.QUICK)")
     p.add_argument("--no-single-stream", dest="single_stream", action="store_false",
                    help="skip the single-stream decode scenario")
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
@@ -171,8 +172,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads for every system (default: torch's choice)")
     p.add_argument("--scenario", action="append", default=None, choices=["prefix", "quant", "spec"],
                    help="instead of the peer comparison, measure one optimisation on and off in this run "
-                        "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode, n-gram/draft "
-                        "speculation (with transformers' prompt lookup as the peer); repeatable")
+                        "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode (with "
+                        "transformers' TorchAoConfig int8/int4 as the peer), n-gram/draft speculation (with "
+                        "transformers' prompt lookup as the peer); repeatable; recorded in the run log")
     g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
     g.add_argument("--endpoint", action="append", default=None, metavar="[LABEL=]URL",
                    help="benchmark this server (ours via `serve --http`, vLLM, SGLang, TGI, llama.cpp) with the same "
@@ -279,7 +281,7 @@ def _run_bench_scenarios(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    report = run_scenarios(args.scenario, args.model, **settings)
+    report = run_scenarios(args.scenario, args.model, quick=args.quick, **settings)
     text = json.dumps(report, indent=2)
     if args.output:
         with open(args.output, "w") as f:

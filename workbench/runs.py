@@ -1,4 +1,4 @@
-"""The run log: every bench and sweep run in a local SQLite database.
+"""The run log: every bench, scenario and sweep run in a local SQLite database.
 
     import workbench
     workbench.runs.list_runs()                 # newest first: id, kind, status, model, headline metrics
@@ -13,7 +13,8 @@ Where: `$WORKBENCH_RUNS_DB` if set, else `runs.sqlite` in the user data director
 Every function takes `db=` (a path or a `RunLog`) to use another file. `WORKBENCH_RUNS_DB=off`
 turns recording off (`run_bench(record=False)`, `sweep(record=False)` do it per call).
 
-What a run holds: kind (`bench`, `sweep`, or `sweep_point`, the child of a sweep), status,
+What a run holds: kind (`bench`, `scenario` (`workbench bench --scenario`), `sweep`, or
+`sweep_point`, the child of a sweep), status,
 start/finish times (UTC ISO), the engine settings, model name and weights checksum, device,
 package versions, machine facts, the workload definition and all metrics (JSON columns).
 
@@ -48,7 +49,7 @@ from typing import Any
 ENV_VAR = "WORKBENCH_RUNS_DB"
 SCHEMA_VERSION = 1
 STATUSES = ("running", "completed", "interrupted", "failed", "abandoned")
-KINDS = ("bench", "sweep", "sweep_point")
+KINDS = ("bench", "scenario", "sweep", "sweep_point")
 JSON_COLUMNS = ("settings", "workload", "metrics", "versions", "machine", "extra")
 COLUMNS = ("id", "kind", "parent_id", "status", "started_at", "finished_at", "label", "key", "model",
            "weights_checksum", "device", "host", "pid", "pid_start", *JSON_COLUMNS, "error")
@@ -535,13 +536,32 @@ def export_row(run: dict) -> dict[str, Any]:
 
 
 def headline(run: dict) -> dict[str, Any]:
-    """The metrics `list` shows: a sweep point's own, a bench's `workbench` system, a sweep's best."""
+    """The metrics `list` shows: a sweep point's own, a bench's `workbench` system, a sweep's best,
+    a scenario run's ratios (on/off, the peer's, ours vs the peer)."""
     m = run.get("metrics") or {}
+    if run.get("kind") == "scenario":
+        return {k: v for k, v in (m.get("ratios") or {}).items() if v is not None}
     if run.get("kind") == "bench":
         m = (m.get("results") or {}).get("workbench") or next(iter((m.get("results") or {}).values()), {})
     elif run.get("kind") == "sweep":
         m = m.get("best") or {}
     return {k: m.get(k) for k in HEADLINE if m.get(k) is not None}
+
+
+def ratios_text(run: dict) -> str:
+    """The headline numbers without a column of their own in `list` (a scenario run's ratios), each
+    with its target where it has one: `int4_vs_bf16=1.93 (>= 2: no) int4_vs_hf=2.1`."""
+    targets = {t.get("name"): t for t in (run.get("metrics") or {}).get("targets") or [] if isinstance(t, dict)}
+    parts = []
+    for k, v in headline(run).items():
+        if k in HEADLINE or not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        text = f"{k}={v:.3g}"
+        t = targets.get(k)
+        if t is not None and isinstance(t.get("target"), (int, float)):
+            text += f" (>= {t['target']:g}: {'met' if t.get('met') else 'no'})"
+        parts.append(text)
+    return " ".join(parts)
 
 
 # ----------------------------------------------------------------------------- module-level API
@@ -604,25 +624,16 @@ def safe_finish(log: RunLog | None, run_id: int | None, status: str, **fields) -
         _warn(f"run log {log.path}: could not finish run {run_id} ({e})")
 
 
-def record_bench(fn):
-    """Decorate `run_bench`: records the run as `running` before it starts and finishes it with the
-    report (settings, model, checksum, device, machine, workload, results with cost and energy).
-    Pass `record=False` to skip, `run_log=` (path or RunLog) for another database. The report
-    gets `run_id`."""
+def _recorded(fn, kind: str, start_fields, finish_fields):
+    """`fn` wrapped to record its run of `kind`: inserted as `running` with `start_fields(args,
+    kwargs)` before it starts, finished with `finish_fields(report)` (or as interrupted / failed).
+    The wrapper takes `record=False` to skip and `run_log=` (path or RunLog) for another database;
+    the report gets `run_id`."""
 
     @functools.wraps(fn)
     def wrapper(*args, record: bool = True, run_log=None, **kwargs):
         log = _log(run_log) if record and (run_log is not None or recording_enabled()) else None
-        model = args[0] if args and isinstance(args[0], (str, os.PathLike)) else kwargs.get("model")
-        what = kwargs.get("systems") or (args[0] if args and isinstance(args[0], (list, tuple)) else None)
-        start_fields = {
-            "label": "bench " + ",".join(map(str, what or ("workbench", "hf_sequential", "hf_static"))),
-            "model": None if model is None else str(model),
-            "settings": kwargs.get("settings") or {},
-            "workload": {k: kwargs.get(k) for k in ("num_requests", "arrival", "rate", "seed", "quick", "prompt_len",
-                                                    "output_len") if k in kwargs},
-        }
-        run_id = safe_start(log, "bench", **start_fields)
+        run_id = safe_start(log, kind, **start_fields(args, kwargs))
         try:
             report = fn(*args, **kwargs)
         except KeyboardInterrupt:
@@ -633,10 +644,79 @@ def record_bench(fn):
             raise
         if run_id is not None:
             report["run_id"] = run_id
-            safe_finish(log, run_id, "completed", **bench_fields(report))
+            safe_finish(log, run_id, "completed", **finish_fields(report))
         return report
 
     return wrapper
+
+
+def _model_arg(args: tuple, kwargs: dict, position: int) -> str | None:
+    model = args[position] if len(args) > position and isinstance(args[position], (str, os.PathLike)) \
+        else kwargs.get("model")
+    return None if model is None else str(model)
+
+
+def _bench_start_fields(args: tuple, kwargs: dict) -> dict[str, Any]:
+    what = kwargs.get("systems") or (args[0] if args and isinstance(args[0], (list, tuple)) else None)
+    return {
+        "label": "bench " + ",".join(map(str, what or ("workbench", "hf_sequential", "hf_static"))),
+        "model": _model_arg(args, kwargs, 0),
+        "settings": kwargs.get("settings") or {},
+        "workload": {k: kwargs.get(k) for k in ("num_requests", "arrival", "rate", "seed", "quick", "prompt_len",
+                                                "output_len") if k in kwargs},
+    }
+
+
+def record_bench(fn):
+    """Decorate `run_bench`: records the run as `running` before it starts and finishes it with the
+    report (settings, model, checksum, device, machine, workload, results with cost and energy).
+    Pass `record=False` to skip, `run_log=` (path or RunLog) for another database. The report
+    gets `run_id`."""
+    return _recorded(fn, "bench", _bench_start_fields, bench_fields)
+
+
+_SCENARIO_ARGS = ("model", "with_peers", "quick")
+
+
+def _scenario_start_fields(args: tuple, kwargs: dict) -> dict[str, Any]:
+    names = list(args[0] if args else kwargs.get("names") or ())
+    return {
+        "label": "scenario " + ",".join(map(str, names)),
+        "model": _model_arg(args, kwargs, 1),
+        "settings": {k: v for k, v in kwargs.items() if k not in _SCENARIO_ARGS and k != "names"},
+        "workload": {"scenarios": names, "quick": kwargs.get("quick", False)},
+    }
+
+
+def record_scenarios(fn):
+    """Decorate `run_scenarios` (`workbench bench --scenario`): the run is recorded as kind
+    `scenario`, its metrics the scenario results with their `ratios` and `targets`. Same
+    `record=` / `run_log=` as `record_bench`."""
+    return _recorded(fn, "scenario", _scenario_start_fields, scenario_fields)
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe (numpy/torch scalars to numbers, NaN and infinities to None)."""
+    return json.loads(json.dumps(v, default=_json_default), parse_constant=lambda c: None)
+
+
+def _report_fields(report: dict, *, label: str, metrics: dict, extra: dict) -> dict[str, Any]:
+    """The run-log row of a finished report (bench or scenario): what they share."""
+    status = report.get("engine_status") or {}
+    machine = machine_facts()
+    if report.get("machine") is not None:
+        machine["bench"] = report["machine"]
+    return {
+        "label": label,
+        "model": report.get("model"),
+        "weights_checksum": status.get("weights_checksum"),
+        "device": status.get("device") or report.get("roofline", {}).get("device"),
+        "machine": machine,
+        "settings": report.get("settings"),
+        "workload": report.get("workload"),
+        "metrics": _clean(metrics),
+        "extra": {"argv": report.get("argv"), **extra},
+    }
 
 
 def bench_fields(report: dict) -> dict[str, Any]:
@@ -645,7 +725,6 @@ def bench_fields(report: dict) -> dict[str, Any]:
 
     status = report.get("engine_status") or {}
     device = status.get("device") or report.get("roofline", {}).get("device")
-    machine = {**machine_facts(), "bench": report.get("machine")}
     prices = resolve(None, None, device)
     results = {}
     for name, r in (report.get("results") or {}).items():
@@ -661,15 +740,20 @@ def bench_fields(report: dict) -> dict[str, Any]:
     }
     if report.get("endpoints"):  # `workbench bench --endpoint`: the servers measured
         metrics["endpoints"] = report["endpoints"]
-    return {
-        "label": "bench " + ",".join(results),
-        "model": report.get("model") or ",".join(sorted({str(e.get("model")) for e in (report.get("endpoints") or {}).values()})) or None,
-        "weights_checksum": status.get("weights_checksum"),
-        "device": device,
-        "machine": machine,
-        "settings": report.get("settings"),
-        "workload": report.get("workload"),
-        "metrics": json.loads(json.dumps(metrics, default=_json_default), parse_constant=lambda c: None),
-        "extra": {"argv": report.get("argv"), "systems": report.get("systems"),
-                  "loadavg": [report.get("loadavg_start"), report.get("loadavg_end")]},
-    }
+    fields = _report_fields(report, label="bench " + ",".join(results), metrics=metrics,
+                            extra={"systems": report.get("systems"),
+                                   "loadavg": [report.get("loadavg_start"), report.get("loadavg_end")]})
+    fields["model"] = report.get("model") or ",".join(
+        sorted({str(e.get("model")) for e in (report.get("endpoints") or {}).values()})) or None
+    return fields
+
+
+def scenario_fields(report: dict) -> dict[str, Any]:
+    """What a finished `run_scenarios` report contributes to its run-log row: the ratios and targets
+    first (the headline), then each scenario's full result."""
+    names = list(report.get("scenarios") or ())
+    metrics = {"ratios": report.get("ratios"), "targets": report.get("targets"),
+               **{n: report.get(n) for n in names}}
+    return _report_fields(report, label="scenario " + ",".join(names), metrics=metrics,
+                          extra={"scenarios": names, "quick": report.get("quick"),
+                                 "with_peers": report.get("with_peers")})

@@ -1,6 +1,6 @@
 """`workbench runs list|show|compare|export`: the run log (`workbench/runs.py`) from a shell.
 
-    workbench runs list [--kind bench|sweep|sweep_point] [--status S] [--limit N] [--all] [--json]
+    workbench runs list [--kind bench|scenario|sweep|sweep_point] [--status S] [--limit N] [--all] [--json]
     workbench runs show ID [--json]
     workbench runs compare ID ID [...] [--json]      # a sweep expands to its points
     workbench runs export [FILE] [--format csv|json] [--ids 3,7] [--kind K]   # stdout without FILE
@@ -19,8 +19,11 @@ from typing import Any
 
 
 def add_runs_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("runs", help="the run log: every bench and sweep run (list, show, compare, export)",
-                       description="Every `workbench bench` run and every sweep is recorded in a local SQLite "
+    from .runs import KINDS
+
+    p = sub.add_parser("runs", help="the run log: every bench, scenario and sweep run (list, show, compare, export)",
+                       description="Every `workbench bench` run (`--scenario` runs too) and every sweep is "
+                                   "recorded in a local SQLite "
                                    "database with its settings, model, weights checksum, versions, machine, "
                                    "workload and metrics.")
     rs = p.add_subparsers(dest="runs_command", metavar="SUBCOMMAND")
@@ -29,7 +32,7 @@ def add_runs_parser(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--db", default=None, metavar="PATH", help="the run-log database (default: the user data dir)")
 
     q = rs.add_parser("list", help="runs, newest first")
-    q.add_argument("--kind", choices=["bench", "sweep", "sweep_point"], default=None)
+    q.add_argument("--kind", choices=KINDS, default=None)
     q.add_argument("--status", choices=["running", "completed", "interrupted", "failed", "abandoned"], default=None)
     q.add_argument("--limit", type=int, default=50, help="most runs shown (default 50)")
     q.add_argument("--all", action="store_true", help="include sweep points")
@@ -53,7 +56,7 @@ def add_runs_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("file", nargs="?", default=None, help="output file (default: stdout)")
     q.add_argument("--format", choices=["csv", "json"], default=None, help="default: from FILE's suffix, else csv")
     q.add_argument("--ids", default=None, help="comma-separated run ids (default: all)")
-    q.add_argument("--kind", choices=["bench", "sweep", "sweep_point"], default=None)
+    q.add_argument("--kind", choices=KINDS, default=None)
     common(q)
     q.set_defaults(_runs=_export)
 
@@ -121,7 +124,7 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def _list(args, log) -> int:
-    from .runs import headline
+    from .runs import headline, ratios_text
 
     runs = log.list(kind=args.kind, status=args.status, limit=args.limit, children=args.all)
     if args.json:
@@ -137,15 +140,19 @@ def _list(args, log) -> int:
         if r["kind"] == "sweep":
             label += f" ({r.get('num_children', 0)} points)"
         rows.append([r["id"], r["kind"], r["status"], _when(r["started_at"]), r.get("model"), r.get("device"), label,
-                     h.get("output_tok_s"), h.get("ttft_p99_ms"), h.get("itl_p99_ms"), h.get("cost_per_mtok")])
-    print(table(["id", "kind", "status", "started", "model", "device", "label", "out tok/s", "TTFT p99 ms",
-                 "ITL p99 ms", "$/M tok"], rows))
+                     h.get("output_tok_s"), h.get("ttft_p99_ms"), h.get("itl_p99_ms"), h.get("cost_per_mtok"),
+                     ratios_text(r)])
+    headers = ["id", "kind", "status", "started", "model", "device", "label", "out tok/s", "TTFT p99 ms",
+               "ITL p99 ms", "$/M tok", "ratios (targets)"]
+    if not any(row[-1] for row in rows):
+        headers, rows = headers[:-1], [row[:-1] for row in rows]
+    print(table(headers, rows))
     print(f"\n{log.path}")
     return 0
 
 
 def _show(args, log) -> int:
-    from .runs import flatten
+    from .runs import flatten, ratios_text
 
     run = log.get(args.id)
     if args.json:
@@ -156,6 +163,8 @@ def _show(args, log) -> int:
     for k in ("parent_id", "started_at", "finished_at", "model", "weights_checksum", "device", "host", "pid", "error"):
         if run.get(k) is not None:
             print(f"  {k}: {run[k]}")
+    if ratios_text(run):
+        print(f"  ratios (targets): {ratios_text(run)}")
     for col in ("settings", "workload", "metrics", "versions", "machine", "extra"):
         v = run.get(col)
         if not v:

@@ -11,6 +11,7 @@ times come from a streamer, which `generate` calls right after each step's token
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -20,15 +21,20 @@ from .stats import RequestRecord
 from .workload import BenchRequest, Workload
 
 
-def load_hf_model(path: str, dtype: torch.dtype, device="cpu"):
-    """The transformers model for a Hugging Face folder, set up for greedy, EOS-free decoding."""
+def load_hf_model(path: str, dtype: torch.dtype, device="cpu", quantization_config=None):
+    """The transformers model for a Hugging Face folder, set up for greedy, EOS-free decoding.
+    `quantization_config` (e.g. `torchao_config(...)`) loads it through transformers' quantised path."""
     try:
         import transformers
+
+        with _quiet_torchao():
+            import transformers.modeling_utils  # noqa: F401 - imports torchao where it is installed
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise RuntimeError("the hf_* peers need transformers: pip install transformers") from e
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    kw = {} if quantization_config is None else {"quantization_config": quantization_config}
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
     pad = model.config.pad_token_id
     if pad is None:
         eos = model.config.eos_token_id
@@ -38,6 +44,53 @@ def load_hf_model(path: str, dtype: torch.dtype, device="cpu"):
         do_sample=False, eos_token_id=None, pad_token_id=pad, bos_token_id=model.config.bos_token_id,
     )
     return model
+
+
+TORCHAO_NOTE = ("int8: Int8WeightOnlyConfig (per-channel int8, activations in the model dtype); int4: on CPU "
+                "PrototypeInt4WeightOnlyConfig (torch's _weight_int4pack_mm_for_cpu), else "
+                "Int4WeightOnlyConfig; lm_head and embeddings stay unquantised")
+
+
+@contextlib.contextmanager
+def _quiet_torchao():
+    """Imports of torchao (transformers imports it too, when installed) without its warnings: one
+    per CUDA extension a CPU machine cannot load, and torch's deprecation notes on its enums."""
+    import logging
+
+    logs = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+def torchao_config(mode: str, group_size: int = 128, device="cpu"):
+    """transformers' own quantised path for weight-only `mode` ("int8" or "int4"): a `TorchAoConfig`.
+    Raises (ImportError, ValueError, ...) where torchao or the mode is not available."""
+    import transformers
+
+    with _quiet_torchao():
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if mode == "int8":
+        quant = Int8WeightOnlyConfig()
+    elif mode == "int4":
+        if torch.device(device).type == "cpu":
+            with _quiet_torchao():
+                from torchao.prototype.quantization.int4.inference_workflow import (
+                    PrototypeInt4WeightOnlyConfig,
+                )
+
+            quant = PrototypeInt4WeightOnlyConfig(group_size=group_size)
+        else:
+            quant = Int4WeightOnlyConfig(group_size=group_size)
+    else:
+        raise ValueError(f"no torchao weight-only config for quantization {mode!r}")
+    return transformers.TorchAoConfig(quant_type=quant)
 
 
 class _TokenClock:

@@ -3,19 +3,27 @@
 - `prefix`: 90% of every prompt is one shared system prompt; requests arrive one after another
   (each to an idle engine), so TTFT is the prefill the cache saves. Target: p50 TTFT >= 3x lower.
 - `quant`: single-stream decode tok/s with bf16, int8 and int4 weights. Targets: int4 >= 2x,
-  int8 >= 1.5x the bf16 rate.
+  int8 >= 1.5x the bf16 rate. The peer is transformers' own quantised path on the same weights,
+  prompt and length (`TorchAoConfig`: torchao's int8 and int4 weight-only configs); a mode the
+  peer cannot run reports its error instead of numbers.
 - `spec`: an input-grounded task (repeat a paragraph with its typos fixed), single stream, with
   speculation off, `ngram` and `draft`; the peer is transformers' prompt-lookup decoding on the
   same weights and prompt. Target: ngram >= 1.5x off.
-Every scenario returns plain JSON-ready dicts; `workbench bench --scenario NAME` prints them.
+Every scenario returns plain JSON-ready dicts; `workbench bench --scenario NAME` prints them, with
+the headline `ratios` and the `targets` they are held to, and records the run in the run log
+(kind `scenario`, workbench/runs.py).
 """
 
 from __future__ import annotations
 
+import gc
+import random
+import sys
 import time
 from typing import Any
 
-from .stats import percentile
+from ..runs import record_scenarios
+from .stats import RequestRecord, percentile
 from .workload import BenchRequest, Workload, text_token_ids
 
 SCENARIOS = ("prefix", "quant", "spec")
@@ -30,6 +38,21 @@ SPEC_TEXT = (
 )
 
 
+# Smaller sizes for smoke runs (`workbench bench --scenario NAME --quick`).
+QUICK = {"prefix": {"num_requests": 4, "prompt_len": 128, "output_len": 4}, "quant": {"output_len": 32},
+         "spec": {"output_len": 32}}
+
+
+def _prompt_tokens(engine) -> list[int]:
+    """The shipped English text in the engine's tokens; a model without a tokenizer (a test
+    model) gets seeded random ids below its vocabulary size."""
+    if engine.tokenizer is not None:
+        return text_token_ids(engine.tokenizer)
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    return [rng.randrange(3, vocab) for _ in range(4096)]
+
+
 def _serve_one(engine, request: BenchRequest) -> Any:
     """Release one request to an idle engine; return its record."""
     from .runner import run_engine
@@ -40,7 +63,7 @@ def _serve_one(engine, request: BenchRequest) -> Any:
 
 def prefix_scenario(engine, *, num_requests: int = 12, prompt_len: int = 512, shared_fraction: float = 0.9,
                     output_len: int = 8) -> dict:
-    tokens = text_token_ids(engine.tokenizer)
+    tokens = _prompt_tokens(engine)
     shared = int(prompt_len * shared_fraction)
     system = tokens[:shared]
     unique = prompt_len - shared
@@ -69,8 +92,7 @@ def prefix_scenario(engine, *, num_requests: int = 12, prompt_len: int = 512, sh
     return out
 
 
-def _single_stream(engine, request: BenchRequest) -> dict:
-    record = _serve_one(engine, request)
+def _stream_stats(record: RequestRecord) -> dict:
     times = record.token_times
     return {
         "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0,
@@ -80,11 +102,33 @@ def _single_stream(engine, request: BenchRequest) -> dict:
     }
 
 
-def quant_scenario(engine, *, output_len: int = 128, weight_bytes: dict[str, float] | None = None) -> dict:
-    tokens = text_token_ids(engine.tokenizer)
+def _single_stream(engine, request: BenchRequest) -> dict:
+    return _stream_stats(_serve_one(engine, request))
+
+
+QUANT_MODES = ("none", "int8", "int4")
+
+
+def int4_group_size(engine) -> int:
+    """The int4 group size our engine uses on this model's hidden and MLP rows (the peer gets the same)."""
+    from ..models.linear import int4_group_size as fit
+
+    cfg = engine.model_config
+    wanted = engine.settings.quant_group_size
+    if wanted == "auto":
+        wanted = cfg.source_quant_block or 128
+    return min(fit(cfg.hidden_size, int(wanted)), fit(cfg.intermediate_size, int(wanted)))
+
+
+def quant_scenario(engine, *, output_len: int = 128, weight_bytes: dict[str, float] | None = None,
+                   hf_path: str | None = None) -> dict:
+    """Single-stream decode with each weight format; `hf_path` (a Hugging Face folder with the same
+    weights) adds transformers' quantised path as the peer under "hf"."""
+    tokens = _prompt_tokens(engine)
     request = BenchRequest(0, tokens[:32], output_len)
-    out: dict[str, Any] = {}
-    for mode in ("none", "int8", "int4"):
+    out: dict[str, Any] = {"workload": {"prompt_tokens": request.prompt_len, "max_tokens": output_len,
+                                        "int4_group_size": int4_group_size(engine)}}
+    for mode in QUANT_MODES:
         engine.configure(quantization=mode)
         _serve_one(engine, BenchRequest(-1, tokens[:8], 4))  # warm the new layout
         out[mode] = _single_stream(engine, request)
@@ -93,6 +137,72 @@ def quant_scenario(engine, *, output_len: int = 128, weight_bytes: dict[str, flo
     out["int8_vs_bf16"] = out["int8"]["decode_tok_s"] / base
     out["int4_vs_bf16"] = out["int4"]["decode_tok_s"] / base
     out["targets"] = {"int8_vs_bf16": TARGETS["int8_vs_bf16"], "int4_vs_bf16": TARGETS["int4_vs_bf16"]}
+    if hf_path is not None:
+        hf = hf_quant_peer(hf_path, request.prompt_token_ids, output_len, dtype=engine.dtype,
+                           device=engine.device, group_size=out["workload"]["int4_group_size"])
+        out["hf"] = hf
+        # ours against the peer, mode by mode (decode tok/s); None where the peer failed
+        out["vs_hf"] = {m: out[m]["decode_tok_s"] / hf[m]["decode_tok_s"] if hf[m].get("decode_tok_s") else None
+                        for m in QUANT_MODES}
+    return out
+
+
+def hf_quant_peer(path: str, ids: list[int], output_len: int, *, dtype, device="cpu", group_size: int = 128,
+                  records: dict[str, RequestRecord] | None = None) -> dict:
+    """transformers' own quantised path on the same weights: the model loaded with no quantisation,
+    then with `TorchAoConfig` int8 and int4 weight-only, each timed on one greedy, EOS-free stream
+    of `output_len` tokens after `ids` (a streamer clocks every token, as for the hf_* peers).
+    A mode that fails to load or run reports {"error": ...}. `records`, when given, receives each
+    mode's RequestRecord (its tokens)."""
+    from .peers import TORCHAO_NOTE, generate_batch, load_hf_model, torchao_config
+
+    res: dict[str, Any] = {"backend": "transformers TorchAoConfig", "versions": _versions("transformers", "torchao"),
+                           "configs": TORCHAO_NOTE, "group_size": group_size}
+    request = BenchRequest(0, list(ids), output_len)
+    warm = BenchRequest(-1, list(ids[:8]), 4)
+    for mode in QUANT_MODES:
+        model = None
+        try:
+            config = None if mode == "none" else torchao_config(mode, group_size, device)
+            model = load_hf_model(path, dtype, device, quantization_config=config)
+            quantized = _quantized_linears(model)
+            generate_batch(model, [warm], [time.monotonic()])
+            record = generate_batch(model, [request], [time.monotonic()])[0]
+        except Exception as e:  # the peer's failure is a result, not a crash
+            res[mode] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            continue
+        finally:
+            del model
+            gc.collect()
+        res[mode] = {**_stream_stats(record), "quantized_linears": quantized}
+        if records is not None:
+            records[mode] = record
+    base = res["none"].get("decode_tok_s")
+    for mode in ("int8", "int4"):
+        rate = res[mode].get("decode_tok_s")
+        res[f"{mode}_vs_bf16"] = rate / base if rate and base else None
+    return res
+
+
+def _quantized_linears(model) -> str:
+    """How many of the model's linear layers hold quantised weights (torchao tensor subclasses),
+    e.g. "210/211": a config that silently quantises nothing shows as 0."""
+    import torch
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    done = sum(type(m.weight) not in (torch.Tensor, torch.nn.Parameter) for m in linears)
+    return f"{done}/{len(linears)}"
+
+
+def _versions(*dists: str) -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for d in dists:
+        try:
+            out[d] = metadata.version(d)
+        except metadata.PackageNotFoundError:
+            out[d] = None
     return out
 
 
@@ -144,25 +254,63 @@ def _hf_prompt_lookup(model, ids: list[int], output_len: int, k: int) -> dict:
     return res
 
 
-def run_scenarios(names, model=None, *, with_peers: bool = True, **settings) -> dict:
-    """Run the named scenarios on one engine in this process; returns {name: result}."""
+def _ratios(out: dict) -> dict[str, float | None]:
+    """The headline numbers of a run: ours on/off, the peers' own on/off, ours vs the peer."""
+    r: dict[str, float | None] = {}
+    if "prefix" in out:
+        r["prefix_ttft_ratio"] = out["prefix"]["ttft_p50_ratio"]
+    if "quant" in out:
+        q = out["quant"]
+        r["int8_vs_bf16"], r["int4_vs_bf16"] = q["int8_vs_bf16"], q["int4_vs_bf16"]
+        if "hf" in q:
+            r["hf_int8_vs_bf16"], r["hf_int4_vs_bf16"] = q["hf"]["int8_vs_bf16"], q["hf"]["int4_vs_bf16"]
+            for mode, v in q["vs_hf"].items():
+                r[f"{'bf16' if mode == 'none' else mode}_vs_hf"] = v
+    if "spec" in out:
+        sp = out["spec"]
+        r["ngram_vs_off"], r["draft_vs_off"] = sp["ngram_vs_off"], sp["draft_vs_off"]
+        if "hf" in sp:
+            r["hf_prompt_lookup_vs_off"] = sp["hf"]["prompt_lookup_vs_off"]
+    return r
+
+
+def _targets(ratios: dict) -> list[dict]:
+    """Each target the run measured, in the bench report's shape."""
+    return [{"name": k, "value": ratios[k], "target": t, "met": ratios[k] >= t}
+            for k, t in TARGETS.items() if isinstance(ratios.get(k), (int, float))]
+
+
+@record_scenarios  # recorded in the run log (workbench/runs.py); record=False / run_log=PATH per call
+def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = False, **settings) -> dict:
+    """Run the named scenarios on one engine in this process; returns {name: result} with the
+    headline `ratios` and `targets`. `quick` uses the small sizes of `QUICK`."""
     from ..engine.llm_engine import LLMEngine
     from .peers import load_hf_model
 
+    names = list(names)
     for name in names:
         if name not in SCENARIOS:
             raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
     engine = LLMEngine(model, **settings)
-    out: dict[str, Any] = {"model": engine.model_name, "settings": engine.settings.as_dict()}
+    out: dict[str, Any] = {"model": engine.model_name, "settings": engine.settings.as_dict(), "scenarios": names,
+                           "quick": quick, "with_peers": with_peers,
+                           "engine_status": {k: v for k, v in engine.status().items() if k not in ("pid", "uptime_s")},
+                           "argv": sys.argv[1:]}
+    hf_path = engine.model_config.path if with_peers else None
     for name in names:
+        size = QUICK[name] if quick else {}
         if name == "prefix":
-            out[name] = prefix_scenario(engine)
+            out[name] = prefix_scenario(engine, **size)
         elif name == "quant":
-            out[name] = quant_scenario(engine)
+            out[name] = quant_scenario(engine, hf_path=hf_path, **size)
         else:
-            hf = load_hf_model(engine.model_config.path, engine.dtype) if with_peers else None
-            out[name] = spec_scenario(engine, hf_model=hf)
+            hf = load_hf_model(hf_path, engine.dtype) if with_peers else None
+            out[name] = spec_scenario(engine, hf_model=hf, **size)
+            del hf
+    out["workload"] = {name: out[name].get("workload") for name in names}
+    out["ratios"] = _ratios(out)
+    out["targets"] = _targets(out["ratios"])
     return out
 
 
-__all__ = ["SCENARIOS", "run_scenarios", "prefix_scenario", "quant_scenario", "spec_scenario"]
+__all__ = ["SCENARIOS", "run_scenarios", "prefix_scenario", "quant_scenario", "spec_scenario", "hf_quant_peer"]

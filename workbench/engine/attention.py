@@ -64,6 +64,11 @@ class AttentionBackend:
     def __call__(self, q, k, v, layer: int, meta: AttnMetadata) -> torch.Tensor:
         k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self.attend(q, layer, meta)
+
+    def attend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
+        """Attention of q over the cache, whose new keys/values are already written."""
+        k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
         nd = meta.num_decode
         if nd == q.shape[0]:
             return self.ops.decode_attention(
@@ -88,10 +93,23 @@ _TORCH_OPS = SimpleNamespace(
 )
 
 
-def backend_ops(name: str, device: torch.device):
-    """Resolve `attention_backend` (auto: Triton on CUDA, the torch reference elsewhere)."""
+def _cpu_ops():
+    from workbench_kernels import cpu
+
+    return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=reference.extend_attention_ref,
+                           decode_attention=cpu.decode_attention)
+
+
+def backend_ops(name: str, device: torch.device, cpu_kernels: bool = False):
+    """Resolve `attention_backend`. auto: Triton on CUDA; on a CPU our C decode kernel when
+    `cpu_kernels` applies (bf16 on AVX-512 BF16), else the torch reference."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        elif cpu_kernels:
+            return "cpu", _cpu_ops()
+        else:
+            name = "torch"
     if name == "torch":
         return name, _TORCH_OPS
     if name == "triton":

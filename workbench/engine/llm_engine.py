@@ -74,6 +74,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             c, weights, device=self.device, dtype=self.dtype, block_size=s.block_size, num_blocks=num_blocks,
             kv_cache_dtype=s.kv_cache_dtype, attention_backend=s.attention_backend, max_model_len=self.max_model_len,
+            cpu_kernels=s.cpu_kernels,
         )
         self._weights = weights
         if s.quantization != "none":
@@ -257,7 +258,7 @@ class LLMEngine:
         runner = ModelRunner(
             config, weights, device=self.device, dtype=self.dtype, block_size=s.block_size,
             num_blocks=self.block_manager.num_blocks, kv_cache_dtype="auto",
-            attention_backend=s.attention_backend, max_model_len=self.max_model_len,
+            attention_backend=s.attention_backend, max_model_len=self.max_model_len, cpu_kernels=s.cpu_kernels,
         )
         if draft_model is None:
             runner.model.quantize("int4", "auto")
@@ -396,6 +397,10 @@ class LLMEngine:
             self.runner.set_backend(applied["attention_backend"])
             if self._draft is not None:
                 self._draft.runner.set_backend(applied["attention_backend"])
+        if "cpu_kernels" in applied:
+            for runner in (self.runner, self._draft.runner if self._draft else None, new_draft.runner if new_draft else None):
+                if runner is not None:
+                    runner.set_cpu_kernels(applied["cpu_kernels"])
         if new_draft is not None:
             self._draft = new_draft
             self._emit_event("relayout", {"setting": "draft_model", "value": new_draft.source, "state": "done"})
@@ -486,6 +491,7 @@ class LLMEngine:
             "block_size": bm.block_size,
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.backend.name,
+            "cpu_kernels": self.runner.model.cpu_kernels,
             "num_layers": self.model_config.num_hidden_layers,
             "vocab_size": self.model_config.vocab_size,
         }

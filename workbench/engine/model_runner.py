@@ -19,14 +19,15 @@ class ForwardResult:
 
 class ModelRunner:
     def __init__(self, config, weights, *, device, dtype, block_size, num_blocks, kv_cache_dtype,
-                 attention_backend, max_model_len):
+                 attention_backend, max_model_len, cpu_kernels=True):
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.model = Transformer(config, weights, device, max_model_len)
         self.kv = self._new_cache(kv_cache_dtype)
-        self.set_backend(attention_backend)
+        self.backend_name = attention_backend
+        self.set_cpu_kernels(cpu_kernels)
 
     def _new_cache(self, kv_cache_dtype: str) -> KVCache:
         c = self.config
@@ -34,8 +35,13 @@ class ModelRunner:
                        c.head_dim, self.dtype, kv_cache_dtype, self.device)
 
     def set_backend(self, name: str) -> None:
-        resolved, ops = backend_ops(name, self.device)
+        resolved, ops = backend_ops(name, self.device, self.model.cpu_kernels)
+        self.backend_name = name
         self.backend = AttentionBackend(resolved, ops, self.kv, self.config.head_dim)
+
+    def set_cpu_kernels(self, on: bool) -> None:
+        self.model.set_cpu_kernels(on)
+        self.set_backend(self.backend_name)
 
     def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """Re-lay out the cache; callers recompute every sequence's context afterwards."""

@@ -4,12 +4,18 @@ Modes: "none" (the original weights; bf16 on a CPU uses oneDNN's packed layout),
 (weight-only, per-output-channel symmetric scales), "int4" (weight-only, group-wise
 asymmetric), "fp8" (e4m3, per-output-channel; CUDA devices with fp8 support only). The
 quantised matmuls are torch's packed weight-only kernels, never dequantise-then-matmul on a CPU.
+
+With `native` set (the engine's `cpu_kernels` setting, on CPUs with AVX-512 BF16), batches of up
+to `cpu.MAX_ROWS` rows -- decode steps -- take our GEMV kernels instead (workbench_kernels.cpu):
+they stream the weights at the memory's rate, where oneDNN's and torch's kernels lose a third to
+per-call overhead and short rows. Larger batches keep the packed GEMM kernels.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from workbench_kernels import cpu
 
 QUANT_MODES = ("none", "int8", "int4", "fp8")
 
@@ -22,6 +28,9 @@ class Linear:
         self.group_size = 0
         self._packed = _mkldnn_pack(weight)
         self._q: tuple = ()
+        self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel
+        self.native = False
+        self.quantize("none")
 
     @property
     def out_features(self) -> int:
@@ -34,12 +43,21 @@ class Linear:
         if mode == "fp8" and not fp8_supported(self.weight.device):
             raise ValueError(f"quantization='fp8' is not supported on this device ({self.weight.device})")
         self._q = ()
+        self._native = None
         w = self.weight
-        if mode == "int8":
+        native_ok = w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu.available()
+        if mode == "none" and native_ok:
+            self._native = cpu.Gemv("bf16", w, bias=self.bias)
+        elif mode == "int8":
             self._q = quantize_int8(w)
+            if native_ok and w.shape[1] % 16 == 0:
+                self._native = cpu.Gemv("int8", *self._q, self.bias)
         elif mode == "int4":
             self.group_size = int4_group_size(w.shape[1], group_size)
-            self._q = quantize_int4(w, self.group_size)
+            codes, scales_zeros = int4_codes(w, self.group_size)
+            self._q = int4_torch_operands(codes, scales_zeros, w)
+            if native_ok and w.shape[1] % 32 == 0 and self.group_size % 32 == 0:
+                self._native = cpu.Gemv("int4", *native_int4(codes, scales_zeros), self.bias, self.group_size)
         elif mode == "fp8":
             scale = w.float().abs().amax(1).clamp(min=1e-8) / 448.0
             self._q = ((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale.to(w.dtype))
@@ -64,6 +82,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mode = self.mode
+        if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= cpu.MAX_ROWS:
+            return self._native(x if x.is_contiguous() else x.contiguous())
         if mode == "none":
             if self._packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -106,10 +126,9 @@ def int4_group_size(in_features: int, wanted: int) -> int:
     return g
 
 
-def quantize_int4(w: torch.Tensor, group_size: int):
-    """Asymmetric 4-bit groups: w ~= (q - 8) * scale + zero, the convention of torch's kernels.
-    Returns (packed, scales_and_zeros [groups, out, 2], dequantised copy). A CPU gets the packed
-    kernel and no copy; other devices multiply by the dequantised copy."""
+def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups in torch's convention, w ~= (q - 8) * scale + zero, q in 0..15.
+    Returns (codes [out, in], scales_and_zeros [groups, out, 2] in w's dtype)."""
     n, k = w.shape
     wf = w.float().view(n, k // group_size, group_size)
     lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
@@ -117,10 +136,27 @@ def quantize_int4(w: torch.Tensor, group_size: int):
     q = ((wf - lo) / scale).round().clamp(0, 15)
     zero = lo + 8 * scale
     scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1).contiguous().to(w.dtype)
+    return q.view(n, k), scales_zeros
+
+
+def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, w: torch.Tensor):
+    """(packed, scales_and_zeros, dequantised copy): a CPU gets torch's packed kernel and no copy;
+    other devices multiply by the dequantised copy."""
     if w.device.type == "cpu":
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
         return packed, scales_zeros, None
-    return None, scales_zeros, (q * scale + lo).view(n, k).to(w.dtype)
+    n, k = codes.shape
+    scale, zero = scales_zeros.float().transpose(0, 1).unbind(-1)
+    g = k // scale.shape[1]
+    deq = (codes.view(n, -1, g) - 8) * scale[..., None] + zero[..., None]
+    return None, scales_zeros, deq.view(n, k).to(w.dtype)
+
+
+def native_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernel's operands: nibble-packed codes and fp32 (scale, low) per row and group,
+    from torch's convention w = (q - 8) * scale + zero, so both kernels multiply by the same weights."""
+    scale, zero = scales_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
+    return cpu.pack_int4(codes), torch.stack([scale, zero - 8 * scale], -1).contiguous()
 
 
 def fp8_supported(device: torch.device) -> bool:

@@ -3,6 +3,11 @@
 No padding anywhere: a step's tokens from every sequence are concatenated, and attention finds
 each sequence's context in the paged KV cache through `AttnMetadata`. Q/K/V and gate/up are
 fused into one matmul each, since on a CPU every kernel launch costs.
+
+Two forwards with the same arithmetic: torch ops (any device and dtype), and on CPUs with
+AVX-512 BF16 in bf16 (`set_cpu_kernels`) our C kernels, which fuse the residual add into the
+next RMSNorm, RoPE into the KV-cache write and SiLU into the up projection's product, keeping
+torch's bf16 rounding points (workbench_kernels/cpu_kernels.c).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from workbench_kernels import cpu
 
 from .linear import Linear
 
@@ -121,6 +127,16 @@ class DecoderLayer:
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
+    def native(self, x, delta, positions, rope, attention, meta):
+        """The same layer on the CPU kernels. The residual stream `x` is updated in place and
+        this layer's MLP output comes back as the next `delta`, for the next norm to add."""
+        h = cpu.add_rms_norm(x, delta, self.ln1, self.eps)
+        k_cache, v_cache, _, _ = attention.kv.layer(self.index)
+        q = cpu.rope_write_kv(self.qkv(h), positions, rope.cos, rope.sin, meta.slot_mapping, k_cache, v_cache, self.nq)
+        o = attention.attend(q, self.index, meta)
+        h = cpu.add_rms_norm(x, self.o(o.view(-1, self.nq * self.d)), self.ln2, self.eps)
+        return self.down(cpu.silu_mul(self.gate_up(h)))
+
 
 class Transformer:
     """Weights plus forward; holds the original tensors so any quantisation can be undone."""
@@ -133,6 +149,18 @@ class Transformer:
         head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         self.lm_head = Linear(head)
         self.rope = RotaryEmbedding(config, max_positions, device, self.embed.dtype)
+        self.cpu_kernels = False
+
+    def set_cpu_kernels(self, on: bool) -> bool:
+        """Use the C kernels where they apply (bf16 on a CPU that has them); returns whether they do."""
+        c = self.config
+        self.cpu_kernels = bool(
+            on and self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16 and cpu.available()
+            and cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads)
+        )
+        for lin in self.linears():
+            lin.native = self.cpu_kernels
+        return self.cpu_kernels
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
@@ -147,6 +175,11 @@ class Transformer:
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
+        if self.cpu_kernels and attention.kv.k_scale is None:
+            delta = None
+            for layer in self.layers:
+                delta = layer.native(x, delta, positions, self.rope, attention, meta)
+            return cpu.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)
         for layer in self.layers:
             x = layer(x, positions, self.rope, attention, meta)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)

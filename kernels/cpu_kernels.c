@@ -1,0 +1,391 @@
+// CPU kernels for bf16 decode on x86 with AVX-512 BF16: the engine's fast path on a CPU.
+//
+// Why they exist: at one token per step a 135M model spends more time in per-op overhead
+// (dispatch, small allocations, casts) than in reading its weights. These kernels read the
+// weights once at full bandwidth (GEMVs for bf16, int8 and int4 weights), read the paged KV
+// cache in place (no gather copy), and fuse the small per-layer ops.
+//
+// Numerics follow the torch reference where it matters for exactness: every bf16 rounding that
+// torch performs in the elementwise ops (RMSNorm, RoPE, SiLU*up, residual adds) happens here at
+// the same point; matmuls and attention accumulate in fp32.
+//
+// Built at first use by workbench_kernels/cpu.py (gcc, -fopenmp, linked against the libgomp torch
+// already loaded so both share one thread pool). Layouts are documented in cpu.py.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef uint16_t bf16;
+
+static inline float bf2f(bf16 v) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+
+// Round to nearest even, as torch does.
+static inline bf16 f2bf(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    uint32_t u = c.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+static inline __m512 load16_bf(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+// exp(x) for the softmax and SiLU: 2^(x log2 e) with a degree-6 polynomial on the fraction
+// (relative error ~1e-7) and scalef for the exponent.
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline float expf_fast(float x) {
+    float r[16];
+    _mm512_storeu_ps(r, exp16(_mm512_set1_ps(x)));
+    return r[0];
+}
+
+int wb_abi_version(void) { return 1; }
+
+// ---------------------------------------------------------------------------------------------
+// GEMV-shaped matmuls: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), for m < M <= 4.
+// Each thread streams a contiguous range of output rows, ROWS rows at a time, so the weights are
+// read exactly once per call whatever M is.
+
+#define ROWS 4
+#define MAX_M 4
+// Software prefetch PREFETCH_BLOCKS row blocks ahead: rows are short (a 576-wide bf16 row is 18
+// cache lines), too short for the hardware prefetcher to ramp up on; measured 8.5 ms instead of
+// 11.6 ms for SmolLM2's weights per token on the 2-core box, ~31 GB/s, the DRAM read rate.
+#define PREFETCH_BLOCKS 2
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+
+// Each thread takes a contiguous range of ROWS-row blocks; M is a compile-time constant inside the
+// block kernels (the switch), so their accumulators stay in registers.
+#define FOR_EACH_ROW_BLOCK(BLOCK, ...)                                        \
+    do {                                                                      \
+        int64_t blocks_ = (N + ROWS - 1) / ROWS;                              \
+        _Pragma("omp parallel for schedule(static)")                          \
+        for (int64_t b_ = 0; b_ < blocks_; b_++) {                            \
+            int64_t n0 = b_ * ROWS;                                           \
+            int nr = N - n0 < ROWS ? (int)(N - n0) : ROWS;                    \
+            switch (M) {                                                      \
+            case 1: BLOCK(__VA_ARGS__, n0, nr, 1); break;                     \
+            case 2: BLOCK(__VA_ARGS__, n0, nr, 2); break;                     \
+            case 3: BLOCK(__VA_ARGS__, n0, nr, 3); break;                     \
+            default: BLOCK(__VA_ARGS__, n0, nr, 4); break;                    \
+            }                                                                 \
+        }                                                                     \
+    } while (0)
+
+static inline void store_row(bf16 *y, int64_t N, int64_t m, int64_t n, float v, const bf16 *bias) {
+    if (bias) v += bf2f(bias[n]);
+    y[m * N + n] = f2bf(v);
+}
+
+// bf16 weights: vdpbf16ps does 32 multiply-adds per instruction on bf16 pairs.
+static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
+                                   int64_t K, int64_t n0, int nr, const int M) {
+    __m512 acc[MAX_M][ROWS];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 mk = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+        __m512bh xv[MAX_M];
+        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + m * K + k);
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= nr) break;
+            PREFETCH(w + (n0 + r + PREFETCH_BLOCKS * ROWS) * K + k);
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, w + (n0 + r) * K + k);
+            for (int m = 0; m < M; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < M; m++) store_row(y, N, m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
+}
+
+// The three GEMV entry points share one signature (x, weights, aux, bias, y, M, N, K, group) so the
+// caller binds a weight once and calls any of them the same way; aux and group are unused here.
+void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                  int64_t K, int64_t group) {
+    (void)aux, (void)group;
+    FOR_EACH_ROW_BLOCK(gemv_bf16_block, x, w, bias, y, N, K);
+}
+
+// Activations as fp32 once per call (the int8/int4 kernels multiply in fp32).
+static float *to_f32(const bf16 *x, int64_t n) {
+    float *f = (float *)aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
+    for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
+    return f;
+}
+
+// int8 weights, per-row scale: y = (x . q) * scale. K % 16 == 0.
+static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 *scale, const bf16 *bias,
+                                   bf16 *y, int64_t N, int64_t K, int64_t n0, int nr, const int M) {
+    __m512 acc[MAX_M][ROWS];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 xv[MAX_M];
+        for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(xf + m * K + k);
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= nr) break;
+            if ((k & 63) == 0) PREFETCH(q + (n0 + r + PREFETCH_BLOCKS * ROWS) * K + k);
+            __m128i b = _mm_loadu_si128((const __m128i *)(q + (n0 + r) * K + k));
+            __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+            for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(wv, xv[m], acc[m][r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float s = bf2f(scale[n0 + r]);
+        for (int m = 0; m < M; m++) store_row(y, N, m, n0 + r, _mm512_reduce_add_ps(acc[m][r]) * s, bias);
+    }
+}
+
+void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M,
+                  int64_t N, int64_t K, int64_t group) {
+    (void)group;
+    float *xf = to_f32(x, M * K);
+    FOR_EACH_ROW_BLOCK(gemv_int8_block, xf, q, scale, bias, y, N, K);
+    free(xf);
+}
+
+// int4 weights, asymmetric groups: w = q * scale + low, q in 0..15. Row n holds K/2 bytes; within
+// each run of 32 values, byte j packs value j (low nibble) and value j + 16 (high nibble), so one
+// 16-byte load unpacks into two 16-lane vectors. `scale_low` is fp32 [N, K / group, 2].
+// K % 32 == 0 and group % 32 == 0.
+static inline void gemv_int4_block(const float *xf, const uint8_t *q, const float *sl, const bf16 *bias,
+                                   bf16 *y, int64_t N, int64_t K, int64_t group, int64_t n0, int nr,
+                                   const int M) {
+    __m512 acc[MAX_M][ROWS];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi32(15);
+    int64_t groups = K / group;
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512 xlo[MAX_M], xhi[MAX_M];
+        for (int m = 0; m < M; m++) {
+            xlo[m] = _mm512_loadu_ps(xf + m * K + k);
+            xhi[m] = _mm512_loadu_ps(xf + m * K + k + 16);
+        }
+        int64_t g = k / group;
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= nr) break;
+            int64_t n = n0 + r;
+            if ((k & 127) == 0) PREFETCH(q + (n + PREFETCH_BLOCKS * ROWS) * (K / 2) + k / 2);
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + n * (K / 2) + k / 2)));
+            __m512 s = _mm512_set1_ps(sl[(n * groups + g) * 2]);
+            __m512 lo = _mm512_set1_ps(sl[(n * groups + g) * 2 + 1]);
+            __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), s, lo);
+            __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, lo);
+            for (int m = 0; m < M; m++) {
+                acc[m][r] = _mm512_fmadd_ps(w0, xlo[m], acc[m][r]);
+                acc[m][r] = _mm512_fmadd_ps(w1, xhi[m], acc[m][r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < M; m++) store_row(y, N, m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
+}
+
+void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const bf16 *bias, bf16 *y, int64_t M,
+                  int64_t N, int64_t K, int64_t group) {
+    float *xf = to_f32(x, M * K);
+    FOR_EACH_ROW_BLOCK(gemv_int4_block, xf, q, scale_low, bias, y, N, K, group);
+    free(xf);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise ops with torch's bf16 rounding points.
+
+// x += delta (if given, rounded to bf16), then out = w * bf16(x * rsqrt(mean(x^2) + eps)).
+void wb_add_rms_norm(bf16 *x, const bf16 *delta, const bf16 *w, bf16 *out, int64_t T, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        bf16 *xr = x + t * H;
+        if (delta) {
+            const bf16 *dr = delta + t * H;
+            for (int64_t i = 0; i < H; i++) xr[i] = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
+        }
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) {
+            float v = bf2f(xr[i]);
+            ss += v * v;
+        }
+        float r = 1.0f / sqrtf(ss / (float)H + eps);
+        bf16 *o = out + t * H;
+        for (int64_t i = 0; i < H; i++) o[i] = f2bf(bf2f(w[i]) * round_bf(bf2f(xr[i]) * r));
+    }
+}
+
+// out = bf16(silu(gate)) * up, gate/up the two halves of each row of gu [T, 2I].
+void wb_silu_mul(const bf16 *gu, bf16 *out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const bf16 *g = gu + t * 2 * I, *u = g + I;
+        bf16 *o = out + t * I;
+        int64_t i = 0;
+        float tmp[16];
+        for (; i + 16 <= I; i += 16) {
+            __m512 gv = load16_bf(g + i);
+            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_storeu_ps(tmp, s);
+            for (int j = 0; j < 16; j++) o[i + j] = f2bf(round_bf(tmp[j]) * bf2f(u[i + j]));
+        }
+        for (; i < I; i++) {
+            float gv = bf2f(g[i]);
+            o[i] = f2bf(round_bf(gv / (1.f + expf_fast(-gv))) * bf2f(u[i]));
+        }
+    }
+}
+
+// Rotate one head in the half-split layout: out = x * cos + rotate_half(x) * sin, bf16 products.
+static inline void rope_head(const bf16 *x, const bf16 *cos, const bf16 *sin, bf16 *out, int64_t D) {
+    int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float x1 = bf2f(x[i]), x2 = bf2f(x[i + h]);
+        out[i] = f2bf(round_bf(x1 * bf2f(cos[i])) + round_bf(-x2 * bf2f(sin[i])));
+        out[i + h] = f2bf(round_bf(x2 * bf2f(cos[i + h])) + round_bf(x1 * bf2f(sin[i + h])));
+    }
+}
+
+// qkv [T, (Hq + 2 Hkv) * D] -> q_out [T, Hq, D] rotated; rotated k and v written straight into the
+// bf16 paged cache at slot_mapping[t] (negative slots are skipped).
+void wb_rope_write_kv(const bf16 *qkv, const int64_t *pos, const bf16 *cos, const bf16 *sin,
+                      const int64_t *slots, bf16 *q_out, bf16 *k_cache, bf16 *v_cache, int64_t T, int64_t Hq,
+                      int64_t Hkv, int64_t D) {
+    int64_t width = (Hq + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const bf16 *row = qkv + t * width;
+        const bf16 *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+        for (int64_t h = 0; h < Hq; h++) rope_head(row + h * D, c, s, q_out + (t * Hq + h) * D, D);
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        for (int64_t h = 0; h < Hkv; h++) {
+            rope_head(row + (Hq + h) * D, c, s, k_cache + (slot * Hkv + h) * D, D);
+            const bf16 *v = row + (Hq + Hkv + h) * D;
+            bf16 *vd = v_cache + (slot * Hkv + h) * D;
+            for (int64_t i = 0; i < D; i++) vd[i] = v[i];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode attention over the paged bf16 cache, read in place: one query token per sequence.
+// q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; tables [B, W] int32; lens [B] int32.
+// One task per (sequence, kv head) computes all of its query heads (GQA). It follows the steps of
+// torch's CPU flash attention for bf16 (what transformers runs), so greedy decoding agrees with
+// it as often as torch's own path does: scores q.k in fp32 then scaled, an online softmax over
+// chunks of KV_CHUNK keys, probabilities rounded to bf16 before they weight the values (their
+// fp32 sum is the normaliser), fp32 accumulation, one division at the end.
+#define MAX_D 256
+#define MAX_G 16
+#define KV_CHUNK 512
+
+void wb_paged_decode(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
+                     const int32_t *lens, bf16 *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                     int64_t W, float scale) {
+    int64_t G = Hq / Hkv, DV = D / 16;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < Hkv; h++) {
+            int64_t L = lens[b];
+            if (L <= 0) continue;
+            float scores[MAX_G][KV_CHUNK];
+            __m512 qv[MAX_G][MAX_D / 16], acc[MAX_G][MAX_D / 16];
+            float run_max[MAX_G], run_sum[MAX_G];
+            for (int64_t g = 0; g < G; g++) {
+                run_max[g] = -INFINITY;
+                run_sum[g] = 0.f;
+                for (int64_t d = 0; d < DV; d++) {
+                    qv[g][d] = load16_bf(q + ((b * Hq + h * G + g) * D) + d * 16);
+                    acc[g][d] = _mm512_setzero_ps();
+                }
+            }
+            const int32_t *table = tables + b * W;
+            for (int64_t c0 = 0; c0 < L; c0 += KV_CHUNK) {
+                int64_t cn = L - c0 < KV_CHUNK ? L - c0 : KV_CHUNK;
+                // where each key/value row of the chunk lives: cache row offsets, shared by K and V
+                int64_t rows[KV_CHUNK];
+                for (int64_t t = 0; t < cn;) {
+                    int64_t pos = c0 + t, off = pos % bs;
+                    int64_t n = bs - off < cn - t ? bs - off : cn - t;
+                    int64_t first = (((int64_t)table[pos / bs] * bs + off) * Hkv + h) * D;
+                    for (int64_t o = 0; o < n; o++) rows[t + o] = first + o * Hkv * D;
+                    t += n;
+                }
+                // scores[g][t] = (q_g . k_t) * scale
+                for (int64_t t = 0; t < cn; t++) {
+                    __m512 kv[MAX_D / 16];
+                    for (int64_t d = 0; d < DV; d++) kv[d] = load16_bf(k_cache + rows[t] + d * 16);
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+                        for (int64_t d = 1; d < DV; d++) a = _mm512_fmadd_ps(qv[g][d], kv[d], a);
+                        scores[g][t] = _mm512_reduce_add_ps(a) * scale;
+                    }
+                }
+                // online softmax: rescale what came before to the new maximum
+                for (int64_t g = 0; g < G; g++) {
+                    float *s = scores[g];
+                    float mx = run_max[g];
+                    for (int64_t t = 0; t < cn; t++) mx = s[t] > mx ? s[t] : mx;
+                    float corr = expf_fast(run_max[g] - mx);
+                    __m512 mv = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
+                    int64_t t = 0;
+                    for (; t + 16 <= cn; t += 16) {
+                        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+                        sum = _mm512_add_ps(sum, e);
+                        _mm512_storeu_ps(s + t, e);
+                    }
+                    float tail = 0.f;
+                    for (; t < cn; t++) {
+                        s[t] = expf_fast(s[t] - mx);
+                        tail += s[t];
+                    }
+                    for (t = 0; t < cn; t++) s[t] = round_bf(s[t]);
+                    run_sum[g] = run_sum[g] * corr + _mm512_reduce_add_ps(sum) + tail;
+                    run_max[g] = mx;
+                    for (int64_t d = 0; d < DV; d++) acc[g][d] = _mm512_mul_ps(acc[g][d], _mm512_set1_ps(corr));
+                }
+                // acc_g += sum_t p[g][t] v_t
+                for (int64_t t = 0; t < cn; t++) {
+                    __m512 vv[MAX_D / 16];
+                    for (int64_t d = 0; d < DV; d++) vv[d] = load16_bf(v_cache + rows[t] + d * 16);
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 p = _mm512_set1_ps(scores[g][t]);
+                        for (int64_t d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                bf16 *o = out + (b * Hq + h * G + g) * D;
+                float tmp[16];
+                for (int64_t d = 0; d < DV; d++) {
+                    _mm512_storeu_ps(tmp, _mm512_div_ps(acc[g][d], _mm512_set1_ps(run_sum[g])));
+                    for (int j = 0; j < 16; j++) o[d * 16 + j] = f2bf(tmp[j]);
+                }
+            }
+        }
+    }
+}

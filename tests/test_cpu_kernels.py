@@ -1,0 +1,239 @@
+"""The C kernels of the CPU fast path (workbench_kernels.cpu) against torch, op by op, and the
+engine with them on against the engine with torch's ops only.
+
+Elementwise ops keep torch's bf16 rounding points, so RoPE/KV write and SiLU*up are bit-exact;
+reductions (RMSNorm's mean, dots, softmax sums) may differ in fp32 summation order, so those are
+held to a bf16 ulp or two on rare elements."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_model
+from workbench_kernels import cpu, reference
+
+from workbench.models.linear import Linear, int4_codes, int4_torch_operands, quantize_int8
+from workbench.models.llama import RotaryEmbedding, rms_norm
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+BF = torch.bfloat16
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp at each element's magnitude."""
+    e = torch.frexp(x.float().abs().clamp(min=1e-30))[1]
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
+
+
+def assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, max_fraction: float = 0.02, ulps: int = 1):
+    diff = (out.float() - ref.float()).abs()
+    bound = ulps * ulp(torch.maximum(out.float().abs(), ref.float().abs()))
+    assert bool((diff <= bound).all()), f"max diff {diff.max().item()}"
+    assert (out != ref).float().mean().item() <= max_fraction
+
+
+@pytest.mark.parametrize("n,k", [(7, 40), (13, 64), (96, 576), (33, 100)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_bf16(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
+    x = torch.randn(m, k, generator=g).to(BF)
+    bias = torch.randn(n, generator=g).to(BF)
+    for b in (None, bias):
+        ref = x.float() @ w.float().t() + (0 if b is None else b.float())
+        out = cpu.gemv_bf16(x, w, b)
+        assert out.shape == (m, n) and out.dtype == BF
+        # fp32 accumulation, one rounding: within an ulp of the exact result
+        assert bool(((out.float() - ref).abs() <= ulp(ref) + 1e-6).all())
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_gemv_int8_matches_torch_kernel(m):
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(48, 96, generator=g) * 0.1).to(BF)
+    x = torch.randn(m, 96, generator=g).to(BF)
+    q, s = quantize_int8(w)
+    assert_within_ulps(cpu.gemv_int8(x, q, s), torch.ops.aten._weight_int8pack_mm(x, q, s), 0.05)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_int4_matches_torch_kernel(m, group):
+    g = torch.Generator().manual_seed(group + m)
+    w = (torch.randn(48, 256, generator=g) * 0.1).to(BF)
+    x = torch.randn(m, 256, generator=g).to(BF)
+    codes, scales_zeros = int4_codes(w, group)
+    packed, sz, _ = int4_torch_operands(codes, scales_zeros, w)
+    ref = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+    lin = Linear(w)
+    lin.quantize("int4", group)
+    lin.native = True
+    assert_within_ulps(lin(x), ref, 0.05)
+
+
+def test_pack_int4_layout():
+    codes = torch.arange(64).remainder(16).view(1, 64)
+    packed = cpu.pack_int4(codes)
+    # byte j of each run of 32 holds value j (low nibble) and value j + 16 (high nibble)
+    assert packed.shape == (1, 32)
+    assert packed[0, 0].item() == codes[0, 0] | (codes[0, 16] << 4)
+    assert packed[0, 17].item() == codes[0, 33] | (codes[0, 49] << 4)
+
+
+def test_linear_native_switch_keeps_results():
+    w = (torch.randn(64, 64) * 0.1).to(BF)
+    lin = Linear(w)
+    x = torch.randn(2, 64).to(BF)
+    for mode in ("none", "int8", "int4", "none"):
+        lin.quantize(mode, 32)
+        lin.native = False
+        ref = lin(x)
+        lin.native = True
+        assert_within_ulps(lin(x), ref, 0.1)
+    lin.native = True
+    big = torch.randn(cpu.MAX_ROWS + 1, 64).to(BF)  # more rows than a GEMV takes: torch's kernel
+    lin.native = False
+    ref = lin(big)
+    lin.native = True
+    assert torch.equal(lin(big), ref)
+
+
+def test_add_rms_norm_in_place():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 576, generator=g) * 3).to(BF)
+    d = torch.randn(37, 576, generator=g).to(BF)
+    w = (torch.rand(576, generator=g) + 0.5).to(BF)
+    ref = rms_norm(x + d, w, 1e-5)
+    x2 = x.clone()
+    out = cpu.add_rms_norm(x2, d, w, 1e-5)
+    assert torch.equal(x2, x + d)  # the residual stream is updated in place, rounded as torch does
+    # one ulp in bf16(x * rsqrt(...)) becomes up to two after the product with the weight
+    assert_within_ulps(out, ref, ulps=2)
+    x3 = x.clone()
+    assert_within_ulps(cpu.add_rms_norm(x3, None, w, 1e-5), rms_norm(x, w, 1e-5), ulps=2)
+    assert torch.equal(x3, x)
+
+
+def test_silu_mul_bit_exact():
+    gu = (torch.randn(9, 2 * 1539) * 4).to(BF)  # odd width: the scalar tail runs too
+    gate, up = gu.chunk(2, -1)
+    assert torch.equal(cpu.silu_mul(gu), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 16), (8, 8, 128)])
+def test_rope_write_kv_bit_exact(hq, hkv, d):
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=10000.0, rope_scaling=None), 2048, "cpu", BF)
+    t = 23
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(BF)
+    pos = torch.randint(0, 2000, (t,), generator=g)
+    slots = torch.randperm(32 * 16, generator=g)[:t]
+    slots[3] = -1  # padding: skipped
+    kc = torch.zeros(32, 16, hkv, d, dtype=BF)
+    vc = torch.zeros_like(kc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    qr, kr = rope(pos, q.view(t, hq, d), k.view(t, hkv, d))
+    reference.write_kv_ref(kr, v.reshape(t, hkv, d), kc, vc, slots)
+    out = cpu.rope_write_kv(qkv, pos, rope.cos, rope.sin, slots, kc2, vc2, hq)
+    assert torch.equal(out, qr)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 16, 32), (8, 2, 128, 16)])
+def test_paged_decode_matches_torch(hq, hkv, d, bs):
+    g = torch.Generator().manual_seed(hq * d)
+    nb = 96
+    kc = (torch.randn(nb, bs, hkv, d, generator=g) * 2).to(BF)
+    vc = torch.randn(nb, bs, hkv, d, generator=g).to(BF)
+    lens = torch.tensor([1, 17, bs, 300, 700 if bs == 16 else 1100], dtype=torch.int32)  # > 512: online softmax
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in lens]).int()
+    q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(BF)
+    out = cpu.decode_attention(q, kc, vc, tables, lens, d**-0.5)
+    # exact attention in fp32 on the same bf16 inputs: ours is as close as torch's bf16 path
+    exact = reference.decode_attention_ref(q.float(), kc.float(), vc.float(), tables, lens, d**-0.5)
+    ref = reference.decode_attention_ref(q, kc, vc, tables, lens, d**-0.5)
+    ours, theirs = (out.float() - exact).abs().max(), (ref.float() - exact).abs().max()
+    assert ours <= theirs * 1.5 + 1e-3
+    # A probability rounded to bf16 the other way moves an output by a few ulps of the values.
+    scale = ref.float().abs().amax(-1, keepdim=True)
+    assert bool(((out.float() - ref.float()).abs() <= 2 * ulp(scale)).all())
+    assert (out != ref).float().mean().item() <= 0.1
+
+
+def test_decode_attention_quantised_cache_falls_back():
+    kc = torch.zeros(4, 16, 1, 16, dtype=torch.int8)
+    scale = torch.ones(4, 16, 1)
+    q = torch.randn(1, 2, 16).to(BF)
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    out = cpu.decode_attention(q, kc, kc, tables, lens, 0.25, scale, scale)
+    ref = reference.decode_attention_ref(q, kc, kc, tables, lens, 0.25, scale, scale)
+    assert torch.equal(out, ref)
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-bf16")
+    make_tiny_model(path, "llama", seed=3)
+    from workbench import LLM
+
+    return LLM(str(path), dtype="bfloat16")
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 5, 17, 33, 64, 90)]
+
+
+def test_engine_uses_cpu_kernels_and_agrees_with_torch_ops(tiny_bf16):
+    from workbench import SamplingParams
+
+    llm = tiny_bf16
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    llm.configure(cpu_kernels=True)
+    status = llm.status()
+    assert status["cpu_kernels"] is True and status["attention_backend"] == "cpu"
+    native = llm.generate(None, sp, prompt_token_ids=_prompts())
+    llm.configure(cpu_kernels=False)
+    status = llm.status()
+    assert status["cpu_kernels"] is False and status["attention_backend"] == "torch"
+    plain = llm.generate(None, sp, prompt_token_ids=_prompts())
+    # Same arithmetic up to fp32 summation order: log-probabilities agree to bf16 precision, and
+    # greedy tokens agree until a near-tie, where the two paths may pick different top tokens.
+    same = 0
+    for a, b in zip(native, plain):
+        assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) <= 0.05 * max(1.0, abs(b.logprobs[0].logprob))
+        diverge = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if diverge is None:
+            same += 1
+            continue
+        top = dict(b.logprobs[diverge].top)
+        assert a.token_ids[diverge] in top, "the fast path chose a token outside torch's top 2"
+        assert top[b.token_ids[diverge]] - top[a.token_ids[diverge]] < 0.1, "diverged without a near-tie"
+    assert same >= len(native) // 2
+    llm.configure(cpu_kernels=True)
+
+
+def test_cpu_kernels_toggle_mid_stream_keeps_requests(tiny_bf16):
+    from workbench import SamplingParams
+
+    llm = tiny_bf16
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    ids = [engine.add_request(None, sp, prompt_token_ids=p) for p in _prompts()]
+    outs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        outs.update({c.request_id: c.output for c in engine.step() if c.output is not None})
+        steps += 1
+        if steps % 5 == 0:
+            engine.configure(cpu_kernels=not engine.settings.cpu_kernels)
+    assert steps > 10
+    assert all(len(outs[i].token_ids) == 30 and outs[i].finish_reason == "length" for i in ids)
+    llm.configure(cpu_kernels=True)
