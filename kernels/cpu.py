@@ -93,6 +93,7 @@ _SIGNATURES = {
     "wb_silu_mul": [_P, _P, _I, _I],
     "wb_rope_write_kv": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "wb_paged_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
+    "wb_decode_layer": [_P, _P, _P, _P, _P, _P, _P],
 }
 
 
@@ -143,7 +144,8 @@ class Gemv:
     """A weight bound to its GEMV kernel: `gemv(x)` for x [M <= MAX_ROWS, K] contiguous bf16 returns
     [M, N] bf16. Binding once keeps the per-call cost of a decode step's ~120 matmuls low."""
 
-    __slots__ = ("_fn", "_w", "_aux", "_bias", "_keep", "n", "k", "group")
+    __slots__ = ("_fn", "_w", "_aux", "_bias", "_keep", "kind", "n", "k", "group")
+    KINDS = ("bf16", "int8", "int4")
 
     def __init__(self, kind: str, weight: torch.Tensor, aux: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, group: int = 0):
@@ -151,6 +153,7 @@ class Gemv:
         self._fn = {"bf16": lib.wb_gemv_bf16, "int8": lib.wb_gemv_int8, "int4": lib.wb_gemv_int4}[kind]
         self._keep = (weight, aux, bias)  # the pointers below stay valid while these live
         self._w, self._aux, self._bias = weight.data_ptr(), _ptr(aux), _ptr(bias)
+        self.kind = kind
         self.n = weight.shape[0]
         self.k = weight.shape[1] * (2 if kind == "int4" else 1)
         self.group = group
@@ -160,6 +163,65 @@ class Gemv:
         y = torch.empty((m, self.n), dtype=torch.bfloat16)
         self._fn(x.data_ptr(), self._w, self._aux, self._bias, y.data_ptr(), m, self.n, self.k, self.group)
         return y
+
+
+    def descriptor(self) -> _Linear:
+        return _Linear(self.KINDS.index(self.kind), self._w, self._aux, self._bias, self.n, self.k, self.group)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I), ("w", _P), ("aux", _P), ("bias", _P), ("n", _I), ("k", _I), ("group", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("ln1", _P), ("ln2", _P), ("eps", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(n, _I) for n in ("T", "H", "Hq", "Hkv", "D", "I")] + [
+        ("pos", _P), ("slots", _P), ("tables", _P), ("lens", _P), ("W", _I), ("bs", _I), ("cos", _P), ("sin", _P),
+        ("scale", ctypes.c_float)] + [(n, _P) for n in ("h", "qkv", "q", "att", "o", "gu", "act", "xf")]
+
+
+class DecodeStep:
+    """What every layer of one decode step shares: positions, cache slots, block tables and the
+    scratch activations of `wb_decode_layer` (T <= MAX_ROWS sequences, one new token each)."""
+
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 block_size: int, positions, slot_mapping, block_tables, seq_lens, cos, sin, scale: float):
+        t = positions.shape[0]
+        bf = torch.bfloat16
+        self._scratch = [torch.empty(t, n, dtype=bf) for n in (
+            hidden, (heads + 2 * kv_heads) * head_dim, heads * head_dim, heads * head_dim, hidden, 2 * intermediate,
+            intermediate)]
+        xf = torch.empty(t * max(hidden, heads * head_dim, intermediate), dtype=torch.float32)
+        self._keep = (positions, slot_mapping, block_tables, seq_lens, cos, sin, xf)
+        self.t, self.hidden = t, hidden
+        self.struct = _Step(t, hidden, heads, kv_heads, head_dim, intermediate, positions.data_ptr(),
+                            slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.shape[1],
+                            block_size, cos.data_ptr(), sin.data_ptr(), scale, *(x.data_ptr() for x in self._scratch),
+                            xf.data_ptr())
+
+
+class DecodeLayer:
+    """A decoder layer's weights bound to `wb_decode_layer`: norm, fused qkv, RoPE + KV write, paged
+    attention, o, norm, gate/up, SiLU*up, down, in one call and one parallel region."""
+
+    def __init__(self, qkv: Gemv, o: Gemv, gate_up: Gemv, down: Gemv, ln1: torch.Tensor, ln2: torch.Tensor,
+                 eps: float):
+        self._keep = (qkv, o, gate_up, down, ln1, ln2)
+        self.struct = _Layer(qkv.descriptor(), o.descriptor(), gate_up.descriptor(), down.descriptor(),
+                             ln1.data_ptr(), ln2.data_ptr(), eps)
+        self._fn = _require().wb_decode_layer
+
+    def __call__(self, step: DecodeStep, x: torch.Tensor, delta: torch.Tensor | None, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        """Adds `delta` into the residual stream `x` (in place); returns this layer's MLP output."""
+        out = torch.empty(step.t, step.hidden, dtype=torch.bfloat16)
+        self._fn(ctypes.byref(self.struct), ctypes.byref(step.struct), x.data_ptr(), _ptr(delta), out.data_ptr(),
+                 k_cache.data_ptr(), v_cache.data_ptr())
+        return out
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

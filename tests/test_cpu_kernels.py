@@ -237,3 +237,33 @@ def test_cpu_kernels_toggle_mid_stream_keeps_requests(tiny_bf16):
     assert steps > 10
     assert all(len(outs[i].token_ids) == 30 and outs[i].finish_reason == "length" for i in ids)
     llm.configure(cpu_kernels=True)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_one_call_layer_equals_op_by_op(tiny_bf16, quantization, monkeypatch):
+    """Decode steps of up to MAX_ROWS sequences run each layer in one C call; that call must give
+    exactly what the op-by-op C path gives (same kernels, same order)."""
+    from workbench import SamplingParams
+    from workbench.models import llama
+
+    llm = tiny_bf16
+    llm.configure(cpu_kernels=True, quantization=quantization)
+    calls = []
+    original = llama.DecoderLayer.fused
+
+    def counting(self):
+        fused = original(self)
+        calls.append(fused is not None)
+        return fused
+
+    monkeypatch.setattr(llama.DecoderLayer, "fused", counting)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = _prompts()[:cpu.MAX_ROWS]
+    fused = llm.generate(None, sp, prompt_token_ids=prompts)
+    assert calls and all(calls)
+    monkeypatch.setattr(llama.DecoderLayer, "fused", lambda self: None)
+    op_by_op = llm.generate(None, sp, prompt_token_ids=prompts)
+    for a, b in zip(fused, op_by_op):
+        assert a.token_ids == b.token_ids
+        assert [t.logprob for t in a.logprobs] == [t.logprob for t in b.logprobs]
+    llm.configure(quantization="none")

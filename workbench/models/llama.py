@@ -109,6 +109,7 @@ class DecoderLayer:
         self.eps = config.rms_norm_eps
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.index = i
+        self._fused: cpu.DecodeLayer | None = None  # bound lazily; reset when the weights are re-laid out
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -126,6 +127,15 @@ class DecoderLayer:
         h = rms_norm(x, self.ln2, self.eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+    def fused(self) -> cpu.DecodeLayer | None:
+        """This layer bound to the one-call decode kernel, if every matmul has a GEMV kernel."""
+        if self._fused is None:
+            gemvs = [lin._native for lin in self.linears()]
+            if any(g is None for g in gemvs):
+                return None
+            self._fused = cpu.DecodeLayer(*gemvs, self.ln1, self.ln2, self.eps)
+        return self._fused
 
     def native(self, x, delta, positions, rope, attention, meta):
         """The same layer on the CPU kernels. The residual stream `x` is updated in place and
@@ -172,17 +182,38 @@ class Transformer:
             # The output head (often the tied embedding) is the most sensitive matrix: 4 bits
             # there cost several points of perplexity, so it stays at 8.
             lin.quantize("int8" if mode == "int4" and lin is self.lm_head else mode, group_size)
+        for layer in self.layers:
+            layer._fused = None
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         if self.cpu_kernels and attention.kv.k_scale is None:
             delta = None
+            step = self._decode_step(positions, attention, meta)
             for layer in self.layers:
-                delta = layer.native(x, delta, positions, self.rope, attention, meta)
+                fused = layer.fused() if step is not None else None
+                if fused is not None:
+                    k_cache, v_cache, _, _ = attention.kv.layer(layer.index)
+                    delta = fused(step, x, delta, k_cache, v_cache)
+                else:
+                    delta = layer.native(x, delta, positions, self.rope, attention, meta)
             return cpu.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)
         for layer in self.layers:
             x = layer(x, positions, self.rope, attention, meta)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _decode_step(self, positions, attention, meta) -> cpu.DecodeStep | None:
+        """The shared state of the one-call layer kernel, for a step of at most cpu.MAX_ROWS
+        decodes on our decode attention; None sends the step through the op-by-op path."""
+        t = positions.shape[0]
+        if t > cpu.MAX_ROWS or meta.num_decode != t or attention.name != "cpu":
+            return None
+        c = self.config
+        return cpu.DecodeStep(
+            hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            intermediate=c.intermediate_size, block_size=attention.kv.k[0].shape[1], positions=positions,
+            slot_mapping=meta.slot_mapping, block_tables=meta.decode_block_tables, seq_lens=meta.decode_seq_lens,
+            cos=self.rope.cos, sin=self.rope.sin, scale=attention.scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
