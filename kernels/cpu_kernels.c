@@ -35,11 +35,16 @@ static inline bf16 f2bf(float f) {
     return (bf16)(u >> 16);
 }
 
-static inline float round_bf(float f) { return bf2f(f2bf(f)); }
-
-static inline __m512 load16_bf(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+// Round 16 floats to bf16 (nearest even, as torch; denormals flush to zero) and back to fp32.
+static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+static inline __m512 round16_bf(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
 }
+static inline __m512 load16_bf_mask(const bf16 *p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+static inline void store16_bf(bf16 *p, __m512 v, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, to_bf16x16(v)); }
+static inline __mmask16 tail16(int64_t n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
 
 // exp(x) for the softmax and SiLU: 2^(x log2 e) with a degree-6 polynomial on the fraction
 // (relative error ~1e-7) and scalef for the exponent.
@@ -230,15 +235,22 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const
 
 // x += delta (if given, rounded to bf16), then out = w * bf16(x * rsqrt(mean(x^2) + eps)).
 static void norm_row(bf16 *x, const bf16 *delta, const bf16 *w, bf16 *out, int64_t H, float eps) {
-    if (delta)
-        for (int64_t i = 0; i < H; i++) x[i] = f2bf(bf2f(x[i]) + bf2f(delta[i]));
-    float ss = 0.f;
-    for (int64_t i = 0; i < H; i++) {
-        float v = bf2f(x[i]);
-        ss += v * v;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+        __mmask16 k = tail16(H - i);
+        __m512 v = load16_bf_mask(x + i, k);
+        if (delta) {
+            v = round16_bf(_mm512_add_ps(v, load16_bf_mask(delta + i, k)));
+            store16_bf(x + i, v, k);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
     }
-    float r = 1.0f / sqrtf(ss / (float)H + eps);
-    for (int64_t i = 0; i < H; i++) out[i] = f2bf(bf2f(w[i]) * round_bf(bf2f(x[i]) * r));
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+    for (int64_t i = 0; i < H; i += 16) {
+        __mmask16 k = tail16(H - i);
+        __m512 normed = round16_bf(_mm512_mul_ps(load16_bf_mask(x + i, k), r));
+        store16_bf(out + i, _mm512_mul_ps(load16_bf_mask(w + i, k), normed), k);
+    }
 }
 
 void wb_add_rms_norm(bf16 *x, const bf16 *delta, const bf16 *w, bf16 *out, int64_t T, int64_t H, float eps) {
@@ -248,17 +260,11 @@ void wb_add_rms_norm(bf16 *x, const bf16 *delta, const bf16 *w, bf16 *out, int64
 
 // out = bf16(silu(gate)) * up
 static void silu_row(const bf16 *g, const bf16 *u, bf16 *o, int64_t I) {
-    int64_t i = 0;
-    float tmp[16];
-    for (; i + 16 <= I; i += 16) {
-        __m512 gv = load16_bf(g + i);
-        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_storeu_ps(tmp, s);
-        for (int j = 0; j < 16; j++) o[i + j] = f2bf(round_bf(tmp[j]) * bf2f(u[i + j]));
-    }
-    for (; i < I; i++) {
-        float gv = bf2f(g[i]);
-        o[i] = f2bf(round_bf(gv / (1.f + expf_fast(-gv))) * bf2f(u[i]));
+    for (int64_t i = 0; i < I; i += 16) {
+        __mmask16 k = tail16(I - i);
+        __m512 gv = load16_bf_mask(g + i, k);
+        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store16_bf(o + i, _mm512_mul_ps(round16_bf(silu), load16_bf_mask(u + i, k)), k);
     }
 }
 
@@ -271,10 +277,15 @@ void wb_silu_mul(const bf16 *gu, bf16 *out, int64_t T, int64_t I) {
 // Rotate one head in the half-split layout: out = x * cos + rotate_half(x) * sin, bf16 products.
 static inline void rope_head(const bf16 *x, const bf16 *cos, const bf16 *sin, bf16 *out, int64_t D) {
     int64_t h = D / 2;
-    for (int64_t i = 0; i < h; i++) {
-        float x1 = bf2f(x[i]), x2 = bf2f(x[i + h]);
-        out[i] = f2bf(round_bf(x1 * bf2f(cos[i])) + round_bf(-x2 * bf2f(sin[i])));
-        out[i + h] = f2bf(round_bf(x2 * bf2f(cos[i + h])) + round_bf(x1 * bf2f(sin[i + h])));
+    for (int64_t i = 0; i < h; i += 16) {
+        __mmask16 k = tail16(h - i);
+        __m512 x1 = load16_bf_mask(x + i, k), x2 = load16_bf_mask(x + h + i, k);
+        __m512 c1 = load16_bf_mask(cos + i, k), s1 = load16_bf_mask(sin + i, k);
+        __m512 c2 = load16_bf_mask(cos + h + i, k), s2 = load16_bf_mask(sin + h + i, k);
+        // flip the sign bit: an exact negation, as torch's (0 - x would turn -0 into +0)
+        __m512 neg_x2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
+        store16_bf(out + i, _mm512_add_ps(round16_bf(_mm512_mul_ps(x1, c1)), round16_bf(_mm512_mul_ps(neg_x2, s1))), k);
+        store16_bf(out + h + i, _mm512_add_ps(round16_bf(_mm512_mul_ps(x2, c2)), round16_bf(_mm512_mul_ps(x1, s2))), k);
     }
 }
 
@@ -314,22 +325,43 @@ void wb_rope_write_kv(const bf16 *qkv, const int64_t *pos, const bf16 *cos, cons
 #define MAX_G 16
 #define KV_CHUNK 512
 
+// Lane i of the result = the sum of the 16 lanes of v[i]: pairwise unpack-and-add within 128-bit
+// lanes, then across them; ~45 instructions where 16 horizontal reductions take ~130.
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    // b[i] holds, per 128-bit lane j, the lane-j partial sums of v[4i .. 4i+3]; add the lanes up
+    __m512 c01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+    __m512 c23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xDD));
+}
+
 static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
                         const int32_t *lens, bf16 *out, int64_t b, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
                         int64_t bs, int64_t W, float scale) {
-    int64_t G = Hq / Hkv, DV = D / 16;
+    int64_t G = Hq / Hkv;
     int64_t L = lens[b];
     if (L <= 0) return;
     float scores[MAX_G][KV_CHUNK];
-    __m512 qv[MAX_G][MAX_D / 16], acc[MAX_G][MAX_D / 16];
+    __m512bh qb[MAX_G][MAX_D / 32];
+    // P.V accumulates two keys per vdpbf16ps: `lo`/`hi` hold the unpacklo/unpackhi halves of each
+    // 32-wide chunk of the value rows (an interleaved order, undone when storing).
+    __m512 acc_lo[MAX_G][MAX_D / 32], acc_hi[MAX_G][MAX_D / 32];
     float run_max[MAX_G], run_sum[MAX_G];
+    int64_t DW = (D + 31) / 32;
+    __mmask32 dmask[MAX_D / 32];
+    for (int64_t c = 0; c < DW; c++) dmask[c] = D - c * 32 >= 32 ? 0xffffffffu : (__mmask32)((1u << (D - c * 32)) - 1);
     for (int64_t g = 0; g < G; g++) {
         run_max[g] = -INFINITY;
         run_sum[g] = 0.f;
-        for (int64_t d = 0; d < DV; d++) {
-            qv[g][d] = load16_bf(q + ((b * Hq + h * G + g) * D) + d * 16);
-            acc[g][d] = _mm512_setzero_ps();
-        }
+        for (int64_t c = 0; c < DW; c++)
+            qb[g][c] = (__m512bh)_mm512_maskz_loadu_epi16(dmask[c], q + (b * Hq + h * G + g) * D + c * 32);
+        for (int64_t c = 0; c < DW; c++) acc_lo[g][c] = acc_hi[g][c] = _mm512_setzero_ps();
     }
     const int32_t *table = tables + b * W;
     for (int64_t c0 = 0; c0 < L; c0 += KV_CHUNK) {
@@ -343,55 +375,83 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             for (int64_t o = 0; o < n; o++) rows[t + o] = first + o * Hkv * D;
             t += n;
         }
-        // scores[g][t] = (q_g . k_t) * scale
-        for (int64_t t = 0; t < cn; t++) {
-            __m512 kv[MAX_D / 16];
-            for (int64_t d = 0; d < DV; d++) kv[d] = load16_bf(k_cache + rows[t] + d * 16);
+        // scores[g][t] = (q_g . k_t) * scale, 16 keys at a time: vdpbf16ps on the bf16 rows (exact
+        // products, fp32 sums), then one transpose-and-add gives 16 dot products at once instead
+        // of 16 horizontal reductions.
+        for (int64_t t0 = 0; t0 < cn; t0 += 16) {
+            int nt = cn - t0 < 16 ? (int)(cn - t0) : 16;
             for (int64_t g = 0; g < G; g++) {
-                __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-                for (int64_t d = 1; d < DV; d++) a = _mm512_fmadd_ps(qv[g][d], kv[d], a);
-                scores[g][t] = _mm512_reduce_add_ps(a) * scale;
+                __m512 dots[16];
+                for (int i = 0; i < 16; i++) {
+                    dots[i] = _mm512_setzero_ps();
+                    if (i >= nt) continue;
+                    const bf16 *kr = k_cache + rows[t0 + i];
+                    for (int64_t c = 0; c < DW; c++)
+                        dots[i] = _mm512_dpbf16_ps(dots[i], (__m512bh)_mm512_maskz_loadu_epi16(dmask[c], kr + c * 32),
+                                                   qb[g][c]);
+                }
+                _mm512_mask_storeu_ps(scores[g] + t0, (__mmask16)((1u << nt) - 1),
+                                      _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
             }
         }
         // online softmax: rescale what came before to the new maximum
         for (int64_t g = 0; g < G; g++) {
             float *s = scores[g];
-            float mx = run_max[g];
-            for (int64_t t = 0; t < cn; t++) mx = s[t] > mx ? s[t] : mx;
+            __m512 mxv = _mm512_set1_ps(run_max[g]);
+            for (int64_t t = 0; t < cn; t += 16) {
+                __mmask16 k = cn - t >= 16 ? 0xffff : (__mmask16)((1u << (cn - t)) - 1);
+                mxv = _mm512_max_ps(mxv, _mm512_mask_loadu_ps(mxv, k, s + t));
+            }
+            float mx = _mm512_reduce_max_ps(mxv);
             float corr = expf_fast(run_max[g] - mx);
             __m512 mv = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
-            int64_t t = 0;
-            for (; t + 16 <= cn; t += 16) {
-                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
-                sum = _mm512_add_ps(sum, e);
-                _mm512_storeu_ps(s + t, e);
+            for (int64_t t = 0; t < cn; t += 16) {
+                __mmask16 k = cn - t >= 16 ? 0xffff : (__mmask16)((1u << (cn - t)) - 1);
+                __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), mv));
+                sum = _mm512_mask_add_ps(sum, k, sum, e);
+                // the probabilities weight the values as bf16, as in torch; their fp32 sum normalises
+                __m512 e_bf = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e)), 16));
+                _mm512_mask_storeu_ps(s + t, k, e_bf);
             }
-            float tail = 0.f;
-            for (; t < cn; t++) {
-                s[t] = expf_fast(s[t] - mx);
-                tail += s[t];
-            }
-            for (t = 0; t < cn; t++) s[t] = round_bf(s[t]);
-            run_sum[g] = run_sum[g] * corr + _mm512_reduce_add_ps(sum) + tail;
+            run_sum[g] = run_sum[g] * corr + _mm512_reduce_add_ps(sum);
             run_max[g] = mx;
-            for (int64_t d = 0; d < DV; d++) acc[g][d] = _mm512_mul_ps(acc[g][d], _mm512_set1_ps(corr));
+            for (int64_t c = 0; c < DW; c++) {
+                acc_lo[g][c] = _mm512_mul_ps(acc_lo[g][c], _mm512_set1_ps(corr));
+                acc_hi[g][c] = _mm512_mul_ps(acc_hi[g][c], _mm512_set1_ps(corr));
+            }
         }
-        // acc_g += sum_t p[g][t] v_t
-        for (int64_t t = 0; t < cn; t++) {
-            __m512 vv[MAX_D / 16];
-            for (int64_t d = 0; d < DV; d++) vv[d] = load16_bf(v_cache + rows[t] + d * 16);
+        // acc_g += sum_t p[g][t] v_t, keys in pairs (an odd last key pairs with itself at p = 0)
+        for (int64_t t = 0; t < cn; t += 2) {
+            const bf16 *r0 = v_cache + rows[t], *r1 = t + 1 < cn ? v_cache + rows[t + 1] : r0;
+            __m512i lo[MAX_D / 32], hi[MAX_D / 32];
+            for (int64_t c = 0; c < DW; c++) {
+                __m512i a = _mm512_maskz_loadu_epi16(dmask[c], r0 + c * 32), b2 = _mm512_maskz_loadu_epi16(dmask[c], r1 + c * 32);
+                lo[c] = _mm512_unpacklo_epi16(a, b2);
+                hi[c] = _mm512_unpackhi_epi16(a, b2);
+            }
             for (int64_t g = 0; g < G; g++) {
-                __m512 p = _mm512_set1_ps(scores[g][t]);
-                for (int64_t d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(p, vv[d], acc[g][d]);
+                // the probabilities are bf16 values already: their top 16 bits are the bf16
+                union { float f; uint32_t u; } p0 = {scores[g][t]}, p1 = {t + 1 < cn ? scores[g][t + 1] : 0.f};
+                __m512bh pp = (__m512bh)_mm512_set1_epi32((int)((p0.u >> 16) | (p1.u & 0xffff0000u)));
+                for (int64_t c = 0; c < DW; c++) {
+                    acc_lo[g][c] = _mm512_dpbf16_ps(acc_lo[g][c], (__m512bh)lo[c], pp);
+                    acc_hi[g][c] = _mm512_dpbf16_ps(acc_hi[g][c], (__m512bh)hi[c], pp);
+                }
             }
         }
     }
+    // un-interleave: within each 128-bit lane, lo holds elements 0-3 and hi elements 4-7
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t g = 0; g < G; g++) {
         bf16 *o = out + (b * Hq + h * G + g) * D;
-        float tmp[16];
-        for (int64_t d = 0; d < DV; d++) {
-            _mm512_storeu_ps(tmp, _mm512_div_ps(acc[g][d], _mm512_set1_ps(run_sum[g])));
-            for (int j = 0; j < 16; j++) o[d * 16 + j] = f2bf(tmp[j]);
+        __m512 sum = _mm512_set1_ps(run_sum[g]);
+        for (int64_t c = 0; c < DW; c++) {
+            float tmp[32];
+            _mm512_storeu_ps(tmp, _mm512_div_ps(_mm512_permutex2var_ps(acc_lo[g][c], first, acc_hi[g][c]), sum));
+            _mm512_storeu_ps(tmp + 16, _mm512_div_ps(_mm512_permutex2var_ps(acc_lo[g][c], second, acc_hi[g][c]), sum));
+            for (int64_t j = 0; j < 32 && c * 32 + j < D; j++) o[c * 32 + j] = f2bf(tmp[j]);
         }
     }
 }
