@@ -194,7 +194,8 @@ class LLMEngine:
                 self.block_manager.register_computed(seq)
         if not sampled_seqs:
             return chunks
-        logits = result.logits[sampled_rows]
+        in_order = sampled_rows == list(range(result.logits.shape[0]))
+        logits = result.logits if in_order else result.logits[sampled_rows]
         tokens = sampler.sample(logits, sampled_seqs)
         want_lp = [s.params.logprobs for s in sampled_seqs]
         lps = sampler.logprobs_of(logits, tokens, want_lp) if any(n is not None for n in want_lp) else None

@@ -59,11 +59,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One next token per row."""
-    logits = apply_penalties(logits.clone(), seqs)
+    if any(s.params.repetition_penalty != 1.0 for s in seqs):
+        logits = apply_penalties(logits.clone(), seqs)  # the caller's raw logits serve logprobs
     out = [0] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if greedy:
-        tokens = logits[greedy].argmax(-1).tolist()
+        tokens = (logits if len(greedy) == len(seqs) else logits[greedy]).argmax(-1).tolist()
         for i, t in zip(greedy, tokens):
             out[i] = t
     rest = [i for i, s in enumerate(seqs) if not s.params.greedy]
