@@ -32,8 +32,9 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
           "-std=c11", "-Wall", "-Werror"]
-# Largest number of activation rows the GEMV kernels take; more rows go to oneDNN / torch.
-MAX_ROWS = 4
+# Most activation rows (tokens) the GEMV kernels and the one-call layer take: decode steps of a
+# few sequences and speculative verifies (k + 1 tokens); more rows go to oneDNN / torch.
+MAX_ROWS = 8
 
 _lib = None
 _reason: str | None = None

@@ -85,8 +85,9 @@ int wb_abi_version(void) { return 1; }
 #define PREFETCH_BLOCKS 2
 #define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 
-// Each thread takes a contiguous range of ROWS-row blocks; M is a compile-time constant inside the
-// block kernels (the switch), so their accumulators stay in registers. OMP is the work-sharing
+// Each thread takes a contiguous range of ROWS-row blocks; activation rows go MAX_M at a time
+// (a block's weights are still in L1 for the next group), and the group size is a compile-time
+// constant inside the block kernels (the switch), so their accumulators stay in registers. OMP is the work-sharing
 // construct: "omp parallel for" for a call of its own, "omp for" inside the fused layer's region.
 #define ROW_BLOCKS(OMP, BLOCK, ...)                                           \
     do {                                                                      \
@@ -95,11 +96,13 @@ int wb_abi_version(void) { return 1; }
         for (int64_t b_ = 0; b_ < blocks_; b_++) {                            \
             int64_t n0 = b_ * ROWS;                                           \
             int nr = N - n0 < ROWS ? (int)(N - n0) : ROWS;                    \
-            switch (M) {                                                      \
-            case 1: BLOCK(__VA_ARGS__, n0, nr, 1); break;                     \
-            case 2: BLOCK(__VA_ARGS__, n0, nr, 2); break;                     \
-            case 3: BLOCK(__VA_ARGS__, n0, nr, 3); break;                     \
-            default: BLOCK(__VA_ARGS__, n0, nr, 4); break;                    \
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {                       \
+                switch (M - m0 < MAX_M ? M - m0 : MAX_M) {                    \
+                case 1: BLOCK(__VA_ARGS__, m0, n0, nr, 1); break;             \
+                case 2: BLOCK(__VA_ARGS__, m0, n0, nr, 2); break;             \
+                case 3: BLOCK(__VA_ARGS__, m0, n0, nr, 3); break;             \
+                default: BLOCK(__VA_ARGS__, m0, n0, nr, 4); break;            \
+                }                                                             \
             }                                                                 \
         }                                                                     \
     } while (0)
@@ -113,14 +116,14 @@ static inline void store_row(bf16 *y, int64_t N, int64_t m, int64_t n, float v, 
 
 // bf16 weights: vdpbf16ps does 32 multiply-adds per instruction on bf16 pairs.
 static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
-                                   int64_t K, int64_t n0, int nr, const int M) {
+                                   int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
     __m512 acc[MAX_M][ROWS];
     for (int m = 0; m < M; m++)
         for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         __mmask32 mk = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
         __m512bh xv[MAX_M];
-        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + m * K + k);
+        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mk, x + (m0 + m) * K + k);
         for (int r = 0; r < ROWS; r++) {
             if (r >= nr) break;
             PREFETCH(w + (n0 + r + PREFETCH_BLOCKS * ROWS) * K + k);
@@ -129,7 +132,7 @@ static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bia
         }
     }
     for (int r = 0; r < nr; r++)
-        for (int m = 0; m < M; m++) store_row(y, N, m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
+        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
 }
 
 // The three GEMV entry points share one signature (x, weights, aux, bias, y, M, N, K, group) so the
@@ -149,13 +152,13 @@ static float *to_f32(const bf16 *x, int64_t n) {
 
 // int8 weights, per-row scale: y = (x . q) * scale. K % 16 == 0.
 static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 *scale, const bf16 *bias,
-                                   bf16 *y, int64_t N, int64_t K, int64_t n0, int nr, const int M) {
+                                   bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
     __m512 acc[MAX_M][ROWS];
     for (int m = 0; m < M; m++)
         for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         __m512 xv[MAX_M];
-        for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(xf + m * K + k);
+        for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(xf + (m0 + m) * K + k);
         for (int r = 0; r < ROWS; r++) {
             if (r >= nr) break;
             if ((k & 63) == 0) PREFETCH(q + (n0 + r + PREFETCH_BLOCKS * ROWS) * K + k);
@@ -166,7 +169,7 @@ static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 
     }
     for (int r = 0; r < nr; r++) {
         float s = bf2f(scale[n0 + r]);
-        for (int m = 0; m < M; m++) store_row(y, N, m, n0 + r, _mm512_reduce_add_ps(acc[m][r]) * s, bias);
+        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]) * s, bias);
     }
 }
 
@@ -183,8 +186,8 @@ void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 
 // 16-byte load unpacks into two 16-lane vectors. `scale_low` is fp32 [N, K / group, 2].
 // K % 32 == 0 and group % 32 == 0.
 static inline void gemv_int4_block(const float *xf, const uint8_t *q, const float *sl, const bf16 *bias,
-                                   bf16 *y, int64_t N, int64_t K, int64_t group, int64_t n0, int nr,
-                                   const int M) {
+                                   bf16 *y, int64_t N, int64_t K, int64_t group, int64_t m0, int64_t n0,
+                                   int nr, const int M) {
     __m512 acc[MAX_M][ROWS];
     for (int m = 0; m < M; m++)
         for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
@@ -193,15 +196,15 @@ static inline void gemv_int4_block(const float *xf, const uint8_t *q, const floa
     // for SmolLM2's int4 layers per token.
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     int64_t groups = K / group;
-    for (int r = 0; r < nr; r++) {
+    for (int r = 0; r < nr && m0 == 0; r++) {
         const char *p = (const char *)(sl + (n0 + r + PREFETCH_BLOCKS * ROWS) * groups * 2);
         for (int64_t o = 0; o < groups * 8; o += 64) PREFETCH(p + o);
     }
     for (int64_t k = 0; k < K; k += 32) {
         __m512 xlo[MAX_M], xhi[MAX_M];
         for (int m = 0; m < M; m++) {
-            xlo[m] = _mm512_loadu_ps(xf + m * K + k);
-            xhi[m] = _mm512_loadu_ps(xf + m * K + k + 16);
+            xlo[m] = _mm512_loadu_ps(xf + (m0 + m) * K + k);
+            xhi[m] = _mm512_loadu_ps(xf + (m0 + m) * K + k + 16);
         }
         int64_t g = k / group;
         for (int r = 0; r < ROWS; r++) {
@@ -220,7 +223,7 @@ static inline void gemv_int4_block(const float *xf, const uint8_t *q, const floa
         }
     }
     for (int r = 0; r < nr; r++)
-        for (int m = 0; m < M; m++) store_row(y, N, m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
+        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
 }
 
 void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const bf16 *bias, bf16 *y, int64_t M,

@@ -52,6 +52,11 @@ class AttnMetadata:
     ext_cu_seqlens_q: torch.Tensor | None  # the remaining tokens: prefill chunks and verifies
     ext_seq_lens: torch.Tensor | None
     ext_block_tables: torch.Tensor | None
+    # Small steps (<= SMALL_STEP tokens) also describe every token as a one-query attention of its
+    # own: its sequence's block table and its causal context length (position + 1). Decodes and
+    # short verifies/prefills then share the one-call layer kernel.
+    token_block_tables: torch.Tensor | None = None
+    token_seq_lens: torch.Tensor | None = None
 
 
 class AttentionBackend:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from workbench_kernels.cpu import MAX_ROWS as SMALL_STEP
 
 from ..models.llama import Transformer
 from .attention import AttentionBackend, AttnMetadata, KVCache, backend_ops
@@ -93,6 +94,11 @@ class ModelRunner:
             ext_seq_lens=torch.tensor(ext_lens, dtype=torch.int32, device=dev) if ext_tables else None,
             ext_block_tables=_pad_tables(ext_tables, dev) if ext_tables else None,
         )
+        if len(ids) <= SMALL_STEP:
+            per_token = [(s.seq.block_table, s.seq.num_computed_tokens + j + 1)
+                         for s in (scheduled[i] for i in order) for j in range(s.num_tokens)]
+            meta.token_block_tables = _pad_tables([t for t, _ in per_token], dev)
+            meta.token_seq_lens = torch.tensor([n for _, n in per_token], dtype=torch.int32, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         hidden = self.model.hidden_states(input_ids, positions, self.backend, meta)

@@ -204,15 +204,15 @@ class Transformer:
 
     def _decode_step(self, positions, attention, meta) -> cpu.DecodeStep | None:
         """The shared state of the one-call layer kernel, for a step of at most cpu.MAX_ROWS
-        decodes on our decode attention; None sends the step through the op-by-op path."""
-        t = positions.shape[0]
-        if t > cpu.MAX_ROWS or meta.num_decode != t or attention.name != "cpu":
+        tokens (decodes, verifies, short prefills: each token attends as a one-query decode over
+        its own causal context) on our attention; None sends the step through the op-by-op path."""
+        if meta.token_seq_lens is None or attention.name != "cpu":
             return None
         c = self.config
         return cpu.DecodeStep(
             hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
             intermediate=c.intermediate_size, block_size=attention.kv.k[0].shape[1], positions=positions,
-            slot_mapping=meta.slot_mapping, block_tables=meta.decode_block_tables, seq_lens=meta.decode_seq_lens,
+            slot_mapping=meta.slot_mapping, block_tables=meta.token_block_tables, seq_lens=meta.token_seq_lens,
             cos=self.rope.cos, sin=self.rope.sin, scale=attention.scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
