@@ -221,6 +221,7 @@ def spec_scenario(engine, *, output_len: int = 128, k: int = 4, hf_model=None) -
         engine.configure(speculative=mode, num_speculative_tokens=k)
         before = engine.metrics()
         _serve_one(engine, BenchRequest(-1, ids[:16], 4))
+        engine.reset_prefix_cache()  # every mode prefills the prompt cold: end-to-end rates compare
         out[mode] = _single_stream(engine, request)
         after = engine.metrics()
         proposed = after["total_spec_proposed"] - before["total_spec_proposed"]
