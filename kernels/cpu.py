@@ -187,7 +187,8 @@ class _Step(ctypes.Structure):
 
 class DecodeStep:
     """What every layer of one decode step shares: positions, cache slots, block tables and the
-    scratch activations of `wb_decode_layer` (T <= MAX_ROWS sequences, one new token each)."""
+    scratch activations of `wb_decode_layer` (T <= MAX_ROWS tokens, each attending as a one-query
+    decode over its own causal context)."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  block_size: int, positions, slot_mapping, block_tables, seq_lens, cos, sin, scale: float):

@@ -73,7 +73,8 @@ static inline float expf_fast(float x) {
 int wb_abi_version(void) { return 1; }
 
 // ---------------------------------------------------------------------------------------------
-// GEMV-shaped matmuls: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), for m < M <= 4.
+// GEMV-shaped matmuls: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for a few rows m < M (the
+// engine sends up to 8; they go MAX_M at a time).
 // Each thread streams a contiguous range of output rows, ROWS rows at a time, so the weights are
 // read exactly once per call whatever M is.
 
@@ -468,7 +469,8 @@ void wb_paged_decode(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, co
 }
 
 // ---------------------------------------------------------------------------------------------
-// One decoder layer for a decode step of T <= MAX_M sequences, in one call and one parallel
+// One decoder layer for a step of a few tokens (decodes, short verifies and prefills; each token
+// attends as a one-query decode over its causal context), in one call and one parallel
 // region: at a token per step the per-op cost (a Python call, a thread fork and join each) was a
 // fifth of the step. Same kernels and rounding points as the op-by-op path.
 
