@@ -292,5 +292,26 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_sc
     return out
 
 
+def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None,
+                     v_scale=None):
+    """Same contract as reference.extend_attention_ref, for bf16 caches: every new token is a
+    one-query decode over its own causal context (its sequence's blocks, length = position + 1).
+    Causal prefill needs no mask and no gathered copy of the context this way, and the decode
+    kernel's work per query is proportional to that query's context, so the masked half is
+    never computed."""
+    if k_scale is not None or k_cache.dtype != torch.bfloat16 or q.dtype != torch.bfloat16:
+        from .reference import extend_attention_ref
+
+        return extend_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale,
+                                    k_scale, v_scale)
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    owner = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    # token i of sequence b sits at position seq_lens[b] - counts[b] + i
+    first = (seq_lens.long() - counts)[owner]
+    offset = torch.arange(owner.shape[0]) - cu_seqlens_q[:-1].long()[owner]
+    lens = (first + offset + 1).to(torch.int32)
+    return decode_attention(q, k_cache, v_cache, block_tables[owner], lens, sm_scale)
+
+
 def supports_decode(head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256 and num_q_heads // num_kv_heads <= 16

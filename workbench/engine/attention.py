@@ -101,13 +101,14 @@ _TORCH_OPS = SimpleNamespace(
 def _cpu_ops():
     from workbench_kernels import cpu
 
-    return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=reference.extend_attention_ref,
+    return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=cpu.extend_attention,
                            decode_attention=cpu.decode_attention)
 
 
 def backend_ops(name: str, device: torch.device, cpu_kernels: bool = False):
-    """Resolve `attention_backend`. auto: Triton on CUDA; on a CPU our C decode kernel when
-    `cpu_kernels` applies (bf16 on AVX-512 BF16), else the torch reference."""
+    """Resolve `attention_backend`. auto: Triton on CUDA; on a CPU our C attention kernel (decode,
+    and prefill as per-token decodes) when `cpu_kernels` applies (bf16 on AVX-512 BF16), else the
+    torch reference."""
     if name == "auto":
         if device.type == "cuda":
             name = "triton"
