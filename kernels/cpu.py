@@ -165,7 +165,6 @@ class Gemv:
         self._fn(x.data_ptr(), self._w, self._aux, self._bias, y.data_ptr(), m, self.n, self.k, self.group)
         return y
 
-
     def descriptor(self) -> _Linear:
         return _Linear(self.KINDS.index(self.kind), self._w, self._aux, self._bias, self.n, self.k, self.group)
 
@@ -251,7 +250,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """x += delta in place (when given); returns RMSNorm(x) * weight. x [T, H] contiguous bf16."""
     t, h = x.shape
     out = torch.empty_like(x)
-    (_lib or _require()).wb_add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), t, h, eps)
+    _require().wb_add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), t, h, eps)
     return out
 
 
@@ -259,7 +258,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> silu(gate) * up, [T, I]."""
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    (_lib or _require()).wb_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
+    _require().wb_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2)
     return out
 
 
@@ -269,15 +268,21 @@ def rope_write_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, num_
     _, _, hkv, d = k_cache.shape
     t = qkv.shape[0]
     q = torch.empty(t, num_q_heads, d, dtype=qkv.dtype)
-    (_lib or _require()).wb_rope_write_kv(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    _require().wb_rope_write_kv(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                           slot_mapping.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           t, num_q_heads, hkv, d)
     return q
 
 
+def _bf16_cache(q, k_cache, k_scale) -> bool:
+    """Whether the attention kernel takes these operands (a bf16 query over an unquantised bf16
+    cache); otherwise the torch reference runs."""
+    return k_scale is None and k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None):
     """Same contract as reference.decode_attention_ref, for bf16 caches."""
-    if k_scale is not None or k_cache.dtype != torch.bfloat16 or q.dtype != torch.bfloat16:
+    if not _bf16_cache(q, k_cache, k_scale):
         from .reference import decode_attention_ref
 
         return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale, v_scale)
@@ -287,7 +292,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_sc
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    (_lib or _require()).wb_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+    _require().wb_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                          out.data_ptr(), b, hq, hkv, d, bs, tables.shape[1], sm_scale)
     return out
 
@@ -299,7 +304,7 @@ def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
     Causal prefill needs no mask and no gathered copy of the context this way, and the decode
     kernel's work per query is proportional to that query's context, so the masked half is
     never computed."""
-    if k_scale is not None or k_cache.dtype != torch.bfloat16 or q.dtype != torch.bfloat16:
+    if not _bf16_cache(q, k_cache, k_scale):
         from .reference import extend_attention_ref
 
         return extend_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale,

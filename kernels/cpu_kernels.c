@@ -144,10 +144,14 @@ void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bia
     ROW_BLOCKS(PARALLEL, gemv_bf16_block, x, w, bias, y, N, K);
 }
 
-// Activations as fp32 once per call (the int8/int4 kernels multiply in fp32).
+// Activations as fp32 (the int8/int4 kernels multiply in fp32).
+static void bf16_to_f32(const bf16 *x, float *f, int64_t n) {
+    for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
+}
+
 static float *to_f32(const bf16 *x, int64_t n) {
     float *f = (float *)aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
-    for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
+    bf16_to_f32(x, f, n);
     return f;
 }
 
@@ -506,7 +510,7 @@ static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M,
         return;
     }
 #pragma omp single
-    for (int64_t i = 0; i < M * K; i++) xf[i] = bf2f(x[i]);
+    bf16_to_f32(x, xf, M * K);
     if (L->kind == 1)
         ROW_BLOCKS(SHARED, gemv_int8_block, xf, (const int8_t *)L->w, (const bf16 *)L->aux, L->bias, y, N, K);
     else

@@ -48,7 +48,7 @@ class EngineSettings(HasTraits):
         kind=RELOAD, doc="draft model for speculative=draft (None: the target's own int4 copy)"
     )
     attention_backend = Enum(["auto", "torch", "triton"], default_value="auto").tag(
-        kind=LIVE, doc="auto: Triton on CUDA; on a CPU our C decode kernel with cpu_kernels, else the torch reference"
+        kind=LIVE, doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference"
     )
     cpu_kernels = Bool(True).tag(
         kind=LIVE, doc="bf16 on x86 CPUs with AVX-512 BF16: our C kernels for decode GEMVs, attention and fused "

@@ -394,17 +394,15 @@ class LLMEngine:
         for name, value in applied.items():
             if setting_kind(name) == RELAYOUT:
                 self._emit_event("relayout", {"setting": name, "value": value, "state": "started"})
-        if "attention_backend" in applied:
-            self.runner.set_backend(applied["attention_backend"])
-            if self._draft is not None:
-                self._draft.runner.set_backend(applied["attention_backend"])
-        if "cpu_kernels" in applied:
-            for runner in (self.runner, self._draft.runner if self._draft else None, new_draft.runner if new_draft else None):
-                if runner is not None:
-                    runner.set_cpu_kernels(applied["cpu_kernels"])
         if new_draft is not None:
             self._draft = new_draft
             self._emit_event("relayout", {"setting": "draft_model", "value": new_draft.source, "state": "done"})
+        # A new draft was built with the settings before this call: it takes these like the target.
+        for runner in (self.runner, *((self._draft.runner,) if self._draft is not None else ())):
+            if "attention_backend" in applied:
+                runner.set_backend(applied["attention_backend"])
+            if "cpu_kernels" in applied:
+                runner.set_cpu_kernels(applied["cpu_kernels"])
         if "kv_cache_dtype" in applied:
             self._recompute_all()
             self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])

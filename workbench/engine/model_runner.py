@@ -95,10 +95,9 @@ class ModelRunner:
             ext_block_tables=_pad_tables(ext_tables, dev) if ext_tables else None,
         )
         if len(ids) <= SMALL_STEP:
-            per_token = [(s.seq.block_table, s.seq.num_computed_tokens + j + 1)
-                         for s in (scheduled[i] for i in order) for j in range(s.num_tokens)]
-            meta.token_block_tables = _pad_tables([t for t, _ in per_token], dev)
-            meta.token_seq_lens = torch.tensor([n for _, n in per_token], dtype=torch.int32, device=dev)
+            meta.token_block_tables = _pad_tables(
+                [scheduled[i].seq.block_table for i in order for _ in range(scheduled[i].num_tokens)], dev)
+            meta.token_seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         hidden = self.model.hidden_states(input_ids, positions, self.backend, meta)

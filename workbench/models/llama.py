@@ -109,7 +109,7 @@ class DecoderLayer:
         self.eps = config.rms_norm_eps
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.index = i
-        self._fused: cpu.DecodeLayer | None = None  # bound lazily; reset when the weights are re-laid out
+        self._fused: tuple[tuple, cpu.DecodeLayer] | None = None  # (the GEMVs it binds, the layer)
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -129,13 +129,14 @@ class DecoderLayer:
         return x + self.down(F.silu(gate) * up)
 
     def fused(self) -> cpu.DecodeLayer | None:
-        """This layer bound to the one-call decode kernel, if every matmul has a GEMV kernel."""
-        if self._fused is None:
-            gemvs = [lin._native for lin in self.linears()]
-            if any(g is None for g in gemvs):
-                return None
-            self._fused = cpu.DecodeLayer(*gemvs, self.ln1, self.ln2, self.eps)
-        return self._fused
+        """This layer bound to the one-call decode kernel, if every matmul has a GEMV kernel; bound
+        again whenever a re-layout (quantisation) gave the linears new GEMVs."""
+        gemvs = tuple(lin._native for lin in self.linears())
+        if any(g is None for g in gemvs):
+            return None
+        if self._fused is None or any(a is not b for a, b in zip(self._fused[0], gemvs)):
+            self._fused = (gemvs, cpu.DecodeLayer(*gemvs, self.ln1, self.ln2, self.eps))
+        return self._fused[1]
 
     def native(self, x, delta, positions, rope, attention, meta):
         """The same layer on the CPU kernels. The residual stream `x` is updated in place and
@@ -182,8 +183,6 @@ class Transformer:
             # The output head (often the tied embedding) is the most sensitive matrix: 4 bits
             # there cost several points of perplexity, so it stays at 8.
             lin.quantize("int8" if mode == "int4" and lin is self.lm_head else mode, group_size)
-        for layer in self.layers:
-            layer._fused = None
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
