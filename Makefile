@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup overlay lab test lint generate clean browser labextension
+.PHONY: setup overlay lab test lint generate clean browser cross labextension
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -51,12 +51,21 @@ browser:
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	else echo "no /usr/bin/chromium and cannot apt-get it: the browser test will be skipped"; fi
 
+# Debian's aarch64 cross compiler and qemu-user: the NEON build of the CPU kernels is compiled and
+# its kernels tested under qemu-aarch64 (tests/cpu_qemu.py); without them those tests skip.
+cross:
+	@if command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1; then :; \
+	elif [ "$$(uname -m)" != x86_64 ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && $(SUDO) true 2>/dev/null; then \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; \
+	else echo "no aarch64 cross compiler / qemu-user and cannot apt-get them: the NEON tests will be skipped"; fi
+
 # Rebuild the JupyterLab extension after editing extension/src (`pip install` builds it only
 # when workbench/labextension is missing).
 labextension: setup
 	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm build
 
-test: setup lint browser
+test: setup lint browser cross
 	$(BIN)/pytest -q
 
 clean:

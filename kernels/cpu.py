@@ -1,12 +1,17 @@
-"""The CPU fast path: C kernels (cpu_kernels.c) for bf16 decode on x86 with AVX-512 BF16.
+"""The CPU fast path: C kernels (cpu_kernels.c over the vector layer cpu_vec.h) for bf16 decode,
+one source built per instruction set, the best variant the CPU runs picked at load time.
 
-Built on first use with the system C compiler into a per-user cache keyed by the source, the
-compiler flags and the torch build, then loaded with ctypes (no torch headers, so a build takes
-seconds). The library links against the libgomp torch has already loaded, so its parallel loops
-share torch's thread pool and `torch.set_num_threads` governs both.
+Variants, best first: x86 "avx512_bf16" (vdpbf16ps), "avx512", "avx2" (AVX2 + FMA + F16C), and on
+ARM "neon"; "portable" (plain C the compiler vectorises) runs anywhere. Each is built on first use
+with the system C compiler into a per-user cache keyed by the sources, the variant's flags and the
+torch build, then loaded with ctypes (no torch headers, so a build takes seconds). The library links
+against the libgomp torch has already loaded, so its parallel loops share torch's thread pool and
+`torch.set_num_threads` governs both.
 
-`available()` is False, with `unavailable_reason()` saying why, when the CPU lacks AVX-512 BF16,
-there is no compiler, the build fails, or WORKBENCH_CPU_KERNELS=0; callers then use torch.
+`WORKBENCH_CPU_ISA=<variant>` forces a variant (an AVX-512 host then runs and tests the AVX2 path);
+one the CPU cannot execute is refused, with the reason, for the best one it can.
+`WORKBENCH_CPU_KERNELS=0` disables the kernels. `variant()` / `variant_reason()` say what runs and
+why; `available()` is False, with `unavailable_reason()`, when nothing could be built or loaded.
 
 Layouts (all row-major and contiguous):
     activations and bf16 weights: bfloat16; linear weights [N, K] as in torch;
@@ -14,7 +19,7 @@ Layouts (all row-major and contiguous):
     int4 weights: q uint8 [N, K / 2], in runs of 32 values where byte j packs value j (low
     nibble) and value j + 16 (high nibble); scale_low float32 [N, K / group, 2] with
     w = q * scale + low;
-    paged KV cache as documented in reference.py (bf16 caches only).
+    paged KV cache as documented in reference.py (bf16 caches only; head_dim % 16 == 0).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -29,25 +35,64 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ["-O3", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
-          "-std=c11", "-Wall", "-Werror"]
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_vec.h")
+COMMON_FLAGS = ["-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-Wall", "-Werror"]
+# Compiler flags, and the CPU features (/proc/cpuinfo names) each variant needs, best first per
+# architecture. -ffp-contract=off: multiplies and adds are fused only where the source says so,
+# so every variant keeps torch's rounding points in the elementwise ops.
+VARIANT_FLAGS = {
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "neon": [],  # NEON (Advanced SIMD) is part of every aarch64 CPU
+    "portable": ["-DWB_PORTABLE"],
+}
+VARIANT_NEEDS = {
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "fma"),
+    "avx2": ("avx2", "fma", "f16c"),
+    "neon": ("asimd",),
+    "portable": (),
+}
+ARCH_VARIANTS = {"x86_64": ("avx512_bf16", "avx512", "avx2", "portable"), "aarch64": ("neon", "portable")}
 # Most activation rows (tokens) the GEMV kernels and the one-call layer take: decode steps of a
 # few sequences and speculative verifies (k + 1 tokens); more rows go to oneDNN / torch.
 MAX_ROWS = 8
 
-_lib = None
-_reason: str | None = None
+
+def _arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86 `flags`, ARM `Features` in /proc/cpuinfo)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return set(line.split(":", 1)[1].split())
     except OSError:
         pass
     return set()
+
+
+def variants() -> tuple[str, ...]:
+    """This architecture's variants, best first (only "portable" on an unknown one)."""
+    return ARCH_VARIANTS.get(_arch(), ("portable",))
+
+
+def missing(variant: str) -> list[str]:
+    """The CPU features `variant` needs that this CPU lacks (empty: it runs here)."""
+    if variant not in variants():
+        return [f"an {_arch()} build ({variant} is for another architecture)"]
+    flags = cpu_flags()
+    return [f for f in VARIANT_NEEDS[variant] if f not in flags]
+
+
+def runnable() -> list[str]:
+    """The variants this CPU executes, best first."""
+    return [v for v in variants() if not missing(v)]
 
 
 def _torch_libgomp() -> Path | None:
@@ -61,26 +106,32 @@ def _cache_dir() -> Path:
     return Path(base) / "workbench" / "cpu-kernels"
 
 
-def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build(variant: str) -> Path:
+    """Compile `variant` (cached); raises RuntimeError saying what failed."""
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     gomp = _torch_libgomp()
     link = [str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-lgomp"]
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(CFLAGS + link + [torch.__version__, cc]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"libwbcpu-{key}.so"
+    flags = COMMON_FLAGS + VARIANT_FLAGS[variant]
+    src = b"".join(p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(src + " ".join(flags + link + [torch.__version__, cc]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"libwbcpu-{variant}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
         # Compile with -fopenmp but link torch's libgomp by path: one OpenMP runtime in the process.
-        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
+        for cmd in ([cc, *flags, "-c", str(SOURCES[0]), "-o", str(obj)],
                     [cc, "-shared", str(obj), "-o", str(so), *link, "-lm"]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
-                raise RuntimeError(f"building the CPU kernels failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+                raise RuntimeError(f"building the {variant} CPU kernels failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
         os.replace(so, out)  # atomic: a concurrent or interrupted build never leaves a broken library
     return out
 
@@ -95,46 +146,118 @@ _SIGNATURES = {
     "wb_rope_write_kv": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "wb_paged_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
     "wb_decode_layer": [_P, _P, _P, _P, _P, _P, _P],
+    "wb_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P],
 }
 
+_libs: dict[str, ctypes.CDLL] = {}
+_errors: dict[str, str] = {}
 
-def _load():
-    global _lib, _reason
-    if _lib is not None or _reason is not None:
-        return _lib
+
+def load(variant: str) -> ctypes.CDLL:
+    """The built and loaded library of `variant`; raises RuntimeError (cached) if it can't be had."""
+    if variant in _libs:
+        return _libs[variant]
+    if variant not in _errors:
+        lacks = missing(variant)
+        try:
+            if lacks:
+                raise RuntimeError(f"this CPU lacks {', '.join(lacks)}")
+            lib = ctypes.CDLL(str(build(variant)))
+            for name, args in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, None
+            lib.wb_variant.restype = ctypes.c_char_p
+            assert lib.wb_variant().decode() == variant, "the library was built for another variant"
+            _libs[variant] = lib
+            return lib
+        except (RuntimeError, OSError, AttributeError, AssertionError) as e:
+            _errors[variant] = str(e)
+    raise RuntimeError(_errors[variant])
+
+
+class _Selection:
+    """Which variant serves (the module-level kernels and newly bound weights use it) and why."""
+
+    lib: ctypes.CDLL | None = None
+    variant: str | None = None
+    reason: str = ""
+    chosen = False
+
+
+_sel = _Selection()
+
+
+def _choose() -> None:
+    if _sel.chosen:
+        return
+    _sel.chosen = True
     if os.environ.get("WORKBENCH_CPU_KERNELS", "1") == "0":
-        _reason = "disabled by WORKBENCH_CPU_KERNELS=0"
-        return None
-    missing = {"avx512f", "avx512bw", "avx512_bf16"} - _cpu_flags()
-    if missing:
-        _reason = f"this CPU lacks {', '.join(sorted(missing))}"
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (RuntimeError, OSError) as e:
-        _reason = str(e)
-        return None
-    for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
-    _lib = lib
-    return lib
+        _sel.reason = "disabled by WORKBENCH_CPU_KERNELS=0"
+        return
+    forced = os.environ.get("WORKBENCH_CPU_ISA", "").strip().lower()
+    note = ""
+    order = list(variants())
+    if forced:
+        if forced not in VARIANT_FLAGS:
+            note = f"WORKBENCH_CPU_ISA={forced!r} is not a variant (allowed: {', '.join(VARIANT_FLAGS)}); "
+        elif missing(forced):
+            note = f"WORKBENCH_CPU_ISA={forced} refused ({'; '.join(missing(forced))}); "
+        else:
+            order = [forced] + [v for v in order if v != forced]
+    failures = []
+    for v in order:
+        try:
+            _sel.lib = load(v)
+        except RuntimeError as e:
+            failures.append((v, str(e).splitlines()[0]))
+            continue
+        _sel.variant = v
+        if v == forced:
+            _sel.reason = f"forced by WORKBENCH_CPU_ISA={forced}"
+        elif not failures:
+            _sel.reason = note + "the best variant for this CPU"
+        else:  # the variant just above this one says why it is not used, e.g. "this CPU lacks avx512f"
+            _sel.reason = note + f"not {failures[-1][0]}: {failures[-1][1]}"
+        return
+    _sel.reason = note + "; ".join(f"{f}: {why}" for f, why in failures)
+
+
+def use(variant: str | None) -> None:
+    """Serve with `variant` from now on (None: choose again as at load time). Weights bind their
+    kernels when they are laid out, so already bound ones keep theirs; the engine re-lays out."""
+    if variant is None:
+        _sel.chosen, _sel.lib, _sel.variant = False, None, None
+        _choose()
+        return
+    _sel.lib, _sel.variant, _sel.reason, _sel.chosen = load(variant), variant, "chosen by use()", True
 
 
 def available() -> bool:
-    return _load() is not None
+    _choose()
+    return _sel.lib is not None
+
+
+def variant() -> str | None:
+    """The variant in use ("avx512_bf16", "avx512", "avx2", "neon", "portable"), None if none."""
+    _choose()
+    return _sel.variant
+
+
+def variant_reason() -> str:
+    """Why this variant serves (or why none does), e.g. "not avx512_bf16: this CPU lacks avx512f"."""
+    _choose()
+    return _sel.reason
 
 
 def unavailable_reason() -> str | None:
-    _load()
-    return _reason
+    return None if available() else _sel.reason
 
 
 def _require():
-    lib = _lib or _load()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernels are unavailable: {_reason}")
-    return lib
+    _choose()
+    if _sel.lib is None:
+        raise RuntimeError(f"the CPU kernels are unavailable: {_sel.reason}")
+    return _sel.lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -222,6 +345,29 @@ class DecodeLayer:
         out = torch.empty(step.t, step.hidden, dtype=torch.bfloat16)
         self._fn(ctypes.byref(self.struct), ctypes.byref(step.struct), x.data_ptr(), _ptr(delta), out.data_ptr(),
                  k_cache.data_ptr(), v_cache.data_ptr())
+        return out
+
+
+class DecodeStack:
+    """Consecutive DecodeLayers in one call (one parallel region for the whole decoder of a small
+    step), over their layers' bf16 caches."""
+
+    def __init__(self, layers: list[DecodeLayer], k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        n = len(layers)
+        self._keep = (layers, k_caches, v_caches)
+        self._layers = (_Layer * n)(*(layer.struct for layer in layers))
+        self._k = (_P * n)(*(k.data_ptr() for k in k_caches))
+        self._v = (_P * n)(*(v.data_ptr() for v in v_caches))
+        self.n = n
+        self._fn = _require().wb_decode_layers
+
+    def __call__(self, step: DecodeStep, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """Adds every layer into the residual stream `x` (in place) but the last one's MLP output,
+        which it returns."""
+        out = torch.empty(step.t, step.hidden, dtype=torch.bfloat16)
+        tmp = torch.empty_like(out)
+        self._fn(self._layers, self.n, ctypes.byref(step.struct), x.data_ptr(), _ptr(delta), out.data_ptr(),
+                 tmp.data_ptr(), self._k, self._v)
         return out
 
 
@@ -320,3 +466,58 @@ def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
 
 def supports_decode(head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256 and num_q_heads // num_kv_heads <= 16
+
+
+# -- the compute path of large steps ------------------------------------------------------------
+# Prefills and big decode batches are matmuls, not GEMVs: they stay with oneDNN/torch. In bf16
+# that is fast only where the CPU has bf16 instructions (AVX-512 BF16, AMX); elsewhere torch's
+# bf16 GEMM is a slow fallback (1.3 GFLOP/s against 74 in fp32 on an AVX2 Zen 3), so large steps
+# multiply in fp32 over an fp32 copy of the bf16 weights. Which is faster is measured, once per
+# process, on a step-shaped matmul; WORKBENCH_CPU_GEMM=bf16|fp32 forces it.
+GEMM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_gemm: tuple[str, str, dict] | None = None
+
+
+def _gemm_rate(dtype: torch.dtype, m: int = 64, k: int = 1024, n: int = 1024, budget_s: float = 0.15) -> float:
+    """GFLOP/s of an m x k @ k x n linear in `dtype` the way the engine runs it (oneDNN's packed
+    weights for bf16 where torch has them)."""
+    import time
+
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    fn = lambda: F.linear(x, w)  # noqa: E731
+    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            fn = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+        except (RuntimeError, AttributeError):
+            pass
+    fn()
+    best, spent = 0.0, 0.0
+    for _ in range(20):
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        spent += dt
+        best = max(best, 2.0 * m * k * n / dt / 1e9)
+        if spent > budget_s:
+            break
+    return best
+
+
+def gemm_path() -> tuple[str, str, dict]:
+    """("bf16" | "fp32", why, {"bf16": GFLOP/s, "fp32": GFLOP/s}) for steps above MAX_ROWS rows."""
+    global _gemm
+    if _gemm is None:
+        rates = {name: round(_gemm_rate(dt), 1) for name, dt in GEMM_DTYPES.items()}
+        forced = os.environ.get("WORKBENCH_CPU_GEMM", "").strip().lower()
+        measured = f"bf16 matmul {rates['bf16']:g} GFLOP/s, fp32 {rates['fp32']:g} on this CPU"
+        if forced in GEMM_DTYPES:
+            _gemm = (forced, f"forced by WORKBENCH_CPU_GEMM={forced} ({measured})", rates)
+        else:
+            best = "bf16" if rates["bf16"] >= rates["fp32"] else "fp32"
+            _gemm = (best, f"measured: {measured}", rates)
+    return _gemm

@@ -1,76 +1,40 @@
-// CPU kernels for bf16 decode on x86 with AVX-512 BF16: the engine's fast path on a CPU.
+// CPU kernels for bf16 decode: the engine's fast path on a CPU.
 //
 // Why they exist: at one token per step a 135M model spends more time in per-op overhead
 // (dispatch, small allocations, casts) than in reading its weights. These kernels read the
 // weights once at full bandwidth (GEMVs for bf16, int8 and int4 weights), read the paged KV
 // cache in place (no gather copy), and fuse the small per-layer ops.
 //
+// One source, one build per instruction set (workbench_kernels/cpu.py compiles it with each
+// variant's flags and loads the best one the CPU runs): the arithmetic is written over the
+// 16-lane vector layer of cpu_vec.h. Where AVX-512 BF16 is present (__AVX512BF16__) the bf16 dot
+// products use vdpbf16ps (32 bf16 multiply-adds an instruction) on the raw bf16 values; elsewhere
+// bf16 stays in memory and is widened to fp32 in registers for the arithmetic.
+//
 // Numerics follow the torch reference where it matters for exactness: every bf16 rounding that
 // torch performs in the elementwise ops (RMSNorm, RoPE, SiLU*up, residual adds) happens here at
 // the same point; matmuls and attention accumulate in fp32.
 //
-// Built at first use by workbench_kernels/cpu.py (gcc, -fopenmp, linked against the libgomp torch
-// already loaded so both share one thread pool). Layouts are documented in cpu.py.
+// Layouts are documented in cpu.py. The library links against the libgomp torch already loaded,
+// so both share one thread pool.
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef uint16_t bf16;
+#include "cpu_vec.h"
 
-static inline float bf2f(bf16 v) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)v << 16;
-    return c.f;
-}
+#if defined(WB_AVX512) && defined(__AVX512BF16__)
+#define WB_BF16_DOT 1
+#define WB_VARIANT "avx512_bf16"
+#else
+#define WB_BF16_DOT 0
+#define WB_VARIANT WB_ISA
+#endif
 
-// Round to nearest even, as torch does.
-static inline bf16 f2bf(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    uint32_t u = c.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
-
-// Round 16 floats to bf16 (nearest even, as torch; denormals flush to zero) and back to fp32.
-static inline __m256i to_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-static inline __m512 round16_bf(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
-}
-static inline __m512 load16_bf_mask(const bf16 *p, __mmask16 k) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
-static inline void store16_bf(bf16 *p, __m512 v, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, to_bf16x16(v)); }
-static inline __mmask16 tail16(int64_t n) { return n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1); }
-
-// exp(x) for the softmax and SiLU: 2^(x log2 e) with a degree-6 polynomial on the fraction
-// (relative error ~1e-7) and scalef for the exponent.
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline float expf_fast(float x) {
-    float r[16];
-    _mm512_storeu_ps(r, exp16(_mm512_set1_ps(x)));
-    return r[0];
-}
-
-int wb_abi_version(void) { return 1; }
+int wb_abi_version(void) { return 2; }
+// The instruction set this build was compiled for, as cpu.py names the variants.
+const char *wb_variant(void) { return WB_VARIANT; }
 
 // ---------------------------------------------------------------------------------------------
 // GEMV-shaped matmuls: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for a few rows m < M (the
@@ -83,8 +47,10 @@ int wb_abi_version(void) { return 1; }
 // Software prefetch PREFETCH_BLOCKS row blocks ahead: rows are short (a 576-wide bf16 row is 18
 // cache lines), too short for the hardware prefetcher to ramp up on; measured 8.5 ms instead of
 // 11.6 ms for SmolLM2's weights per token on the 2-core box, ~31 GB/s, the DRAM read rate.
+#ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2
-#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#endif
+#define PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 3)
 
 // Each thread takes a contiguous range of ROWS-row blocks; activation rows go MAX_M at a time
 // (a block's weights are still in L1 for the next group), and the group size is a compile-time
@@ -115,7 +81,20 @@ static inline void store_row(bf16 *y, int64_t N, int64_t m, int64_t n, float v, 
     y[m * N + n] = f2bf(v);
 }
 
-// bf16 weights: vdpbf16ps does 32 multiply-adds per instruction on bf16 pairs.
+// Activations as fp32, for the kernels that multiply in fp32.
+static void bf16_to_f32(const bf16 *x, float *f, int64_t n) {
+    for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
+}
+
+static float *to_f32(const bf16 *x, int64_t n) {
+    float *f = (float *)aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
+    bf16_to_f32(x, f, n);
+    return f;
+}
+
+#if WB_BF16_DOT
+#include <immintrin.h>
+// bf16 weights: vdpbf16ps does 32 multiply-adds per instruction on bf16 pairs. x is bf16 here.
 static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
                                    int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
     __m512 acc[MAX_M][ROWS];
@@ -135,46 +114,68 @@ static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bia
     for (int r = 0; r < nr; r++)
         for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
 }
+#else
+// bf16 weights widened to fp32 in registers; x is fp32 here (converted once per call).
+static inline void gemv_bf16_block(const float *xf, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
+                                   int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
+    vf acc[MAX_M][ROWS];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < ROWS; r++) acc[m][r] = vf_zero();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        vf xv[MAX_M];
+        for (int m = 0; m < M; m++) xv[m] = vf_load(xf + (m0 + m) * K + k);
+        for (int r = 0; r < ROWS; r++) {
+            if (r >= nr) break;
+            if ((k & 31) == 0) PREFETCH(w + (n0 + r + PREFETCH_BLOCKS * ROWS) * K + k);
+            vf wv = vf_load_bf(w + (n0 + r) * K + k);
+            for (int m = 0; m < M; m++) acc[m][r] = vf_fma(wv, xv[m], acc[m][r]);
+        }
+    }
+    if (k < K) {
+        for (int r = 0; r < nr; r++) {
+            vf wv = vf_load_bf_n(w + (n0 + r) * K + k, K - k);
+            for (int m = 0; m < M; m++) acc[m][r] = vf_fma(wv, vf_load_n(xf + (m0 + m) * K + k, K - k), acc[m][r]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, vf_sum(acc[m][r]), bias);
+}
+#endif
 
 // The three GEMV entry points share one signature (x, weights, aux, bias, y, M, N, K, group) so the
 // caller binds a weight once and calls any of them the same way; aux and group are unused here.
 void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
                   int64_t K, int64_t group) {
     (void)aux, (void)group;
+#if WB_BF16_DOT
     ROW_BLOCKS(PARALLEL, gemv_bf16_block, x, w, bias, y, N, K);
-}
-
-// Activations as fp32 (the int8/int4 kernels multiply in fp32).
-static void bf16_to_f32(const bf16 *x, float *f, int64_t n) {
-    for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
-}
-
-static float *to_f32(const bf16 *x, int64_t n) {
-    float *f = (float *)aligned_alloc(64, ((n * 4 + 63) / 64) * 64);
-    bf16_to_f32(x, f, n);
-    return f;
+#else
+    float *xf = to_f32(x, M * K);
+    ROW_BLOCKS(PARALLEL, gemv_bf16_block, xf, w, bias, y, N, K);
+    free(xf);
+#endif
 }
 
 // int8 weights, per-row scale: y = (x . q) * scale. K % 16 == 0.
 static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 *scale, const bf16 *bias,
                                    bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
-    __m512 acc[MAX_M][ROWS];
+    vf acc[MAX_M][ROWS];
     for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
+        for (int r = 0; r < ROWS; r++) acc[m][r] = vf_zero();
     for (int64_t k = 0; k < K; k += 16) {
-        __m512 xv[MAX_M];
-        for (int m = 0; m < M; m++) xv[m] = _mm512_loadu_ps(xf + (m0 + m) * K + k);
+        vf xv[MAX_M];
+        for (int m = 0; m < M; m++) xv[m] = vf_load(xf + (m0 + m) * K + k);
         for (int r = 0; r < ROWS; r++) {
             if (r >= nr) break;
             if ((k & 63) == 0) PREFETCH(q + (n0 + r + PREFETCH_BLOCKS * ROWS) * K + k);
-            __m128i b = _mm_loadu_si128((const __m128i *)(q + (n0 + r) * K + k));
-            __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-            for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(wv, xv[m], acc[m][r]);
+            vf wv = vf_load_i8(q + (n0 + r) * K + k);
+            for (int m = 0; m < M; m++) acc[m][r] = vf_fma(wv, xv[m], acc[m][r]);
         }
     }
     for (int r = 0; r < nr; r++) {
         float s = bf2f(scale[n0 + r]);
-        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]) * s, bias);
+        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, vf_sum(acc[m][r]) * s, bias);
     }
 }
 
@@ -193,42 +194,50 @@ void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 
 static inline void gemv_int4_block(const float *xf, const uint8_t *q, const float *sl, const bf16 *bias,
                                    bf16 *y, int64_t N, int64_t K, int64_t group, int64_t m0, int64_t n0,
                                    int nr, const int M) {
-    __m512 acc[MAX_M][ROWS];
+    vf acc[MAX_M][ROWS];
     for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
+        for (int r = 0; r < ROWS; r++) acc[m][r] = vf_zero();
+#if defined(WB_AVX512)
     // The 16 weights a group's codes stand for, as a table: vpermps looks codes up (it reads only an
     // index's low 4 bits, so no masking), cheaper than convert-and-scale; measured 3.4 vs 3.9 ms
-    // for SmolLM2's int4 layers per token.
+    // for SmolLM2's int4 layers per token. Same values as fma(code, scale, low) below.
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
     int64_t groups = K / group;
     for (int r = 0; r < nr && m0 == 0; r++) {
         const char *p = (const char *)(sl + (n0 + r + PREFETCH_BLOCKS * ROWS) * groups * 2);
         for (int64_t o = 0; o < groups * 8; o += 64) PREFETCH(p + o);
     }
     for (int64_t k = 0; k < K; k += 32) {
-        __m512 xlo[MAX_M], xhi[MAX_M];
+        vf xlo[MAX_M], xhi[MAX_M];
         for (int m = 0; m < M; m++) {
-            xlo[m] = _mm512_loadu_ps(xf + (m0 + m) * K + k);
-            xhi[m] = _mm512_loadu_ps(xf + (m0 + m) * K + k + 16);
+            xlo[m] = vf_load(xf + (m0 + m) * K + k);
+            xhi[m] = vf_load(xf + (m0 + m) * K + k + 16);
         }
         int64_t g = k / group;
         for (int r = 0; r < ROWS; r++) {
             if (r >= nr) break;
             int64_t n = n0 + r;
             if ((k & 127) == 0) PREFETCH(q + (n + PREFETCH_BLOCKS * ROWS) * (K / 2) + k / 2);
-            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + n * (K / 2) + k / 2)));
-            __m512 table = _mm512_fmadd_ps(codes, _mm512_set1_ps(sl[(n * groups + g) * 2]),
-                                           _mm512_set1_ps(sl[(n * groups + g) * 2 + 1]));
-            __m512 w0 = _mm512_permutexvar_ps(b, table);
-            __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+            const uint8_t *qb = q + n * (K / 2) + k / 2;
+            vf scale = vf_set1(sl[(n * groups + g) * 2]), low = vf_set1(sl[(n * groups + g) * 2 + 1]);
+#if defined(WB_AVX512)
+            __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
+            __m512 table = _mm512_fmadd_ps(codes, scale, low);
+            vf w0 = _mm512_permutexvar_ps(b, table);
+            vf w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+#else
+            vf w0 = vf_fma(vf_load_u4(qb, 0), scale, low);
+            vf w1 = vf_fma(vf_load_u4(qb, 1), scale, low);
+#endif
             for (int m = 0; m < M; m++) {
-                acc[m][r] = _mm512_fmadd_ps(w0, xlo[m], acc[m][r]);
-                acc[m][r] = _mm512_fmadd_ps(w1, xhi[m], acc[m][r]);
+                acc[m][r] = vf_fma(w0, xlo[m], acc[m][r]);
+                acc[m][r] = vf_fma(w1, xhi[m], acc[m][r]);
             }
         }
     }
     for (int r = 0; r < nr; r++)
-        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
+        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, vf_sum(acc[m][r]), bias);
 }
 
 void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const bf16 *bias, bf16 *y, int64_t M,
@@ -243,21 +252,19 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const
 
 // x += delta (if given, rounded to bf16), then out = w * bf16(x * rsqrt(mean(x^2) + eps)).
 static void norm_row(bf16 *x, const bf16 *delta, const bf16 *w, bf16 *out, int64_t H, float eps) {
-    __m512 ss = _mm512_setzero_ps();
+    vf ss = vf_zero();
     for (int64_t i = 0; i < H; i += 16) {
-        __mmask16 k = tail16(H - i);
-        __m512 v = load16_bf_mask(x + i, k);
+        vf v = vf_load_bf_n(x + i, H - i);
         if (delta) {
-            v = round16_bf(_mm512_add_ps(v, load16_bf_mask(delta + i, k)));
-            store16_bf(x + i, v, k);
+            v = vf_round_bf(vf_add(v, vf_load_bf_n(delta + i, H - i)));
+            vf_store_bf_n(x + i, v, H - i);
         }
-        ss = _mm512_fmadd_ps(v, v, ss);
+        ss = vf_fma(v, v, ss);
     }
-    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+    vf r = vf_set1(1.0f / sqrtf(vf_sum(ss) / (float)H + eps));
     for (int64_t i = 0; i < H; i += 16) {
-        __mmask16 k = tail16(H - i);
-        __m512 normed = round16_bf(_mm512_mul_ps(load16_bf_mask(x + i, k), r));
-        store16_bf(out + i, _mm512_mul_ps(load16_bf_mask(w + i, k), normed), k);
+        vf normed = vf_round_bf(vf_mul(vf_load_bf_n(x + i, H - i), r));
+        vf_store_bf_n(out + i, vf_mul(vf_load_bf_n(w + i, H - i), normed), H - i);
     }
 }
 
@@ -269,10 +276,9 @@ void wb_add_rms_norm(bf16 *x, const bf16 *delta, const bf16 *w, bf16 *out, int64
 // out = bf16(silu(gate)) * up
 static void silu_row(const bf16 *g, const bf16 *u, bf16 *o, int64_t I) {
     for (int64_t i = 0; i < I; i += 16) {
-        __mmask16 k = tail16(I - i);
-        __m512 gv = load16_bf_mask(g + i, k);
-        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        store16_bf(o + i, _mm512_mul_ps(round16_bf(silu), load16_bf_mask(u + i, k)), k);
+        vf gv = vf_load_bf_n(g + i, I - i);
+        vf silu = vf_div(gv, vf_add(vf_set1(1.f), vf_exp(vf_neg(gv))));
+        vf_store_bf_n(o + i, vf_mul(vf_round_bf(silu), vf_load_bf_n(u + i, I - i)), I - i);
     }
 }
 
@@ -286,14 +292,13 @@ void wb_silu_mul(const bf16 *gu, bf16 *out, int64_t T, int64_t I) {
 static inline void rope_head(const bf16 *x, const bf16 *cos, const bf16 *sin, bf16 *out, int64_t D) {
     int64_t h = D / 2;
     for (int64_t i = 0; i < h; i += 16) {
-        __mmask16 k = tail16(h - i);
-        __m512 x1 = load16_bf_mask(x + i, k), x2 = load16_bf_mask(x + h + i, k);
-        __m512 c1 = load16_bf_mask(cos + i, k), s1 = load16_bf_mask(sin + i, k);
-        __m512 c2 = load16_bf_mask(cos + h + i, k), s2 = load16_bf_mask(sin + h + i, k);
-        // flip the sign bit: an exact negation, as torch's (0 - x would turn -0 into +0)
-        __m512 neg_x2 = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x2), _mm512_set1_epi32(INT32_MIN)));
-        store16_bf(out + i, _mm512_add_ps(round16_bf(_mm512_mul_ps(x1, c1)), round16_bf(_mm512_mul_ps(neg_x2, s1))), k);
-        store16_bf(out + h + i, _mm512_add_ps(round16_bf(_mm512_mul_ps(x2, c2)), round16_bf(_mm512_mul_ps(x1, s2))), k);
+        int64_t n = h - i;
+        vf x1 = vf_load_bf_n(x + i, n), x2 = vf_load_bf_n(x + h + i, n);
+        vf c1 = vf_load_bf_n(cos + i, n), s1 = vf_load_bf_n(sin + i, n);
+        vf c2 = vf_load_bf_n(cos + h + i, n), s2 = vf_load_bf_n(sin + h + i, n);
+        // vf_neg flips the sign bit: an exact negation, as torch's (0 - x would turn -0 into +0)
+        vf_store_bf_n(out + i, vf_add(vf_round_bf(vf_mul(x1, c1)), vf_round_bf(vf_mul(vf_neg(x2), s1))), n);
+        vf_store_bf_n(out + h + i, vf_add(vf_round_bf(vf_mul(x2, c2)), vf_round_bf(vf_mul(x1, s2))), n);
     }
 }
 
@@ -306,9 +311,7 @@ static void rope_token(const bf16 *row, int64_t pos, const bf16 *cos, const bf16
     if (slot < 0) return;
     for (int64_t h = 0; h < Hkv; h++) {
         rope_head(row + (Hq + h) * D, c, s, k_cache + (slot * Hkv + h) * D, D);
-        const bf16 *v = row + (Hq + Hkv + h) * D;
-        bf16 *vd = v_cache + (slot * Hkv + h) * D;
-        for (int64_t i = 0; i < D; i++) vd[i] = v[i];
+        memcpy(v_cache + (slot * Hkv + h) * D, row + (Hq + Hkv + h) * D, (size_t)D * sizeof(bf16));
     }
 }
 
@@ -324,15 +327,65 @@ void wb_rope_write_kv(const bf16 *qkv, const int64_t *pos, const bf16 *cos, cons
 // ---------------------------------------------------------------------------------------------
 // Decode attention over the paged bf16 cache, read in place: one query token per sequence.
 // q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; tables [B, W] int32; lens [B] int32.
-// One task per (sequence, kv head) computes all of its query heads (GQA). It follows the steps of
-// torch's CPU flash attention for bf16 (what transformers runs), so greedy decoding agrees with
-// it as often as torch's own path does: scores q.k in fp32 then scaled, an online softmax over
-// chunks of KV_CHUNK keys, probabilities rounded to bf16 before they weight the values (their
-// fp32 sum is the normaliser), fp32 accumulation, one division at the end.
+// D % 16 == 0. One task per (sequence, kv head) computes all of its query heads (GQA). It follows
+// the steps of torch's CPU flash attention for bf16 (what transformers runs), so greedy decoding
+// agrees with it as often as torch's own path does: scores q.k in fp32 then scaled, an online
+// softmax over chunks of KV_CHUNK keys, probabilities rounded to bf16 before they weight the
+// values (their fp32 sum is the normaliser), fp32 accumulation, one division at the end.
 #define MAX_D 256
 #define MAX_G 16
 #define KV_CHUNK 512
+#define DV (MAX_D / 16)
 
+// Where each key/value row of a chunk lives: cache row offsets, shared by K and V.
+static void chunk_rows(int64_t *rows, const int32_t *table, int64_t c0, int64_t cn, int64_t bs, int64_t Hkv,
+                       int64_t h, int64_t D) {
+    for (int64_t t = 0; t < cn;) {
+        int64_t pos = c0 + t, off = pos % bs;
+        int64_t n = bs - off < cn - t ? bs - off : cn - t;
+        int64_t first = (((int64_t)table[pos / bs] * bs + off) * Hkv + h) * D;
+        for (int64_t o = 0; o < n; o++) rows[t + o] = first + o * Hkv * D;
+        t += n;
+    }
+}
+
+// Online softmax over a chunk of scores: rescale what came before to the new maximum, turn the
+// scores into bf16-rounded probabilities in place; returns the factor for the old accumulators.
+static float softmax_chunk(float *s, int64_t cn, float *run_max, float *run_sum) {
+    vf mxv = vf_set1(*run_max);
+    for (int64_t t = 0; t < cn; t += 16) {
+        vf v = vf_load_n(s + t, cn - t);
+        // lanes past the end must not raise the maximum: pad them with the running one
+        if (cn - t < 16) {
+            float tmp[16];
+            vf_store(tmp, v);
+            for (int64_t i = cn - t; i < 16; i++) tmp[i] = *run_max;
+            v = vf_load(tmp);
+        }
+        mxv = vf_max(mxv, v);
+    }
+    float mx = vf_hmax(mxv);
+    float corr = wb_expf(*run_max - mx);
+    vf mv = vf_set1(mx), sum = vf_zero();
+    for (int64_t t = 0; t < cn; t += 16) {
+        int64_t n = cn - t;
+        vf e = vf_exp(vf_sub(vf_load_n(s + t, n), mv));
+        if (n < 16) {  // padding lanes contribute nothing
+            float tmp[16];
+            vf_store(tmp, e);
+            for (int64_t i = n; i < 16; i++) tmp[i] = 0.f;
+            e = vf_load(tmp);
+        }
+        sum = vf_add(sum, e);
+        // the probabilities weight the values as bf16, as in torch; their fp32 sum normalises
+        vf_store_n(s + t, vf_round_bf(e), n);
+    }
+    *run_sum = *run_sum * corr + vf_sum(sum);
+    *run_max = mx;
+    return corr;
+}
+
+#if WB_BF16_DOT
 // Lane i of the result = the sum of the 16 lanes of v[i]: pairwise unpack-and-add within 128-bit
 // lanes, then across them; ~45 instructions where 16 horizontal reductions take ~130.
 static inline __m512 sum16(const __m512 v[16]) {
@@ -372,17 +425,10 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         for (int64_t c = 0; c < DW; c++) acc_lo[g][c] = acc_hi[g][c] = _mm512_setzero_ps();
     }
     const int32_t *table = tables + b * W;
+    int64_t rows[KV_CHUNK];
     for (int64_t c0 = 0; c0 < L; c0 += KV_CHUNK) {
         int64_t cn = L - c0 < KV_CHUNK ? L - c0 : KV_CHUNK;
-        // where each key/value row of the chunk lives: cache row offsets, shared by K and V
-        int64_t rows[KV_CHUNK];
-        for (int64_t t = 0; t < cn;) {
-            int64_t pos = c0 + t, off = pos % bs;
-            int64_t n = bs - off < cn - t ? bs - off : cn - t;
-            int64_t first = (((int64_t)table[pos / bs] * bs + off) * Hkv + h) * D;
-            for (int64_t o = 0; o < n; o++) rows[t + o] = first + o * Hkv * D;
-            t += n;
-        }
+        chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);
         // scores[g][t] = (q_g . k_t) * scale, 16 keys at a time: vdpbf16ps on the bf16 rows (exact
         // products, fp32 sums), then one transpose-and-add gives 16 dot products at once instead
         // of 16 horizontal reductions.
@@ -402,31 +448,11 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                                       _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
             }
         }
-        // online softmax: rescale what came before to the new maximum
         for (int64_t g = 0; g < G; g++) {
-            float *s = scores[g];
-            __m512 mxv = _mm512_set1_ps(run_max[g]);
-            for (int64_t t = 0; t < cn; t += 16) {
-                __mmask16 k = cn - t >= 16 ? 0xffff : (__mmask16)((1u << (cn - t)) - 1);
-                mxv = _mm512_max_ps(mxv, _mm512_mask_loadu_ps(mxv, k, s + t));
-            }
-            float mx = _mm512_reduce_max_ps(mxv);
-            float corr = expf_fast(run_max[g] - mx);
-            __m512 mv = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
-            for (int64_t t = 0; t < cn; t += 16) {
-                __mmask16 k = cn - t >= 16 ? 0xffff : (__mmask16)((1u << (cn - t)) - 1);
-                __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), mv));
-                sum = _mm512_mask_add_ps(sum, k, sum, e);
-                // the probabilities weight the values as bf16, as in torch; their fp32 sum normalises
-                __m512 e_bf = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e)), 16));
-                _mm512_mask_storeu_ps(s + t, k, e_bf);
-            }
-            run_sum[g] = run_sum[g] * corr + _mm512_reduce_add_ps(sum);
-            run_max[g] = mx;
+            __m512 corr = _mm512_set1_ps(softmax_chunk(scores[g], cn, &run_max[g], &run_sum[g]));
             for (int64_t c = 0; c < DW; c++) {
-                acc_lo[g][c] = _mm512_mul_ps(acc_lo[g][c], _mm512_set1_ps(corr));
-                acc_hi[g][c] = _mm512_mul_ps(acc_hi[g][c], _mm512_set1_ps(corr));
+                acc_lo[g][c] = _mm512_mul_ps(acc_lo[g][c], corr);
+                acc_hi[g][c] = _mm512_mul_ps(acc_hi[g][c], corr);
             }
         }
         // acc_g += sum_t p[g][t] v_t, keys in pairs (an odd last key pairs with itself at p = 0)
@@ -463,6 +489,70 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         }
     }
 }
+#else
+// The same steps with the keys and values widened to fp32 in registers: q.k and P.V as fp32
+// multiply-adds (a bf16 x bf16 product is exact in fp32, so only the summation order differs).
+static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
+                        const int32_t *lens, bf16 *out, int64_t b, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t bs, int64_t W, float scale) {
+    int64_t G = Hq / Hkv;
+    int64_t L = lens[b];
+    if (L <= 0) return;
+    int64_t DW = D / 16;
+    float scores[MAX_G][KV_CHUNK];
+    vf qf[MAX_G][DV], acc[MAX_G][DV];
+    float run_max[MAX_G], run_sum[MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.f;
+        for (int64_t c = 0; c < DW; c++) {
+            qf[g][c] = vf_load_bf(q + (b * Hq + h * G + g) * D + c * 16);
+            acc[g][c] = vf_zero();
+        }
+    }
+    const int32_t *table = tables + b * W;
+    int64_t rows[KV_CHUNK];
+    for (int64_t c0 = 0; c0 < L; c0 += KV_CHUNK) {
+        int64_t cn = L - c0 < KV_CHUNK ? L - c0 : KV_CHUNK;
+        chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);
+        for (int64_t t = 0; t < cn; t++) {
+            const bf16 *kr = k_cache + rows[t];
+            if (t + 2 < cn) PREFETCH(k_cache + rows[t + 2]);
+            vf kv[DV];
+            for (int64_t c = 0; c < DW; c++) kv[c] = vf_load_bf(kr + c * 16);
+            for (int64_t g = 0; g < G; g++) {
+                vf dot = vf_mul(kv[0], qf[g][0]);
+                for (int64_t c = 1; c < DW; c++) dot = vf_fma(kv[c], qf[g][c], dot);
+                scores[g][t] = vf_sum(dot) * scale;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            vf corr = vf_set1(softmax_chunk(scores[g], cn, &run_max[g], &run_sum[g]));
+            for (int64_t c = 0; c < DW; c++) acc[g][c] = vf_mul(acc[g][c], corr);
+        }
+        for (int64_t t = 0; t < cn; t++) {
+            const bf16 *vr = v_cache + rows[t];
+            if (t + 2 < cn) PREFETCH(v_cache + rows[t + 2]);
+            vf vv[DV];
+            for (int64_t c = 0; c < DW; c++) vv[c] = vf_load_bf(vr + c * 16);
+            for (int64_t g = 0; g < G; g++) {
+                vf p = vf_set1(scores[g][t]);
+                for (int64_t c = 0; c < DW; c++) acc[g][c] = vf_fma(p, vv[c], acc[g][c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        bf16 *o = out + (b * Hq + h * G + g) * D;
+        vf sum = vf_set1(run_sum[g]);
+        for (int64_t c = 0; c < DW; c++) {
+            // one division, then one rounding to bf16, as in the AVX-512 BF16 build
+            float tmp[16];
+            vf_store(tmp, vf_div(acc[g][c], sum));
+            for (int j = 0; j < 16; j++) o[c * 16 + j] = f2bf(tmp[j]);
+        }
+    }
+}
+#endif
 
 void wb_paged_decode(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
                      const int32_t *lens, bf16 *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
@@ -505,12 +595,19 @@ typedef struct {
 // y = x @ W^T inside the caller's parallel region (all threads must call it).
 static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M, float *xf) {
     int64_t N = L->n, K = L->k;
+#if WB_BF16_DOT
     if (L->kind == 0) {
         ROW_BLOCKS(SHARED, gemv_bf16_block, x, (const bf16 *)L->w, L->bias, y, N, K);
         return;
     }
+#endif
 #pragma omp single
     bf16_to_f32(x, xf, M * K);
+#if !WB_BF16_DOT
+    if (L->kind == 0)
+        ROW_BLOCKS(SHARED, gemv_bf16_block, xf, (const bf16 *)L->w, L->bias, y, N, K);
+    else
+#endif
     if (L->kind == 1)
         ROW_BLOCKS(SHARED, gemv_int8_block, xf, (const int8_t *)L->w, (const bf16 *)L->aux, L->bias, y, N, K);
     else
@@ -518,31 +615,48 @@ static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M,
                    L->group);
 }
 
-// x (the residual stream) += delta_in; delta_out = this layer's MLP output, for the next norm to add.
+// One layer inside the caller's parallel region (all threads call it): x (the residual stream)
+// += delta_in; delta_out = this layer's MLP output, for the next norm to add.
+static void layer_body(const wb_layer *L, const wb_step *S, bf16 *x, const bf16 *delta_in, bf16 *delta_out,
+                       bf16 *k_cache, bf16 *v_cache) {
+    int64_t T = S->T, H = S->H, qkv_w = (S->Hq + 2 * S->Hkv) * S->D, att_w = S->Hq * S->D;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        norm_row(x + t * H, delta_in ? delta_in + t * H : NULL, L->ln1, S->h + t * H, H, L->eps);
+    linear_shared(&L->qkv, S->h, S->qkv, T, S->xf);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        rope_token(S->qkv + t * qkv_w, S->pos[t], S->cos, S->sin, S->slots[t], S->q + t * att_w, k_cache, v_cache,
+                   S->Hq, S->Hkv, S->D);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < T; b++)
+        for (int64_t h = 0; h < S->Hkv; h++)
+            decode_task(S->q, k_cache, v_cache, S->tables, S->lens, S->att, b, h, S->Hq, S->Hkv, S->D, S->bs,
+                        S->W, S->scale);
+    linear_shared(&L->o, S->att, S->o, T, S->xf);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) norm_row(x + t * H, S->o + t * H, L->ln2, S->h + t * H, H, L->eps);
+    linear_shared(&L->gate_up, S->h, S->gu, T, S->xf);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) silu_row(S->gu + t * 2 * S->I, S->gu + t * 2 * S->I + S->I, S->act + t * S->I, S->I);
+    linear_shared(&L->down, S->act, delta_out, T, S->xf);
+}
+
 void wb_decode_layer(const wb_layer *L, const wb_step *S, bf16 *x, const bf16 *delta_in, bf16 *delta_out,
                      bf16 *k_cache, bf16 *v_cache) {
-    int64_t T = S->T, H = S->H, qkv_w = (S->Hq + 2 * S->Hkv) * S->D, att_w = S->Hq * S->D;
 #pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            norm_row(x + t * H, delta_in ? delta_in + t * H : NULL, L->ln1, S->h + t * H, H, L->eps);
-        linear_shared(&L->qkv, S->h, S->qkv, T, S->xf);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            rope_token(S->qkv + t * qkv_w, S->pos[t], S->cos, S->sin, S->slots[t], S->q + t * att_w, k_cache, v_cache,
-                       S->Hq, S->Hkv, S->D);
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t b = 0; b < T; b++)
-            for (int64_t h = 0; h < S->Hkv; h++)
-                decode_task(S->q, k_cache, v_cache, S->tables, S->lens, S->att, b, h, S->Hq, S->Hkv, S->D, S->bs,
-                            S->W, S->scale);
-        linear_shared(&L->o, S->att, S->o, T, S->xf);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) norm_row(x + t * H, S->o + t * H, L->ln2, S->h + t * H, H, L->eps);
-        linear_shared(&L->gate_up, S->h, S->gu, T, S->xf);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) silu_row(S->gu + t * 2 * S->I, S->gu + t * 2 * S->I + S->I, S->act + t * S->I, S->I);
-        linear_shared(&L->down, S->act, delta_out, T, S->xf);
+    layer_body(L, S, x, delta_in, delta_out, k_cache, v_cache);
+}
+
+// n layers in one call and one parallel region (the whole decoder of a small step): delta ping-pongs
+// between two [T, H] buffers, and the last layer's MLP output lands in delta_out.
+void wb_decode_layers(const wb_layer *layers, int64_t n, const wb_step *S, bf16 *x, const bf16 *delta_in,
+                      bf16 *delta_out, bf16 *delta_tmp, bf16 *const *k_caches, bf16 *const *v_caches) {
+#pragma omp parallel
+    for (int64_t i = 0; i < n; i++) {
+        // the last layer writes delta_out; before it the buffers alternate so that it does
+        bf16 *out = ((n - 1 - i) % 2 == 0) ? delta_out : delta_tmp;
+        const bf16 *in = i == 0 ? delta_in : (out == delta_out ? delta_tmp : delta_out);
+        layer_body(&layers[i], S, x, in, out, k_caches[i], v_caches[i]);
     }
 }

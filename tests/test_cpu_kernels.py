@@ -1,5 +1,7 @@
-"""The C kernels of the CPU fast path (workbench_kernels.cpu) against torch, op by op, and the
-engine with them on against the engine with torch's ops only.
+"""The C kernels of the CPU fast path (workbench_kernels.cpu) against torch, op by op, on every
+variant this host can execute (an AVX-512 BF16 host runs avx512_bf16, avx512, avx2 and portable;
+the NEON build runs under qemu-aarch64 where the cross compiler and qemu-user are installed), and
+the engine with them on against the engine with torch's ops only.
 
 Elementwise ops keep torch's bf16 rounding points, so RoPE/KV write and SiLU*up are bit-exact;
 reductions (RMSNorm's mean, dots, softmax sums) may differ in fp32 summation order, so those are
@@ -7,18 +9,62 @@ held to a bf16 ulp or two on rare elements."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import cpu_qemu
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
 from workbench_kernels import cpu, reference
 
-from workbench.models.linear import Linear, int4_codes, int4_torch_operands, quantize_int8
+from workbench.models.linear import Linear, int4_codes, int4_torch_operands, native_int4, quantize_int8
 from workbench.models.llama import RotaryEmbedding, rms_norm
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+QEMU_NEON = "neon-qemu"
+
+
+@pytest.fixture(scope="session")
+def neon_driver(tmp_path_factory):
+    why = cpu_qemu.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    return cpu_qemu.build(tmp_path_factory.mktemp("neon"))
+
+
+@pytest.fixture(params=[*cpu.variants(), QEMU_NEON])
+def kern(request):
+    """The kernels of one variant: this module's functions bound to it, or the NEON build under qemu."""
+    if request.param == QEMU_NEON:
+        yield cpu_qemu.QemuKernels(request.getfixturevalue("neon_driver"))
+        return
+    lacks = cpu.missing(request.param)
+    if lacks:
+        pytest.skip(f"variant {request.param} not run: this CPU lacks {', '.join(lacks)}")
+    cpu.use(request.param)
+    try:
+        yield cpu
+    finally:
+        cpu.use(None)
+
+
+@pytest.fixture(params=cpu.variants())
+def native_variant(request):
+    """One in-process variant this CPU runs, active for the test."""
+    lacks = cpu.missing(request.param)
+    if lacks:
+        pytest.skip(f"variant {request.param} not run: this CPU lacks {', '.join(lacks)}")
+    cpu.use(request.param)
+    try:
+        yield request.param
+    finally:
+        cpu.use(None)
+
 
 BF = torch.bfloat16
 
@@ -38,41 +84,38 @@ def assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, max_fraction: float
 
 @pytest.mark.parametrize("n,k", [(7, 40), (13, 64), (96, 576), (33, 100)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_gemv_bf16(m, n, k):
+def test_gemv_bf16(kern, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
     x = torch.randn(m, k, generator=g).to(BF)
     bias = torch.randn(n, generator=g).to(BF)
     for b in (None, bias):
         ref = x.float() @ w.float().t() + (0 if b is None else b.float())
-        out = cpu.gemv_bf16(x, w, b)
+        out = kern.gemv_bf16(x, w, b)
         assert out.shape == (m, n) and out.dtype == BF
         # fp32 accumulation, one rounding: within an ulp of the exact result
         assert bool(((out.float() - ref).abs() <= ulp(ref) + 1e-6).all())
 
 
 @pytest.mark.parametrize("m", [1, 4])
-def test_gemv_int8_matches_torch_kernel(m):
+def test_gemv_int8_matches_torch_kernel(kern, m):
     g = torch.Generator().manual_seed(m)
     w = (torch.randn(48, 96, generator=g) * 0.1).to(BF)
     x = torch.randn(m, 96, generator=g).to(BF)
     q, s = quantize_int8(w)
-    assert_within_ulps(cpu.gemv_int8(x, q, s), torch.ops.aten._weight_int8pack_mm(x, q, s), 0.05)
+    assert_within_ulps(kern.gemv_int8(x, q, s), torch.ops.aten._weight_int8pack_mm(x, q, s), 0.05)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3])
-def test_gemv_int4_matches_torch_kernel(m, group):
+def test_gemv_int4_matches_torch_kernel(kern, m, group):
     g = torch.Generator().manual_seed(group + m)
     w = (torch.randn(48, 256, generator=g) * 0.1).to(BF)
     x = torch.randn(m, 256, generator=g).to(BF)
     codes, scales_zeros = int4_codes(w, group)
     packed, sz, _ = int4_torch_operands(codes, scales_zeros, w)
     ref = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
-    lin = Linear(w)
-    lin.quantize("int4", group)
-    lin.native = True
-    assert_within_ulps(lin(x), ref, 0.05)
+    assert_within_ulps(kern.gemv_int4(x, *native_int4(codes, scales_zeros), group), ref, 0.05)
 
 
 def test_pack_int4_layout():
@@ -84,7 +127,7 @@ def test_pack_int4_layout():
     assert packed[0, 17].item() == codes[0, 33] | (codes[0, 49] << 4)
 
 
-def test_linear_native_switch_keeps_results():
+def test_linear_native_switch_keeps_results(native_variant):
     w = (torch.randn(64, 64) * 0.1).to(BF)
     lin = Linear(w)
     x = torch.randn(2, 64).to(BF)
@@ -102,30 +145,30 @@ def test_linear_native_switch_keeps_results():
     assert torch.equal(lin(big), ref)
 
 
-def test_add_rms_norm_in_place():
+def test_add_rms_norm_in_place(kern):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 576, generator=g) * 3).to(BF)
     d = torch.randn(37, 576, generator=g).to(BF)
     w = (torch.rand(576, generator=g) + 0.5).to(BF)
     ref = rms_norm(x + d, w, 1e-5)
     x2 = x.clone()
-    out = cpu.add_rms_norm(x2, d, w, 1e-5)
+    out = kern.add_rms_norm(x2, d, w, 1e-5)
     assert torch.equal(x2, x + d)  # the residual stream is updated in place, rounded as torch does
     # one ulp in bf16(x * rsqrt(...)) becomes up to two after the product with the weight
     assert_within_ulps(out, ref, ulps=2)
     x3 = x.clone()
-    assert_within_ulps(cpu.add_rms_norm(x3, None, w, 1e-5), rms_norm(x, w, 1e-5), ulps=2)
+    assert_within_ulps(kern.add_rms_norm(x3, None, w, 1e-5), rms_norm(x, w, 1e-5), ulps=2)
     assert torch.equal(x3, x)
 
 
-def test_silu_mul_bit_exact():
+def test_silu_mul_bit_exact(kern):
     gu = (torch.randn(9, 2 * 1539) * 4).to(BF)  # odd width: the scalar tail runs too
     gate, up = gu.chunk(2, -1)
-    assert torch.equal(cpu.silu_mul(gu), F.silu(gate) * up)
+    assert torch.equal(kern.silu_mul(gu), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 16), (8, 8, 128)])
-def test_rope_write_kv_bit_exact(hq, hkv, d):
+def test_rope_write_kv_bit_exact(kern, hq, hkv, d):
     rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=10000.0, rope_scaling=None), 2048, "cpu", BF)
     t = 23
     g = torch.Generator().manual_seed(d)
@@ -139,13 +182,13 @@ def test_rope_write_kv_bit_exact(hq, hkv, d):
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
     qr, kr = rope(pos, q.view(t, hq, d), k.view(t, hkv, d))
     reference.write_kv_ref(kr, v.reshape(t, hkv, d), kc, vc, slots)
-    out = cpu.rope_write_kv(qkv, pos, rope.cos, rope.sin, slots, kc2, vc2, hq)
+    out = kern.rope_write_kv(qkv, pos, rope.cos, rope.sin, slots, kc2, vc2, hq)
     assert torch.equal(out, qr)
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 16, 32), (8, 2, 128, 16)])
-def test_paged_decode_matches_torch(hq, hkv, d, bs):
+def test_paged_decode_matches_torch(kern, hq, hkv, d, bs):
     g = torch.Generator().manual_seed(hq * d)
     nb = 96
     kc = (torch.randn(nb, bs, hkv, d, generator=g) * 2).to(BF)
@@ -154,7 +197,7 @@ def test_paged_decode_matches_torch(hq, hkv, d, bs):
     width = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in lens]).int()
     q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(BF)
-    out = cpu.decode_attention(q, kc, vc, tables, lens, d**-0.5)
+    out = kern.decode_attention(q, kc, vc, tables, lens, d**-0.5)
     # exact attention in fp32 on the same bf16 inputs: ours is as close as torch's bf16 path
     exact = reference.decode_attention_ref(q.float(), kc.float(), vc.float(), tables, lens, d**-0.5)
     ref = reference.decode_attention_ref(q, kc, vc, tables, lens, d**-0.5)
@@ -167,7 +210,7 @@ def test_paged_decode_matches_torch(hq, hkv, d, bs):
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 16, 32)])
-def test_paged_extend_matches_torch(hq, hkv, d, bs):
+def test_paged_extend_matches_torch(native_variant, hq, hkv, d, bs):
     """Prefill chunks and verifies, starting mid-sequence (prefix hits, later chunks) or at 0."""
     g = torch.Generator().manual_seed(hq + d)
     nb = 96
@@ -213,21 +256,9 @@ def _prompts():
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 5, 17, 33, 64, 90)]
 
 
-def test_engine_uses_cpu_kernels_and_agrees_with_torch_ops(tiny_bf16):
-    from workbench import SamplingParams
-
-    llm = tiny_bf16
-    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    llm.configure(cpu_kernels=True)
-    status = llm.status()
-    assert status["cpu_kernels"] is True and status["attention_backend"] == "cpu"
-    native = llm.generate(None, sp, prompt_token_ids=_prompts())
-    llm.configure(cpu_kernels=False)
-    status = llm.status()
-    assert status["cpu_kernels"] is False and status["attention_backend"] == "torch"
-    plain = llm.generate(None, sp, prompt_token_ids=_prompts())
-    # Same arithmetic up to fp32 summation order: log-probabilities agree to bf16 precision, and
-    # greedy tokens agree until a near-tie, where the two paths may pick different top tokens.
+def assert_agree_up_to_near_ties(native, plain):
+    """Same arithmetic up to fp32 summation order: log-probabilities agree to bf16 precision, and
+    greedy tokens agree until a near-tie, where the two paths may pick different top tokens."""
     same = 0
     for a, b in zip(native, plain):
         assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) <= 0.05 * max(1.0, abs(b.logprobs[0].logprob))
@@ -239,7 +270,125 @@ def test_engine_uses_cpu_kernels_and_agrees_with_torch_ops(tiny_bf16):
         assert a.token_ids[diverge] in top, "the fast path chose a token outside torch's top 2"
         assert top[b.token_ids[diverge]] - top[a.token_ids[diverge]] < 0.1, "diverged without a near-tie"
     assert same >= len(native) // 2
+
+
+def test_engine_uses_cpu_kernels_and_agrees_with_torch_ops(tiny_bf16):
+    from workbench import SamplingParams
+
+    llm = tiny_bf16
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     llm.configure(cpu_kernels=True)
+    status = llm.status()
+    assert status["cpu_kernels"] is True and status["attention_backend"] == "cpu"
+    assert status["kernel_variant"] == cpu.variant() and status["kernel_variant_reason"] == cpu.variant_reason()
+    assert status["compute_path"] == cpu.gemm_path()[0] and "GFLOP/s" in status["compute_path_reason"]
+    native = llm.generate(None, sp, prompt_token_ids=_prompts())
+    llm.configure(cpu_kernels=False)
+    status = llm.status()
+    assert status["cpu_kernels"] is False and status["attention_backend"] == "torch"
+    assert status["kernel_variant"] == "torch" and "cpu_kernels is off" in status["kernel_variant_reason"]
+    plain = llm.generate(None, sp, prompt_token_ids=_prompts())
+    assert_agree_up_to_near_ties(native, plain)
+    llm.configure(cpu_kernels=True)
+
+
+@pytest.mark.parametrize("gemm", ["bf16", "fp32"])
+def test_engine_on_every_variant_and_compute_path(tmp_path_factory, native_variant, gemm, monkeypatch):
+    """Each variant the CPU runs, with large steps (prefills of more than MAX_ROWS tokens) in bf16
+    and in fp32 over the bf16 weights, serves what torch's ops serve, up to near-ties."""
+    from workbench import LLM, SamplingParams
+
+    path = tmp_path_factory.mktemp("tiny-llama-variant")
+    make_tiny_model(path, "llama", seed=3)
+    rates = {"bf16": 1.0, "fp32": 1.0}
+    monkeypatch.setattr(cpu, "_gemm", (gemm, f"forced to {gemm} by the test", rates))
+    llm = LLM(str(path), dtype="bfloat16")
+    status = llm.status()
+    assert (status["kernel_variant"], status["compute_path"]) == (native_variant, gemm)
+    assert all(lin.wide == (gemm == "fp32") for lin in llm.engine.runner.model.linears())
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    native = llm.generate(None, sp, prompt_token_ids=_prompts())
+    llm.configure(cpu_kernels=False)
+    assert_agree_up_to_near_ties(native, llm.generate(None, sp, prompt_token_ids=_prompts()))
+
+
+def test_float32_models_say_why_they_run_torch(tmp_path):
+    from workbench import LLM
+
+    make_tiny_model(tmp_path, "llama", seed=3)
+    status = LLM(str(tmp_path), dtype="float32").status()
+    assert status["cpu_kernels"] is False and status["kernel_variant"] == "torch"
+    assert "bf16" in status["kernel_variant_reason"] and "float32" in status["kernel_variant_reason"]
+
+
+def _select_in_subprocess(**env) -> list[str]:
+    code = "from workbench_kernels import cpu; print(cpu.variant()); print(cpu.variant_reason())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()
+
+
+def test_variant_selection_and_its_reasons():
+    best = cpu.runnable()[0]
+    assert cpu.variant() == best or os.environ.get("WORKBENCH_CPU_ISA")
+    for v in cpu.runnable():
+        assert _select_in_subprocess(WORKBENCH_CPU_ISA=v) == [v, f"forced by WORKBENCH_CPU_ISA={v}"]
+    foreign = "neon" if cpu._arch() == "x86_64" else "avx2"
+    chosen, why = _select_in_subprocess(WORKBENCH_CPU_ISA=foreign)
+    assert chosen == best and f"WORKBENCH_CPU_ISA={foreign} refused" in why and "another architecture" in why
+    chosen, why = _select_in_subprocess(WORKBENCH_CPU_ISA="avx9")
+    assert chosen == best and "'avx9' is not a variant" in why and "portable" in why
+    assert _select_in_subprocess(WORKBENCH_CPU_KERNELS="0") == ["None", "disabled by WORKBENCH_CPU_KERNELS=0"]
+
+
+def test_reason_names_the_missing_features(monkeypatch):
+    """An AVX2-only CPU (Zen 3, most laptops) gets the avx2 build, and is told why."""
+    if cpu._arch() != "x86_64":
+        pytest.skip("x86 feature flags")
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"sse2", "avx", "avx2", "fma", "f16c"})
+    monkeypatch.setattr(cpu, "_sel", cpu._Selection())
+    monkeypatch.delenv("WORKBENCH_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu, "_errors", {})
+    monkeypatch.setattr(cpu, "_libs", {})
+    assert cpu.runnable() == ["avx2", "portable"]
+    assert cpu.variant() == "avx2"
+    assert cpu.variant_reason() == "not avx512: this CPU lacks avx512f, avx512bw, avx512vl"
+
+
+def test_neon_decode_layer_matches_portable(neon_driver):
+    """The one-call layer of the NEON build (under qemu) against the portable build in-process:
+    same source, same inputs, so they agree up to fp32 summation order."""
+    neon = cpu_qemu.QemuKernels(neon_driver)
+    g = torch.Generator().manual_seed(7)
+    h, hq, hkv, d, inter, bs, t = 64, 4, 2, 16, 96, 16, 3
+    ws = [(torch.randn(n, k, generator=g) * 0.1).to(BF) for n, k in
+          (((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter))]
+    ln1, ln2 = (torch.rand(h, generator=g) + 0.5).to(BF), (torch.rand(h, generator=g) + 0.5).to(BF)
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=10000.0, rope_scaling=None), 256, "cpu", BF)
+    positions = torch.tensor([5, 6, 40])
+    tables = torch.tensor([[3, 1, 0], [3, 1, 0], [2, 4, 5]], dtype=torch.int32)
+    slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for i, p in enumerate(positions.tolist())])
+    step = dict(positions=positions, slots=slots, tables=tables, lens=(positions + 1).to(torch.int32),
+                cos=rope.cos, sin=rope.sin, heads=hq, kv_heads=hkv, head_dim=d, intermediate=inter, scale=d**-0.5)
+    x = torch.randn(t, h, generator=g).to(BF)
+    delta = torch.randn(t, h, generator=g).to(BF)
+    kc = torch.randn(8, bs, hkv, d, generator=g).to(BF)
+    vc = torch.randn(8, bs, hkv, d, generator=g).to(BF)
+    x_neon, kc_neon, vc_neon = x.clone(), kc.clone(), vc.clone()
+    out_neon = neon.decode_layer(ws, ln1, ln2, 1e-5, step, x_neon, delta, kc_neon, vc_neon)
+    cpu.use("portable")
+    try:
+        layer = cpu.DecodeLayer(*(cpu.Gemv("bf16", w) for w in ws), ln1, ln2, 1e-5)
+        s = cpu.DecodeStep(hidden=h, heads=hq, kv_heads=hkv, head_dim=d, intermediate=inter, block_size=bs,
+                           positions=positions, slot_mapping=slots, block_tables=tables, seq_lens=step["lens"],
+                           cos=rope.cos, sin=rope.sin, scale=d**-0.5)
+        out = layer(s, x, delta, kc, vc)
+    finally:
+        cpu.use(None)
+    assert torch.equal(x_neon, x)  # the residual add is elementwise: bit-exact
+    assert torch.equal(kc_neon, kc) and torch.equal(vc_neon, vc)
+    assert_within_ulps(out_neon, out, max_fraction=0.2, ulps=4)
 
 
 def test_cpu_kernels_toggle_mid_stream_keeps_requests(tiny_bf16):

@@ -51,8 +51,8 @@ class EngineSettings(HasTraits):
         kind=LIVE, doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference"
     )
     cpu_kernels = Bool(True).tag(
-        kind=LIVE, doc="bf16 on x86 CPUs with AVX-512 BF16: our C kernels for decode GEMVs, attention and fused "
-        "layer ops (False: torch's ops only)"
+        kind=LIVE, doc="bf16 on a CPU: our C kernels (built for this CPU's instruction set) for decode GEMVs, "
+        "attention and fused layer ops, large steps in the faster GEMM dtype (False: torch's ops only)"
     )
     dtype = Enum(["auto", "bfloat16", "float16", "float32"], default_value="auto").tag(
         kind=RESTART, doc="compute dtype (auto: bfloat16)"

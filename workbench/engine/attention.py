@@ -107,7 +107,7 @@ def _cpu_ops():
 
 def backend_ops(name: str, device: torch.device, cpu_kernels: bool = False):
     """Resolve `attention_backend`. auto: Triton on CUDA; on a CPU our C attention kernel (decode,
-    and prefill as per-token decodes) when `cpu_kernels` applies (bf16 on AVX-512 BF16), else the
+    and prefill as per-token decodes) when `cpu_kernels` applies (bf16 on a CPU with a kernel variant), else the
     torch reference."""
     if name == "auto":
         if device.type == "cuda":

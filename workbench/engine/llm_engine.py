@@ -491,6 +491,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.backend.name,
             "cpu_kernels": self.runner.model.cpu_kernels,
+            **self.runner.model.kernel_report(),
             "num_layers": self.model_config.num_hidden_layers,
             "vocab_size": self.model_config.vocab_size,
         }

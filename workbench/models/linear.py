@@ -5,10 +5,12 @@ Modes: "none" (the original weights; bf16 on a CPU uses oneDNN's packed layout),
 asymmetric), "fp8" (e4m3, per-output-channel; CUDA devices with fp8 support only). The
 quantised matmuls are torch's packed weight-only kernels, never dequantise-then-matmul on a CPU.
 
-With `native` set (the engine's `cpu_kernels` setting, on CPUs with AVX-512 BF16), batches of up
-to `cpu.MAX_ROWS` rows -- decode steps -- take our GEMV kernels instead (workbench_kernels.cpu):
+With `native` set (the engine's `cpu_kernels` setting, bf16 on a CPU), batches of up to
+`cpu.MAX_ROWS` rows -- decode steps -- take our GEMV kernels instead (workbench_kernels.cpu):
 they stream the weights at the memory's rate, where oneDNN's and torch's kernels lose a third to
-per-call overhead and short rows. Larger batches keep the packed GEMM kernels.
+per-call overhead and short rows. Larger batches keep torch's GEMM kernels, in bf16 where this CPU
+multiplies bf16 natively, else (`wide`, chosen by measurement in `cpu.gemm_path`) in fp32 over an
+fp32 copy of the weights made on first use.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ class Linear:
         self.bias = bias
         self.mode = "none"
         self.group_size = 0
-        self._packed = _mkldnn_pack(weight)
+        self._packed: torch.Tensor | None | bool = False  # oneDNN's layout, made on first use (False: not yet)
+        self._wide: torch.Tensor | None = None  # the fp32 copy for `wide` large steps, made on first use
         self._q: tuple = ()
         self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel
         self.native = False
+        self.wide = False
         self.quantize("none")
 
     @property
@@ -85,6 +89,13 @@ class Linear:
         if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= cpu.MAX_ROWS:
             return self._native(x if x.is_contiguous() else x.contiguous())
         if mode == "none":
+            if self.native and self.wide:
+                if self._wide is None:
+                    self._wide = self.weight.float()
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self._wide, bias).to(x.dtype)
+            if self._packed is False:
+                self._packed = _mkldnn_pack(self.weight)
             if self._packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
             return F.linear(x, self.weight, self.bias)

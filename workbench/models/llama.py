@@ -4,10 +4,10 @@ No padding anywhere: a step's tokens from every sequence are concatenated, and a
 each sequence's context in the paged KV cache through `AttnMetadata`. Q/K/V and gate/up are
 fused into one matmul each, since on a CPU every kernel launch costs.
 
-Two forwards with the same arithmetic: torch ops (any device and dtype), and on CPUs with
-AVX-512 BF16 in bf16 (`set_cpu_kernels`) our C kernels, which fuse the residual add into the
-next RMSNorm, RoPE into the KV-cache write and SiLU into the up projection's product, keeping
-torch's bf16 rounding points (workbench_kernels/cpu_kernels.c).
+Two forwards with the same arithmetic: torch ops (any device and dtype), and for bf16 on a CPU
+(`set_cpu_kernels`) our C kernels, built for the CPU's instruction set, which fuse the residual
+add into the next RMSNorm, RoPE into the KV-cache write and SiLU into the up projection's product,
+keeping torch's bf16 rounding points (workbench_kernels/cpu_kernels.c).
 """
 
 from __future__ import annotations
@@ -161,17 +161,45 @@ class Transformer:
         self.lm_head = Linear(head)
         self.rope = RotaryEmbedding(config, max_positions, device, self.embed.dtype)
         self.cpu_kernels = False
+        self._why_not: str | None = "not set up yet"
+        self._stack: tuple[tuple, cpu.DecodeStack] | None = None  # (what it binds, the stack)
 
     def set_cpu_kernels(self, on: bool) -> bool:
-        """Use the C kernels where they apply (bf16 on a CPU that has them); returns whether they do."""
+        """Use the C kernels where they apply (bf16 on a CPU that has a variant); returns whether they do."""
         c = self.config
-        self.cpu_kernels = bool(
-            on and self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16 and cpu.available()
-            and cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads)
-        )
+        dev, dt = self.embed.device, self.embed.dtype
+        why_not = None
+        if not on:
+            why_not = "cpu_kernels is off: torch's ops only"
+        elif dev.type != "cpu":
+            why_not = f"the C kernels serve CPUs; this model is on {dev}"
+        elif dt != torch.bfloat16:
+            why_not = f"the C kernels serve bf16 models; this one runs in {str(dt).removeprefix('torch.')}"
+        elif not cpu.available():
+            why_not = f"no C kernels: {cpu.unavailable_reason()}"
+        elif not cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads):
+            why_not = (f"the C kernels take head_dim % 16 == 0 (<= 256) and <= 16 query heads per KV head; "
+                       f"this model has head_dim {c.head_dim}, {c.num_attention_heads}/{c.num_key_value_heads} heads")
+        self.cpu_kernels = why_not is None
+        self._why_not = why_not
+        wide = self.cpu_kernels and cpu.gemm_path()[0] == "fp32"
         for lin in self.linears():
-            lin.native = self.cpu_kernels
+            lin.native, lin.wide = self.cpu_kernels, wide
         return self.cpu_kernels
+
+    def kernel_report(self) -> dict:
+        """Which kernels serve and why: `kernel_variant` (the C kernels' instruction set, "torch",
+        or "cuda") and the dtype that steps of more than cpu.MAX_ROWS tokens multiply in."""
+        dt = str(self.embed.dtype).removeprefix("torch.")
+        if self.embed.device.type == "cuda":
+            return {"kernel_variant": "cuda", "kernel_variant_reason": "a CUDA device: torch and our Triton kernels",
+                    "compute_path": dt, "compute_path_reason": "torch's CUDA kernels in the model's dtype"}
+        if not self.cpu_kernels:
+            return {"kernel_variant": "torch", "kernel_variant_reason": self._why_not,
+                    "compute_path": dt, "compute_path_reason": "torch's ops in the model's dtype"}
+        path, why, _ = cpu.gemm_path()
+        return {"kernel_variant": cpu.variant(), "kernel_variant_reason": cpu.variant_reason(),
+                "compute_path": path, "compute_path_reason": why}
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
@@ -189,6 +217,9 @@ class Transformer:
         if self.cpu_kernels and attention.kv.k_scale is None:
             delta = None
             step = self._decode_step(positions, attention, meta)
+            stack = self._decode_stack(attention.kv) if step is not None else None
+            if stack is not None:
+                return cpu.add_rms_norm(x, stack(step, x, None), self.norm, self.config.rms_norm_eps)
             for layer in self.layers:
                 fused = layer.fused() if step is not None else None
                 if fused is not None:
@@ -200,6 +231,17 @@ class Transformer:
         for layer in self.layers:
             x = layer(x, positions, self.rope, attention, meta)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _decode_stack(self, kv) -> cpu.DecodeStack | None:
+        """Every layer in one C call, when every layer has its one-call kernel; rebuilt when a
+        layer's kernel or the cache changes (re-layouts)."""
+        fused = [layer.fused() for layer in self.layers]
+        if any(f is None for f in fused):
+            return None
+        key = (tuple(map(id, fused)), tuple(map(id, kv.k)), tuple(map(id, kv.v)))
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, cpu.DecodeStack(fused, kv.k, kv.v))
+        return self._stack[1]
 
     def _decode_step(self, positions, attention, meta) -> cpu.DecodeStep | None:
         """The shared state of the one-call layer kernel, for a step of at most cpu.MAX_ROWS
