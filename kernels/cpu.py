@@ -478,7 +478,7 @@ GEMM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _gemm: tuple[str, str, dict] | None = None
 
 
-def _gemm_rate(dtype: torch.dtype, m: int = 64, k: int = 1024, n: int = 1024, budget_s: float = 0.15) -> float:
+def gemm_rate(dtype: torch.dtype, m: int = 64, k: int = 1024, n: int = 1024, budget_s: float = 0.15) -> float:
     """GFLOP/s of an m x k @ k x n linear in `dtype` the way the engine runs it (oneDNN's packed
     weights for bf16 where torch has them)."""
     import time
@@ -512,7 +512,7 @@ def gemm_path() -> tuple[str, str, dict]:
     """("bf16" | "fp32", why, {"bf16": GFLOP/s, "fp32": GFLOP/s}) for steps above MAX_ROWS rows."""
     global _gemm
     if _gemm is None:
-        rates = {name: round(_gemm_rate(dt), 1) for name, dt in GEMM_DTYPES.items()}
+        rates = {name: round(gemm_rate(dt), 1) for name, dt in GEMM_DTYPES.items()}
         forced = os.environ.get("WORKBENCH_CPU_GEMM", "").strip().lower()
         measured = f"bf16 matmul {rates['bf16']:g} GFLOP/s, fp32 {rates['fp32']:g} on this CPU"
         if forced in GEMM_DTYPES:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from workbench.bench import RESULT_KEYS, percentile, summarize
 from workbench.bench.runner import run_engine, token_agreement
@@ -247,3 +248,64 @@ def test_generate_cli_on_the_default_model(capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()  # the streamed text
     assert "TTFT" in captured.err and "tok/s" in captured.err and "8 tokens" in captured.err
+
+
+# ----------------------------------------------------------------------------- fair peers and limits
+def test_roofline_peak_is_the_best_dtype_the_host_can_use():
+    """For bf16 on a CPU the roofline measures fp32 too (what runs where bf16 matmuls are slow), so
+    the compute limit is the host's real best, not the slow bf16 fallback's."""
+    from workbench.bench.roofline import measure_roofline, model_costs
+
+    cfg = load_model_config_for_costs()
+    roof = measure_roofline(model_costs(cfg, torch.bfloat16), dtype=torch.bfloat16, quick=True, hidden_size=64)
+    assert set(roof["matmul_by_dtype_gflop_s"]) == {"bfloat16", "float32"}
+    assert roof["peak_gflop_s"] == max(roof["matmul_gflop_s"].values())
+    best = max(roof["matmul_gflop_s"], key=roof["matmul_gflop_s"].get)
+    assert roof["compute_dtype"] == best.split()[0]
+    fp32 = measure_roofline(model_costs(cfg, torch.float32), dtype=torch.float32, quick=True, hidden_size=64)
+    assert set(fp32["matmul_by_dtype_gflop_s"]) == {"float32"}
+
+
+def load_model_config_for_costs():
+    from workbench.models.loader import ModelConfig
+
+    return ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "vocab_size": 256, "max_position_embeddings": 512, "tie_word_embeddings": True})
+
+
+@pytest.mark.parametrize("rates,expected", [({"bfloat16": 700.0, "float32": 180.0}, torch.bfloat16),
+                                            ({"bfloat16": 1.3, "float32": 74.0}, torch.float32)])
+def test_transformers_peers_run_in_the_faster_dtype(rates, expected):
+    from workbench.bench.runner import _hf_dtype
+
+    dtype, why = _hf_dtype("auto", torch.bfloat16, torch.device("cpu"), {"matmul_by_dtype_gflop_s": rates})
+    assert dtype == expected and "faster here" in why
+    assert _hf_dtype("bfloat16", torch.bfloat16, torch.device("cpu"), {})[0] == torch.bfloat16
+    assert _hf_dtype("auto", torch.float32, torch.device("cpu"), {})[0] == torch.float32
+
+
+def test_llama_server_peer_without_a_binary_says_how_to_get_it(tiny_bench_model, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-server anywhere
+    monkeypatch.delenv("WORKBENCH_LLAMA_SERVER", raising=False)
+    rc = main(["bench", "--quick", "--requests", "2", "--model", str(tiny_bench_model), "--systems",
+               "workbench,llama_server", "--dtype", "float32", "--no-single-stream", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "llama_server" not in report["results"]
+    assert any("llama_server skipped" in n and "llama-cpp-python" in n and "cmake" in n for n in report["notes"])
+    assert main(["bench", "--llama-server", str(tmp_path / "nope"), "--systems", "llama_server"]) == 2
+
+
+@pytest.mark.slow
+def test_llama_server_peer_serves_the_same_requests():
+    """Runs only where a llama-server binary is found (see llama_cpp.HOW_TO_GET)."""
+    from workbench.bench.llama_cpp import HOW_TO_GET, find_llama_server, model_gguf, run_llama_server
+
+    binary = find_llama_server()
+    if binary is None:
+        pytest.skip(HOW_TO_GET)
+    w = make_workload(3, seed=0, vocab_size=49152, prompt_len=(8, 16), output_len=(4, 6))
+    summary, how = run_llama_server(binary, model_gguf(None), w, threads=2)
+    assert summary["requests"] == 3 and summary["errors"] == 0
+    assert summary["output_tokens"] == w.output_tokens and how["slots"] == 16

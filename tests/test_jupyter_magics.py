@@ -162,6 +162,15 @@ def test_dashboard_controls_bound_to_engine(shell, client):
                  "kv_cache_dtype", "speculative", "num_speculative_tokens", "attention_backend"):
         assert name in d1.controls
     assert d1.controls["batching"].options[1][1] == "static"
+    # which kernels serve and why, from the engine's status; it follows a cpu_kernels flip
+    st = client.status()
+    wait_for(lambda: st["kernel_variant"] in d2.kernels.value, 20, "the kernels line")
+    assert st["compute_path"] in d2.kernels.value and "large steps" in d2.kernels.value
+    d1.controls["cpu_kernels"].value = not st["cpu_kernels"]
+    flipped = "torch" if st["cpu_kernels"] else st["kernel_variant"]
+    wait_for(lambda: (d2.pump(), f"<b>{flipped}</b>" in d2.kernels.value)[1], 20, "the kernels line to follow")
+    client.configure(cpu_kernels=st["cpu_kernels"])
+    wait_for(lambda: (d2.pump(), f"<b>{st['kernel_variant']}</b>" in d2.kernels.value)[1], 20, "the kernels line back")
 
     # a widget change reaches the engine, and every dashboard shows it
     d1.controls["batching"].value = "static"

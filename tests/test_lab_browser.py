@@ -206,6 +206,11 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         assert panel.get_attribute("data-engine") == "e2e"
         page.wait_for_function(
             "() => document.querySelector('#serving-workbench-panel .wb-Info-model')?.textContent.length > 1")
+        # which kernels serve, and why on hover
+        st = engine.status()
+        kernels = panel.locator(".wb-Info-kernels")
+        assert kernels.text_content() == f"{st['kernel_variant']} · large steps {st['compute_path']}"
+        assert st["kernel_variant_reason"] in kernels.get_attribute("title")
 
         # every setting of the schema has a control; live ones are enabled
         from workbench.settings import schema

@@ -2,7 +2,7 @@
 
     workbench serve [--model M] [--name N] [--transport ipc|tcp] [--<setting> VALUE ...]
     workbench generate PROMPT [--max-tokens N] [--temperature T] [--chat] [--model M] [--<setting> VALUE ...]
-    workbench bench [--json] [--requests N] [--systems workbench,hf_sequential,hf_static]
+    workbench bench [--json] [--requests N] [--systems workbench,hf_sequential,hf_static,llama_server]
                     [--arrival all|poisson] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
     workbench lab [--model M] [--name N] [--port P] [--no-browser] [--<setting> VALUE ...] [-- JUPYTER ARGS]
     workbench runs list|show|compare|export|path [...]     (the run log; workbench/runs_cli.py)
@@ -155,8 +155,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="number of requests (default 64; 8 with --quick)")
-    p.add_argument("--systems", default="workbench,hf_sequential,hf_static",
-                   help="comma-separated: workbench, hf_sequential, hf_static (default: all)")
+    p.add_argument("--systems", default="workbench,hf_sequential,hf_static,llama_server",
+                   help="comma-separated: workbench, hf_sequential, hf_static, llama_server (default: all; "
+                        "llama_server runs when a llama-server binary is found, else the report says how to get one)")
+    p.add_argument("--hf-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="dtype of the transformers peers (auto: bf16 or fp32, whichever matmul measures faster here)")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's llama-server binary (default: $WORKBENCH_LLAMA_SERVER, then PATH)")
     p.add_argument("--arrival", choices=["all", "poisson"], default="all",
                    help="all: every request at t=0 (default); poisson: exponential gaps at --rate")
     p.add_argument("--rate", type=float, default=0.5, help="poisson arrivals: requests per second (default 0.5)")
@@ -239,6 +244,10 @@ def _run_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--rate must be > 0, got {args.rate}")
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        if args.llama_server is not None:
+            from .bench.llama_cpp import find_llama_server
+
+            find_llama_server(args.llama_server)
     except (ValueError, TypeError) as e:
         print(f"workbench bench: {e}", file=sys.stderr)
         return 2
@@ -254,7 +263,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         args.model, systems=systems, num_requests=args.requests or (8 if args.quick else 64),
         arrival=args.arrival, rate=args.rate if args.arrival == "poisson" else None, seed=args.seed,
         quick=args.quick, settings=settings, single_stream=args.single_stream,
-        progress=_progress_factory(), log=log,
+        hf_dtype=args.hf_dtype, llama_server=args.llama_server, progress=_progress_factory(), log=log,
     )
     text = json.dumps(report, indent=2)
     if args.output:

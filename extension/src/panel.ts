@@ -290,6 +290,7 @@ export class WorkbenchPanel extends Widget {
       ['state', st.state + (st.stateReason ? ` (${st.stateReason})` : '')],
       ['model', String(s.model ?? '–')],
       ['device', `${s.device ?? '–'}${s.dtype ? ` · ${s.dtype}` : ''}`],
+      ...(s.kernel_variant ? [['kernels', `${s.kernel_variant} · large steps ${s.compute_path}`] as [string, string]] : []),
       ['uptime', formatUptime(this._uptime())],
       ['pid', String(s.pid ?? '–')]
     ];
@@ -300,7 +301,11 @@ export class WorkbenchPanel extends Widget {
     const table = el('table', 'wb-InfoTable');
     for (const [k, v] of rows) {
       const tr = el('tr');
-      tr.append(el('th', undefined, k), el('td', `wb-Info-${k}`, v));
+      const td = el('td', `wb-Info-${k}`, v);
+      if (k === 'kernels') {
+        td.title = `${s.kernel_variant_reason}; large steps: ${s.compute_path_reason}`;  // why, on hover
+      }
+      tr.append(el('th', undefined, k), td);
       table.appendChild(tr);
     }
     info.appendChild(table);

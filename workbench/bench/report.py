@@ -17,6 +17,8 @@ def _bytes(n: float) -> str:
 
 def single_stream_line(name: str, r: dict) -> str:
     """gpt-fast style: tok/s, achieved GB/s and the fraction of the measured bandwidth."""
+    if "achieved_gb_s" not in r:  # a peer serving other weights (llama.cpp's GGUF)
+        return f"{name}: {r['decode_tok_s']:.1f} tok/s decode ({r['output_tok_s']:.1f} end to end)"
     return (f"{name}: {r['decode_tok_s']:.1f} tok/s decode ({r['output_tok_s']:.1f} end to end), "
             f"{_num(r['achieved_gb_s'])} GB/s achieved, {100 * r['bandwidth_fraction']:.1f}% of the "
             f"bandwidth limit ({_num(r['decode_limit_tok_s'])} tok/s)")
@@ -38,6 +40,12 @@ def format_report(rep: dict) -> str:
         f"{_num(roof['decode_limit_tok_s'])} tok/s per stream; {_num(roof['flop_per_token'] / 1e9)} GFLOP/token -> "
         f"compute limit {_num(roof['compute_limit_tok_s'])} tok/s",
     ]
+    st = rep.get("engine_status") or {}
+    if "kernel_variant" in st:
+        lines.append(f"workbench kernels: {st['kernel_variant']} ({st['kernel_variant_reason']}); steps above a few "
+                     f"tokens multiply in {st['compute_path']} ({st['compute_path_reason']})")
+    if rep.get("hf_dtype"):
+        lines.append(f"transformers peers in {rep['hf_dtype']} ({rep['hf_dtype_reason']})")
     if "workload" in roof:
         wl = roof["workload"]
         lines.append(f"  this workload: {_num(wl['tflop'])} TFLOP >= {_num(wl['min_seconds'])} s -> "
@@ -62,6 +70,7 @@ def format_report(rep: dict) -> str:
     for t in rep.get("targets", []):
         lines.append(f"target {t['name']}: {t['value']:.2f} (target >= {t['target']:g}): "
                      f"{'MET' if t['met'] else 'NOT MET'}")
+    lines += rep.get("notes", [])
     for peer, a in rep.get("token_agreement", {}).items():
         lines.append(f"greedy tokens vs {peer}: {a['identical_requests']}/{a['requests']} requests identical, "
                      f"{100 * a['common_prefix_token_fraction']:.0f}% of tokens before the first difference")

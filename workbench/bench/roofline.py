@@ -1,8 +1,9 @@
 """The machine's limits, measured on the spot, and what they mean for a model.
 
 - memory read bandwidth: `torch.sum` over a large buffer (1 GiB), best of a few runs;
-- matmul FLOP/s in the compute dtype: a batch-shaped GEMM (64 x hidden @ hidden x 4*hidden, i.e.
-  64x576 @ 576x2304 for SmolLM2) and a large square one; the best is the compute peak;
+- matmul FLOP/s: a batch-shaped GEMM (64 x hidden @ hidden x 4*hidden, i.e. 64x576 @ 576x2304 for
+  SmolLM2) and a large square one, in the compute dtype and, for bf16 on a CPU, in fp32 too (what
+  runs where bf16 is slow); the best of all is the compute peak;
 - decode limit per stream = bandwidth / bytes of weights read per decode step;
 - compute limit = FLOP/s / (2 * matmul parameters) tokens per second (attention FLOPs ignored, so
   it is an upper bound), and for a workload: the output tok/s at which prompt + output tokens
@@ -68,6 +69,16 @@ def measure_matmul(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, 
     return best
 
 
+def _packed_bf16_rate(m: int, k: int, n: int) -> float:
+    """GFLOP/s of the bf16 linear the engine runs (oneDNN's packed layout), 0 where unavailable."""
+    from workbench_kernels import cpu
+
+    try:
+        return cpu.gemm_rate(torch.bfloat16, m, k, n, budget_s=0.25)
+    except RuntimeError:
+        return 0.0
+
+
 def model_costs(config, dtype: torch.dtype = torch.bfloat16, quantization: str = "none",
                 group_size: int = 128) -> dict:
     """Parameter counts, FLOPs per token and bytes of weights read per decode step.
@@ -120,21 +131,33 @@ def measure_roofline(costs: dict, *, dtype: torch.dtype = torch.bfloat16, quick:
     """Measure bandwidth and FLOP/s now and derive the model's limits (see the module doc)."""
     bw = measure_bandwidth(1 << (28 if quick else 30), repeats=3 if quick else 5, device=device)
     square = 1024 if quick else 2048
-    name = str(dtype).removeprefix("torch.")
-    # A decode-batch-shaped GEMM at the model's width (64x576 @ 576x2304 for SmolLM2) and a big square.
+    # A decode-batch-shaped GEMM at the model's width (64x576 @ 576x2304 for SmolLM2) and a big square,
+    # in the model's dtype and, for bf16 on a CPU, in fp32 as well: the engine (cpu.gemm_path) and the
+    # peers multiply in whichever is faster on this host, so the peak is the best of both (on a CPU
+    # without bf16 instructions torch's bf16 GEMM is ~60x slower than its fp32 one).
+    dtypes = [dtype] + ([torch.float32] if torch.device(device).type == "cpu" and dtype == torch.bfloat16 else [])
     shapes = [(64, hidden_size, 4 * hidden_size), (square, square, square)]
-    flops = {}
-    for m, k, n in shapes:
-        flops[f"{name} {m}x{k} @ {k}x{n}"] = measure_matmul(
-            m, k, n, dtype, min_time=0.1 if quick else 0.25, repeats=2 if quick else 3, device=device)
+    flops, by_dtype = {}, {}
+    for dt in dtypes:
+        name = str(dt).removeprefix("torch.")
+        for i, (m, k, n) in enumerate(shapes):
+            # the batch-shaped GEMM in bf16 as the engine runs it (oneDNN's packed weights)
+            rate = (_packed_bf16_rate(m, k, n) if dt == torch.bfloat16 and i == 0 and torch.device(device).type == "cpu"
+                    else 0.0)
+            flops[f"{name} {m}x{k} @ {k}x{n}"] = max(rate, measure_matmul(
+                m, k, n, dt, min_time=0.1 if quick else 0.25, repeats=2 if quick else 3, device=device))
+            if i == 0:
+                by_dtype[name] = flops[f"{name} {m}x{k} @ {k}x{n}"]
     best_bw = max(bw)
-    peak = max(flops.values())
+    peak_key = max(flops, key=flops.get)
+    peak = flops[peak_key]
     out = {
         "memory_bandwidth_gb_s": best_bw,
         "memory_bandwidth_samples_gb_s": bw,
         "matmul_gflop_s": flops,
+        "matmul_by_dtype_gflop_s": by_dtype,
         "peak_gflop_s": peak,
-        "compute_dtype": name,
+        "compute_dtype": peak_key.split()[0],
         "device": str(device),
         **costs,
         "decode_limit_tok_s": best_bw * 1e9 / costs["weight_bytes"],

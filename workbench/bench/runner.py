@@ -9,7 +9,11 @@ Systems:
   engine stepped in between; TTFT counted from each request's release;
 - `workbench_single_stream`: one request, short prompt, 256 output tokens: decode tok/s, achieved
   GB/s (weight bytes x tok/s) and the fraction of the measured bandwidth;
-- `hf_sequential`, `hf_static`: transformers `generate` (see `peers.py`).
+- `hf_sequential`, `hf_static`: transformers `generate` (see `peers.py`), in the dtype that is
+  faster on this host (`hf_dtype="auto"`: bf16 where the measured bf16 matmul beats fp32, else fp32);
+- `llama_server`: llama.cpp's server on the model's GGUF, same requests (see `llama_cpp.py`); with
+  a single stream, `llama_server_single_stream` too. Skipped, with a note saying how to get it,
+  when no binary is found.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from .workload import (
     text_token_ids,
 )
 
-SYSTEMS = ("workbench", "hf_sequential", "hf_static")
+SYSTEMS = ("workbench", "hf_sequential", "hf_static", "llama_server")
 DEFAULT_SYSTEMS = SYSTEMS
+HF_DTYPES = ("auto", "bfloat16", "float32")
 HF_STATIC_BATCH = 16
 SINGLE_STREAM_TOKENS = 256
 
@@ -48,6 +53,7 @@ SINGLE_STREAM_TOKENS = 256
 TARGET_VS_HF_SEQUENTIAL = 8.0
 TARGET_VS_HF_STATIC = 2.0
 TARGET_SINGLE_STREAM_BW_FRACTION = 0.60
+TARGET_VS_LLAMA_SERVER = 1.5
 
 Progress = Callable[[str, int], Any]  # (description, total) -> object with update(n) and close()
 
@@ -218,6 +224,8 @@ def run_bench(
     single_stream: bool = True,
     single_stream_tokens: int | None = None,
     hf_batch_size: int = HF_STATIC_BATCH,
+    hf_dtype: str = "auto",
+    llama_server: str | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict:
@@ -235,6 +243,16 @@ def run_bench(
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    if hf_dtype not in HF_DTYPES:
+        raise ValueError(f"invalid hf_dtype {hf_dtype!r}; allowed: {', '.join(HF_DTYPES)}")
+    from .llama_cpp import HOW_TO_GET, find_llama_server, model_gguf, run_llama_server
+
+    notes: list[str] = []
+    llama_binary = find_llama_server(llama_server) if "llama_server" in systems else None
+    llama_gguf = model_gguf(model) if "llama_server" in systems else None
+    if "llama_server" in systems and (llama_binary is None or llama_gguf is None):
+        notes.append(f"llama_server skipped: {HOW_TO_GET if llama_binary is None else 'the model has no GGUF file'}")
+        systems.remove("llama_server")
     settings = validate(dict(settings or {}))
     eff = EngineSettings(**settings)
     dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -270,6 +288,7 @@ def run_bench(
         "settings": eff.as_dict(),
         "workload": workload.describe(),
         "systems": systems,
+        "notes": notes,
     }
 
     log("measuring the roofline")
@@ -312,8 +331,10 @@ def run_bench(
     if hf_systems:
         from .peers import load_hf_model, run_hf, warm_up
 
-        log("hf: loading transformers")
-        hf = load_hf_model(hf_path, dtype, device)
+        hf_torch_dtype, report["hf_dtype_reason"] = _hf_dtype(hf_dtype, dtype, device, roof)
+        report["hf_dtype"] = str(hf_torch_dtype).removeprefix("torch.")
+        log(f"hf: loading transformers in {report['hf_dtype']} ({report['hf_dtype_reason']})")
+        hf = load_hf_model(hf_path, hf_torch_dtype, device)
         warm_up(hf, config.vocab_size)
         for name in hf_systems:
             bar = progress(name, len(workload))
@@ -335,14 +356,51 @@ def run_bench(
         del hf
         gc.collect()
 
+    if "llama_server" in systems:
+        threads = torch.get_num_threads()
+        runs = [("llama_server", workload)] + ([("llama_server_single_stream", ss_workload)] if single_stream else [])
+        for name, wl in runs:
+            bar = progress(name, len(wl))
+            try:
+                summary, report["llama_server"] = run_llama_server(llama_binary, llama_gguf, wl, threads=threads,
+                                                                   progress=bar, log=log)
+            except RuntimeError as e:
+                notes.append(f"{name} failed: {e}")
+                break
+            finally:
+                bar.close()
+            results[name] = summary if wl is workload else _endpoint_single_stream(summary, roof)
+
     # Order results as asked, single streams after their system.
     order = [s for s in ("workbench", "workbench_single_stream", "hf_sequential", "hf_static",
-                         "hf_single_stream") if s in results]
+                         "hf_single_stream", "llama_server", "llama_server_single_stream") if s in results]
     report["results"] = {name: results[name] for name in order}
     _add_comparisons(report, records)
     report["loadavg_end"] = _loadavg()
     report["argv"] = sys.argv[1:]
     return report
+
+
+def _hf_dtype(choice: str, dtype: torch.dtype, device: torch.device, roof: dict) -> tuple[torch.dtype, str]:
+    """The transformers peers' dtype: as asked, or (auto) the faster of bf16 and fp32 on this host
+    for a bf16 model on a CPU, judged by the roofline's batch-shaped matmuls."""
+    if choice != "auto":
+        return getattr(torch, choice), "asked for (--hf-dtype)"
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return dtype, "the model's dtype"
+    rates = roof.get("matmul_by_dtype_gflop_s", {})
+    bf, fp = rates.get("bfloat16", 0.0), rates.get("float32", 0.0)
+    if fp > bf:
+        return torch.float32, f"faster here: fp32 matmul {fp:.0f} GFLOP/s vs bf16 {bf:.0f}"
+    return torch.bfloat16, f"faster here: bf16 matmul {bf:.0f} GFLOP/s vs fp32 {fp:.0f}"
+
+
+def _endpoint_single_stream(summary: dict, roof: dict) -> dict:
+    """A one-request endpoint run with decode tok/s from its ITL (client-side chunk gaps). Its weight
+    bytes differ (a GGUF), so no bandwidth fraction is claimed for it."""
+    itl = summary.get("itl_p50_ms") or 0.0
+    summary["decode_tok_s"] = 1e3 / itl if itl > 0 else 0.0
+    return summary
 
 
 def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> None:
@@ -351,6 +409,8 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
     fractions: dict[str, float] = {}
     for name, r in results.items():
         if name.endswith("single_stream"):
+            if "bandwidth_fraction" not in r:
+                continue  # another system's weights (llama.cpp's GGUF): our byte count does not apply
             fractions[name] = r["decode_tok_s"] / roof["decode_limit_tok_s"] if roof["decode_limit_tok_s"] else 0.0
             r["roofline_fraction"] = fractions[name]
         elif wl_limit:
@@ -360,12 +420,14 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
 
     ratios: dict[str, float] = {}
     ours = results.get("workbench")
-    for peer in ("hf_sequential", "hf_static"):
+    for peer in ("hf_sequential", "hf_static", "llama_server"):
         if ours and peer in results and results[peer]["output_tok_s"] > 0:
             ratios[f"workbench_vs_{peer}"] = ours["output_tok_s"] / results[peer]["output_tok_s"]
-    ss, hs = results.get("workbench_single_stream"), results.get("hf_single_stream")
-    if ss and hs and hs["decode_tok_s"] > 0:
-        ratios["single_stream_vs_hf"] = ss["decode_tok_s"] / hs["decode_tok_s"]
+    ss = results.get("workbench_single_stream")
+    for peer, key in (("hf_single_stream", "single_stream_vs_hf"), ("llama_server_single_stream",
+                                                                    "single_stream_vs_llama_server")):
+        if ss and peer in results and results[peer]["decode_tok_s"] > 0:
+            ratios[key] = ss["decode_tok_s"] / results[peer]["decode_tok_s"]
     report["ratios"] = ratios
 
     agreement = {}
@@ -386,6 +448,10 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
         v = ratios["workbench_vs_hf_static"]
         targets.append({"name": "throughput vs hf_static", "value": v, "target": TARGET_VS_HF_STATIC,
                         "met": v >= TARGET_VS_HF_STATIC})
+    if "workbench_vs_llama_server" in ratios:
+        v = ratios["workbench_vs_llama_server"]
+        targets.append({"name": "throughput vs llama_server", "value": v, "target": TARGET_VS_LLAMA_SERVER,
+                        "met": v >= TARGET_VS_LLAMA_SERVER})
     if ss:
         v = ss["bandwidth_fraction"]
         targets.append({"name": "single-stream decode, fraction of bandwidth roofline", "value": v,

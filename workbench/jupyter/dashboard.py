@@ -120,11 +120,12 @@ class Dashboard:
             c.observe(self._on_control, names="value")
             self.controls[entry["name"]] = c
         self.header = w.HTML()
+        self.kernels = w.HTML(value="")  # which kernels serve and why (status() kernel_variant, compute_path)
         self.status = w.HTML(value="")
         self.metrics_line = w.HTML(value="")
         grid = w.GridBox(list(self.controls.values()),
                          layout=w.Layout(grid_template_columns="repeat(auto-fill, 340px)", grid_gap="2px 8px"))
-        self.widget = w.VBox([self.header, grid, self.status, self.metrics_line, self.view.widget()])
+        self.widget = w.VBox([self.header, self.kernels, grid, self.status, self.metrics_line, self.view.widget()])
         self._attach(self.client, history_s)
         _OPEN.append(self)
         if start:
@@ -144,6 +145,7 @@ class Dashboard:
         info = client.engine_info or {}
         self.header.value = (f"<b>Engine {html.escape(self.name)}</b> · {html.escape(str(info.get('model')))} on "
                              f"{html.escape(str(info.get('device')))} · pid {client.pid}")
+        self._refresh_kernels()
         if history_s:
             tl = client.timeline()
             cutoff = time.monotonic() - history_s
@@ -271,6 +273,8 @@ class Dashboard:
                         c.value = v
         finally:
             self._syncing = False
+        if source and {"cpu_kernels", "attention_backend"} & source.keys():
+            self._refresh_kernels()
         if source:
             mine = all(self._pending.get(k, object()) == v for k, v in source.items())
             if not mine:
@@ -298,6 +302,18 @@ class Dashboard:
         t0 = time.monotonic()
         settings = client.configure(**{name: value})
         return time.monotonic() - t0, settings
+
+    def _refresh_kernels(self) -> None:
+        """Ask the engine which kernels serve now (off the display loop: it is a round trip)."""
+        fut = self._pool.submit(self.client.status)
+        fut.add_done_callback(lambda f: self._call_back(self._show_kernels, f))
+
+    def _show_kernels(self, fut) -> None:
+        try:
+            st = fut.result()
+        except Exception:  # the engine is going away; the status line says so
+            return
+        self.kernels.value = kernels_line(st)
 
     def _call_back(self, fn, *args) -> None:
         loop = self._loop
@@ -379,3 +395,13 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
 
 def open_dashboards() -> list[Dashboard]:
     return list(_OPEN)
+
+
+def kernels_line(status: dict) -> str:
+    """The dashboard's kernels line: the variant and the large-step compute path, each with why
+    (empty for a remote server, whose status has no such keys)."""
+    if "kernel_variant" not in status:
+        return ""
+    return ('<span style="font-size: 12px;">kernels: <b>{}</b> ({}) · large steps in <b>{}</b> ({})</span>'.format(
+        *(html.escape(str(status.get(k))) for k in
+          ("kernel_variant", "kernel_variant_reason", "compute_path", "compute_path_reason"))))

@@ -514,7 +514,9 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
     rows: list[tuple] = []
     up = status.get("uptime_s", 0.0)
     for key, label in (("name", "engine"), ("pid", "pid"), ("model", "model"), ("device", "device"),
-                       ("dtype", "dtype"), ("attention_backend", "attention"), ("num_kv_blocks", "KV blocks"),
+                       ("dtype", "dtype"), ("attention_backend", "attention"), ("kernel_variant", "kernels"),
+                       ("kernel_variant_reason", "kernels: why"), ("compute_path", "large steps in"),
+                       ("compute_path_reason", "large steps: why"), ("num_kv_blocks", "KV blocks"),
                        ("block_size", "block size"), ("max_model_len", "max model len"),
                        ("num_clients", "clients"), ("num_requests", "requests in flight")):
         if key in status:
