@@ -437,3 +437,14 @@ def test_one_call_layer_equals_op_by_op(tiny_bf16, quantization, monkeypatch):
         assert a.token_ids == b.token_ids
         assert [t.logprob for t in a.logprobs] == [t.logprob for t in b.logprobs]
     llm.configure(quantization="none")
+
+
+def test_gemm_path_is_measured_and_can_be_forced():
+    path, why, rates = cpu.gemm_path()
+    assert path == max(rates, key=rates.get) or "forced" in why
+    assert why.startswith(("measured:", "forced")) and "GFLOP/s" in why
+    code = "from workbench_kernels import cpu; print(cpu.gemm_path()[0]); print(cpu.gemm_path()[1])"
+    for forced in ("bf16", "fp32"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "WORKBENCH_CPU_GEMM": forced})
+        assert r.stdout.splitlines()[0] == forced and f"forced by WORKBENCH_CPU_GEMM={forced}" in r.stdout
