@@ -252,7 +252,11 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         page.wait_for_selector('#serving-workbench-panel .wb-Timeline-chart[data-cursor]')
         before = _counts(page, "#serving-workbench-panel")
         page.goto(f"{lab['url']}/lab/tree/e2e.ipynb?token={lab['token']}", wait_until="domcontentloaded")
-        page.wait_for_selector('#serving-workbench-panel[data-state="ready"]', timeout=60_000)  # restored
+        # restored (the workspace may restore the sidebar collapsed: open it again if so)
+        page.wait_for_selector('#serving-workbench-panel[data-state="ready"]', state="attached", timeout=60_000)
+        if not panel.is_visible():
+            tab.click()
+        page.wait_for_selector('#serving-workbench-panel[data-state="ready"]', timeout=60_000)
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
         # the kernel must be connected, or Shift+Enter runs nothing
         page.wait_for_selector("text=Python 3 (ipykernel) | Idle", timeout=90_000)

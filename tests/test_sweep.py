@@ -90,7 +90,7 @@ def test_interrupt_restores_settings_and_resume_skips_measured_points(llm, log):
     before = llm.settings()
     grid = {"max_num_seqs": [2, 3, 5]}
     on_point, seen = _interrupt_after(1)
-    wl = {**WORKLOAD, "output_len": (40, 60)}  # long enough that the interrupt lands mid-run
+    wl = {**WORKLOAD, "num_requests": 24, "output_len": (300, 400)}  # long enough that the interrupt lands mid-run
     with pytest.raises(KeyboardInterrupt):
         workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False, run_log=log,
                         on_point=on_point)
