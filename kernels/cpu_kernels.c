@@ -81,6 +81,23 @@ static inline void store_row(bf16 *y, int64_t N, int64_t m, int64_t n, float v, 
     y[m * N + n] = f2bf(v);
 }
 
+// The accumulators of a block: one vector per (activation row, weight row), summed across lanes
+// into y at the end, times the weight row's scale where there is one (int8).
+static inline void acc_clear(vf acc[MAX_M][ROWS], const int M) {
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < ROWS; r++) acc[m][r] = vf_zero();
+}
+
+static inline void acc_store(vf acc[MAX_M][ROWS], const int M, int nr, bf16 *y, int64_t N, int64_t m0, int64_t n0,
+                             const bf16 *scale, const bf16 *bias) {
+    for (int r = 0; r < nr; r++) {
+        for (int m = 0; m < M; m++) {
+            float v = vf_sum(acc[m][r]);
+            store_row(y, N, m0 + m, n0 + r, scale ? v * bf2f(scale[n0 + r]) : v, bias);
+        }
+    }
+}
+
 // Activations as fp32, for the kernels that multiply in fp32.
 static void bf16_to_f32(const bf16 *x, float *f, int64_t n) {
     for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
@@ -97,9 +114,8 @@ static float *to_f32(const bf16 *x, int64_t n) {
 // bf16 weights: vdpbf16ps does 32 multiply-adds per instruction on bf16 pairs. x is bf16 here.
 static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
                                    int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
-    __m512 acc[MAX_M][ROWS];
-    for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS; r++) acc[m][r] = _mm512_setzero_ps();
+    vf acc[MAX_M][ROWS];  // vf is __m512 in this build
+    acc_clear(acc, M);
     for (int64_t k = 0; k < K; k += 32) {
         __mmask32 mk = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
         __m512bh xv[MAX_M];
@@ -111,16 +127,14 @@ static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bia
             for (int m = 0; m < M; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]), bias);
+    acc_store(acc, M, nr, y, N, m0, n0, NULL, bias);
 }
 #else
 // bf16 weights widened to fp32 in registers; x is fp32 here (converted once per call).
 static inline void gemv_bf16_block(const float *xf, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
                                    int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
     vf acc[MAX_M][ROWS];
-    for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS; r++) acc[m][r] = vf_zero();
+    acc_clear(acc, M);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         vf xv[MAX_M];
@@ -138,8 +152,7 @@ static inline void gemv_bf16_block(const float *xf, const bf16 *w, const bf16 *b
             for (int m = 0; m < M; m++) acc[m][r] = vf_fma(wv, vf_load_n(xf + (m0 + m) * K + k, K - k), acc[m][r]);
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, vf_sum(acc[m][r]), bias);
+    acc_store(acc, M, nr, y, N, m0, n0, NULL, bias);
 }
 #endif
 
@@ -161,8 +174,7 @@ void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bia
 static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 *scale, const bf16 *bias,
                                    bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
     vf acc[MAX_M][ROWS];
-    for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS; r++) acc[m][r] = vf_zero();
+    acc_clear(acc, M);
     for (int64_t k = 0; k < K; k += 16) {
         vf xv[MAX_M];
         for (int m = 0; m < M; m++) xv[m] = vf_load(xf + (m0 + m) * K + k);
@@ -173,10 +185,7 @@ static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 
             for (int m = 0; m < M; m++) acc[m][r] = vf_fma(wv, xv[m], acc[m][r]);
         }
     }
-    for (int r = 0; r < nr; r++) {
-        float s = bf2f(scale[n0 + r]);
-        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, vf_sum(acc[m][r]) * s, bias);
-    }
+    acc_store(acc, M, nr, y, N, m0, n0, scale, bias);
 }
 
 void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M,
@@ -195,8 +204,7 @@ static inline void gemv_int4_block(const float *xf, const uint8_t *q, const floa
                                    bf16 *y, int64_t N, int64_t K, int64_t group, int64_t m0, int64_t n0,
                                    int nr, const int M) {
     vf acc[MAX_M][ROWS];
-    for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS; r++) acc[m][r] = vf_zero();
+    acc_clear(acc, M);
 #if defined(WB_AVX512)
     // The 16 weights a group's codes stand for, as a table: vpermps looks codes up (it reads only an
     // index's low 4 bits, so no masking), cheaper than convert-and-scale; measured 3.4 vs 3.9 ms
@@ -236,8 +244,7 @@ static inline void gemv_int4_block(const float *xf, const uint8_t *q, const floa
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int m = 0; m < M; m++) store_row(y, N, m0 + m, n0 + r, vf_sum(acc[m][r]), bias);
+    acc_store(acc, M, nr, y, N, m0, n0, NULL, bias);
 }
 
 void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const bf16 *bias, bf16 *y, int64_t M,

@@ -34,9 +34,8 @@ def unavailable_reason() -> str | None:
 
 def build(out_dir: Path) -> Path:
     exe = out_dir / "wb-cpu-driver-neon"
-    cmd = [CROSS_CC, *cpu.COMMON_FLAGS, *cpu.VARIANT_FLAGS["neon"], "-fno-PIC", "-I", str(cpu.HERE),
-           str(DRIVER), "-o", str(exe), "-lm"]
-    cmd.remove("-fPIC")
+    flags = [f for f in cpu.COMMON_FLAGS if f != "-fPIC"]  # an executable, not a shared library
+    cmd = [CROSS_CC, *flags, *cpu.VARIANT_FLAGS["neon"], "-I", str(cpu.HERE), str(DRIVER), "-o", str(exe), "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"cross-compiling the NEON driver failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")

@@ -306,6 +306,7 @@ def test_llama_server_peer_serves_the_same_requests():
     if binary is None:
         pytest.skip(HOW_TO_GET)
     w = make_workload(3, seed=0, vocab_size=49152, prompt_len=(8, 16), output_len=(4, 6))
-    summary, how = run_llama_server(binary, model_gguf(None), w, threads=2)
+    summaries, how = run_llama_server(binary, model_gguf(None), {"w": w}, threads=2)
+    summary = summaries["w"]
     assert summary["requests"] == 3 and summary["errors"] == 0
     assert summary["output_tokens"] == w.output_tokens and how["slots"] == 16

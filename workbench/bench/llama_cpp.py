@@ -54,47 +54,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_llama_server(binary: str, gguf: str, workload: Workload, *, threads: int, progress=None,
-                     log=lambda msg: None, startup_timeout: float = 120.0) -> tuple[dict, dict]:
-    """Serve `workload` on a fresh llama-server; returns (summary, how it was run)."""
+def run_llama_server(binary: str, gguf: str, workloads: dict[str, Workload], *, threads: int, progress=None,
+                     log=lambda msg: None, startup_timeout: float = 120.0) -> tuple[dict[str, dict], dict]:
+    """Serve each named workload in turn on one fresh llama-server; returns ({name: summary}, how
+    it was run). `progress(name, total)` makes a progress bar per workload, as in the runner."""
+    import tempfile
+
     from ..remote import RemoteEngineClient
     from .endpoint import endpoint_summary
 
-    longest = max(r.prompt_len + r.max_tokens for r in workload.requests)
+    longest = max(r.prompt_len + r.max_tokens for w in workloads.values() for r in w.requests)
     ctx = SLOTS * (longest + 64)
     port = _free_port()
     cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", str(SLOTS), "-cb",
            "--no-cache-prompt", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
     log(f"llama_server: {' '.join(cmd)}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(proc, url, startup_timeout)
-        items = [{"prompt_token_ids": r.prompt_token_ids, "arrival_s": r.arrival_s,
-                  "params": {"max_tokens": r.max_tokens, "temperature": 0.0, "ignore_eos": True}}
-                 for r in sorted(workload.requests, key=lambda r: r.index)]
-        with RemoteEngineClient(url) as client:
-            client.run_load([{"prompt": "Hello", "params": {"max_tokens": 4, "temperature": 0.0}}])  # warm-up
-            results, start = client.run_load(items, progress=progress)
-        summary = endpoint_summary(results, start)
-        return summary, {"command": cmd, "gguf": gguf, "slots": SLOTS, "timing": "client-side over loopback"}
-    finally:
-        proc.terminate()
+    # its log goes to a file: a pipe nobody reads would fill and stall the server mid-run
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        summaries = {}
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _wait_ready(proc, err, url, startup_timeout)
+            with RemoteEngineClient(url) as client:
+                client.run_load([{"prompt": "Hello", "params": {"max_tokens": 4, "temperature": 0.0}}])  # warm-up
+                for name, workload in workloads.items():
+                    items = [{"prompt_token_ids": r.prompt_token_ids, "arrival_s": r.arrival_s,
+                              "params": {"max_tokens": r.max_tokens, "temperature": 0.0, "ignore_eos": True}}
+                             for r in sorted(workload.requests, key=lambda r: r.index)]
+                    bar = progress(name, len(items)) if progress is not None else None
+                    try:
+                        results, start = client.run_load(items, progress=bar)
+                    finally:
+                        if bar is not None:
+                            bar.close()
+                    summaries[name] = endpoint_summary(results, start)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return summaries, {"command": cmd, "gguf": gguf, "slots": SLOTS, "timing": "client-side over loopback"}
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
+def _wait_ready(proc: subprocess.Popen, err, url: str, timeout: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace")[-1500:] if proc.stderr else ""
-            raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready: {err}")
+            err.seek(0)
+            tail = err.read().decode(errors="replace")[-1500:]
+            raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready: {tail}")
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return

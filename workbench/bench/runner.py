@@ -357,19 +357,16 @@ def run_bench(
         gc.collect()
 
     if "llama_server" in systems:
-        threads = torch.get_num_threads()
-        runs = [("llama_server", workload)] + ([("llama_server_single_stream", ss_workload)] if single_stream else [])
-        for name, wl in runs:
-            bar = progress(name, len(wl))
-            try:
-                summary, report["llama_server"] = run_llama_server(llama_binary, llama_gguf, wl, threads=threads,
-                                                                   progress=bar, log=log)
-            except RuntimeError as e:
-                notes.append(f"{name} failed: {e}")
-                break
-            finally:
-                bar.close()
-            results[name] = summary if wl is workload else _endpoint_single_stream(summary, roof)
+        runs = {"llama_server": workload, **({"llama_server_single_stream": ss_workload} if single_stream else {})}
+        try:
+            summaries, report["llama_server"] = run_llama_server(
+                llama_binary, llama_gguf, runs, threads=torch.get_num_threads(), progress=progress, log=log)
+        except RuntimeError as e:
+            notes.append(f"llama_server failed: {e}")
+            summaries = {}
+        results.update(summaries)
+        if "llama_server_single_stream" in results:
+            _endpoint_single_stream(results["llama_server_single_stream"])
 
     # Order results as asked, single streams after their system.
     order = [s for s in ("workbench", "workbench_single_stream", "hf_sequential", "hf_static",
@@ -395,12 +392,11 @@ def _hf_dtype(choice: str, dtype: torch.dtype, device: torch.device, roof: dict)
     return torch.bfloat16, f"faster here: bf16 matmul {bf:.0f} GFLOP/s vs fp32 {fp:.0f}"
 
 
-def _endpoint_single_stream(summary: dict, roof: dict) -> dict:
-    """A one-request endpoint run with decode tok/s from its ITL (client-side chunk gaps). Its weight
-    bytes differ (a GGUF), so no bandwidth fraction is claimed for it."""
+def _endpoint_single_stream(summary: dict) -> None:
+    """Adds decode tok/s, from its ITL (client-side chunk gaps), to a one-request endpoint run. Its
+    weight bytes differ (a GGUF), so no bandwidth fraction is claimed for it."""
     itl = summary.get("itl_p50_ms") or 0.0
     summary["decode_tok_s"] = 1e3 / itl if itl > 0 else 0.0
-    return summary
 
 
 def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> None:

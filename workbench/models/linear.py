@@ -29,7 +29,7 @@ class Linear:
         self.mode = "none"
         self.group_size = 0
         self._packed: torch.Tensor | None | bool = False  # oneDNN's layout, made on first use (False: not yet)
-        self._wide: torch.Tensor | None = None  # the fp32 copy for `wide` large steps, made on first use
+        self._wide: tuple | None = None  # fp32 (weight, bias) for `wide` large steps, made on first use
         self._q: tuple = ()
         self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel
         self.native = False
@@ -91,9 +91,8 @@ class Linear:
         if mode == "none":
             if self.native and self.wide:
                 if self._wide is None:
-                    self._wide = self.weight.float()
-                bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), self._wide, bias).to(x.dtype)
+                    self._wide = (self.weight.float(), None if self.bias is None else self.bias.float())
+                return F.linear(x.float(), *self._wide).to(x.dtype)
             if self._packed is False:
                 self._packed = _mkldnn_pack(self.weight)
             if self._packed is not None:
