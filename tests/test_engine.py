@@ -219,11 +219,37 @@ def test_bad_requests_raise_and_leave_others_running(tiny_llama, kwargs, exc, wo
         (dict(top_k=0), ValueError, "top_k"),
         (dict(stop=[""]), TypeError, "stop"),
         (dict(logprobs=50), ValueError, "logprobs"),
+        # NaN slips past every range comparison; it once sampled [0, 0, 0, 0]
+        (dict(temperature=float("nan")), ValueError, "temperature must be a finite number"),
+        (dict(repetition_penalty=float("nan")), ValueError, "repetition_penalty must be a finite"),
+        (dict(temperature=float("inf")), ValueError, "temperature must be a finite"),
+        (dict(min_p=float("nan")), ValueError, "min_p"),
+        (dict(top_p=float("-inf")), ValueError, "top_p"),
+        (dict(temperature=10**400), ValueError, "temperature must be a finite"),
+        (dict(seed=2**64), ValueError, r"seed must be in \[-2\*\*63, 2\*\*64 - 1\]"),
+        (dict(seed=-(2**63) - 1), ValueError, "seed must be in"),
+        (dict(stop=["x"] * 17), ValueError, "stop has 17 strings; at most 16"),
+        (dict(stop=["y" * 4097]), ValueError, "4097 characters together; at most 4096"),
+        (dict(stop_token_ids=list(range(1025))), ValueError, "stop_token_ids has 1025 ids; at most 1024"),
     ],
 )
 def test_bad_sampling_params(params, exc, field):
     with pytest.raises(exc, match=field):
         SamplingParams(**params)
+
+
+def test_sampling_params_bounds_hold_on_the_wire():
+    """What the engine process decodes is checked by the same rules (msgspec runs __post_init__)."""
+    import msgspec
+
+    for bad in ({"temperature": float("nan")}, {"seed": 2**64 - 1 + 0}, {"stop": ["a"] * 20}):
+        raw = msgspec.msgpack.encode(bad)
+        if "seed" in bad:  # the largest seed is fine; the range ends there
+            assert msgspec.msgpack.decode(raw, type=SamplingParams).seed == 2**64 - 1
+            continue
+        with pytest.raises(msgspec.ValidationError, match="temperature|stop"):
+            msgspec.msgpack.decode(raw, type=SamplingParams)
+    assert SamplingParams(seed=-(2**63), stop=["z"] * 16).seed == -(2**63)  # the edges are allowed
 
 
 @pytest.mark.parametrize(

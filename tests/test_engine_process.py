@@ -29,6 +29,7 @@ from jupyter_helpers import private_runtime_dir, stop_engine, wait_for
 
 from workbench.ipc import connection as conn
 from workbench.ipc.client import (
+    EngineBusyError,
     EngineClient,
     EngineConnectError,
     EngineDeadError,
@@ -468,6 +469,12 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
         s.send_multipart([HEADER, encode(Submit([NewRequest("fz1", prompt_token_ids=[1, 1000])]))])
         m = _recv(s)
         assert isinstance(m, Rejected) and m.request_ids == ["fz1"] and m.error.type == "ValueError"
+        for params, field in (({"temperature": float("nan")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+                              ({"repetition_penalty": float("nan")}, "repetition_penalty")):
+            # what SamplingParams refuses to build, sent raw: the engine refuses it by the same rules
+            s.send_multipart([HEADER, msgspec.msgpack.encode(["submit", [["fz3", None, [1, 2], params]]])])
+            m = _recv(s)
+            assert isinstance(m, Rejected) and m.request_ids == ["fz3"] and field in m.error.message, m
         s.send_multipart([HEADER, encode(Abort(["no-such-request"]))])  # ignored
         s.send_multipart([b"only one frame"])
         assert isinstance(_recv(s), ProtocolError)
@@ -675,29 +682,60 @@ def test_graceful_shutdown_drain(model_path, runtime_dir):
         stop_engine(eng)
 
 
-def test_cli_serve_and_sigterm(model_path, runtime_dir, procs):
+def _cli_engine(procs, model_path, runtime_dir, name: str, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = procs.add(subprocess.Popen(
-        [sys.executable, "-m", "workbench.cli", "serve", "--model", str(model_path), "--name", "cli",
-         "--dtype", "float32", "--num-kv-blocks", "48", "--max-num-seqs", "3", "--batching", "static",
-         "--prefix_caching", "false", "--parent-pid", str(os.getpid())],  # dies with this process
+        [sys.executable, "-m", "workbench.cli", "serve", "--model", str(model_path), "--name", name,
+         "--dtype", "float32", *flags, "--parent-pid", str(os.getpid())],  # dies with this process
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    wait_for(lambda: (runtime_dir / "cli.json").exists() or p.poll() is not None, 60, "the cli engine")
+    wait_for(lambda: (runtime_dir / f"{name}.json").exists() or p.poll() is not None, 60, "the cli engine")
     assert p.poll() is None, p.stderr.read()
+    return p
+
+
+def test_cli_serve_and_sigterm_drains(model_path, runtime_dir, procs):
+    """SIGTERM drains: running and queued requests go on, new requests and new clients are
+    refused with a clear error, and what is left at the drain deadline is aborted."""
+    p = _cli_engine(procs, model_path, runtime_dir, "cli", "--num-kv-blocks", "48", "--max-num-seqs", "3",
+                    "--batching", "static", "--prefix_caching", "false", "--drain-timeout", "1.5")
     with EngineClient.connect("cli", timeout=20) as c:
         s = c.settings()
         assert (s["num_kv_blocks"], s["max_num_seqs"], s["batching"], s["prefix_caching"]) == (48, 3, "static", False)
-        it = c.stream(prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=450, temperature=0,
-                                                                        ignore_eos=True), timeout=60)
-        next(it)
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        # 150 requests of 200 tokens, 3 at a time: 10,000 steps, far more than 1.5 s of work.
+        streams = [c.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60) for _ in range(150)]
+        next(streams[0])
         p.send_signal(signal.SIGTERM)
-        try:
-            last = [*it][-1]
-        except EngineDeadError:
-            last = None
-        assert last is not None and last.finish_reason == "abort"
+        time.sleep(0.3)  # the signal is taken between two steps
+        with pytest.raises(RuntimeError, match="shutting down; it accepts no new clients"):
+            EngineClient.connect("cli", timeout=10)
+        with pytest.raises(RuntimeError, match="shutting down and accepts no new requests"):
+            c.generate(prompt_token_ids=PROMPTS[1], params=GREEDY, timeout=30)
+        lasts = [[*it][-1] for it in streams]
+        reasons = [x.finish_reason for x in lasts]
+        assert reasons[0] == "length" and len(lasts[0].output.token_ids) == 200  # it ran during the drain
+        assert "abort" in reasons  # the rest met the deadline
+        assert set(reasons) == {"length", "abort"}
     assert p.wait(30) == 0
     assert not (runtime_dir / "cli.json").exists()
+
+
+def test_second_signal_stops_at_once_and_leaves_no_files(model_path, runtime_dir, procs):
+    p = _cli_engine(procs, model_path, runtime_dir, "cli2", "--num-kv-blocks", "48", "--max-num-seqs", "3",
+                    "--batching", "static", "--drain-timeout", "120")
+    with EngineClient.connect("cli2", timeout=20) as c:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        streams = [c.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60) for _ in range(60)]
+        next(streams[0])
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the first signal is taken: draining (minutes of queued work, up to 120 s)
+        assert p.poll() is None
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 128 + signal.SIGTERM
+        with pytest.raises(EngineDeadError):
+            [*streams[-1]]
+    assert not (runtime_dir / "cli2.json").exists()
+    assert not [f for f in runtime_dir.iterdir() if f.name.startswith("cli2-")]  # socket files
 
 
 def test_cli_help_lists_every_setting(capsys):
@@ -745,3 +783,96 @@ def test_connection_files_stale_and_private(runtime_dir, tmp_path):
     shared_dir.chmod(0o755)
     with pytest.raises(PermissionError, match="open to other users"):
         conn.ensure_private_dir(shared_dir)
+
+
+# -- big prompts, admission, reconnection ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    """An engine on a tiny model with SmolLM2's real tokenizer (context 2048)."""
+    from http_helpers import make_tiny_tokenized_model
+
+    model = make_tiny_tokenized_model(tmp_path_factory.mktemp("tok-model"))
+    eng = start_engine(str(model), name="tokenized", dtype="float32", num_kv_blocks=256, timeout=120)
+    yield eng
+    stop_engine(eng)
+
+
+def test_oversized_prompts_never_stall_other_requests(tokenized):
+    """Prompts too long for the context, many in a row from another client, are refused from
+    their length alone, from a prefix's tokens, or after tokenizing on the tokenizer thread,
+    while a stream runs; the stream gets every token, handshakes are answered meanwhile."""
+    eng = tokenized
+    params = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+    [alone] = eng.generate("Once upon a time", params, timeout=120)
+    chunks: list = []
+    runner = threading.Thread(target=lambda: chunks.extend(eng.stream("Once upon a time", params, timeout=120)))
+    runner.start()
+    wait_for(lambda: chunks, 30, "the stream to start")
+    huge = "word " * ((4 << 20) // 5)  # 4 MiB: refused from its length
+    near = "word " * (160_000 // 5)  # under the length bound (81 x 2048 characters): a prefix tells
+    short = "word " * 6000  # too short for a prefix to tell: tokenized whole, then refused
+    with EngineClient.connect("tokenized", timeout=10) as other:
+        before = other.metrics()["total_prompt_tokens"]
+        for _ in range(30):
+            with pytest.raises(ValueError, match=r"at least [\d,]+ tokens .*context is 2048 tokens"):
+                other.generate(huge, SamplingParams(max_tokens=1), timeout=60)
+        for _ in range(3):
+            with pytest.raises(ValueError, match="160,000 characters and its first [\\d,]+ alone are [\\d,]+ tokens"):
+                other.generate(near, SamplingParams(max_tokens=1), timeout=60)
+            with pytest.raises(ValueError, match="prompt has 6001 tokens"):
+                other.generate(short, SamplingParams(max_tokens=1), timeout=60)
+        with EngineClient.connect("tokenized", timeout=10) as third:  # handshakes answered meanwhile
+            assert third.status()["name"] == "tokenized"
+        assert other.metrics()["total_prompt_tokens"] == before  # nothing of them was admitted
+    runner.join(120)
+    assert chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.token_ids_delta] == alone.token_ids
+
+
+def test_admission_refuses_while_queues_are_full(model_path):
+    eng = start_engine(str(model_path), name="admission", dtype="float32", num_kv_blocks=64, timeout=120,
+                       max_num_seqs=1, max_queued_tokens=20, max_queued_chars=1000)
+    try:
+        long = eng.stream(prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=400, temperature=0,
+                                                                            ignore_eos=True), timeout=60)
+        next(long)
+        queued = [eng.stream(prompt_token_ids=[1, 2, 3, 4, 5], params=GREEDY, timeout=60) for _ in range(6)]
+        wait_for(lambda: eng.metrics()["num_waiting"] == 6, 10, "six requests to wait")  # 30 tokens > 20
+        with pytest.raises(EngineBusyError, match="30 prompt tokens wait to run .limit 20.; retry later"):
+            eng.generate(prompt_token_ids=PROMPTS[1], params=GREEDY, timeout=30)
+        for it in queued:
+            it.close()  # leaving a stream aborts its request
+        wait_for(lambda: eng.metrics()["num_waiting"] == 0, 10, "the queue to empty")
+        out = eng.generate(prompt_token_ids=PROMPTS[1], params=GREEDY, timeout=30)  # admitted again
+        assert out[0].finish_reason == "length"
+        long.close()
+    finally:
+        stop_engine(eng)
+
+
+def test_client_reconnects_to_an_engine_restarted_under_its_name(model_path, runtime_dir, reference):
+    first = start_engine(str(model_path), name="phoenix", **ENGINE_KW)
+    follower = EngineClient.connect("phoenix", reconnect=True)
+    plain = EngineClient.connect("phoenix")
+    try:
+        old_pid = follower.pid
+        stop_engine(first)
+        wait_for(lambda: not plain.alive, 10, "the clients to notice the engine is gone")
+        assert not follower.alive  # no engine holds the name yet
+        with pytest.raises(EngineDeadError):
+            follower.status()
+        second = start_engine(str(model_path), name="phoenix", **ENGINE_KW)
+        try:
+            assert follower.alive and follower.pid == second.pid != old_pid
+            out = follower.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
+            assert [o.token_ids for o in out] == reference(PROMPTS[:2])
+            with follower.events("metrics") as sub:  # subscriptions work on the new engine too
+                assert sub.get(timeout=10).kind == "metrics"
+            assert not plain.alive  # without reconnect=True a client stays with its engine
+            with pytest.raises(EngineDeadError):
+                plain.status()
+        finally:
+            stop_engine(second)
+    finally:
+        follower.close()
+        plain.close()

@@ -5,9 +5,11 @@ the official `openai` client, error objects, SSE, disconnect -> abort, Prometheu
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import httpx
@@ -293,3 +295,146 @@ def test_64_concurrent_streams_from_another_process(server):
         assert engine.metrics()["num_running"] == 0
     finally:
         engine.close()
+
+
+# -- hardening: bad numbers, big prompts, SIGTERM ---------------------------------------------------
+@pytest.mark.timeout(300)
+def test_bad_numbers_and_bounds_are_400s_naming_the_field(server):
+    url, h = server["url"], {"Authorization": f"Bearer {server['key']}"}
+    cases = [('"seed": 18446744073709551616', "seed", "seed must be in"),  # 2**64: was a 500
+             ('"seed": 18446744073709551615, "n": 2', "seed", "seed must be in"),  # the second choice's seed
+             ('"temperature": 1e400', "temperature", "out of range"),
+             ('"stop": [' + ",".join(f'"s{i}"' for i in range(17)) + "]", "stop", "at most 16"),
+             ('"stop": ["' + "x" * 5000 + '"]', "stop", "at most 4096")]
+    for extra, param, words in cases:
+        r = httpx.post(url + "/v1/completions", headers={**h, "content-type": "application/json"},
+                       content=('{"prompt": "hi", "max_tokens": 2, ' + extra + "}").encode())
+        assert r.status_code == 400, (extra[:40], r.text)
+        err = r.json()["error"]
+        assert words in err["message"] and err["param"] == param, (extra[:40], err)
+    r = httpx.post(url + "/v1/completions", headers={**h, "content-type": "application/json"},
+                   content=b'{"prompt": "hi", "temperature": NaN}')  # not JSON at all
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "seed": 2**64 - 1,
+                                                   "stop": ["zz"] * 16}, headers=h, timeout=60)
+    assert ok.status_code == 200, ok.text  # the edges of the ranges are allowed
+
+
+@pytest.mark.timeout(300)
+def test_oversized_prompts_are_refused_while_a_stream_runs(server):
+    url, h = server["url"], {"Authorization": f"Bearer {server['key']}"}
+    body = {"prompt": "Once", "max_tokens": 800, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(url + "/v1/completions", json={**body, "return_token_ids": True}, headers=h, timeout=120)
+    lines: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", headers=h, timeout=120,
+                          json={**body, "stream": True, "return_token_ids": True}) as r:
+            lines.extend(x for x in r.iter_lines() if x)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    big = "word " * 190_000  # 950 kB, under the 1 MiB body limit; 81 x 2048 characters is the length bound
+    for _ in range(10):
+        r = httpx.post(url + "/v1/completions", json={"prompt": big, "max_tokens": 1}, headers=h, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert "at least" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+    t.join(120)
+    assert lines[-1] == "data: [DONE]"
+    tokens = [tok for x in lines[:-1] for c in json.loads(x[6:])["choices"] for tok in c.get("token_ids", [])]
+    assert tokens == alone.json()["choices"][0]["token_ids"]
+
+
+def _own_front(tmp_path, *flags: str):
+    from http_helpers import free_port, make_tiny_tokenized_model, wait_http
+
+    model = make_tiny_tokenized_model(tmp_path / "m")
+    port = free_port()
+    name = f"drain-{port}"
+    log = tmp_path / "front.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--http", f"127.0.0.1:{port}",
+                                 "--model", str(model), "--name", name, "--http-log-level", "warning", *flags],
+                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url, proc, 240, log)
+    return proc, url, name, log
+
+
+def _sse_lines(url: str, body: dict, into: list, status: list) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        status.append(r.status_code)
+        if r.status_code == 200:
+            into.extend(x for x in r.iter_lines() if x)
+        else:
+            r.read()
+            into.append(r.json())
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_drains_streams_then_ends_them_cleanly(tmp_path):
+    """The first SIGTERM: running streams go on; at the drain deadline each ends with an error
+    event and [DONE] (a complete body, no cut connection); queued requests get a 503."""
+    from workbench.ipc import connection as conn
+
+    proc, url, name, log = _own_front(tmp_path, "--drain-timeout", "1.5", "--max-num-seqs", "1")
+    try:
+        body = {"prompt": "Once", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        got = [([], []) for _ in range(4)]  # 2000 tokens each, one at a time: seconds of work
+        threads = [threading.Thread(target=_sse_lines, args=(url, body, lines, st)) for lines, st in got]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)  # no exception in the reader: every body was complete
+        ends = []
+        for lines, status in got:
+            if status == [200]:
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                last = json.loads(lines[-2][6:])
+                ends.append("cut" if "error" in last else last["choices"][0]["finish_reason"])
+                if "error" in last:
+                    assert last["error"]["code"] == "server_shutting_down", last
+                    assert "drain deadline (1.5 s)" in last["error"]["message"]
+            else:  # never started: answered with an error, not a dropped connection
+                assert status == [503] and lines[0]["error"]["code"] == "server_shutting_down", lines
+                ends.append("503")
+        assert "cut" in ends and "503" in ends, ends  # one was streaming at the deadline, others waited
+        assert proc.wait(30) == 0
+        assert not conn.connection_path(name).exists()  # the front stopped its engine
+        assert "Traceback" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(300)
+def test_second_sigterm_stops_the_front_at_once(tmp_path):
+    from workbench.ipc import connection as conn
+
+    proc, url, name, log = _own_front(tmp_path, "--drain-timeout", "120", "--max-num-seqs", "1")
+    try:
+        lines, st = [], []
+        t = threading.Thread(target=lambda: _ignore_errors(_sse_lines, url, {"prompt": "Once", "max_tokens": 2000,
+                                                                             "ignore_eos": True}, lines, st))
+        t.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # draining, for up to 120 s
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        t.join(30)
+        assert not conn.connection_path(name).exists()  # no stale connection file
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _ignore_errors(fn, *args):
+    try:
+        fn(*args)
+    except httpx.HTTPError:
+        pass  # the second signal cuts the stream: that is what it is for

@@ -6,10 +6,13 @@ import msgspec
 import pytest
 
 from workbench.jupyter_server.coalesce import (
+    MAX_HISTORY_STEPS,
     MAX_RATE_HZ,
     MIN_RATE_HZ,
+    SNAPSHOT_STEPS,
     EventCoalescer,
     clamp_rate,
+    history_window,
     trim_timeline,
 )
 from workbench.timeline import BatchEntry, RequestEvent, StepEvent, Timeline
@@ -123,9 +126,12 @@ def test_cap_drops_oldest_and_counts():
 
 def test_snapshot_is_trimmed_to_the_newest():
     c = EventCoalescer(10)
-    s = snap(c, tl(steps=[(i, "decode") for i in range(1, 101)]), max_steps=10)
+    s = snap(c, tl(steps=[(i, "decode") for i in range(1, 101)]), window=10)
     assert [x["seq"] for x in s["timeline"]["steps"]] == list(range(91, 101))
     assert s["timeline"]["cursor"] == 100
+    assert s["window"] == 10 and s["older"] is True  # 90 steps were left out
+    whole = snap(EventCoalescer(10), tl(steps=[(i, "decode") for i in range(1, 11)]), window=10)
+    assert whole["older"] is False
     out, cut = trim_timeline(tl(requests=[(i, "r", "arrived") for i in range(1, 6)]), 10, 2)
     assert [r["seq"] for r in out["requests"]] == [4, 5] and cut == 3
 
@@ -148,3 +154,11 @@ def test_set_rate_changes_interval():
     c = EventCoalescer(10)
     assert c.set_rate(4) == 4.0 and c.interval == 0.25
     assert c.set_rate("bogus") == 4.0
+
+
+@pytest.mark.parametrize("given,expected", [
+    (None, SNAPSHOT_STEPS), ("x", SNAPSHOT_STEPS), (10, SNAPSHOT_STEPS), (2000, 2000),
+    (10**9, MAX_HISTORY_STEPS), (float("inf"), SNAPSHOT_STEPS),
+])
+def test_history_window_is_bounded(given, expected):
+    assert history_window(given) == expected

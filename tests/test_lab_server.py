@@ -376,3 +376,62 @@ async def test_every_route_refused_without_a_token(jp_fetch, jp_ws_fetch, hub, e
     # and the same routes answer with the token
     r = await jp_fetch("workbench", "api", "engines", "lab", "settings")
     assert r.code == 200
+
+
+@aio
+async def test_first_snapshot_is_a_bounded_window_and_pages_back(jp_ws_fetch, hub, engine):
+    from workbench.jupyter_server.coalesce import SNAPSHOT_STEPS
+
+    for _ in range(3):  # more steps than a first snapshot holds (each request within the context)
+        await engine.agenerate(prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=300, temperature=0,
+                                                                              ignore_eos=True))
+    ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "20"})
+    try:
+        raw = await asyncio.wait_for(ws.read_message(), 30)
+        snap = json.loads(raw)
+        assert snap["type"] == "snapshot" and snap["window"] == SNAPSHOT_STEPS and snap["older"] is True
+        assert len(snap["timeline"]["steps"]) == SNAPSHOT_STEPS
+        assert len(raw) < 400_000  # was 2.6 MB with a long history
+        newest = snap["timeline"]["steps"][-1]["seq"]
+        ws.write_message(json.dumps({"history": 4 * SNAPSHOT_STEPS}))
+        [wider] = (await ws_messages(ws, lambda m, _: m["type"] == "snapshot"))[-1:]
+        assert wider["window"] == 4 * SNAPSHOT_STEPS
+        steps = wider["timeline"]["steps"]
+        assert len(steps) > SNAPSHOT_STEPS + 100 and steps[-1]["seq"] >= newest  # reaches further back
+        assert [s["seq"] for s in steps] == sorted({s["seq"] for s in steps})
+        ws.write_message(json.dumps({"history": 10**12}))  # clamped, not obeyed
+        [clamped] = (await ws_messages(ws, lambda m, _: m["type"] == "snapshot"))[-1:]
+        from workbench.jupyter_server.coalesce import MAX_HISTORY_STEPS
+
+        assert clamped["window"] == MAX_HISTORY_STEPS
+    finally:
+        ws.close()
+
+
+@aio
+async def test_events_socket_refuses_a_foreign_origin(jp_fetch, jp_serverapp, jp_http_port, jp_base_url, hub, engine):
+    """A page on another site cannot open the events socket with the user's login cookie (a
+    token in a header cannot be sent by such a page, so only cookie logins are checked)."""
+    from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    base = f"127.0.0.1:{jp_http_port}{jp_base_url}"  # jp_fetch: the fixture that starts the server
+    http = AsyncHTTPClient()
+    # Log in as a browser does: the login page's xsrf cookie, then the token as the password.
+    page = await http.fetch(f"http://{base}login")
+    jar = {c.split("=", 1)[0]: c.split(";", 1)[0] for c in page.headers.get_list("Set-Cookie")}
+    body = f"_xsrf={jar['_xsrf'].split('=', 1)[1]}&password={jp_serverapp.identity_provider.token}"
+    login = await http.fetch(f"http://{base}login", method="POST", body=body, follow_redirects=False,
+                             raise_error=False, headers={"Cookie": "; ".join(jar.values())})
+    assert login.code == 302, login.code
+    jar.update({c.split("=", 1)[0]: c.split(";", 1)[0] for c in login.headers.get_list("Set-Cookie")})
+    cookies = "; ".join(jar.values())
+    url = f"ws://{base}workbench/api/engines/lab/events"
+    with pytest.raises(tornado.httpclient.HTTPClientError) as e:
+        await websocket_connect(HTTPRequest(url, headers={"Cookie": cookies, "Origin": "http://evil.example"}))
+    assert e.value.code == 403
+    ws = await websocket_connect(HTTPRequest(url, headers={"Cookie": cookies, "Origin": f"http://{base.split('/')[0]}"}))
+    try:  # the same cookie from the server's own origin is let in
+        assert json.loads(await asyncio.wait_for(ws.read_message(), 30))["type"] == "snapshot"
+    finally:
+        ws.close()

@@ -218,3 +218,103 @@ def test_smollm2_tokenizer_matches_transformers_gguf_reader(smollm2):
     for t in texts:
         assert smollm2.encode(t) == ref(t, add_special_tokens=False)["input_ids"], t
     assert [smollm2.id_to_token(i) for i in smollm2.encode(" ½")] == ["Ġ", "Â½"]
+
+
+# ----------------------------------------------------------------------------- length bound
+def _bound_of(tk: HFTokenizer) -> int | None:
+    return Tokenizer(tk).max_token_chars
+
+
+def test_length_bound_is_a_lower_bound(smollm2):
+    """No token stands for more characters than its vocabulary entry, so len(text) / longest
+    entry never exceeds the true token count, whatever the text (the cheap refusal is safe)."""
+    import random
+
+    assert smollm2.max_token_chars == max(len(t) for t in smollm2.backend.get_vocab())
+    rng = random.Random(0)
+    vocab = list(smollm2.backend.get_vocab())
+    texts = SMOL_TEXTS + [" " * 5000, "\n" * 3000, "a" * 10000, "word " * 3000,
+                          "".join(rng.choice(vocab).replace("Ġ", " ") for _ in range(4000))]
+    for t in texts:
+        assert smollm2.min_tokens(t) <= len(smollm2.encode(t)), t[:40]
+    # the longest entry itself: one token, the bound says at least one
+    longest = max(vocab, key=len)
+    assert smollm2.min_tokens(longest) == 1
+
+
+def test_check_fits_refuses_without_tokenizing(smollm2):
+    limit = 8192
+    text = "word " * (smollm2.max_token_chars * limit // 5 + 10)
+    with pytest.raises(ValueError, match=r"characters, so at least [\d,]+ tokens .*context is 8192 tokens"):
+        smollm2.check_fits(text, limit)
+    smollm2.check_fits("word " * 100, limit)  # well under: passes
+    assert smollm2.min_tokens("") == 0
+
+
+def test_encode_releases_the_gil_and_matches_the_plain_path(smollm2):
+    import threading
+    import time
+
+    text = "word " * 400_000
+    assert smollm2.encode(text[:5000], add_special_tokens=True) == \
+        smollm2.backend.encode(text[:5000], add_special_tokens=True).ids
+    ticks, stop = [], threading.Event()
+
+    def spin():  # counts how often another Python thread gets to run during the encode
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    start = time.perf_counter()
+    smollm2.encode(text)
+    end = time.perf_counter()
+    stop.set()
+    t.join()
+    during = [x for x in ticks if start < x < end]
+    # Held GIL: no tick at all during a ~0.5 s encode. Released: hundreds (a loose floor).
+    assert len(during) >= 0.1 * (end - start) / 0.001, (len(during), end - start)
+
+
+@pytest.mark.parametrize("setup, bound", [
+    (lambda tk: None, "entry"),
+    (lambda tk: setattr(tk, "pre_tokenizer", pre_tokenizers.WhitespaceSplit()), None),  # drops spaces
+    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.NFC()), "4x"),
+    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Strip()), None),
+    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Replace(" ", "\u2581")), "entry"),
+    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Replace("ab", "")), None),
+])
+def test_length_bound_only_where_provable(setup, bound):
+    tk = _byte_level_tokenizer()
+    setup(tk)
+    longest = max(len(t) for t in tk.get_vocab())
+    expected = {"entry": longest, "4x": 4 * longest, None: None}[bound]
+    assert _bound_of(tk) == expected
+
+
+def test_no_length_bound_for_wordpiece():
+    tk = HFTokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    assert _bound_of(tk) is None and Tokenizer(tk).min_tokens("x" * 10**6) == 0
+
+
+def test_prefix_refusal_never_refuses_what_fits(smollm2):
+    """encode_within refuses from a prefix's tokens only when the whole text has at least as
+    many; what fits comes back exactly as encode() gives it."""
+    import random
+
+    rng = random.Random(1)
+    vocab = [t.replace("Ġ", " ").replace("Ċ", "\n") for t in smollm2.backend.get_vocab()]
+    pieces = vocab + [" ", "  ", "\n\n", "\t", "1234", "éa\u0301", "😀", " ,", "'s"]
+    for trial in range(12):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(3000, 9000)))
+        full = smollm2.encode(text)
+        for limit in (len(full) - 1, len(full), len(full) + 1, len(full) // 3, 256):
+            if limit < 1:
+                continue
+            try:
+                got = smollm2.encode_within(text, limit)
+            except ValueError as e:
+                assert len(full) >= limit, (trial, limit, len(full), str(e))
+                continue
+            assert got == full

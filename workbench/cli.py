@@ -175,11 +175,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads for every system (default: torch's choice)")
-    p.add_argument("--scenario", action="append", default=None, choices=["prefix", "quant", "spec"],
+    p.add_argument("--scenario", action="append", default=None, choices=["prefix", "quant", "spec", "stall"],
                    help="instead of the peer comparison, measure one optimisation on and off in this run "
                         "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode (with "
                         "transformers' TorchAoConfig int8/int4 as the peer), n-gram/draft speculation (with "
-                        "transformers' prompt lookup as the peer); repeatable; recorded in the run log")
+                        "transformers' prompt lookup as the peer), or a stream's worst stall while oversized "
+                        "prompts arrive (stall); repeatable; recorded in the run log")
     g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
     g.add_argument("--endpoint", action="append", default=None, metavar="[LABEL=]URL",
                    help="benchmark this server (ours via `serve --http`, vLLM, SGLang, TGI, llama.cpp) with the same "

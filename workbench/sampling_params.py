@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import msgspec
+
+# A seed seeds a torch.Generator, which takes [-2**63, 2**64); msgpack carries the same range.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# OpenAI allows 4 stop strings; more are fine, but each one is searched in every new piece of
+# text and the longest is held back from the stream, so their number and length are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 4096  # all stop strings together
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
@@ -43,11 +52,20 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
             )
         if self.seed is not None:
             _check_number("seed", self.seed, int)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(f"SamplingParams.seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
                 raise TypeError(f"SamplingParams.stop must be a non-empty str or list of them, got {self.stop!r}")
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"SamplingParams.stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
+                                 "are allowed")
+            total = sum(len(x) for x in self.stop)
+            if total > MAX_STOP_CHARS:
+                raise ValueError(f"SamplingParams.stop strings have {total} characters together; at most "
+                                 f"{MAX_STOP_CHARS} are allowed")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
@@ -55,6 +73,9 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
                 raise TypeError(
                     f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
                 )
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"SamplingParams.stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                                 f"{MAX_STOP_TOKEN_IDS} are allowed")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
@@ -86,6 +107,9 @@ def _check_number(name: str, value, kind: type) -> None:
     ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
     if isinstance(value, bool) or not ok:
         raise TypeError(f"SamplingParams.{name} must be {kind.__name__}, got {value!r}")
+    # NaN passes every comparison check that follows; an int too big for a float is no better.
+    if kind is float and not (math.isfinite(value) if isinstance(value, float) else abs(value) < 2**1023):
+        raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
 
 
 def normalize_batch(prompts, params, prompt_token_ids) -> list[tuple[str | None, list[int] | None, SamplingParams]]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +25,91 @@ import tokenizers
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
 
 _REPLACEMENT = "\ufffd"
+_UNKNOWN = object()
+
+# Normalizers that never shorten the text, and those that shorten it at most 4-fold (canonical
+# composition: no precomposed character decomposes into more than 4 code points).
+_KEEPS_LENGTH = {"NFD", "NFKD", "Prepend", "Lowercase", "ByteLevel"}
+_COMPOSES = {"NFC", "NFKC"}
+# Pre-tokenizers that drop characters (whitespace, delimiters) or may (a "removed" behaviour).
+_DROPS = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "CharDelimiterSplit"}
+
+
+def _shrink_factor(normalizer: dict | None) -> int | None:
+    """How many times shorter the normalizer can make a text (None: without bound)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", []):
+            f = _shrink_factor(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in _KEEPS_LENGTH:
+        return 1
+    if kind in _COMPOSES:
+        return 4
+    if kind == "Replace":  # a fixed string replaced by one at least as long keeps the length
+        pattern, content = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        return 1 if pattern is not None and len(content) >= len(pattern) else None
+    return None
+
+
+def _drops_text(pre: dict | None) -> bool:
+    if pre is None:
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_drops_text(p) for p in pre.get("pretokenizers", []))
+    return pre.get("type") in _DROPS or str(pre.get("behavior", "")).lower() == "removed"
+
+
+def _max_token_chars(spec: dict) -> int | None:
+    """`Tokenizer.max_token_chars` from the tokenizer.json document."""
+    model = spec.get("model") or {}
+    # WordPiece spells an over-long word as one [UNK]; others have per-character fallbacks.
+    if model.get("type") not in ("BPE", "Unigram") or _drops_text(spec.get("pre_tokenizer")):
+        return None
+    factor = _shrink_factor(spec.get("normalizer"))
+    if factor is None:
+        return None
+    vocab = model.get("vocab") or {}
+    # A vocabulary entry is at least as long as the text it matches: byte-level BPE spells one
+    # byte per symbol, byte-fallback tokens (<0x41>) are longer than their byte.
+    pieces = vocab.keys() if isinstance(vocab, dict) else (entry[0] for entry in vocab)
+    longest = max((len(p) for p in pieces), default=1)
+    longest = max([longest] + [len(t.get("content", "")) for t in spec.get("added_tokens") or []])
+    return longest * factor
+
+
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to the step loop's threads (Linux: a thread is a
+    task with its own nice value). A thread that tokenizes beside the engine calls this, so a
+    long prompt slows its own admission, not the decode steps of everyone else."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        except OSError:
+            pass
+
+
+def _word_boundary(text: str, before: int) -> int:
+    """The last index < `before` where a space follows a non-space character (0: none near).
+
+    No pre-tokenizer that `max_token_chars` trusts (byte-level and Llama-style regexes,
+    Metaspace, digit splits) lets a piece run across such a point: a word piece stops at the
+    space, a whitespace piece starts there. So the tokens of text[:cut] are exactly the first
+    tokens of text, and their count is a lower bound on the whole."""
+    i = before
+    for _ in range(64):
+        i = text.rfind(" ", before // 2, i)
+        if i <= 0:
+            return 0
+        if not text[i - 1].isspace():
+            return i
+    return 0
 
 
 class ChatTemplateError(ValueError):
@@ -74,6 +161,7 @@ class Tokenizer:
         bos_token_id: int | None = None,
     ):
         self._tk = tokenizer
+        self._max_token_chars: Any = _UNKNOWN
         self.chat_template = chat_template or None
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -138,7 +226,52 @@ class Tokenizer:
         return self._tk.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch entry point releases the GIL while it works (`encode` holds it: a 4 MiB
+        # prompt froze every other thread of the process for over a second); `_fast` skips
+        # the character offsets, which nothing here reads.
+        batch = getattr(self._tk, "encode_batch_fast", self._tk.encode_batch)
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """Most characters of input one token can stand for, when that is provable from the
+        tokenizer's definition (None when a normalizer or pre-tokenizer may drop text, or the
+        model splits words it cannot spell into one unknown token)."""
+        if self._max_token_chars is _UNKNOWN:
+            self._max_token_chars = _max_token_chars(json.loads(self._tk.to_str()))
+        return self._max_token_chars
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), found without encoding it (0 when unknown)."""
+        most = self.max_token_chars
+        return -(-len(text) // most) if most else 0
+
+    def check_fits(self, text: str, max_tokens: int, what: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text that cannot encode to fewer than `max_tokens` tokens."""
+        least = self.min_tokens(text)
+        if least >= max_tokens:
+            raise ValueError(
+                f"{what} has {len(text):,} characters, so at least {least:,} tokens (no token of this model "
+                f"spans more than {self.max_token_chars} characters); the model's context is {max_tokens} "
+                "tokens (prompt plus at least one output token must fit)")
+
+    def encode_within(self, text: str, max_tokens: int, add_special_tokens: bool = False,
+                      what: str = "prompt") -> list[int]:
+        """`encode(text)`, refusing (ValueError) a text that cannot encode to fewer than
+        `max_tokens` tokens: from its length alone, then from the tokens of a prefix, so a text
+        just under the length bound costs a small part of its full encoding."""
+        self.check_fits(text, max_tokens, what)
+        probe = 8 * max_tokens  # characters: about twice the context in tokens of ordinary text
+        if self.max_token_chars and len(text) > 2 * probe:
+            cut = _word_boundary(text, probe)
+            if cut:
+                counted = len(self.encode(text[:cut], add_special_tokens))
+                if counted >= max_tokens:
+                    raise ValueError(
+                        f"{what} has {len(text):,} characters and its first {cut:,} alone are {counted:,} tokens; "
+                        f"the model's context is {max_tokens} tokens (prompt plus at least one output token "
+                        "must fit)")
+        return self.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

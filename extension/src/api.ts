@@ -141,6 +141,13 @@ export class EngineConnection {
     }
   }
 
+  /** Ask for a wider snapshot (4x the steps), reaching further back in time. */
+  requestEarlier(): void {
+    if (this._ws && this._ws.readyState === WebSocket.OPEN) {
+      this._ws.send(JSON.stringify({ history: Math.max(1, this.state.window) * 4 }));
+    }
+  }
+
   private _open(): void {
     if (this._disposed) {
       return;

@@ -68,6 +68,10 @@ export interface ISnapshotMessage {
   timeline: ITimelinePart;
   time?: number | null;
   rate?: number;
+  /** Steps this snapshot was asked to hold (the first is small; the view may ask for more). */
+  window?: number;
+  /** The engine holds events before these: a wider window would show them. */
+  older?: boolean;
 }
 
 export interface IDeltaMessage {
@@ -147,6 +151,9 @@ export class EngineState {
   requests = new Map<string, IRequestInfo>();
   relayout: Dict[] = [];
   dropped = 0;
+  /** Steps the last snapshot was asked for, and whether the engine holds earlier ones. */
+  window = 0;
+  older = false;
   lastSeq = -1;
   /** Deltas that arrived out of order or before the snapshot (ignored). */
   ignored = 0;
@@ -180,6 +187,8 @@ export class EngineState {
       this.metrics = msg.metrics ?? {};
       this.state = 'ready';
       this.lastSeq = 0;
+      this.window = msg.window ?? 0;
+      this.older = !!msg.older;
       change.settingsChanged = Object.keys(this.settings);
       change.metricsChanged = true;
       change.stateChanged = true;

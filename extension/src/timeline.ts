@@ -36,6 +36,14 @@ export class TimelineView extends Widget {
     this._status = document.createElement('span');
     this._status.className = 'wb-Timeline-status';
     bar.appendChild(this._status);
+    // The first snapshot holds only the newest steps; this pages back on demand.
+    this._earlier = document.createElement('button');
+    this._earlier.className = 'wb-Timeline-earlier jp-mod-styled';
+    this._earlier.textContent = 'earlier';
+    this._earlier.title = 'load earlier steps from the engine (4x the window shown)';
+    this._earlier.hidden = true;
+    this._earlier.onclick = () => this._conn?.requestEarlier();
+    bar.appendChild(this._earlier);
     this.node.appendChild(bar);
     this._host = document.createElement('div');
     this._host.className = 'wb-Timeline-chart';
@@ -51,6 +59,7 @@ export class TimelineView extends Widget {
   private _chart: TimelineChart | null = null;
   private _host: HTMLElement;
   private _status: HTMLElement;
+  private _earlier: HTMLButtonElement;
   private _picker: HTMLSelectElement | null = null;
   private _owned = true;
 
@@ -156,6 +165,7 @@ export class TimelineView extends Widget {
       parts.push(`error: ${conn.error}`);
     }
     this._status.textContent = parts.join(' · ');
+    this._earlier.hidden = !st.older;
     this.node.dataset.state = st.state;
   }
 

@@ -120,6 +120,17 @@ describe('EngineState', () => {
     expect(st.origin).toBe(200);
   });
 
+  it('keeps the window of the snapshot and whether earlier steps exist', () => {
+    const st = new EngineState();
+    st.apply(snapshot({ window: 500, older: true, timeline: { steps: [step(7, 100, 'decode')], requests: [], cursor: 7 } }));
+    expect([st.window, st.older]).toEqual([500, true]);
+    // the wider snapshot the view asked for replaces the narrow one, earlier steps included
+    st.apply(snapshot({ window: 2000, older: false, timeline: { steps: [step(2, 90, 'prefill'), step(7, 100, 'decode')], requests: [], cursor: 7 } }));
+    expect([st.window, st.older, st.steps.map(s => s.seq)]).toEqual([2000, false, [2, 7]]);
+    st.apply(snapshot());
+    expect([st.window, st.older]).toEqual([0, false]); // an older server sends neither
+  });
+
   it('passes errors through', () => {
     const st = new EngineState();
     expect(st.apply({ type: 'error', message: 'boom' }).error).toBe('boom');

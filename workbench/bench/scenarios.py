@@ -9,6 +9,10 @@
 - `spec`: an input-grounded task (repeat a paragraph with its typos fixed), single stream, with
   speculation off, `ngram` and `draft`; the peer is transformers' prompt-lookup decoding on the
   same weights and prompt. Target: ngram >= 1.5x off.
+- `stall`: one stream decodes on an engine process while another client sends prompts far too
+  long for the context (8 MiB, refused from their length) and prompts just under the length
+  bound (tokenized off the step loop, then refused). Reported: the stream's worst gap between
+  tokens while they arrive, against its median gap. Target: worst gap <= 6 normal steps.
 Every scenario returns plain JSON-ready dicts; `workbench bench --scenario NAME` prints them, with
 the headline `ratios` and the `targets` they are held to, and records the run in the run log
 (kind `scenario`, workbench/runs.py).
@@ -26,8 +30,9 @@ from ..runs import record_scenarios
 from .stats import RequestRecord, percentile
 from .workload import BenchRequest, Workload, text_token_ids
 
-SCENARIOS = ("prefix", "quant", "spec")
+SCENARIOS = ("prefix", "quant", "spec", "stall")
 TARGETS = {"prefix_ttft_ratio": 3.0, "int4_vs_bf16": 2.0, "int8_vs_bf16": 1.5, "ngram_vs_off": 1.5}
+TARGETS_AT_MOST = {"stall_worst_gap_vs_itl": 6.0}  # lower is better
 
 SPEC_TEXT = (
     "The lighthouse keeper climbs the hundred and twelve steps of the tower every morning with a lamp "
@@ -40,7 +45,7 @@ SPEC_TEXT = (
 
 # Smaller sizes for smoke runs (`workbench bench --scenario NAME --quick`).
 QUICK = {"prefix": {"num_requests": 4, "prompt_len": 128, "output_len": 4}, "quant": {"output_len": 32},
-         "spec": {"output_len": 32}}
+         "spec": {"output_len": 32}, "stall": {"oversized": 4, "near_bound": 1, "output_len": 200}}
 
 
 def _prompt_tokens(engine) -> list[int]:
@@ -255,6 +260,58 @@ def _hf_prompt_lookup(model, ids: list[int], output_len: int, k: int) -> dict:
     return res
 
 
+def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, output_len: int = 800,
+                   **settings) -> dict:
+    """The `stall` scenario on its own engine process (started and stopped here)."""
+    import threading
+
+    from ..ipc.client import EngineClient, start_engine
+    from ..sampling_params import SamplingParams
+
+    eng = start_engine(model, **settings)
+    try:
+        status = eng.status()
+        context, most = status["max_model_len"], status.get("max_token_chars")
+        times: list[float] = []
+        params = SamplingParams(max_tokens=min(output_len, context - 8), temperature=0, ignore_eos=True)
+        runner = threading.Thread(target=lambda: times.extend(
+            time.monotonic() for _ in eng.stream(prompt_token_ids=[1, 2, 3, 4], params=params, timeout=600)))
+        runner.start()
+        while len(times) < 20 and runner.is_alive():
+            time.sleep(0.01)
+        huge = "word " * ((8 << 20) // 5)
+        near = "word " * (int(0.95 * (most or 16) * context) // 5)
+        refusals: dict[str, list[float]] = {"oversized": [], "near_bound": []}
+        errors: set[str] = set()
+        with EngineClient.connect(eng.name, timeout=30) as other:
+            start = time.monotonic()
+            for kind, text, count in (("oversized", huge, oversized), ("near_bound", near, near_bound)):
+                for _ in range(count):
+                    t0 = time.monotonic()
+                    try:
+                        other.generate(text, SamplingParams(max_tokens=1), timeout=600)
+                        errors.add("accepted")
+                    except ValueError as e:
+                        errors.add(str(e).split(";")[0][:80])
+                    refusals[kind].append(time.monotonic() - t0)
+            end = time.monotonic()
+        runner.join(600)
+    finally:
+        eng.shutdown()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    during = [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
+    itl = percentile(gaps, 50)
+    worst = max(during, default=0.0)
+    return {"workload": {"stream_tokens": len(times), "oversized_prompts": oversized, "oversized_chars": len(huge),
+                         "near_bound_prompts": near_bound, "near_bound_chars": len(near), "context": context},
+            "itl_p50_ms": itl * 1e3, "worst_gap_ms": worst * 1e3, "gaps_during": len(during),
+            "attack_s": end - start,
+            "refusal_ms": {k: {"p50": percentile(v, 50) * 1e3, "max": max(v, default=0) * 1e3}
+                           for k, v in refusals.items()},
+            "errors": sorted(errors), "worst_gap_vs_itl": worst / itl if itl else None,
+            "target_at_most": TARGETS_AT_MOST["stall_worst_gap_vs_itl"]}
+
+
 def _ratios(out: dict) -> dict[str, float | None]:
     """The headline numbers of a run: ours on/off, the peers' own on/off, ours vs the peer."""
     r: dict[str, float | None] = {}
@@ -267,6 +324,8 @@ def _ratios(out: dict) -> dict[str, float | None]:
             r["hf_int8_vs_bf16"], r["hf_int4_vs_bf16"] = q["hf"]["int8_vs_bf16"], q["hf"]["int4_vs_bf16"]
             for mode, v in q["vs_hf"].items():
                 r[f"{'bf16' if mode == 'none' else mode}_vs_hf"] = v
+    if "stall" in out:
+        r["stall_worst_gap_vs_itl"] = out["stall"]["worst_gap_vs_itl"]
     if "spec" in out:
         sp = out["spec"]
         r["ngram_vs_off"], r["draft_vs_off"] = sp["ngram_vs_off"], sp["draft_vs_off"]
@@ -278,7 +337,9 @@ def _ratios(out: dict) -> dict[str, float | None]:
 def _targets(ratios: dict) -> list[dict]:
     """Each target the run measured, in the bench report's shape."""
     return [{"name": k, "value": ratios[k], "target": t, "met": ratios[k] >= t}
-            for k, t in TARGETS.items() if isinstance(ratios.get(k), (int, float))]
+            for k, t in TARGETS.items() if isinstance(ratios.get(k), (int, float))] + [
+        {"name": k, "value": ratios[k], "target_at_most": t, "met": ratios[k] <= t}
+        for k, t in TARGETS_AT_MOST.items() if isinstance(ratios.get(k), (int, float))]
 
 
 @record_scenarios  # recorded in the run log (workbench/runs.py); record=False / run_log=PATH per call
@@ -304,6 +365,8 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
             out[name] = prefix_scenario(engine, **size)
         elif name == "quant":
             out[name] = quant_scenario(engine, hf_path=hf_path, **size)
+        elif name == "stall":
+            out[name] = stall_scenario(model, **size, **settings)
         else:
             hf = load_hf_model(hf_path, engine.dtype) if with_peers else None
             out[name] = spec_scenario(engine, hf_model=hf, **size)
@@ -314,4 +377,5 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
     return out
 
 
-__all__ = ["SCENARIOS", "run_scenarios", "prefix_scenario", "quant_scenario", "spec_scenario", "hf_quant_peer"]
+__all__ = ["SCENARIOS", "run_scenarios", "prefix_scenario", "quant_scenario", "spec_scenario", "stall_scenario",
+           "hf_quant_peer"]

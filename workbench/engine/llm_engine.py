@@ -144,11 +144,12 @@ class LLMEngine:
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+            # Refused from its length (or a prefix's tokens) when it cannot fit: tokenizing
+            # megabytes costs seconds.
+            self.tokenizer.check_fits(prompt, self.max_model_len)
             if chat:
                 prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            else:
-                ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=not chat)
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
         return ids
@@ -161,6 +162,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens of the requests waiting to start (what admission control bounds)."""
+        return sum(len(seq) - seq.num_computed_tokens for seq in self.scheduler.waiting)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
@@ -492,6 +497,8 @@ class LLMEngine:
             "attention_backend": self.runner.backend.name,
             "cpu_kernels": self.runner.model.cpu_kernels,
             **self.runner.model.kernel_report(),
+            # longest text one token stands for: longer prompts are refused before tokenizing
+            "max_token_chars": self.tokenizer.max_token_chars if self.tokenizer is not None else None,
             "num_layers": self.model_config.num_hidden_layers,
             "vocab_size": self.model_config.vocab_size,
         }

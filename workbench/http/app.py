@@ -14,6 +14,7 @@ at the next step boundary.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import logging
 import secrets
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..outputs import RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
+from ..tokenizer import lower_thread_priority
 from .metrics import CONTENT_TYPE, FrontMetrics
 from .protocol import (
     DEFAULT_MAX_BODY_MB,
@@ -52,6 +54,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class _ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
+
+
+class ServerShuttingDown(Exception):
+    """The server was told to stop and its drain deadline passed with this request unfinished."""
 
 
 @dataclass
@@ -99,6 +105,33 @@ class Front:
         self.metrics = FrontMetrics(self.model_names[0])
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        # Prompts are tokenized here, off the event loop, at a lower CPU priority than the engine.
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(2, "wb-http-tokenize", initializer=lower_thread_priority)
+        self.draining = False  # a stop was asked for: new requests get 503, running ones go on
+        self._cut_queues: set[asyncio.Queue] = set()  # running streams, told when the drain ends
+        self._cut_futures: set[asyncio.Future] = set()  # running non-streamed answers
+
+    # -- graceful stop ----------------------------------------------------------------------------
+    def begin_drain(self, timeout_s: float) -> None:
+        """On the event loop: refuse new requests; end what still runs after `timeout_s`."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining: %d stream(s) and %d request(s) running; they end within %.0f s",
+                     len(self._cut_queues), len(self._cut_futures), timeout_s)
+            asyncio.get_running_loop().call_later(timeout_s, self.cut_all, timeout_s)
+
+    def cut_all(self, timeout_s: float) -> None:
+        why = f"the server is shutting down: this request was still running at the drain deadline ({timeout_s:g} s)"
+        for q in self._cut_queues:
+            q.put_nowait((-1, ServerShuttingDown(why)))
+        for fut in self._cut_futures:
+            if not fut.done():
+                fut.set_exception(ServerShuttingDown(why))
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests",
+                           code="server_shutting_down")
 
     # -- request checks -------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -151,6 +184,28 @@ class Front:
             return default
         return max(1, (self.max_model_len or 4096) - (len(ids) if ids else 0))
 
+    # -- tokenizing -------------------------------------------------------------------------------
+    def check_fits(self, text: str, param: str) -> None:
+        """Refuse from its length alone a text that cannot fit the context (no tokenizing)."""
+        if self.tokenizer is not None and self.max_model_len:
+            try:
+                self.tokenizer.check_fits(text, self.max_model_len, "the prompt")
+            except ValueError as e:
+                raise bad_request(str(e), param=param, code="context_length_exceeded") from None
+
+    async def encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of a prompt, off the event loop (the tokenizer releases the GIL), so a big
+        prompt never stalls other streams or /health."""
+        self.check_fits(text, param)
+        loop = asyncio.get_running_loop()
+        if not self.max_model_len:
+            return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text, add_special_tokens)
+        try:
+            return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode_within, text,
+                                              self.max_model_len, add_special_tokens, "the prompt")
+        except ValueError as e:
+            raise bad_request(str(e), param=param, code="context_length_exceeded") from None
+
     # -- token text ------------------------------------------------------------------------------
     def token_text(self, token_id: int, as_id: bool) -> str:
         if as_id or self.tokenizer is None:
@@ -179,12 +234,20 @@ class Front:
             return out
 
         tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+        cut = asyncio.get_running_loop().create_future()
+        self._cut_futures.add(cut)
+        gathered = asyncio.gather(*tasks)
         try:
-            return list(await asyncio.gather(*tasks))
+            await asyncio.wait({gathered, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if cut.done():
+                raise cut.exception()
+            return list(gathered.result())
         finally:  # on an error or a disconnect, the other choices stop too (their engine requests abort)
+            self._cut_futures.discard(cut)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            gathered.cancel()  # a no-op once it is done
 
     async def merged_streams(self, jobs: list[Job]) -> AsyncIterator[tuple[int, StreamChunk]]:
         """(job number, chunk) from every job's stream, as they come."""
@@ -201,6 +264,7 @@ class Front:
 
         tasks = [asyncio.ensure_future(pump(k, j)) for k, j in enumerate(jobs)]
         left = len(jobs)
+        self._cut_queues.add(q)
         try:
             while left:
                 k, item = await q.get()
@@ -212,6 +276,7 @@ class Front:
                         self.metrics.observe(item.output)
                 yield k, item
         finally:
+            self._cut_queues.discard(q)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -219,7 +284,7 @@ class Front:
 
 def engine_error(exc: BaseException) -> APIError:
     """An engine-side exception as the HTTP error it deserves."""
-    from ..ipc.protocol import EngineDeadError, WorkbenchIPCError
+    from ..ipc.protocol import EngineBusyError, EngineDeadError, WorkbenchIPCError
 
     if isinstance(exc, APIError):
         return exc
@@ -227,6 +292,10 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, (ValueError, TypeError, LookupError)):
         code = "context_length_exceeded" if ("context" in msg or "KV blocks" in msg) else None
         return APIError(400, msg, code=code)
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(503, str(exc), code="server_shutting_down")
+    if isinstance(exc, EngineBusyError):
+        return APIError(503, msg, code="engine_overloaded", headers={"retry-after": "1"})
     if isinstance(exc, (EngineDeadError, WorkbenchIPCError)):
         return APIError(503, f"the engine is unavailable: {msg}", code="engine_unavailable")
     if isinstance(exc, TimeoutError):
@@ -445,7 +514,7 @@ def create_app(front: Front) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.to_dict(), status_code=exc.status)
+        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -455,14 +524,15 @@ def create_app(front: Front) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         err = engine_error(exc)
-        return JSONResponse(err.to_dict(), status_code=err.status)
+        return JSONResponse(err.to_dict(), status_code=err.status, headers=err.headers)
 
     @app.get("/health")
     async def health():
         alive = getattr(front.engine, "alive", True)
-        body = {"status": "ok" if alive else "engine unavailable", "server": "workbench",
+        state = "draining" if front.draining else "ok" if alive else "engine unavailable"
+        body = {"status": state, "server": "workbench",
                 "engine": getattr(front.engine, "name", None), "model": front.model_names[0]}
-        return JSONResponse(body, status_code=200 if alive else 503)
+        return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -506,6 +576,7 @@ def create_app(front: Front) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         front.check_auth(request)
+        front.check_accepting()
         req = decode_request(await front.read_body(request), CompletionRequest)
         model = front.check_model(req.model)
         check_unsupported(req)
@@ -515,7 +586,7 @@ def create_app(front: Front) -> FastAPI:
         for i, p in enumerate(completion_prompts(req.prompt)):
             text, ids = (p, None) if isinstance(p, str) else (None, p)
             if ids is None and front.tokenizer is not None:
-                ids = front.tokenizer.encode(text, add_special_tokens=True)  # exactly as the engine would
+                ids = await front.encode(text, add_special_tokens=True, param="prompt")  # as the engine would
             echo = ""
             if req.echo:
                 echo = text if text is not None else (front.tokenizer.decode(ids, skip_special_tokens=False)
@@ -532,6 +603,7 @@ def create_app(front: Front) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         front.check_auth(request)
+        front.check_accepting()
         req = decode_request(await front.read_body(request), ChatCompletionRequest)
         model = front.check_model(req.model)
         check_unsupported(req)
@@ -540,12 +612,13 @@ def create_app(front: Front) -> FastAPI:
         messages = message_dicts(req.messages)
         text, ids, chat = None, None, False
         if front.tokenizer is not None:
+            front.check_fits("".join(str(m.get("content") or "") for m in messages), "messages")
             try:
-                rendered = front.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt is not False)
+                rendered = await asyncio.to_thread(front.tokenizer.apply_chat_template, messages,
+                                                   add_generation_prompt=req.add_generation_prompt is not False)
             except Exception as e:  # no template, or the template raised (e.g. roles out of order)
                 raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
-            ids = front.tokenizer.encode(rendered, add_special_tokens=False)
+            ids = await front.encode(rendered, add_special_tokens=False, param="messages")
         elif len(messages) == 1 and messages[0]["role"] == "user":
             text, chat = messages[0]["content"], True  # the engine applies the template
         else:

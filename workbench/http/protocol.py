@@ -30,8 +30,9 @@ class APIError(Exception):
     """An error answered as an OpenAI error object: ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers  # e.g. retry-after on a 503
         self.status = status
         self.message = message
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")

@@ -15,6 +15,7 @@ gone and exits too.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -93,10 +94,28 @@ def make_front(engine, *, model=None, served_model_name: str | list[str] | None 
                  api_key=api_key, max_body_bytes=int(max_body_mb * 2**20), status=status, aliases=aliases)
 
 
-def _uvicorn_server(app, host: str, port: int, log_level: str = "info"):
+def _uvicorn_server(app, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0):
+    """A uvicorn server whose first SIGTERM/Ctrl-C drains: new requests get 503, running ones
+    go on for up to `drain_timeout` s and are then ended with an error event (streams) or a 503,
+    so no client sees a connection cut mid-body. A second signal stops at once."""
     import uvicorn
 
+    front = app.state.front
+
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+                return
+            self.should_exit = True
+            loop = getattr(self, "loop", None)
+            if loop is not None:
+                loop.call_soon_threadsafe(front.begin_drain, drain_timeout)
+
         @contextlib.contextmanager
         def capture_signals(self):
             # uvicorn re-raises a caught SIGTERM after its graceful shutdown, which would kill this
@@ -113,7 +132,8 @@ def _uvicorn_server(app, host: str, port: int, log_level: str = "info"):
                     signal.signal(s, h)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=2048)
+                            # The drain ends every request by its deadline; this is the backstop.
+                            timeout_graceful_shutdown=drain_timeout + 5, timeout_keep_alive=30, backlog=2048)
     return Server(config)
 
 
@@ -203,15 +223,17 @@ def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
         kw = {k: getattr(args, k) for k in ("name", "transport", "host", "port") if getattr(args, k, None) is not None}
         if getattr(args, "client_timeout", None) is not None:
             kw["client_timeout"] = args.client_timeout
-        if getattr(args, "max_message_mb", None) is not None:
-            kw["max_message_mb"] = args.max_message_mb
+        for opt in ("max_message_mb", "max_queued_chars", "max_queued_tokens", "drain_timeout"):
+            if getattr(args, opt, None) is not None:
+                kw[opt] = getattr(args, opt)
         print(f"workbench: starting the engine ({model or 'default model'})...", file=sys.stderr, flush=True)
         engine = start_engine(model, **kw, **(settings or {}))
         owned = True
     try:
         front = make_front(engine, model=model, served_model_name=args.served_model_name, api_key=api_key,
                            max_body_mb=args.max_request_mb)
-        server = _uvicorn_server(create_app(front), host, port, args.http_log_level)
+        server = _uvicorn_server(create_app(front), host, port, args.http_log_level,
+                                 drain_timeout=getattr(args, "drain_timeout", 30.0))
         watchdog = threading.Thread(target=_watch_engine, args=(engine, server), daemon=True)
         watchdog.start()
         shown = f"[{host}]" if ":" in host else host

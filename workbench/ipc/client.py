@@ -43,12 +43,15 @@ from ..timeline import Timeline
 from . import connection as conn
 from .protocol import (
     DEFAULT_MAX_MESSAGE_MB,
+    DEFAULT_MAX_QUEUED_CHARS,
+    DEFAULT_MAX_QUEUED_TOKENS,
     HEADER,
     PROTOCOL_VERSION,
     START_FAILED,
     Abort,
     Bye,
     Call,
+    EngineBusyError,
     EngineConnectError,
     EngineDeadError,
     EngineStartError,
@@ -74,6 +77,7 @@ from .protocol import (
 from .surface import _POLL_S, RequestSurface, request_ids
 
 __all__ = [
+    "EngineBusyError",
     "EngineClient",
     "EngineConnectError",
     "EngineDeadError",
@@ -205,12 +209,12 @@ class EngineClient(RequestSurface):
     rpc_timeout: float = 300.0  # seconds an RPC may take (a relayout of a big model is slow)
 
     def __init__(self, info: conn.ConnectionInfo, *, process: subprocess.Popen | None = None,
-                 timeout: float = 10.0, check_pid: bool = True, client_name: str | None = None):
-        self.info = info
+                 timeout: float = 10.0, check_pid: bool = True, client_name: str | None = None,
+                 reconnect: bool = False):
         self.name = info.name
-        self.pid = info.pid
-        self.process = process
-        self._check_pid = check_pid and info.same_host()
+        self.reconnect = reconnect  # after the engine dies, attach to the next one holding the name
+        self._client_name = client_name or _default_client_name()
+        self._check_pid_wanted = check_pid
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
         self._outq: deque[list[bytes]] = deque()
@@ -230,29 +234,71 @@ class EngineClient(RequestSurface):
         self._ev_lock = threading.Lock()
         self._ev_ready = threading.Event()
         self._sync_tokens: dict[str, threading.Event] = {}
-        self._io = threading.Thread(target=self._io_loop, name=f"wb-client-io-{info.name}", daemon=True)
-        self._io.start()
+        self._reconnect_lock = threading.Lock()
+        self._io: threading.Thread | None = None
         try:
-            self.engine_info = self.call("hello", _timeout=timeout, name=client_name or _default_client_name(),
-                                         pid=os.getpid(), protocol=PROTOCOL_VERSION)
-        except TimeoutError:
-            self.close()
-            hint = (" For tcp, check that this connection file carries the engine's CURVE keys."
-                    if info.transport == "tcp" else "")
-            raise EngineConnectError(
-                f"engine {info.name!r} at {info.request_address} did not answer the handshake within "
-                f"{timeout}s.{hint}") from None
+            self._open(info, process, timeout)
         except BaseException:
             self.close()
             raise
         _clients.add(self)
 
+    def _open(self, info: conn.ConnectionInfo, process: subprocess.Popen | None, timeout: float) -> None:
+        """Start the IO thread on `info`'s sockets and shake hands."""
+        self.info, self.pid, self.process = info, info.pid, process
+        self._check_pid = self._check_pid_wanted and info.same_host()
+        self._io = threading.Thread(target=self._io_loop, name=f"wb-client-io-{info.name}", daemon=True)
+        self._io.start()
+        try:
+            self.engine_info = self.call("hello", _timeout=timeout, name=self._client_name, pid=os.getpid(),
+                                         protocol=PROTOCOL_VERSION)
+        except TimeoutError:
+            hint = (" For tcp, check that this connection file carries the engine's CURVE keys."
+                    if info.transport == "tcp" else "")
+            raise EngineConnectError(
+                f"engine {info.name!r} at {info.request_address} did not answer the handshake within "
+                f"{timeout}s.{hint}") from None
+
+    def _revive(self) -> bool:
+        """With `reconnect`, attach to a new engine holding this name once the old one is dead.
+        Requests and subscriptions of the old engine ended with EngineDeadError; new ones go to
+        the new engine. True when the client is usable."""
+        if self._dead is None:
+            return True
+        if not self.reconnect or self._closed:
+            return False
+        with self._reconnect_lock:
+            if self._dead is None:
+                return True
+            directory = Path(self.info.path).parent if self.info.path else None
+            info = conn.live_engine(self.name, directory)
+            if info is None or info.pid == self.pid:
+                return False
+            for t in (self._io, self._ev_thread):
+                if t is not None and t is not threading.current_thread():
+                    t.join(5)  # both leave once the client is dead
+            self._outq.clear()
+            with self._lock:
+                self._subs = []  # they ended with the old engine's EngineDeadError
+            self._ev_thread, self._got_reply = None, False
+            self._ev_ready.clear()
+            self._dead = None
+            try:
+                self._open(info, None, 10.0)
+            except Exception as e:
+                self._set_dead(EngineDeadError(f"reconnecting to engine {self.name!r} (pid {info.pid}) failed: {e}"))
+                return False
+            log.info("reconnected to engine %r (now pid %d)", self.name, info.pid)
+            return True
+
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def connect(cls, name_or_connection_file: str | os.PathLike | None = None, *, timeout: float = 10.0,
-                check_pid: bool = True) -> EngineClient:
+                check_pid: bool = True, reconnect: bool = False) -> EngineClient:
         """Attach to a running engine by name (looked up in the runtime dir) or connection file.
-        An http(s):// URL attaches to an OpenAI-compatible server instead (workbench.remote)."""
+        An http(s):// URL attaches to an OpenAI-compatible server instead (workbench.remote).
+        With reconnect=True the client follows the name: when the engine dies and another starts
+        under the same name, the next call (or `alive`) attaches to it."""
         # Hook for remote backends (workbench/remote.py): a URL, or a name given to one with
         # register_remote(), returns a RemoteEngineClient (same surface, settings read-only).
         from ..remote import RemoteEngineClient, registered_remote
@@ -265,7 +311,7 @@ class EngineClient(RequestSurface):
         info = conn.read_connection_file(path)
         if check_pid and not info.engine_alive():
             raise EngineDeadError(f"engine {info.name!r} (pid {info.pid}) is not running; {path} is stale")
-        return cls(info, timeout=timeout, check_pid=check_pid)
+        return cls(info, timeout=timeout, check_pid=check_pid, reconnect=reconnect)
 
     def __repr__(self) -> str:
         state = "dead" if self._dead else "connected"
@@ -282,7 +328,7 @@ class EngineClient(RequestSurface):
 
     @property
     def alive(self) -> bool:
-        return self._dead is None
+        return self._dead is None or self._revive()
 
     @property
     def connection_file(self) -> str | None:
@@ -439,6 +485,8 @@ class EngineClient(RequestSurface):
 
     # -- RPC ------------------------------------------------------------------------------------
     def _start_call(self, method: str, kwargs: dict) -> tuple[int, concurrent.futures.Future]:
+        if self._dead is not None:
+            self._revive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._ids)
         with self._lock:
@@ -523,6 +571,8 @@ class EngineClient(RequestSurface):
         rids = [r.request_id for r in reqs]
         if into is not None:
             into.extend(rids)
+        if self._dead is not None:
+            self._revive()
         with self._lock:
             if self._dead is not None:
                 raise _copy_exc(self._dead)
@@ -572,6 +622,8 @@ class EngineClient(RequestSurface):
         return await asyncio.get_running_loop().run_in_executor(None, self._subscribe, sub, timeout)
 
     def _subscribe(self, sub: EventSubscription, timeout: float) -> EventSubscription:
+        if self._dead is not None:
+            self._revive()
         with self._ev_lock:
             if self._dead is not None:
                 raise _copy_exc(self._dead)
@@ -734,12 +786,14 @@ def _copy_exc(exc: BaseException) -> BaseException:
 def start_engine(model: str | os.PathLike | None = None, *, name: str | None = None, timeout: float = 600.0,
                  transport: str = "ipc", host: str = "127.0.0.1", port: int = 0, client_timeout: float = 10.0,
                  max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, detach: bool = False,
-                 **settings: Any) -> EngineClient:
+                 drain_timeout: float = 30.0, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
+                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS, **settings: Any) -> EngineClient:
     """Spawn a long-lived engine process (a fresh interpreter: never a fork, so it is safe from a
     notebook), wait until it is ready, and return a client of it.
 
     `settings` are engine settings (validated here first). Unless `detach=True`, the engine stops
-    when this process exits. Raises EngineStartError with the engine's last log lines when it
+    when this process exits. `drain_timeout`: how long a SIGTERM lets running requests finish;
+    `max_queued_chars` / `max_queued_tokens`: admission limits (beyond them EngineBusyError). Raises EngineStartError with the engine's last log lines when it
     fails to start (a bad model path shows the loader's message), or does not become ready within
     `timeout` seconds (loading, or converting the default model the first time, is the usual
     cause)."""
@@ -758,6 +812,8 @@ def start_engine(model: str | os.PathLike | None = None, *, name: str | None = N
     cmd = [sys.executable, "-m", "workbench.ipc.server", "--name", name, "--transport", transport,
            "--host", host, "--port", str(int(port)), "--client-timeout", str(float(client_timeout)),
            "--max-message-mb", str(float(max_message_mb)), "--settings-json", json.dumps(settings),
+           "--drain-timeout", str(float(drain_timeout)), "--max-queued-chars", str(int(max_queued_chars)),
+           "--max-queued-tokens", str(int(max_queued_tokens)),
            "--log-file", str(log_file)]
     if model is not None:
         cmd += ["--model", os.fspath(model)]

@@ -33,6 +33,9 @@ PROTOCOL_VERSION = 1
 MAGIC = b"WB"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 DEFAULT_MAX_MESSAGE_MB = 64
+# Admission: what may wait in the engine process before new requests are refused (EngineBusyError).
+DEFAULT_MAX_QUEUED_CHARS = 64 << 20  # prompt text waiting for the tokenizer
+DEFAULT_MAX_QUEUED_TOKENS = 1 << 22  # prompt tokens of requests admitted but not yet running
 START_FAILED = "ENGINE START FAILED:"  # the log line start_engine quotes when the engine cannot start
 
 
@@ -50,6 +53,11 @@ class EngineError(WorkbenchIPCError):
 
 class EngineDeadError(WorkbenchIPCError):
     """The engine process is gone (crashed, killed or shut down) or stopped answering."""
+
+
+class EngineBusyError(WorkbenchIPCError):
+    """The engine's queue is full (prompt text waiting to be tokenized, or prompt tokens waiting
+    to run): the request was refused, nothing else changed; retry later."""
 
 
 class EngineConnectError(WorkbenchIPCError, ConnectionError):
@@ -228,7 +236,7 @@ _BUILTIN_ERRORS: dict[str, type[BaseException]] = {
                 NotImplementedError, TimeoutError, FileNotFoundError, OverflowError, ZeroDivisionError)
 }
 _IPC_ERRORS: dict[str, type[BaseException]] = {
-    cls.__name__: cls for cls in (ProtocolMismatchError, EngineError, EngineDeadError)
+    cls.__name__: cls for cls in (ProtocolMismatchError, EngineError, EngineDeadError, EngineBusyError)
 }
 
 

@@ -9,6 +9,9 @@ Threads:
   then runs one `engine.step()`, routes the chunks to their requesters, and publishes timeline
   increments. Everything that touches the engine (add, abort, configure, metrics...) runs here,
   between steps, so a setting never changes under a running step.
+- tokenizer: turns submitted prompts into token ids (the tokenizer releases the GIL) and hands
+  them back through the inbox, so a huge prompt never stalls the steps of other requests. What
+  waits for it, and what waits to run, is bounded (admission control: `EngineBusyError`).
 - router IO: owns the ROUTER socket. Decodes and checks incoming messages and puts them in the
   inbox, answers pings itself (so heartbeats flow while a long step runs), encodes and sends
   what the main thread put in the outbox, and notices clients that stopped sending heartbeats.
@@ -16,6 +19,10 @@ Threads:
   settings changes, relayout progress, metrics once a second).
 
 Socket work thus overlaps compute (torch releases the GIL inside its kernels).
+
+SIGTERM or Ctrl-C drains: new requests and handshakes are refused, running requests finish until
+the drain deadline (`--drain-timeout`), the rest are aborted. A second signal exits at once,
+removing the connection file and sockets first.
 
 TCP is only offered with CURVE: the engine's keypair plus one client keypair, both written to
 the (0600) connection file; a ZAP handler accepts only that client key, so a peer without the
@@ -44,12 +51,15 @@ import zmq
 from . import connection as conn
 from .protocol import (
     DEFAULT_MAX_MESSAGE_MB,
+    DEFAULT_MAX_QUEUED_CHARS,
+    DEFAULT_MAX_QUEUED_TOKENS,
     HEADER,
     PROTOCOL_VERSION,
     START_FAILED,
     Abort,
     Bye,
     Call,
+    EngineBusyError,
     ErrorInfo,
     EventMsg,
     Failure,
@@ -77,11 +87,17 @@ METRICS_EVERY_S = 1.0
 class EngineServer:
     def __init__(self, engine, *, name: str, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
                  client_timeout_s: float = 10.0, max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
-                 parent_pid: int | None = None, directory: Path | None = None, log_file: str | None = None):
+                 parent_pid: int | None = None, directory: Path | None = None, log_file: str | None = None,
+                 max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS, max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+                 drain_timeout_s: float = 30.0):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if not client_timeout_s > 0:
             raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
+        for what, value in (("max_queued_chars", max_queued_chars), ("max_queued_tokens", max_queued_tokens),
+                            ("drain_timeout_s", drain_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{what} must be > 0, got {value}")
         self.engine = engine
         self.name = conn.check_name(name)
         self.transport, self.host, self.port = transport, host, int(port)
@@ -91,6 +107,8 @@ class EngineServer:
         self.parent_pid = parent_pid
         self.directory = directory or conn.runtime_dir()
         self.log_file = log_file
+        self.max_queued_chars, self.max_queued_tokens = int(max_queued_chars), int(max_queued_tokens)
+        self.drain_timeout_s = float(drain_timeout_s)
         self.started = time.monotonic()
 
         self._ctx = zmq.Context()
@@ -103,6 +121,11 @@ class EngineServer:
         self._owned: dict[bytes, set[str]] = defaultdict(set)
         self._client_names: dict[bytes, str] = {}
         self._stop_mode: str | None = None  # None | "abort" | "drain"
+        self._drain_deadline: float | None = None  # a signal's drain ends here
+        self._tokenize_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._tokenizing: dict[str, bytes] = {}  # request_id -> owner, while its prompt is tokenized
+        self._tokenizing_chars = 0
+        self._cancelled: dict[str, str] = {}  # request_id being tokenized -> "abort" | "gone"
         self._tl_cursor = engine.timeline.cursor
         self._last_tl_flush = 0.0
         self._last_metrics = 0.0
@@ -165,8 +188,10 @@ class EngineServer:
         self._wake_tx.connect(f"inproc://wake-{id(self)}")
         self._router_thread = threading.Thread(target=self._router_loop, name="wb-router-io", daemon=True)
         self._event_thread = threading.Thread(target=self._event_loop, name="wb-event-io", daemon=True)
+        self._tokenizer_thread = threading.Thread(target=self._tokenize_loop, name="wb-tokenizer", daemon=True)
         self._router_thread.start()
         self._event_thread.start()
+        self._tokenizer_thread.start()
         curve = None
         if self._curve is not None:
             curve = {k: self._curve[k] for k in ("server_public", "client_public", "client_secret")}
@@ -325,7 +350,8 @@ class EngineServer:
 
         def handler(signum, frame):
             received.append(signum)
-            if len(received) > 1:  # a second Ctrl-C / SIGTERM: stop waiting for a graceful exit
+            if len(received) > 1:  # a second Ctrl-C / SIGTERM: stop waiting for the drain
+                self._remove_files()
                 os._exit(128 + signum)
             self._inbox.put(("signal", None, signal.Signals(signum).name))
 
@@ -339,7 +365,12 @@ class EngineServer:
             while True:
                 busy = self.engine.has_unfinished_requests()
                 self._drain_inbox(0.0 if busy and not self._stalled else (0.005 if busy else 0.05))
-                if self._stop_mode == "abort" or (self._stop_mode == "drain" and not self.engine.has_unfinished_requests()):
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                    log.warning("drain deadline (%.0f s) passed: aborting %d request(s)", self.drain_timeout_s,
+                                len(self.engine.requests))
+                    self._stop_mode = "abort"
+                if self._stop_mode == "abort" or (self._stop_mode == "drain" and not self.engine.has_unfinished_requests()
+                                                  and not self._tokenizing):
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -379,16 +410,25 @@ class EngineServer:
                     self._abort(rid)
             elif isinstance(payload, Call):
                 self._on_call(ident, payload)
+        elif kind == "encoded":
+            self._on_encoded(ident, *payload)
         elif kind == "gone":
             rids = self._owned.pop(ident, set())
             self._client_names.pop(ident, None)
             for rid in list(rids):
                 self._abort(rid)
+            for rid, owner in self._tokenizing.items():
+                if owner == ident:
+                    self._cancelled[rid] = "gone"
             if rids:
                 log.warning("client %r vanished (%s): aborted %d request(s)", ident, payload, len(rids))
         elif kind == "signal":
-            log.info("%s: shutting down", payload)
-            self._stop_mode = "abort"
+            if payload.endswith("crashed"):
+                self._stop_mode = "abort"
+            elif self._stop_mode is None:
+                log.info("%s: draining (up to %.0f s; a second signal stops at once)", payload, self.drain_timeout_s)
+                self._stop_mode = "drain"
+                self._drain_deadline = time.monotonic() + self.drain_timeout_s
 
     def _on_submit(self, ident: bytes, msg: Submit) -> None:
         reqs = msg.requests
@@ -400,11 +440,66 @@ class EngineServer:
                 raise ValueError("submit carries no requests")
             if not all(ids) or len(set(ids)) != len(ids):
                 raise ValueError("request ids must be non-empty and distinct")
-            taken = [rid for rid in ids if rid in self._owners]
+            taken = [rid for rid in ids if rid in self._owners or rid in self._tokenizing]
             if taken:
                 raise ValueError(f"request_id {taken[0]!r} is already in use")
-            encoded = [self.engine.encode_prompt(r.prompt, r.prompt_token_ids, r.chat) for r in reqs]
-            added: list[str] = []
+            chars = sum(len(r.prompt or "") + len(r.prompt_token_ids or ()) for r in reqs)
+            self._admit(chars)
+        except Exception as e:
+            self.send(ident, Rejected(ids, error_to_wire(e)))
+            return
+        for rid in ids:
+            self._tokenizing[rid] = ident
+        self._tokenizing_chars += chars
+        self._tokenize_q.put((ident, msg, chars))
+
+    def _admit(self, chars: int) -> None:
+        """Refuse new work while too much waits (one message is always let into an empty queue:
+        its size is already bounded by max_message_bytes)."""
+        if self._tokenizing_chars and self._tokenizing_chars + chars > self.max_queued_chars:
+            raise EngineBusyError(
+                f"the engine is busy: prompts of {self._tokenizing_chars:,} characters wait to be tokenized and "
+                f"this request adds {chars:,} (limit {self.max_queued_chars:,}); retry later")
+        queued = self.engine.num_queued_tokens()
+        if queued > self.max_queued_tokens:
+            raise EngineBusyError(f"the engine is busy: {queued:,} prompt tokens wait to run (limit "
+                                  f"{self.max_queued_tokens:,}); retry later")
+
+    def _tokenize_loop(self) -> None:
+        """Tokenizer thread: prompts to token ids, handed back to the main thread in order."""
+        from ..tokenizer import lower_thread_priority
+
+        lower_thread_priority()
+        while True:
+            item = self._tokenize_q.get()
+            if item is None:
+                return
+            ident, msg, chars = item
+            encoded: list[list[int]] | BaseException = []
+            try:
+                if all(r.request_id in self._cancelled for r in msg.requests):
+                    encoded = [[] for _ in msg.requests]  # nobody waits for them: skip the work
+                else:
+                    encoded = [self.engine.encode_prompt(r.prompt, r.prompt_token_ids, r.chat) for r in msg.requests]
+            except Exception as e:
+                encoded = e
+            self._inbox.put(("encoded", ident, (msg, chars, encoded)))
+
+    def _on_encoded(self, ident: bytes, msg: Submit, chars: int, encoded) -> None:
+        reqs = msg.requests
+        ids = [r.request_id for r in reqs]
+        self._tokenizing_chars -= chars
+        for rid in ids:
+            self._tokenizing.pop(rid, None)
+        cancelled = {rid: self._cancelled.pop(rid) for rid in ids if rid in self._cancelled}
+        if "gone" in cancelled.values():
+            return  # the client vanished while its prompts were tokenized
+        added: list[str] = []
+        try:
+            if isinstance(encoded, BaseException):
+                raise encoded
+            if self._stop_mode == "abort":  # a drain still runs what it accepted before the signal
+                raise RuntimeError("the engine is shutting down and accepts no new requests")
             try:
                 for r, tokens in zip(reqs, encoded):
                     added.append(self.engine.add_request(r.prompt, r.params, prompt_token_ids=tokens,
@@ -419,8 +514,13 @@ class EngineServer:
         for r in reqs:
             self._owners[r.request_id] = (ident, r.stream)
             self._owned[ident].add(r.request_id)
+        for rid in cancelled:  # aborted while tokenized: it ends like any aborted request
+            self._abort(rid)
 
     def _abort(self, rid: str) -> None:
+        if rid in self._tokenizing:
+            self._cancelled[rid] = "abort"
+            return
         chunk = self.engine.abort_request(rid)
         if chunk is not None:
             self._route([chunk])
@@ -507,6 +607,8 @@ class EngineServer:
     def _hello(self, ident: bytes, name: str = "", pid: int = 0, protocol: int = PROTOCOL_VERSION) -> dict:
         if protocol != PROTOCOL_VERSION:
             raise ValueError(f"protocol version mismatch: engine speaks {PROTOCOL_VERSION}, client {protocol}")
+        if self._stop_mode is not None:
+            raise RuntimeError(f"engine {self.name!r} is shutting down; it accepts no new clients")
         self._client_names[ident] = f"{name or 'client'} (pid {pid})"
         log.info("client %s connected", self._client_names[ident])
         return {**self.status(), "settings": self.engine.settings.as_dict(), "heartbeat_s": self.heartbeat_s,
@@ -540,12 +642,16 @@ class EngineServer:
 
     # -- teardown -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Abort what is left, tell everyone, remove the connection file, close the sockets."""
+        """Abort what is left, answer what is queued, tell everyone, remove the connection file,
+        close the sockets."""
+        self._stop_mode = "abort"
+        self._tokenize_q.put(None)
         for rid in list(self.engine.requests):
             try:
                 self._abort(rid)
             except Exception:
                 log.exception("abort of %s failed during shutdown", rid)
+        self._refuse_queued()
         self._flush_timeline(time.monotonic())
         self.publish("engine", {"state": "stopped", "name": self.name, "pid": os.getpid()})
         conn.remove_connection_file(self.name, os.getpid(), self.directory)
@@ -561,11 +667,32 @@ class EngineServer:
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
+        self._remove_files()
+        log.info("engine %r stopped", self.name)
+
+    def _refuse_queued(self) -> None:
+        """Answer what is still in the inbox (a handshake, a submit, a prompt being tokenized)
+        instead of leaving its sender waiting for a timeout."""
+        err = ErrorInfo("EngineDeadError", f"engine {self.name!r} is shutting down")
+        for rid, ident in list(self._tokenizing.items()):
+            self.send(ident, Rejected([rid], err))
+        self._tokenizing.clear()
+        while True:
+            try:
+                kind, ident, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "msg" and isinstance(payload, Call):
+                self.send(ident, Failure(payload.call_id, err))
+            elif kind == "msg" and isinstance(payload, Submit):
+                self.send(ident, Rejected([r.request_id for r in payload.requests], err))
+
+    def _remove_files(self) -> None:
+        conn.remove_connection_file(self.name, os.getpid(), self.directory)
         for f in self._ipc_files:
             Path(f).unlink(missing_ok=True)
         if self._own_ipc_dir is not None:
             shutil.rmtree(self._own_ipc_dir, ignore_errors=True)
-        log.info("engine %r stopped", self.name)
 
 
 def _newer(buf, cursor: int) -> list:
@@ -601,6 +728,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="abort a client's requests after this long without its heartbeat (default 10)")
     parser.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_MB,
                         help=f"largest accepted message (default {DEFAULT_MAX_MESSAGE_MB} MiB)")
+    parser.add_argument("--max-queued-chars", type=int, default=DEFAULT_MAX_QUEUED_CHARS, metavar="N",
+                        help="refuse new requests (EngineBusyError) while prompts of more than N characters wait "
+                             f"to be tokenized (default {DEFAULT_MAX_QUEUED_CHARS:,})")
+    parser.add_argument("--max-queued-tokens", type=int, default=DEFAULT_MAX_QUEUED_TOKENS, metavar="N",
+                        help="refuse new requests while more than N prompt tokens wait to run "
+                             f"(default {DEFAULT_MAX_QUEUED_TOKENS:,})")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM/Ctrl-C, let running requests finish for up to this long, then abort "
+                             "them (default 30; a second signal stops at once)")
     parser.add_argument("--log-level", default="INFO", help="engine log level (default INFO)")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--settings-json", default=None, help=argparse.SUPPRESS)
@@ -652,7 +788,9 @@ def serve(args: argparse.Namespace) -> int:
         engine = LLMEngine(args.model, **settings)
         server = EngineServer(engine, name=name, transport=args.transport, host=args.host, port=args.port,
                               client_timeout_s=args.client_timeout, max_message_mb=args.max_message_mb,
-                              parent_pid=args.parent_pid, log_file=args.log_file)
+                              parent_pid=args.parent_pid, log_file=args.log_file,
+                              max_queued_chars=args.max_queued_chars, max_queued_tokens=args.max_queued_tokens,
+                              drain_timeout_s=args.drain_timeout)
         server.install_signal_handlers()
         server.start()
     except Exception as e:

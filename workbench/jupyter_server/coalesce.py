@@ -7,7 +7,10 @@ next message. Its TypeScript counterpart (`extension/src/model.ts`) applies the 
 Messages (JSON-ready dicts):
 
 - ``{"type": "snapshot", "engine", "status", "settings", "metrics", "timeline": {"steps",
-  "requests", "cursor"}, "time", "rate"}`` — always the first message.
+  "requests", "cursor"}, "time", "rate", "window", "older"}`` — always the first message: the
+  newest ``window`` steps (bounded, so the first message stays small; ``older`` says the engine
+  holds earlier ones). The browser may ask for a wider window (``{"history": steps}``); it then
+  gets a fresh snapshot of that many steps.
 - ``{"type": "delta", "seq", "time", ["timeline"], ["settings", "changes"], ["metrics"],
   ["relayout"], ["engine"], ["dropped"]}`` — only what changed since the previous message:
   new step and request events (``seq`` above the last cursor sent, in order), the latest
@@ -25,8 +28,9 @@ from typing import Any
 MIN_RATE_HZ = 0.2
 MAX_RATE_HZ = 60.0
 DEFAULT_RATE_HZ = 10.0
-SNAPSHOT_STEPS = 3000  # steps in a snapshot (the newest)
-SNAPSHOT_REQUEST_EVENTS = 12000
+SNAPSHOT_STEPS = 500  # steps in a first snapshot (the newest): ~100 KB at a 64-request batch
+SNAPSHOT_REQUEST_EVENTS = 4 * SNAPSHOT_STEPS
+MAX_HISTORY_STEPS = 20000  # the widest window a browser may ask for (what its views keep)
 DELTA_STEPS = 5000  # most steps in one delta; older ones are dropped and counted
 DELTA_REQUEST_EVENTS = 20000
 
@@ -40,6 +44,15 @@ def clamp_rate(rate: Any, default: float = DEFAULT_RATE_HZ) -> float:
     if value != value:  # NaN
         return default
     return min(MAX_RATE_HZ, max(MIN_RATE_HZ, value))
+
+
+def history_window(steps: Any) -> int:
+    """A snapshot window in steps from user input, within [SNAPSHOT_STEPS, MAX_HISTORY_STEPS]."""
+    try:
+        value = int(steps)
+    except (TypeError, ValueError, OverflowError):
+        return SNAPSHOT_STEPS
+    return min(MAX_HISTORY_STEPS, max(SNAPSHOT_STEPS, value))
 
 
 def trim_timeline(timeline: dict[str, Any], max_steps: int, max_requests: int) -> tuple[dict[str, Any], int]:
@@ -132,10 +145,12 @@ class EventCoalescer:
     # -- output ---------------------------------------------------------------------------------
     def snapshot(self, *, engine: str, status: dict[str, Any], settings: dict[str, Any],
                  metrics: dict[str, Any], timeline: dict[str, Any], now: float,
-                 max_steps: int = SNAPSHOT_STEPS, max_requests: int = SNAPSHOT_REQUEST_EVENTS) -> dict[str, Any]:
-        """The first message. Events subscribed before the snapshot was read and already covered
-        by it (seq <= its cursor) are discarded; newer ones stay pending for the first delta."""
-        tl, _ = trim_timeline(timeline, max_steps, max_requests)
+                 window: int = SNAPSHOT_STEPS, older: bool = False) -> dict[str, Any]:
+        """The first message (or a wider one asked for later): the newest `window` steps and 4x
+        as many request events; `older`: the engine holds events before these. Events
+        subscribed before the snapshot was read and already covered by it (seq <= its cursor)
+        are discarded; newer ones stay pending for the next delta."""
+        tl, cut = trim_timeline(timeline, window, 4 * window)
         self.cursor = tl["cursor"]
         self._steps = [s for s in self._steps if s.get("seq", 0) > self.cursor]
         self._requests = [r for r in self._requests if r.get("seq", 0) > self.cursor]
@@ -146,7 +161,8 @@ class EventCoalescer:
         self.last_flush = now
         self.messages_sent += 1
         return {"type": "snapshot", "engine": engine, "status": status, "settings": settings,
-                "metrics": metrics, "timeline": tl, "time": self.engine_time, "rate": self.rate_hz}
+                "metrics": metrics, "timeline": tl, "time": self.engine_time, "rate": self.rate_hz,
+                "window": window, "older": bool(older or cut)}
 
     def pending(self) -> bool:
         return bool(self._steps or self._requests or self._settings is not None or self._changes

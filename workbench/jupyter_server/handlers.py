@@ -32,13 +32,12 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.utils import url_path_join
 from tornado import websocket
 
-from .coalesce import SNAPSHOT_REQUEST_EVENTS, SNAPSHOT_STEPS, EventCoalescer, clamp_rate
+from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, history_window
 from .hub import EngineHub
 
 NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
 EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
 STATUS_POLL_S = 1.0  # how often a websocket checks that its engine is still alive
-SNAPSHOT_EVENTS = SNAPSHOT_STEPS + SNAPSHOT_REQUEST_EVENTS  # newest events read for a snapshot
 
 
 def _error_status(exc: BaseException) -> int:
@@ -230,6 +229,7 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self.subscription = None
+        self.history: int | None = None
         self.task = asyncio.ensure_future(self._run())
 
     def on_message(self, message):
@@ -239,6 +239,9 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
             return
         if isinstance(data, dict) and "rate" in data:
             self.coalescer.set_rate(data["rate"])
+            self.wake()
+        if isinstance(data, dict) and "history" in data:  # a wider snapshot: page back in time
+            self.history = history_window(data["history"])
             self.wake()
 
     def on_close(self):
@@ -275,21 +278,13 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
             self.subscription = await asyncio.to_thread(client.on_event, self._on_event, EVENT_KINDS)
             if self.closed:
                 return
-            from ..timeline import Timeline
-
-            # Only the newest events: read the cursor first (an empty read), then a bounded tail.
-            head = await client.acall("timeline", _type=Timeline, since=1 << 62)
-            since = max(0, head.cursor - SNAPSHOT_EVENTS)
-            status, settings, metrics, timeline = await asyncio.gather(
-                client.acall("status"), client.acall("settings"), client.acall("metrics"),
-                client.acall("timeline", _type=Timeline, since=since))
-            snap = self.coalescer.snapshot(engine=self.engine_name, status=_jsonable(status),
-                                           settings=_jsonable(settings), metrics=_jsonable(metrics),
-                                           timeline=_jsonable(timeline), now=time.monotonic())
-            await self._send(snap)
+            await self._send(await self._snapshot(client, SNAPSHOT_STEPS))
             last_check = time.monotonic()
             while not self.closed:
                 self._wake.clear()
+                if self.history is not None:
+                    window, self.history = self.history, None
+                    await self._send(await self._snapshot(client, window))
                 now = time.monotonic()
                 if now - last_check >= STATUS_POLL_S:
                     last_check = now
@@ -322,6 +317,23 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
                 self.hub.forget(self.engine_name, client)
             if not self.closed:
                 self.close()
+
+    async def _snapshot(self, client, window: int) -> dict[str, Any]:
+        from ..timeline import Timeline
+
+        # Only the newest events: read the cursor first (an empty read), then a bounded tail
+        # (each step comes with up to a few request events).
+        head = await client.acall("timeline", _type=Timeline, since=1 << 62)
+        since = max(0, head.cursor - 5 * window)
+        status, settings, metrics, timeline = await asyncio.gather(
+            client.acall("status"), client.acall("settings"), client.acall("metrics"),
+            client.acall("timeline", _type=Timeline, since=since))
+        first = min([e.seq for e in (*timeline.steps[:1], *timeline.requests[:1])], default=0)
+        older = since > 0 and first == since + 1  # the ring buffer goes on before what was read
+        return self.coalescer.snapshot(engine=self.engine_name, status=_jsonable(status),
+                                       settings=_jsonable(settings), metrics=_jsonable(metrics),
+                                       timeline=_jsonable(timeline), now=time.monotonic(), window=window,
+                                       older=older)
 
     async def _send(self, msg: dict[str, Any]) -> None:
         if self.closed:
