@@ -306,6 +306,24 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
                   "the restored timeline to show the requests again")
         assert page.locator(".wb-TimelineWidget").first.locator(".wb-Timeline").get_attribute("data-engine") == "e2e"
         page.screenshot(path=str(ARTIFACTS / "lab-restored.png"))
+
+        # a long history: the first snapshot is the newest window; "earlier" pages back on demand
+        from workbench.jupyter_server.coalesce import SNAPSHOT_STEPS
+        from workbench.sampling_params import SamplingParams
+
+        engine.generate(prompt_token_ids=[[1, 2, 3, 4]], params=SamplingParams(
+            max_tokens=SNAPSHOT_STEPS + 100, temperature=0, ignore_eos=True), timeout=300)
+        page.reload(wait_until="domcontentloaded")
+        earlier = page.locator(".wb-TimelineWidget .wb-Timeline-earlier").first
+        earlier.wait_for(state="visible", timeout=60_000)
+
+        def steps_shown() -> int:
+            return sum(v for k, v in _counts(page, ".wb-TimelineWidget").items() if k.startswith("steps"))
+
+        first = _wait_for(lambda: steps_shown() or None, 30, "the window's steps to be drawn")
+        assert first <= SNAPSHOT_STEPS
+        earlier.click()
+        _wait_for(lambda: steps_shown() > first, 30, "earlier steps to be drawn after 'earlier'")
     except BaseException:
         try:
             page.screenshot(path=str(ARTIFACTS / "lab-failure.png"))

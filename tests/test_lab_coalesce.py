@@ -136,6 +136,17 @@ def test_snapshot_is_trimmed_to_the_newest():
     assert [r["seq"] for r in out["requests"]] == [4, 5] and cut == 3
 
 
+def test_snapshot_bounds_batch_entries_not_only_steps():
+    """A step of a wide batch weighs as much as many narrow ones: the window holds at most
+    16 batch entries per step on average, newest steps first."""
+    wide = {**tl(steps=[(1, "decode")])["steps"][0], "batch": [["r", 1, "decode"]] * 64}
+    steps = [{**wide, "seq": i, "start": float(i)} for i in range(1, 201)]
+    out, cut = trim_timeline({"steps": steps, "requests": [], "cursor": 200}, 100, 400, max_entries=16 * 100)
+    assert [s["seq"] for s in out["steps"]] == list(range(176, 201)) and cut == 175  # 25 x 64 = 1600 entries
+    s = snap(EventCoalescer(10), {"steps": steps, "requests": [], "cursor": 200}, window=100)
+    assert len(s["timeline"]["steps"]) == 25 and s["older"] is True
+
+
 def test_unknown_kinds_are_not_relayed():
     c = EventCoalescer(10)
     snap(c)

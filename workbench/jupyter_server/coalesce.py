@@ -28,9 +28,12 @@ from typing import Any
 MIN_RATE_HZ = 0.2
 MAX_RATE_HZ = 60.0
 DEFAULT_RATE_HZ = 10.0
-SNAPSHOT_STEPS = 500  # steps in a first snapshot (the newest): ~100 KB at a 64-request batch
+SNAPSHOT_STEPS = 500  # steps in a first snapshot (the newest)
 SNAPSHOT_REQUEST_EVENTS = 4 * SNAPSHOT_STEPS
 MAX_HISTORY_STEPS = 20000  # the widest window a browser may ask for (what its views keep)
+# Batch entries per step of the window, on average: a window of full 64-request batches holds
+# a quarter of the steps, so the first message stays under ~0.5 MB whatever the batch size.
+ENTRIES_PER_STEP = 16
 DELTA_STEPS = 5000  # most steps in one delta; older ones are dropped and counted
 DELTA_REQUEST_EVENTS = 20000
 
@@ -55,13 +58,23 @@ def history_window(steps: Any) -> int:
     return min(MAX_HISTORY_STEPS, max(SNAPSHOT_STEPS, value))
 
 
-def trim_timeline(timeline: dict[str, Any], max_steps: int, max_requests: int) -> tuple[dict[str, Any], int]:
-    """Keep the newest steps/request events; returns the trimmed timeline and how many were cut."""
+def trim_timeline(timeline: dict[str, Any], max_steps: int, max_requests: int,
+                  max_entries: int | None = None) -> tuple[dict[str, Any], int]:
+    """Keep the newest steps/request events (and at most `max_entries` batch entries over the
+    kept steps: a step of a 64-request batch is 64 times the bytes of a single stream's);
+    returns the trimmed timeline and how many were cut."""
     steps = list(timeline.get("steps") or [])
     requests = list(timeline.get("requests") or [])
-    cut = max(0, len(steps) - max_steps) + max(0, len(requests) - max_requests)
-    if len(steps) > max_steps:
-        steps = steps[len(steps) - max_steps:]
+    keep = min(len(steps), max_steps)
+    if max_entries is not None:
+        entries = 0
+        for i in range(len(steps) - 1, len(steps) - 1 - keep, -1):
+            entries += len(steps[i].get("batch") or ())
+            if entries > max_entries:
+                keep = len(steps) - 1 - i
+                break
+    cut = (len(steps) - keep) + max(0, len(requests) - max_requests)
+    steps = steps[len(steps) - keep:]
     if len(requests) > max_requests:
         requests = requests[len(requests) - max_requests:]
     return {"steps": steps, "requests": requests, "cursor": int(timeline.get("cursor") or 0)}, cut
@@ -150,7 +163,7 @@ class EventCoalescer:
         as many request events; `older`: the engine holds events before these. Events
         subscribed before the snapshot was read and already covered by it (seq <= its cursor)
         are discarded; newer ones stay pending for the next delta."""
-        tl, cut = trim_timeline(timeline, window, 4 * window)
+        tl, cut = trim_timeline(timeline, window, 4 * window, ENTRIES_PER_STEP * window)
         self.cursor = tl["cursor"]
         self._steps = [s for s in self._steps if s.get("seq", 0) > self.cursor]
         self._requests = [r for r in self._requests if r.get("seq", 0) > self.cursor]
