@@ -84,7 +84,11 @@ export class WorkbenchPanel extends Widget {
   private _engine: string | null = null;
   private _conn: EngineConnection | null = null;
   private _schema: ISettingSchema[] = [];
-  private _controls = new Map<string, { spec: ISettingSchema; input: HTMLInputElement | HTMLSelectElement; error: HTMLElement }>();
+  /** `refused`: the setting's value when the engine refused a change (its error stays until the value moves on). */
+  private _controls = new Map<
+    string,
+    { spec: ISettingSchema; input: HTMLInputElement | HTMLSelectElement; error: HTMLElement; refused?: any }
+  >();
   private _poll: any;
   private _uptimeBase: { value: number; at: number } | null = null;
   private _picker!: HTMLSelectElement;
@@ -401,9 +405,11 @@ export class WorkbenchPanel extends Widget {
         continue;
       }
       this._show(c.spec, c.input, settings[name]);
-      if (!change || change.has(name)) {
+      // A delta sent before the refusal can arrive after it: only a new value clears the error.
+      if ((!change || change.has(name)) && settings[name] !== c.refused) {
         c.error.textContent = ''; // the setting moved on since the refused attempt
         c.input.classList.remove('wb-invalid');
+        c.refused = undefined;
       }
     }
   }
@@ -432,11 +438,19 @@ export class WorkbenchPanel extends Widget {
       }
       this._show(spec, input, settings[spec.name]);
       this._say(`${spec.name} = ${JSON.stringify(settings[spec.name])}`);
+      const control = this._controls.get(spec.name);
+      if (control) {
+        control.refused = undefined;
+      }
     } catch (err: any) {
       const message = err instanceof WorkbenchError ? err.message : String(err.message ?? err);
       error.textContent = message;
       input.classList.add('wb-invalid');
       const current = this._conn?.state.settings?.[spec.name];
+      const control = this._controls.get(spec.name);
+      if (control) {
+        control.refused = current;
+      }
       if (current !== undefined) {
         this._show(spec, input, current);
       }

@@ -105,10 +105,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
-                "(prompt plus at least one output token must fit)"
-            )
+            raise ValueError(self._too_long(len(ids)))
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         if self.block_manager.blocks_for(longest) > self.block_manager.num_blocks:
             raise ValueError(
@@ -136,6 +133,8 @@ class LLMEngine:
             ):
                 raise TypeError("prompt_token_ids must be a list of ints")
             ids = list(prompt_token_ids)
+            if len(ids) >= self.max_model_len:  # before scanning millions of ids
+                raise ValueError(self._too_long(len(ids)))
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
@@ -153,6 +152,10 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
         return ids
+
+    def _too_long(self, num_tokens: int) -> str:
+        return (f"prompt has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "
+                "(prompt plus at least one output token must fit)")
 
     def abort_request(self, request_id: str) -> StreamChunk | None:
         req = self.requests.get(request_id)

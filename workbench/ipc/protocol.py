@@ -32,7 +32,9 @@ from ..sampling_params import SamplingParams
 PROTOCOL_VERSION = 1
 MAGIC = b"WB"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
-DEFAULT_MAX_MESSAGE_MB = 64
+# Decoding a message holds the GIL (a 16 MiB list of token ids takes ~70 ms, every thread of the
+# engine waiting), so the default stays at the HTTP front's body limit; larger batches: split them.
+DEFAULT_MAX_MESSAGE_MB = 16
 # Admission: what may wait in the engine process before new requests are refused (EngineBusyError).
 DEFAULT_MAX_QUEUED_CHARS = 64 << 20  # prompt text waiting for the tokenizer
 DEFAULT_MAX_QUEUED_TOKENS = 1 << 22  # prompt tokens of requests admitted but not yet running
