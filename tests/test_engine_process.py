@@ -705,6 +705,7 @@ def test_cli_serve_and_sigterm_drains(model_path, runtime_dir, procs):
         # 150 requests of 200 tokens, 3 at a time: 10,000 steps, far more than 1.5 s of work.
         streams = [c.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60) for _ in range(150)]
         next(streams[0])
+        c.status()  # answered after the 150 submits (one connection is one queue): all were accepted
         p.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # the signal is taken between two steps
         with pytest.raises(RuntimeError, match="shutting down; it accepts no new clients"):
@@ -727,6 +728,7 @@ def test_second_signal_stops_at_once_and_leaves_no_files(model_path, runtime_dir
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         streams = [c.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60) for _ in range(60)]
         next(streams[0])
+        c.status()  # all 60 accepted before the signal
         p.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # the first signal is taken: draining (minutes of queued work, up to 120 s)
         assert p.poll() is None

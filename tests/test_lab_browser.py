@@ -225,6 +225,7 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         box.fill("5")
         box.press("Enter")
         _wait_for(lambda: engine.settings()["max_num_seqs"] == 5, 15, "max_num_seqs == 5 in the engine")
+        page.wait_for_selector("#serving-workbench-panel >> text=max_num_seqs = 5")  # the panel has its answer
         # a bad value is refused by the engine and its message shown; nothing changes
         box.fill("0")
         box.press("Enter")

@@ -850,7 +850,10 @@ class RemoteEngineClient(RequestSurface):
             me = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not me]
             if tasks:  # cancelled requests deliver their "abort" chunk on the way out
-                await asyncio.wait(tasks, timeout=2)
+                _, left = await asyncio.wait(tasks, timeout=2)
+                for t in left:  # the metrics ticker, a stuck request: a closed loop must not hold them
+                    t.cancel()
+                await asyncio.gather(*left, return_exceptions=True)
             http = getattr(self, "_http", None)
             if http is not None:
                 await http.aclose()

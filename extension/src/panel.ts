@@ -436,7 +436,10 @@ export class WorkbenchPanel extends Widget {
       if (this._conn && this._conn.name === name) {
         this._conn.state.settings = { ...this._conn.state.settings, ...settings };
       }
-      this._show(spec, input, settings[spec.name]);
+      // What the user typed while this call was out is theirs: only an untouched box shows the answer.
+      if (document.activeElement !== input || controlValue(spec, input) === value) {
+        this._show(spec, input, settings[spec.name]);
+      }
       this._say(`${spec.name} = ${JSON.stringify(settings[spec.name])}`);
       const control = this._controls.get(spec.name);
       if (control) {
