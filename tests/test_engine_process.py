@@ -838,9 +838,10 @@ def test_admission_refuses_while_queues_are_full(model_path):
         long = eng.stream(prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=400, temperature=0,
                                                                             ignore_eos=True), timeout=60)
         next(long)
-        queued = [eng.stream(prompt_token_ids=[1, 2, 3, 4, 5], params=GREEDY, timeout=60) for _ in range(6)]
-        wait_for(lambda: eng.metrics()["num_waiting"] == 6, 10, "six requests to wait")  # 30 tokens > 20
-        with pytest.raises(EngineBusyError, match="30 prompt tokens wait to run .limit 20.; retry later"):
+        # admitted while at most 20 tokens wait: the fifth makes it 25
+        queued = [eng.stream(prompt_token_ids=[1, 2, 3, 4, 5], params=GREEDY, timeout=60) for _ in range(5)]
+        wait_for(lambda: eng.metrics()["num_waiting"] == 5, 10, "five requests to wait")
+        with pytest.raises(EngineBusyError, match="25 prompt tokens wait to run .limit 20.; retry later"):
             eng.generate(prompt_token_ids=PROMPTS[1], params=GREEDY, timeout=30)
         for it in queued:
             it.close()  # leaving a stream aborts its request
@@ -878,3 +879,36 @@ def test_client_reconnects_to_an_engine_restarted_under_its_name(model_path, run
     finally:
         follower.close()
         plain.close()
+
+
+def test_admission_bounds_the_text_waiting_for_the_tokenizer(tmp_path, runtime_dir):
+    """Two big prompts back to back: the second arrives while the first is being tokenized and
+    would take the waiting text past --max-queued-chars, so it is refused (EngineBusyError)."""
+    from http_helpers import make_tiny_tokenized_model
+
+    model = make_tiny_tokenized_model(tmp_path / "m")
+    eng = start_engine(str(model), name="admit-chars", dtype="float32", num_kv_blocks=64, timeout=120,
+                       max_queued_chars=200_000)
+    ctx = zmq.Context()
+    try:
+        info = conn.read_connection_file(runtime_dir / "admit-chars.json")
+        s = _raw_dealer(ctx, info.request_address, b"bigsender")
+        # 156,000 characters, under the length bound, and a prefix of it fits: only tokenizing it
+        # whole finds its 13,000 tokens (tens of ms: the second prompt arrives meanwhile)
+        text = " information" * 13_000
+        for rid in ("big1", "big2"):
+            s.send_multipart([HEADER, encode(Submit([NewRequest(rid, prompt=text, params=SamplingParams(max_tokens=1))]))])
+        answers = {}
+        for _ in range(2):
+            m = _recv(s, 30_000)
+            assert isinstance(m, Rejected), m
+            answers[m.request_ids[0]] = m.error
+        assert answers["big1"].type == "ValueError" and "prompt has 13000 tokens" in answers["big1"].message
+        assert answers["big2"].type == "EngineBusyError"
+        assert "156,000 characters wait to be tokenized and this request adds 156,000 (limit 200,000)" in \
+            answers["big2"].message
+        out = eng.generate(prompt_token_ids=[[1, 2, 3]], params=GREEDY, timeout=60)  # and then it serves on
+        assert out[0].finish_reason == "length"
+    finally:
+        ctx.destroy(linger=0)
+        stop_engine(eng)

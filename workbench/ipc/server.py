@@ -80,6 +80,7 @@ from .protocol import (
 
 log = logging.getLogger("workbench.engine")
 
+INLINE_TOKENIZE_CHARS = 4096  # prompt characters (or ids) of a submit tokenized on the step loop itself
 TIMELINE_FLUSH_S = 0.05  # publish step/request events at most 20 times a second
 METRICS_EVERY_S = 1.0
 
@@ -448,6 +449,11 @@ class EngineServer:
         except Exception as e:
             self.send(ident, Rejected(ids, error_to_wire(e)))
             return
+        if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing:
+            # Small, and nothing ahead of it: tokenizing here (under a millisecond) costs less
+            # than the hand-over to the tokenizer thread and back.
+            self._on_encoded(ident, msg, 0, self._encode(msg))
+            return
         for rid in ids:
             self._tokenizing[rid] = ident
         self._tokenizing_chars += chars
@@ -475,15 +481,17 @@ class EngineServer:
             if item is None:
                 return
             ident, msg, chars = item
-            encoded: list[list[int]] | BaseException = []
-            try:
-                if all(r.request_id in self._cancelled for r in msg.requests):
-                    encoded = [[] for _ in msg.requests]  # nobody waits for them: skip the work
-                else:
-                    encoded = [self.engine.encode_prompt(r.prompt, r.prompt_token_ids, r.chat) for r in msg.requests]
-            except Exception as e:
-                encoded = e
+            if all(r.request_id in self._cancelled for r in msg.requests):
+                encoded = [[] for _ in msg.requests]  # nobody waits for them: skip the work
+            else:
+                encoded = self._encode(msg)
             self._inbox.put(("encoded", ident, (msg, chars, encoded)))
+
+    def _encode(self, msg: Submit) -> list[list[int]] | BaseException:
+        try:
+            return [self.engine.encode_prompt(r.prompt, r.prompt_token_ids, r.chat) for r in msg.requests]
+        except Exception as e:
+            return e
 
     def _on_encoded(self, ident: bytes, msg: Submit, chars: int, encoded) -> None:
         reqs = msg.requests
