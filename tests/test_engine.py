@@ -52,7 +52,7 @@ def test_greedy_matches_transformers(references, arch, case):
         assert len(o.metrics.itl) == len(o.token_ids) - 1
     if case == "preemption":
         assert llm.metrics()["total_preemptions"] > 0
-    llm.engine.block_manager.check_idle()
+    llm.engine.scheduler.block_manager.check_idle()
 
 
 def test_mistral_style_untied(tmp_path):
@@ -298,7 +298,7 @@ def test_stream_closed_early_aborts(tiny_qwen2):
     next(stream)
     stream.close()
     assert not llm.engine.has_unfinished_requests()
-    llm.engine.block_manager.check_idle()
+    llm.engine.scheduler.block_manager.check_idle()
 
 
 def test_last_chunk_carries_its_logprobs(tiny_qwen2):

@@ -54,7 +54,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_llama):
     assert 0 < m["prefix_hit_rate"] < 1
     steps = llm.timeline().steps
     assert sum(s.prefix_hit_tokens for s in steps) == 48 * 5
-    llm.engine.block_manager.check_idle()
+    llm.engine.scheduler.block_manager.check_idle()
     assert llm.engine.reset_prefix_cache() > 0
     again = llm.generate(prompt_token_ids=prompts[1:2], params=GREEDY)[0]
     assert again.metrics.prefix_hit_tokens == 0 and again.token_ids == off[1]
@@ -71,10 +71,10 @@ def test_prefix_cache_shared_blocks_while_running(tiny_llama):
     seqs = [eng.requests[r].seq for r in rids]
     shared = set(seqs[0].block_table[:4])
     assert all(set(s.block_table[:4]) == shared for s in seqs)
-    assert all(eng.block_manager.blocks[b].ref_count == 3 for b in shared)
+    assert all(eng.scheduler.block_manager.blocks[b].ref_count == 3 for b in shared)
     while eng.has_unfinished_requests():
         eng.step()
-    eng.block_manager.check_idle()
+    eng.scheduler.block_manager.check_idle()
 
 
 def test_prefix_cache_eviction_under_pressure_keeps_outputs(tiny_qwen2):
@@ -84,7 +84,7 @@ def test_prefix_cache_eviction_under_pressure_keeps_outputs(tiny_qwen2):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=20, block_size=8, max_num_seqs=3)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=GREEDY)]
     assert got == expected
-    llm.engine.block_manager.check_idle()
+    llm.engine.scheduler.block_manager.check_idle()
 
 
 def test_toggle_prefix_caching_mid_stream(tiny_llama):
@@ -118,7 +118,7 @@ def test_speculative_greedy_identical(tiny_qwen2, mode):
     assert m["total_spec_proposed"] > 0 and m["total_spec_accepted"] > 0
     assert 0 < m["spec_acceptance_rate"] <= 1
     assert any(s.phase == "verify" and s.spec_proposed > 0 for s in llm.timeline().steps)
-    llm.engine.block_manager.check_idle()
+    llm.engine.scheduler.block_manager.check_idle()
 
 
 def test_speculative_toggled_mid_stream(tiny_llama):
@@ -137,7 +137,7 @@ def test_speculative_toggled_mid_stream(tiny_llama):
                 done[c.request_id] = c.output.token_ids
         i += 1
     assert [done[r] for r in rids] == expected
-    eng.block_manager.check_idle()
+    eng.scheduler.block_manager.check_idle()
 
 
 def test_ngram_proposer_finds_latest_match():
@@ -283,7 +283,7 @@ def test_quantisation_switch_keeps_requests(tiny_llama):
         i += 1
     assert set(finished) == set(rids)
     assert all(o.finish_reason == "length" and len(o.token_ids) == 20 for o in finished.values())
-    eng.block_manager.check_idle()
+    eng.scheduler.block_manager.check_idle()
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])

@@ -58,7 +58,7 @@ from typing import Any
 
 import httpx
 
-from .ipc.client import EventSubscription
+from .ipc.events import EventSubscription
 from .ipc.protocol import EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
 from .ipc.surface import RequestSurface, request_ids
 from .outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs

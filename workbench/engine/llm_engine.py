@@ -2,10 +2,12 @@
 
     sched = scheduler.schedule()          # who runs, how many tokens each
     result = runner.forward(sched)        # one flat forward over the paged cache
-    chunks = self._postprocess(sched, result)   # sample, detokenize, stop, free
+    chunks = self._postprocess(sched, result)   # sample; the scheduler advances each
+                                                # sequence and its KV; detokenize, stop
 
-`LLM` (in-process) and the engine process (`workbench.ipc`) both drive this class from one
-thread; `configure` must be called between steps.
+The scheduler owns sequence and KV-block state (admit, preempt, advance, free); the engine
+never edits blocks. `LLM` (in-process) and the engine process (`workbench.ipc`) both drive this
+class from one thread; `configure` must be called between steps.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from ..timeline import BatchEntry, TimelineRecorder
 from ..tokenizer import IncrementalDetokenizer
 from . import sampler
 from .attention import KVCache, backend_ops
-from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import SeqState, Sequence
@@ -80,9 +81,8 @@ class LLMEngine:
         if s.quantization != "none":
             self._check_quantization(s.quantization)
             self.runner.model.quantize(s.quantization, s.quant_group_size)
-        self.block_manager = BlockManager(num_blocks, s.block_size, s.prefix_caching and s.kv_cache)
         self.timeline = TimelineRecorder()
-        self.scheduler = Scheduler(s, self.block_manager, self.timeline)
+        self.scheduler = Scheduler(s, num_blocks, self.timeline)
         self.requests: dict[str, _Request] = {}
         self.event_hooks: list[Callable[[str, dict], None]] = []
         self.started = time.monotonic()
@@ -106,12 +106,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if len(ids) >= self.max_model_len:
             raise ValueError(self._too_long(len(ids)))
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.block_manager.blocks_for(longest) > self.block_manager.num_blocks:
+        need = self.scheduler.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if need is not None:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
-                f"{self.block_manager.blocks_for(longest)} KV blocks; the cache holds "
-                f"{self.block_manager.num_blocks} (raise num_kv_blocks or kv_cache_memory_mb)"
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs {need} KV blocks; the "
+                f"cache holds {self.scheduler.kv_blocks[1]} (raise num_kv_blocks or kv_cache_memory_mb)"
             )
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.monotonic())
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
@@ -184,40 +183,31 @@ class LLMEngine:
         return chunks
 
     def _postprocess(self, sched: SchedulerOutput, result) -> list[StreamChunk]:
-        chunks: list[StreamChunk] = []
-        sampled_seqs, sampled_rows = [], []
+        """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs."""
         now = time.monotonic()
-        for i, s in enumerate(sched.scheduled):
-            seq = s.seq
-            seq.num_computed_tokens += s.num_tokens
-            if s.kind == "verify" and i in result.rows:
-                first, count = result.rows[i]
-                chunk = self._verify(seq, result.logits[first:first + count], sched, now)
-                if chunk is not None:
-                    chunks.append(chunk)
-            elif i in result.rows:
-                sampled_seqs.append(seq)
-                sampled_rows.append(result.rows[i][0])
-            elif self.settings.kv_cache:
-                self.block_manager.register_computed(seq)
-        if not sampled_seqs:
-            return chunks
-        in_order = sampled_rows == list(range(result.logits.shape[0]))
-        logits = result.logits if in_order else result.logits[sampled_rows]
-        tokens = sampler.sample(logits, sampled_seqs)
-        want_lp = [s.params.logprobs for s in sampled_seqs]
-        lps = sampler.logprobs_of(logits, tokens, want_lp) if any(n is not None for n in want_lp) else None
-        for j, (seq, tok) in enumerate(zip(sampled_seqs, tokens)):
-            req = self.requests[seq.request_id]
-            seq.token_ids.append(tok)
-            if self.settings.kv_cache:
-                self.block_manager.register_computed(seq)
-            else:
-                seq.num_computed_tokens = 0  # recompute the whole context next step
-            chunk = self._emit(req, [tok], None if lps is None else [lps[j]], now)
-            if chunk is not None:
-                chunks.append(chunk)
-        return chunks
+        rows = result.rows
+        verified = [i for i, s in enumerate(sched.scheduled) if s.kind == "verify" and i in rows]
+        sampled = [i for i, s in enumerate(sched.scheduled) if s.kind != "verify" and i in rows]
+        tokens: list[int] = []
+        lps = None
+        if sampled:
+            sampled_rows = [rows[i][0] for i in sampled]
+            in_order = sampled_rows == list(range(result.logits.shape[0]))
+            logits = result.logits if in_order else result.logits[sampled_rows]
+            seqs = [sched.scheduled[i].seq for i in sampled]
+            tokens = sampler.sample(logits, seqs)  # before the tokens are appended: penalties read them
+            want_lp = [seq.params.logprobs for seq in seqs]
+            if any(n is not None for n in want_lp):
+                lps = sampler.logprobs_of(logits, tokens, want_lp)
+        self.scheduler.update_from_output(sched, dict(zip(sampled, tokens)), set(verified))
+        chunks: list[StreamChunk] = []
+        for i in verified:
+            first, count = rows[i]
+            chunks.append(self._verify(sched.scheduled[i].seq, result.logits[first:first + count], sched, now))
+        for j, (i, tok) in enumerate(zip(sampled, tokens)):
+            req = self.requests[sched.scheduled[i].seq.request_id]
+            chunks.append(self._emit(req, [tok], None if lps is None else [lps[j]], now))
+        return [c for c in chunks if c is not None]
 
     # -- speculative decoding ------------------------------------------------------------------
     def _propose(self) -> int:
@@ -232,7 +222,7 @@ class LLMEngine:
             if (seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1
                     or seq.params.repetition_penalty != 1.0):
                 continue
-            if self.block_manager.ensure_capacity(seq, len(seq) + room):
+            if self.scheduler.reserve(seq, len(seq) + room):
                 ready.append((seq, room))
         if not ready:
             return 0
@@ -266,7 +256,7 @@ class LLMEngine:
             weights = {k: v.to(self.device) for k, v in loaded.weights.items()}
         runner = ModelRunner(
             config, weights, device=self.device, dtype=self.dtype, block_size=s.block_size,
-            num_blocks=self.block_manager.num_blocks, kv_cache_dtype="auto",
+            num_blocks=self.scheduler.kv_blocks[1], kv_cache_dtype="auto",
             attention_backend=s.attention_backend, max_model_len=self.max_model_len, cpu_kernels=s.cpu_kernels,
         )
         if draft_model is None:
@@ -280,18 +270,13 @@ class LLMEngine:
         base = len(seq)
         tokens = accept(seq, logits, draft, seq.spec_probs)
         accepted = len(tokens) - 1
-        seq.spec_tokens, seq.spec_probs = [], None
-        seq.num_computed_tokens = base + accepted
-        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
         seq.metrics.spec_proposed += len(draft)
         seq.metrics.spec_accepted += accepted
         sched.spec_accepted += accepted
         self.totals["spec_proposed"] += len(draft)
         self.totals["spec_accepted"] += accepted
         self.totals["spec_verifies"] += 1
-        seq.token_ids.extend(tokens)
-        self.block_manager.truncate(seq, len(seq))
-        self.block_manager.register_computed(seq)
+        self.scheduler.update_after_verify(seq, base, tokens)
         req = self.requests[seq.request_id]
         lps = None
         if seq.params.logprobs is not None:
@@ -311,9 +296,8 @@ class LLMEngine:
                 reason = "length"
             if reason:
                 emitted = new_tokens[:k + 1]
-                drop = len(new_tokens) - k - 1
-                if drop:  # accepted draft tokens past the stop are not output
-                    del seq.token_ids[-drop:]
+                # accepted draft tokens past the stop are not output
+                self.scheduler.drop_tokens(seq, len(new_tokens) - k - 1)
                 break
         lps = [x for x in (lps or [])[:len(emitted)] if x is not None] or None
         if m.first_token is None:
@@ -368,11 +352,11 @@ class LLMEngine:
         batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
         prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
         self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
-        bm = self.block_manager
+        used, total = self.scheduler.kv_blocks
         self.timeline.add_step(
             start=start, end=end, phase=sched.phase, num_prefill_tokens=prefill,
             num_decode_tokens=sched.num_tokens - prefill, batch=batch,
-            kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=used, kv_blocks_total=total,
             prefix_hit_tokens=sched.prefix_hit_tokens, spec_proposed=sched.spec_proposed,
             spec_accepted=sched.spec_accepted, num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running), output_tokens=sum(len(c.token_ids_delta) for c in chunks),
@@ -412,17 +396,15 @@ class LLMEngine:
             if "cpu_kernels" in applied:
                 runner.set_cpu_kernels(applied["cpu_kernels"])
         if "kv_cache_dtype" in applied:
-            self._recompute_all()
+            self.scheduler.preempt_all()  # the cache is rebuilt: every running sequence recomputes
             self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
         if {"quantization", "quant_group_size"} & applied.keys():
             self.runner.model.quantize(merged["quantization"], merged["quant_group_size"])
         for name, value in applied.items():
             setattr(self.settings, name, value)
         if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
-            enabled = self.settings.prefix_caching and self.settings.kv_cache
-            if not enabled or "kv_cache_dtype" in applied:
-                self.block_manager.reset_prefix_cache()
-            self.block_manager.prefix_caching = enabled
+            self.scheduler.set_prefix_caching(self.settings.prefix_caching and self.settings.kv_cache,
+                                              reset="kv_cache_dtype" in applied)
         if "speculative" in applied or "num_speculative_tokens" in applied:
             for req in self.requests.values():
                 req.seq.spec_tokens, req.seq.spec_probs = [], None
@@ -440,16 +422,6 @@ class LLMEngine:
                 "with fp8 support (compute capability 8.9+); allowed here: 'none', 'int8', 'int4'"
             )
 
-    def _recompute_all(self) -> None:
-        """Drop every running sequence's KV (kept requests recompute it): used by re-layouts."""
-        for seq in list(self.scheduler.running):
-            self.scheduler.running.remove(seq)
-            self.block_manager.free(seq)
-            seq.num_computed_tokens = seq.draft_computed = 0
-            seq.spec_tokens, seq.spec_probs = [], None
-            seq.state = SeqState.PREEMPTED
-            self.scheduler.waiting.appendleft(seq)
-
     def score(self, token_ids: list[int], chunk: int = 128) -> list[float]:
         """Log-probability of each token after the first, given those before it (for perplexity
         reports). Runs between steps on spare KV blocks; other requests are untouched."""
@@ -457,7 +429,7 @@ class LLMEngine:
         if len(ids) > self.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
         seq = Sequence("__score__", ids, SamplingParams(max_tokens=1), time.monotonic())
-        if not self.block_manager.ensure_capacity(seq, len(ids)):
+        if not self.scheduler.reserve(seq, len(ids)):
             raise RuntimeError("not enough free KV blocks to score this text now")
         out: list[float] = []
         try:
@@ -470,11 +442,11 @@ class LLMEngine:
                 out.extend(lp[torch.arange(len(targets)), torch.tensor(targets)].tolist())
                 seq.num_computed_tokens += n
         finally:
-            self.block_manager.free(seq)
+            self.scheduler.release(seq)
         return out
 
     def reset_prefix_cache(self) -> int:
-        return self.block_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def _emit_event(self, kind: str, payload: dict) -> None:
         for hook in list(self.event_hooks):
@@ -486,7 +458,6 @@ class LLMEngine:
         return checksum_of(self._weights)
 
     def status(self) -> dict[str, Any]:
-        bm = self.block_manager
         return {
             "pid": os.getpid(),
             "model": self.model_name,
@@ -494,8 +465,8 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "uptime_s": time.monotonic() - self.started,
             "weights_checksum": self._weights_checksum,
-            "num_kv_blocks": bm.num_blocks,
-            "block_size": bm.block_size,
+            "num_kv_blocks": self.scheduler.kv_blocks[1],
+            "block_size": self.settings.block_size,
             "max_model_len": self.max_model_len,
             "attention_backend": self.runner.backend.name,
             "cpu_kernels": self.runner.model.cpu_kernels,
@@ -514,14 +485,14 @@ class LLMEngine:
         ttft = [o.metrics.ttft for o in self._recent if o.metrics.ttft is not None]
         itl = [x for o in self._recent for x in o.metrics.itl]
         t = self.totals
-        bm = self.block_manager
+        used, total = self.scheduler.kv_blocks
         return {
             "output_tok_s": out_tokens / span if span > 0 else 0.0,
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "kv_blocks_used": used,
+            "kv_blocks_total": total,
+            "kv_usage": used / total,
             "prefix_hit_rate": t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
             "spec_acceptance_rate": t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
             "spec_mean_accepted": t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,

@@ -7,6 +7,11 @@ Policies (the `batching` setting):
 - static: admit a batch only when nothing runs, then run it to completion.
 - off: static with a batch of one.
 Out of KV blocks, the newest running sequence is preempted (blocks freed, recomputed later).
+
+The scheduler owns every sequence's state and KV blocks: it admits, preempts and removes, and
+after each step `update_from_output` (and `update_after_verify`) advances what was computed,
+appends the new tokens and registers the full blocks for prefix reuse, each state change next to
+its KV consequence. The engine asks it for capacity (`reserve`) and never edits blocks itself.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
     prefix_hit_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
@@ -56,18 +60,34 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, settings: EngineSettings, block_manager: BlockManager, timeline: TimelineRecorder):
+    def __init__(self, settings: EngineSettings, num_blocks: int, timeline: TimelineRecorder):
         self.settings = settings
-        self.bm = block_manager
+        self.bm = BlockManager(num_blocks, settings.block_size, settings.prefix_caching and settings.kv_cache)
         self.timeline = timeline
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
+    @property
+    def block_manager(self) -> BlockManager:
+        """For reading (usage, tests); changes go through the scheduler's methods."""
+        return self.bm
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def blocks_needed(self, num_tokens: int) -> int | None:
+        """KV blocks a sequence of `num_tokens` needs, or None when that is within the cache."""
+        need = self.bm.blocks_for(num_tokens)
+        return need if need > self.bm.num_blocks else None
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for the first `num_tokens` of `seq` (draft tokens, a scoring pass); False when
+        the cache cannot hold them now."""
+        return self.bm.ensure_capacity(seq, num_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a sequence the scheduler never ran (a scoring pass)."""
+        self.bm.free(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and free its blocks."""
@@ -138,14 +158,69 @@ class Scheduler:
             i += 1
         return budget
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput | None, counted: bool = True) -> None:
         self.running.remove(seq)
-        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        if out is not None:
+            out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.bm.free(seq)
         seq.num_computed_tokens = seq.draft_computed = 0
-        seq.spec_tokens = []
+        seq.spec_tokens, seq.spec_probs = [], None
         seq.state = SeqState.PREEMPTED
-        seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
-        self.timeline.add_request(time.monotonic(), seq.request_id, "preempted")
+        if counted:
+            seq.metrics.num_preemptions += 1
+            self.timeline.add_request(time.monotonic(), seq.request_id, "preempted")
+
+    def preempt_all(self) -> None:
+        """Drop every running sequence's KV (they recompute it when rescheduled): a re-layout of
+        the cache. Not counted as preemptions (no sequence lost to another)."""
+        for seq in list(self.running):
+            self._preempt(seq, None, counted=False)
+
+    # -- after a step -----------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, sampled: dict[int, int], verified: set[int]) -> None:
+        """Advance each scheduled sequence by what the step computed. `sampled` maps a position in
+        `sched.scheduled` to the token sampled there; positions in `verified` are settled by
+        `update_after_verify`."""
+        kv = self.settings.kv_cache
+        for i, s in enumerate(sched.scheduled):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens
+            if i in verified:
+                continue
+            if i in sampled:
+                seq.token_ids.append(sampled[i])
+                if not kv:
+                    seq.num_computed_tokens = 0  # no cache: the whole context is recomputed next step
+                    continue
+            if kv:
+                self.bm.register_computed(seq)
+
+    def update_after_verify(self, seq: Sequence, base: int, accepted: list[int]) -> None:
+        """A verify step accepted `accepted` (the kept draft tokens and one more) after the first
+        `base` tokens: keep their KV, drop the rejected draft's, register the full blocks."""
+        seq.spec_tokens, seq.spec_probs = [], None
+        seq.num_computed_tokens = base + len(accepted) - 1
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+        seq.token_ids.extend(accepted)
+        self.bm.truncate(seq, len(seq))
+        self.bm.register_computed(seq)
+
+    def drop_tokens(self, seq: Sequence, count: int) -> None:
+        """Forget the last `count` tokens (accepted draft tokens past a stop)."""
+        if count:
+            del seq.token_ids[-count:]
+
+    # -- cache-wide -------------------------------------------------------------------------------
+    def set_prefix_caching(self, enabled: bool, reset: bool) -> None:
+        if reset or not enabled:
+            self.bm.reset_prefix_cache()
+        self.bm.prefix_caching = enabled
+
+    def reset_prefix_cache(self) -> int:
+        return self.bm.reset_prefix_cache()
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """(used, total) KV blocks."""
+        return self.bm.num_used_blocks, self.bm.num_blocks

@@ -37,25 +37,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.state is SeqState.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        """More than the last token still to compute: prompt (or recomputed context) pending."""
-        return len(self.token_ids) - self.num_computed_tokens > 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, state={self.state.value}, len={len(self)}, "

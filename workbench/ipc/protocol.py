@@ -21,7 +21,6 @@ and is raised again as ValueError with the same message by the client (`error_fr
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
@@ -257,7 +256,3 @@ def error_from_wire(err: ErrorInfo) -> BaseException:
     if cls is not None:
         return cls(err.message)
     return EngineError(f"{err.type}: {err.message}")
-
-
-def now() -> float:
-    return time.monotonic()
