@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .settings import add_setting_flags, settings_from_flags
+
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     from .ipc.server import add_serve_arguments
@@ -49,35 +51,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine setting, generated from `workbench.settings.schema()`."""
-    from .settings import allowed_values, schema
-
-    group = parser.add_argument_group("engine settings (same names as configure())")
-    for entry in schema():
-        name = entry["name"]
-        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
-        text = f"{entry['help']} [{allowed_values(name)}; default {entry['default']!r}]"
-        group.add_argument(*flags, dest=f"setting_{name}", default=None, metavar="VALUE",
-                           help=text.replace("%", "%%"))
-
-
-def _settings_from_flags(args: argparse.Namespace) -> dict:
-    """Typed, validated settings from the flags given (raises ValueError/TypeError)."""
-    from .settings import parse_value, setting_names, validate
-
-    out = {}
-    for name in setting_names():
-        text = getattr(args, f"setting_{name}", None)
-        if text is not None:
-            out[name] = parse_value(name, text)
-    return validate(out)
-
-
 def _flag_settings_or_report(args: argparse.Namespace, command: str) -> dict | None:
-    """`_settings_from_flags`, or None once a bad flag is reported as `workbench COMMAND: ...`."""
+    """`settings_from_flags`, or None once a bad flag is reported as `workbench COMMAND: ...`."""
     try:
-        return _settings_from_flags(args)
+        return settings_from_flags(args)
     except (ValueError, TypeError) as e:
         print(f"workbench {command}: {e}", file=sys.stderr)
         return None
@@ -98,7 +75,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
-    _add_setting_flags(p)
+    add_setting_flags(p)
     p.set_defaults(_run=_run_generate)
 
 
@@ -106,7 +83,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     import time
 
     try:
-        settings = _settings_from_flags(args)
+        settings = settings_from_flags(args)
         from .sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -192,7 +169,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, metavar="N", help="at most N requests in flight")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore_eos where the server supports it)")
-    _add_setting_flags(p)
+    add_setting_flags(p)
     p.set_defaults(_run=_run_bench)
 
 
@@ -238,7 +215,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     try:
         if bad or not systems:
             raise ValueError(f"unknown system(s) {bad or systems}; choose from {', '.join(SYSTEMS)}")
-        settings = _settings_from_flags(args)
+        settings = settings_from_flags(args)
         if args.requests is not None and args.requests < 1:
             raise ValueError(f"--requests must be >= 1, got {args.requests}")
         if args.arrival == "poisson" and args.rate <= 0:
@@ -351,7 +328,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
                     "JupyterLab exits.",
     )
     add_lab_arguments(p)
-    _add_setting_flags(p)
+    add_setting_flags(p)
     p.set_defaults(_run=_run_lab)
 
 

@@ -173,3 +173,28 @@ def parse_value(name: str, text: str) -> Any:
         except ValueError:
             raise ValueError(f"invalid value {text!r} for setting {name!r}; allowed: {allowed_values(name)}") from None
     return text.strip()
+
+
+# -- command-line flags ---------------------------------------------------------------------------
+def add_setting_flags(parser, title: str = "engine settings (same names as configure())") -> None:
+    """One flag per setting on an argparse parser (`--max-num-seqs` and `--max_num_seqs`), with its
+    help, kind, allowed values and default from the schema; read them back with `settings_from_flags`."""
+    import argparse
+
+    group = parser.add_argument_group(title)
+    for entry in schema():
+        name = entry["name"]
+        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
+        text = f"{entry['help']} [{entry['kind']}; {allowed_values(name)}; default {entry['default']!r}]"
+        group.add_argument(*flags, dest=f"setting_{name}", default=argparse.SUPPRESS, metavar="VALUE",
+                           help=text.replace("%", "%%"))
+
+
+def settings_from_flags(args, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Typed, validated settings from the flags given (over `base`); raises ValueError/TypeError."""
+    out = dict(base or {})
+    for name in setting_names():
+        text = getattr(args, f"setting_{name}", None)
+        if text is not None:
+            out[name] = parse_value(name, text)
+    return validate(out)

@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .bench.stats import RequestRecord, summarize
+from .bench.stats import NoProgress, RequestRecord, summarize
 from .bench.workload import BenchRequest, Workload, make_workload
 from .costs import phase_split, resolve, run_costs
 from .pareto import annotate, spread
@@ -442,14 +442,6 @@ def _is_quantised(settings: dict) -> bool:
 
 
 # ----------------------------------------------------------------------------- progress
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class _TextProgress:
     def __init__(self, desc: str, total: int):
         self.desc, self.total, self.n, self._last = desc, total, 0, 0.0
@@ -481,7 +473,7 @@ class _Checked:
 
 def _make_progress(progress, total: int):
     if progress is False or progress is None:
-        return _NoProgress()
+        return NoProgress()
     if callable(progress) and progress is not True:
         return progress("sweep", total)
     try:

@@ -31,7 +31,7 @@ import torch
 
 from ..runs import record_bench
 from .roofline import measure_roofline, model_costs
-from .stats import RequestRecord, summarize
+from .stats import NoProgress, RequestRecord, summarize
 from .workload import (
     DEFAULT_NUM_REQUESTS,
     DEFAULT_OUTPUT_LEN,
@@ -58,16 +58,8 @@ TARGET_VS_LLAMA_SERVER = 1.5
 Progress = Callable[[str, int], Any]  # (description, total) -> object with update(n) and close()
 
 
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _no_progress(desc: str, total: int):
-    return _NoProgress()
+    return NoProgress()
 
 
 # ----------------------------------------------------------------------------- our engine

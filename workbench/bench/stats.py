@@ -68,3 +68,13 @@ def summarize(records: list[RequestRecord], start: float) -> dict:
         "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens,
     }
+
+
+class NoProgress:
+    """A progress bar that shows nothing (the bench and sweeps without tqdm or a terminal)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -724,7 +724,7 @@ def _schema() -> list:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `workbench serve` (also `python -m workbench.ipc.server`); one flag per setting,
     generated from `workbench.settings.schema()`."""
-    from ..settings import allowed_values, schema
+    from ..settings import add_setting_flags
 
     parser.add_argument("--model", default=None, help="model: 'smollm2-135m' (default), a HF folder or a .gguf file")
     parser.add_argument("--name", default=None, help="engine name clients connect to (default: 'default' if free)")
@@ -749,30 +749,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--settings-json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-file", default=None, help=argparse.SUPPRESS)
-    group = parser.add_argument_group("engine settings (same names as configure(); live ones can change later)")
-    for entry in schema():
-        name = entry["name"]
-        flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
-        text = f"{entry['help']} [{entry['kind']}; {allowed_values(name)}; default {entry['default']!r}]"
-        group.add_argument(*flags, dest=f"setting_{name}", default=argparse.SUPPRESS, metavar="VALUE",
-                           help=text.replace("%", "%%"))
+    add_setting_flags(parser, "engine settings (same names as configure(); live ones can change later)")
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Typed, validated settings from parsed flags (raises ValueError/TypeError)."""
-    from ..settings import parse_value, setting_names, validate
+    """Typed, validated settings from parsed flags and --settings-json (raises ValueError/TypeError)."""
+    from ..settings import settings_from_flags
 
-    out: dict[str, Any] = {}
-    if getattr(args, "settings_json", None):
-        data = json.loads(args.settings_json)
-        if not isinstance(data, dict):
-            raise ValueError("--settings-json must be a JSON object")
-        out.update(data)
-    for name in setting_names():
-        value = getattr(args, f"setting_{name}", None)
-        if value is not None:
-            out[name] = parse_value(name, value)
-    return validate(out)
+    data = json.loads(args.settings_json) if getattr(args, "settings_json", None) else {}
+    if not isinstance(data, dict):
+        raise ValueError("--settings-json must be a JSON object")
+    return settings_from_flags(args, data)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -13,7 +13,6 @@ same output.
 
 from __future__ import annotations
 
-import argparse
 import html
 import importlib
 import shlex
@@ -25,6 +24,7 @@ import msgspec
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from .parser import MagicArgumentParser
 from .session import DEFAULT_NAME, NoEngineError, _local_name, get_session
 
 # "module:Class" of every Magics class `%load_ext workbench` registers.
@@ -136,18 +136,8 @@ async def generate_cell_async(line: str, cell: str) -> None:
 
 
 # -- argument parsing -----------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # raise instead of exiting the kernel
-        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
-
-    def exit(self, status=0, message=None):
-        if message:
-            raise UsageError(message)
-        raise UsageError(self.format_help())
-
-
-def _generate_parser() -> _Parser:
-    p = _Parser(prog="%%generate", add_help=True,
+def _generate_parser() -> MagicArgumentParser:
+    p = MagicArgumentParser(prog="%%generate", add_help=True,
                 description="Generate from the prompts in the cell body (prompts separated by a line holding "
                             "only --- are submitted together, so they batch; `--- max_tokens=8` gives the next "
                             "prompt its own max_tokens, temperature, top_p, top_k, seed or ignore_eos).")
@@ -418,7 +408,7 @@ class WorkbenchMagics(Magics):
     @line_magic
     def timeline(self, line: str = ""):
         """%timeline [--last N]: the engine's activity over the last N seconds (default 60)."""
-        p = _Parser(prog="%timeline", description="Show recent engine activity as a timeline.")
+        p = MagicArgumentParser(prog="%timeline", description="Show recent engine activity as a timeline.")
         p.add_argument("--last", type=float, default=60.0, metavar="N", help="seconds to show (default 60)")
         args = p.parse_args(shlex.split(line))
         show_timeline(engine_for_magics(), last_s=args.last, title=f"Engine timeline, last {args.last:g} s")
@@ -431,7 +421,7 @@ class WorkbenchMagics(Magics):
 
         from .dashboard import Dashboard
 
-        p = _Parser(prog="%dashboard", description="Controls for every live setting and live plots.")
+        p = MagicArgumentParser(prog="%dashboard", description="Controls for every live setting and live plots.")
         p.add_argument("--hz", type=float, default=10.0, help="plot refresh rate (default 10, 1-20)")
         p.add_argument("--window", type=float, default=60.0, help="seconds of activity shown (default 60)")
         p.add_argument("--no-start", action="store_true", help="do not start the default engine when none runs")

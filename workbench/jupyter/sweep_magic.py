@@ -33,13 +33,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # raise instead of exiting the kernel
-        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
-
-    def exit(self, status=0, message=None):
-        raise UsageError(message or self.format_help())
+from .parser import MagicArgumentParser
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -52,8 +46,8 @@ def _range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def sweep_parser() -> _Parser:
-    p = _Parser(prog="%sweep", description="Measure a workload at every point of a settings grid "
+def sweep_parser() -> MagicArgumentParser:
+    p = MagicArgumentParser(prog="%sweep", description="Measure a workload at every point of a settings grid "
                 "(grid entries: setting=v1,v2,...).")
     p.add_argument("grid", nargs="*", metavar="setting=v1,v2", help="one grid axis per entry")
     p.add_argument("--repeats", type=int, default=2, help="measured runs per point (default 2)")
