@@ -194,8 +194,8 @@ def machine_facts() -> dict[str, Any]:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "memory_bytes": mem,
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
-                if k in os.environ},
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
+                                           "CUDA_VISIBLE_DEVICES") if k in os.environ},
     }
     with contextlib.suppress(OSError, AttributeError):
         facts["loadavg"] = [round(x, 2) for x in os.getloadavg()]

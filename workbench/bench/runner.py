@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..runs import record_bench
+from ..runs import machine_facts, record_bench
 from .roofline import measure_roofline, model_costs
 from .stats import NoProgress, RequestRecord, summarize
 from .workload import (
@@ -162,24 +162,16 @@ def token_agreement(reference: list[RequestRecord], other: list[RequestRecord]) 
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    """The report's machine: the run log's machine facts, with the library versions."""
+    facts = machine_facts()
     info = {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
+        "cpu": facts["cpu"],
+        "cpu_count": facts["cpu_count"],
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "platform": platform.platform(),
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
-                                           "CUDA_VISIBLE_DEVICES") if k in os.environ},
+        "platform": facts["platform"],
+        "env": facts["env"],
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
