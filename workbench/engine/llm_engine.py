@@ -2,8 +2,9 @@
 
     sched = scheduler.schedule()          # who runs, how many tokens each
     result = runner.forward(sched)        # one flat forward over the paged cache
-    chunks = self._postprocess(sched, result)   # sample; the scheduler advances each
-                                                # sequence and its KV; detokenize, stop
+    chunks = self._postprocess(sched, result)   # sample; the scheduler advances each sequence
+                                                # and its KV; the output processor detokenizes,
+                                                # stops and finishes
 
 The scheduler owns sequence and KV-block state (admit, preempt, advance, free); the engine
 never edits blocks. `LLM` (in-process) and the engine process (`workbench.ipc`) both drive this
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -25,31 +25,19 @@ from ..bench.stats import percentile
 from ..models.linear import fp8_supported
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
-from ..outputs import RequestOutput, StreamChunk
+from ..outputs import StreamChunk
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
 from ..timeline import BatchEntry, TimelineRecorder
-from ..tokenizer import IncrementalDetokenizer
 from . import sampler
 from .attention import KVCache, backend_ops
 from .model_runner import ModelRunner
+from .output_processor import OutputProcessor
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from .sequence import SeqState, Sequence
+from .sequence import Sequence
 from .speculative import DraftProposer, NgramProposer, accept, check_same_vocabulary
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class _Request:
-    """Output-side state of one request: detokenizer, emitted text, logprobs."""
-
-    def __init__(self, seq: Sequence, prompt: str | None, detok: IncrementalDetokenizer | None):
-        self.seq = seq
-        self.prompt = prompt
-        self.detok = detok
-        self.text = ""
-        self.sent = 0  # characters of text already streamed
-        self.logprobs = [] if seq.params.logprobs is not None else None
 
 
 class LLMEngine:
@@ -83,13 +71,14 @@ class LLMEngine:
             self.runner.model.quantize(s.quantization, s.quant_group_size)
         self.timeline = TimelineRecorder()
         self.scheduler = Scheduler(s, num_blocks, self.timeline)
-        self.requests: dict[str, _Request] = {}
         self.event_hooks: list[Callable[[str, dict], None]] = []
         self.started = time.monotonic()
         self._seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-        self._recent: deque[RequestOutput] = deque(maxlen=1000)
         self.totals = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "output_tokens": 0,
                        "spec_proposed": 0, "spec_accepted": 0, "spec_verifies": 0, "finished": 0, "preemptions": 0}
+        self.outputs = OutputProcessor(self.tokenizer, c.eos_token_ids, self.max_model_len, self.scheduler,
+                                       self.timeline, self.totals)
+        self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
         self._draft: DraftProposer | None = None
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
 
@@ -115,8 +104,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.monotonic())
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         seq.generator = torch.Generator(device=self.device).manual_seed(seed)
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self.requests[request_id] = _Request(seq, prompt, detok)
+        self.outputs.add(seq, prompt)
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(ids)
         self.timeline.add_request(seq.metrics.arrival, request_id, "arrived", f"prompt_tokens={len(ids)}")
@@ -160,7 +148,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        return self._finish(req, "abort")
+        return self.outputs.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -206,7 +194,7 @@ class LLMEngine:
             chunks.append(self._verify(sched.scheduled[i].seq, result.logits[first:first + count], sched, now))
         for j, (i, tok) in enumerate(zip(sampled, tokens)):
             req = self.requests[sched.scheduled[i].seq.request_id]
-            chunks.append(self._emit(req, [tok], None if lps is None else [lps[j]], now))
+            chunks.append(self.outputs.emit(req, [tok], None if lps is None else [lps[j]], now))
         return [c for c in chunks if c is not None]
 
     # -- speculative decoding ------------------------------------------------------------------
@@ -281,72 +269,7 @@ class LLMEngine:
         lps = None
         if seq.params.logprobs is not None:
             lps = sampler.logprobs_of(logits[:len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
-        return self._emit(req, tokens, lps, now)
-
-    def _emit(self, req: _Request, new_tokens: list[int], lps, now: float) -> StreamChunk | None:
-        seq, params = req.seq, req.seq.params
-        m = seq.metrics
-        reason = None
-        emitted = new_tokens
-        for k, tok in enumerate(new_tokens):
-            if (not params.ignore_eos and tok in self._eos_ids()) or tok in (params.stop_token_ids or ()):
-                reason = "stop"
-            elif seq.num_output_tokens - (len(new_tokens) - 1 - k) >= params.max_tokens or \
-                    len(seq) - (len(new_tokens) - 1 - k) >= self.max_model_len:
-                reason = "length"
-            if reason:
-                emitted = new_tokens[:k + 1]
-                # accepted draft tokens past the stop are not output
-                self.scheduler.drop_tokens(seq, len(new_tokens) - k - 1)
-                break
-        lps = [x for x in (lps or [])[:len(emitted)] if x is not None] or None
-        if m.first_token is None:
-            m.first_token = now
-            self.timeline.add_request(now, seq.request_id, "first_token")
-        m.token_times.extend([now] * len(emitted))
-        self.totals["output_tokens"] += len(emitted)
-        if req.logprobs is not None and lps:
-            req.logprobs.extend(lps)
-        if req.detok is not None:
-            before = len(req.text)
-            req.text += req.detok.add(emitted)
-            if params.stop:
-                hit = _find_stop(req.text, params.stop, before)
-                if hit is not None:
-                    req.text = req.text[:hit]
-                    reason = "stop"
-        if reason:
-            return self._finish(req, reason, emitted, lps)
-        hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
-        upto = max(req.sent, len(req.text) - hold)
-        delta, req.sent = req.text[req.sent:upto], upto
-        return StreamChunk(seq.request_id, delta, list(emitted), logprobs_delta=lps)
-
-    def _finish(self, req: _Request, reason: str, last_tokens: list[int] | None = None,
-                last_logprobs=None) -> StreamChunk:
-        seq = req.seq
-        now = time.monotonic()
-        seq.metrics.finished = now
-        seq.finish_reason = reason
-        was_running = seq.state is SeqState.RUNNING
-        self.scheduler.remove(seq)
-        seq.state = SeqState.FINISHED
-        del self.requests[seq.request_id]
-        out = RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
-            text=req.text, finish_reason=reason, metrics=seq.metrics, prompt=req.prompt, logprobs=req.logprobs,
-        )
-        self.totals["finished"] += 1
-        self.totals["preemptions"] += seq.metrics.num_preemptions
-        self._recent.append(out)
-        self.timeline.add_request(now, seq.request_id, "finished", reason if was_running or reason != "abort" else "abort (queued)")
-        delta = req.text[req.sent:]
-        req.sent = len(req.text)
-        return StreamChunk(seq.request_id, delta, list(last_tokens or []), reason,
-                           logprobs_delta=last_logprobs, output=out)
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        return tuple(self.model_config.eos_token_ids or ())
+        return self.outputs.emit(req, tokens, lps, now)
 
     def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks) -> None:
         batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
@@ -482,8 +405,8 @@ class LLMEngine:
         recent_steps = [s for s in self.timeline.steps if s.end >= now - window_s]
         out_tokens = sum(s.output_tokens for s in recent_steps)
         span = (now - recent_steps[0].start) if recent_steps else 0.0
-        ttft = [o.metrics.ttft for o in self._recent if o.metrics.ttft is not None]
-        itl = [x for o in self._recent for x in o.metrics.itl]
+        ttft = [o.metrics.ttft for o in self.outputs.recent if o.metrics.ttft is not None]
+        itl = [x for o in self.outputs.recent for x in o.metrics.itl]
         t = self.totals
         used, total = self.scheduler.kv_blocks
         return {
@@ -500,13 +423,3 @@ class LLMEngine:
             "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
             **{f"total_{k}": v for k, v in t.items()},
         }
-
-
-def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:
-    """Earliest stop string that ends in the newly added text; index where it starts."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, new_from - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
