@@ -35,7 +35,7 @@ from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .speculative import DraftProposer, NgramProposer, accept, check_same_vocabulary
+from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabulary
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -79,7 +79,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, c.eos_token_ids, self.max_model_len, self.scheduler,
                                        self.timeline, self.totals)
         self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
-        self._draft: DraftProposer | None = None
+        self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self._load_draft, self.totals)
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
 
     # -- requests -----------------------------------------------------------------------------
@@ -160,7 +160,7 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
         start = time.monotonic()
-        proposed = self._propose() if self.settings.speculative != "off" and self.settings.kv_cache else 0
+        proposed = self.spec.propose() if self.settings.speculative != "off" and self.settings.kv_cache else 0
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -198,41 +198,6 @@ class LLMEngine:
         return [c for c in chunks if c is not None]
 
     # -- speculative decoding ------------------------------------------------------------------
-    def _propose(self) -> int:
-        """Attach draft tokens to running sequences that are decoding. Returns tokens proposed."""
-        s = self.settings
-        k = s.num_speculative_tokens
-        ready = []
-        for seq in self.scheduler.running:
-            remaining = seq.params.max_tokens - seq.num_output_tokens
-            room = min(k, remaining - 1, self.max_model_len - len(seq) - 1)
-            # Penalties depend on every earlier token, which verification would change mid-window.
-            if (seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1
-                    or seq.params.repetition_penalty != 1.0):
-                continue
-            if self.scheduler.reserve(seq, len(seq) + room):
-                ready.append((seq, room))
-        if not ready:
-            return 0
-        if s.speculative == "ngram":
-            proposer = NgramProposer(s.ngram_size)
-            for seq, room in ready:
-                seq.spec_tokens, seq.spec_probs = proposer.propose(seq, room), None
-        else:
-            drafter = self._drafter()
-            # One batched draft pass per window length.
-            for room in sorted({r for _, r in ready}):
-                group = [seq for seq, r in ready if r == room]
-                for rid, (drafted, probs) in drafter.propose(group, room).items():
-                    seq = self.requests[rid].seq
-                    seq.spec_tokens, seq.spec_probs = drafted, probs
-        return sum(len(seq.spec_tokens) for seq, _ in ready)
-
-    def _drafter(self) -> DraftProposer:
-        if self._draft is None:
-            self._draft = self._load_draft(self.settings.draft_model)
-        return self._draft
-
     def _load_draft(self, draft_model: str | None) -> DraftProposer:
         s = self.settings
         if draft_model is None:
@@ -254,22 +219,11 @@ class LLMEngine:
         return DraftProposer(runner, source)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput, now: float) -> StreamChunk | None:
-        draft = seq.spec_tokens
-        base = len(seq)
-        tokens = accept(seq, logits, draft, seq.spec_probs)
-        accepted = len(tokens) - 1
-        seq.metrics.spec_proposed += len(draft)
-        seq.metrics.spec_accepted += accepted
-        sched.spec_accepted += accepted
-        self.totals["spec_proposed"] += len(draft)
-        self.totals["spec_accepted"] += accepted
-        self.totals["spec_verifies"] += 1
-        self.scheduler.update_after_verify(seq, base, tokens)
-        req = self.requests[seq.request_id]
+        tokens = self.spec.verify(seq, logits, sched)
         lps = None
         if seq.params.logprobs is not None:
             lps = sampler.logprobs_of(logits[:len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
-        return self.outputs.emit(req, tokens, lps, now)
+        return self.outputs.emit(self.requests[seq.request_id], tokens, lps, now)
 
     def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks) -> None:
         batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
@@ -302,7 +256,7 @@ class LLMEngine:
         if "attention_backend" in applied:
             backend_ops(applied["attention_backend"], self.device)
         new_draft = None
-        if "draft_model" in applied or (merged["speculative"] == "draft" and self._draft is None):
+        if "draft_model" in applied or (merged["speculative"] == "draft" and self.spec.draft is None):
             self._emit_event("relayout", {"setting": "draft_model", "value": merged["draft_model"], "state": "started"})
             new_draft = self._load_draft(merged["draft_model"])
 
@@ -310,10 +264,10 @@ class LLMEngine:
             if setting_kind(name) == RELAYOUT:
                 self._emit_event("relayout", {"setting": name, "value": value, "state": "started"})
         if new_draft is not None:
-            self._draft = new_draft
+            self.spec.draft = new_draft
             self._emit_event("relayout", {"setting": "draft_model", "value": new_draft.source, "state": "done"})
         # A new draft was built with the settings before this call: it takes these like the target.
-        for runner in (self.runner, *((self._draft.runner,) if self._draft is not None else ())):
+        for runner in (self.runner, *((self.spec.draft.runner,) if self.spec.draft is not None else ())):
             if "attention_backend" in applied:
                 runner.set_backend(applied["attention_backend"])
             if "cpu_kernels" in applied:

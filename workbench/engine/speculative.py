@@ -5,6 +5,9 @@
 - `DraftProposer`: a smaller model with the target's tokenizer (by default the target's own
   int4 copy) runs k cheap decode steps. Its KV cache shares the target's block tables, so a
   sequence's draft context lives at the same slots.
+`SpeculativeDecoder` is the one object the engine talks to: `propose` before a step attaches
+draft tokens to the running sequences that can take them; `verify` after it settles one verify
+row (accept, count, and let the scheduler keep the accepted tokens' KV).
 `accept` keeps the target's distribution exact: greedy requests accept while the draft equals
 the argmax; sampled requests accept token d with probability min(1, p(d)/q(d)) and otherwise
 draw from normalise(max(p - q, 0)).
@@ -12,10 +15,13 @@ draw from normalise(max(p - q, 0)).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from . import sampler
-from .scheduler import ScheduledSeq
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence
 
 
@@ -134,3 +140,62 @@ def check_same_vocabulary(target_config, target_tok, draft_config, draft_tok, na
         if a != b:
             differ = sorted(set(a.items()) ^ set(b.items()))[:3]
             raise ValueError(f"draft_model {name!r} uses a different tokenizer from the target (e.g. {differ})")
+
+
+class SpeculativeDecoder:
+    """Draft tokens in (`propose`), verified tokens out (`verify`), for the engine's settings."""
+
+    def __init__(self, settings, scheduler: Scheduler, max_model_len: int,
+                 load_draft: Callable[[str | None], DraftProposer], totals: dict[str, Any]):
+        self.settings = settings
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.load_draft = load_draft  # builds the draft model's runner (the engine knows the weights)
+        self.totals = totals
+        self.draft: DraftProposer | None = None  # loaded on first use, or by a draft_model change
+
+    def propose(self) -> int:
+        """Attach draft tokens to running sequences that are decoding. Returns tokens proposed."""
+        s = self.settings
+        k = s.num_speculative_tokens
+        ready = []
+        for seq in self.scheduler.running:
+            remaining = seq.params.max_tokens - seq.num_output_tokens
+            room = min(k, remaining - 1, self.max_model_len - len(seq) - 1)
+            # Penalties depend on every earlier token, which verification would change mid-window.
+            if (seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1
+                    or seq.params.repetition_penalty != 1.0):
+                continue
+            if self.scheduler.reserve(seq, len(seq) + room):
+                ready.append((seq, room))
+        if not ready:
+            return 0
+        if s.speculative == "ngram":
+            proposer = NgramProposer(s.ngram_size)
+            for seq, room in ready:
+                seq.spec_tokens, seq.spec_probs = proposer.propose(seq, room), None
+        else:
+            if self.draft is None:
+                self.draft = self.load_draft(s.draft_model)
+            by_id = {seq.request_id: seq for seq, _ in ready}
+            # One batched draft pass per window length.
+            for room in sorted({r for _, r in ready}):
+                group = [seq for seq, r in ready if r == room]
+                for rid, (drafted, probs) in self.draft.propose(group, room).items():
+                    by_id[rid].spec_tokens, by_id[rid].spec_probs = drafted, probs
+        return sum(len(seq.spec_tokens) for seq, _ in ready)
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput) -> list[int]:
+        """The tokens a verify row yields (the accepted draft and one more), counted."""
+        draft = seq.spec_tokens
+        base = len(seq)
+        tokens = accept(seq, logits, draft, seq.spec_probs)
+        accepted = len(tokens) - 1
+        seq.metrics.spec_proposed += len(draft)
+        seq.metrics.spec_accepted += accepted
+        sched.spec_accepted += accepted
+        self.totals["spec_proposed"] += len(draft)
+        self.totals["spec_accepted"] += accepted
+        self.totals["spec_verifies"] += 1
+        self.scheduler.update_after_verify(seq, base, tokens)
+        return tokens
