@@ -95,6 +95,11 @@ def lower_thread_priority(niceness: int = 10) -> None:
             pass
 
 
+def _too_long(why: str, max_tokens: int) -> ValueError:
+    return ValueError(f"{why}; the model's context is {max_tokens} tokens (prompt plus at least one output "
+                      "token must fit)")
+
+
 def _word_boundary(text: str, before: int) -> int:
     """The last index < `before` where a space follows a non-space character (0: none near).
 
@@ -250,10 +255,8 @@ class Tokenizer:
         """Refuse, before tokenizing, a text that cannot encode to fewer than `max_tokens` tokens."""
         least = self.min_tokens(text)
         if least >= max_tokens:
-            raise ValueError(
-                f"{what} has {len(text):,} characters, so at least {least:,} tokens (no token of this model "
-                f"spans more than {self.max_token_chars} characters); the model's context is {max_tokens} "
-                "tokens (prompt plus at least one output token must fit)")
+            raise _too_long(f"{what} has {len(text):,} characters, so at least {least:,} tokens (no token of this "
+                            f"model spans more than {self.max_token_chars} characters)", max_tokens)
 
     def encode_within(self, text: str, max_tokens: int, add_special_tokens: bool = False,
                       what: str = "prompt") -> list[int]:
@@ -267,10 +270,8 @@ class Tokenizer:
             if cut:
                 counted = len(self.encode(text[:cut], add_special_tokens))
                 if counted >= max_tokens:
-                    raise ValueError(
-                        f"{what} has {len(text):,} characters and its first {cut:,} alone are {counted:,} tokens; "
-                        f"the model's context is {max_tokens} tokens (prompt plus at least one output token "
-                        "must fit)")
+                    raise _too_long(f"{what} has {len(text):,} characters and its first {cut:,} alone are "
+                                    f"{counted:,} tokens", max_tokens)
         return self.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -131,9 +131,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
             # Refused from its length (or a prefix's tokens) when it cannot fit: tokenizing
-            # megabytes costs seconds.
-            self.tokenizer.check_fits(prompt, self.max_model_len)
+            # megabytes costs seconds. A chat message is checked before its template is rendered.
             if chat:
+                self.tokenizer.check_fits(prompt, self.max_model_len)
                 prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=not chat)
         if not ids:

@@ -94,7 +94,6 @@ class OutputProcessor:
         seq.finish_reason = reason
         was_running = seq.state is SeqState.RUNNING
         self.scheduler.remove(seq)
-        seq.state = SeqState.FINISHED
         del self.requests[seq.request_id]
         out = RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,

@@ -96,6 +96,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
+        seq.state = SeqState.FINISHED
 
     # -- policy ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

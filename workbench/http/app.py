@@ -195,8 +195,7 @@ class Front:
 
     async def encode(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of a prompt, off the event loop (the tokenizer releases the GIL), so a big
-        prompt never stalls other streams or /health."""
-        self.check_fits(text, param)
+        prompt never stalls other streams or /health. `encode_within` refuses what cannot fit."""
         loop = asyncio.get_running_loop()
         if not self.max_model_len:
             return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text, add_special_tokens)

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..ipc.protocol import DEFAULT_DRAIN_TIMEOUT_S
 from .protocol import DEFAULT_MAX_BODY_MB
 
 log = logging.getLogger("workbench.http")
@@ -94,7 +95,8 @@ def make_front(engine, *, model=None, served_model_name: str | list[str] | None 
                  api_key=api_key, max_body_bytes=int(max_body_mb * 2**20), status=status, aliases=aliases)
 
 
-def _uvicorn_server(app, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0):
+def _uvicorn_server(app, host: str, port: int, log_level: str = "info",
+                    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S):
     """A uvicorn server whose first SIGTERM/Ctrl-C drains: new requests get 503, running ones
     go on for up to `drain_timeout` s and are then ended with an error event (streams) or a 503,
     so no client sees a connection cut mid-body. A second signal stops at once."""
@@ -233,7 +235,7 @@ def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
         front = make_front(engine, model=model, served_model_name=args.served_model_name, api_key=api_key,
                            max_body_mb=args.max_request_mb)
         server = _uvicorn_server(create_app(front), host, port, args.http_log_level,
-                                 drain_timeout=getattr(args, "drain_timeout", 30.0))
+                                 drain_timeout=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
         watchdog = threading.Thread(target=_watch_engine, args=(engine, server), daemon=True)
         watchdog.start()
         shown = f"[{host}]" if ":" in host else host

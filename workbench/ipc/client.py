@@ -42,6 +42,7 @@ from ..timeline import Timeline
 from . import connection as conn
 from .events import EventSubscription
 from .protocol import (
+    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_MESSAGE_MB,
     DEFAULT_MAX_QUEUED_CHARS,
     DEFAULT_MAX_QUEUED_TOKENS,
@@ -375,8 +376,7 @@ class EngineClient(RequestSurface):
 
     # -- RPC ------------------------------------------------------------------------------------
     def _start_call(self, method: str, kwargs: dict) -> tuple[int, concurrent.futures.Future]:
-        if self._dead is not None:
-            self._revive()
+        self._revive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._ids)
         with self._lock:
@@ -461,8 +461,7 @@ class EngineClient(RequestSurface):
         rids = [r.request_id for r in reqs]
         if into is not None:
             into.extend(rids)
-        if self._dead is not None:
-            self._revive()
+        self._revive()
         with self._lock:
             if self._dead is not None:
                 raise _copy_exc(self._dead)
@@ -512,8 +511,7 @@ class EngineClient(RequestSurface):
         return await asyncio.get_running_loop().run_in_executor(None, self._subscribe, sub, timeout)
 
     def _subscribe(self, sub: EventSubscription, timeout: float) -> EventSubscription:
-        if self._dead is not None:
-            self._revive()
+        self._revive()
         with self._ev_lock:
             if self._dead is not None:
                 raise _copy_exc(self._dead)
@@ -676,7 +674,7 @@ def _copy_exc(exc: BaseException) -> BaseException:
 def start_engine(model: str | os.PathLike | None = None, *, name: str | None = None, timeout: float = 600.0,
                  transport: str = "ipc", host: str = "127.0.0.1", port: int = 0, client_timeout: float = 10.0,
                  max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, detach: bool = False,
-                 drain_timeout: float = 30.0, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
+                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
                  max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS, **settings: Any) -> EngineClient:
     """Spawn a long-lived engine process (a fresh interpreter: never a fork, so it is safe from a
     notebook), wait until it is ready, and return a client of it.

@@ -50,6 +50,7 @@ import zmq
 
 from . import connection as conn
 from .protocol import (
+    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_MESSAGE_MB,
     DEFAULT_MAX_QUEUED_CHARS,
     DEFAULT_MAX_QUEUED_TOKENS,
@@ -90,7 +91,7 @@ class EngineServer:
                  client_timeout_s: float = 10.0, max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
                  parent_pid: int | None = None, directory: Path | None = None, log_file: str | None = None,
                  max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS, max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
-                 drain_timeout_s: float = 30.0):
+                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if not client_timeout_s > 0:
@@ -261,7 +262,7 @@ class EngineServer:
                     break
         except Exception:  # pragma: no cover - a bug here must not hang clients silently
             log.exception("router IO thread crashed")
-            self._inbox.put(("signal", None, "router IO thread crashed"))
+            self._inbox.put(("crash", None, "router IO thread crashed"))
         finally:
             sock.close()
             wake.close()
@@ -423,10 +424,11 @@ class EngineServer:
                     self._cancelled[rid] = "gone"
             if rids:
                 log.warning("client %r vanished (%s): aborted %d request(s)", ident, payload, len(rids))
+        elif kind == "crash":
+            log.error("%s: shutting down", payload)
+            self._stop_mode = "abort"
         elif kind == "signal":
-            if payload.endswith("crashed"):
-                self._stop_mode = "abort"
-            elif self._stop_mode is None:
+            if self._stop_mode is None:
                 log.info("%s: draining (up to %.0f s; a second signal stops at once)", payload, self.drain_timeout_s)
                 self._stop_mode = "drain"
                 self._drain_deadline = time.monotonic() + self.drain_timeout_s
@@ -662,7 +664,7 @@ class EngineServer:
         self._refuse_queued()
         self._flush_timeline(time.monotonic())
         self.publish("engine", {"state": "stopped", "name": self.name, "pid": os.getpid()})
-        conn.remove_connection_file(self.name, os.getpid(), self.directory)
+        self._remove_files()  # before the sockets close: nobody new finds this engine
         self._io_stop.set()
         try:
             self._wake_tx.send(b"", zmq.NOBLOCK)
@@ -675,7 +677,6 @@ class EngineServer:
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
-        self._remove_files()
         log.info("engine %r stopped", self.name)
 
     def _refuse_queued(self) -> None:
@@ -742,9 +743,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-tokens", type=int, default=DEFAULT_MAX_QUEUED_TOKENS, metavar="N",
                         help="refuse new requests while more than N prompt tokens wait to run "
                              f"(default {DEFAULT_MAX_QUEUED_TOKENS:,})")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
                         help="on SIGTERM/Ctrl-C, let running requests finish for up to this long, then abort "
-                             "them (default 30; a second signal stops at once)")
+                             f"them (default {DEFAULT_DRAIN_TIMEOUT_S:g}; a second signal stops at once)")
     parser.add_argument("--log-level", default="INFO", help="engine log level (default INFO)")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--settings-json", default=None, help=argparse.SUPPRESS)
