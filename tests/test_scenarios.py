@@ -109,3 +109,19 @@ def test_quant_peer_reports_a_failing_mode_instead_of_crashing(tiny_llama, tiny_
     ratios = scenarios._ratios({"quant": out})
     assert ratios["hf_int4_vs_bf16"] is None and ratios["int8_vs_hf"] > 0
     assert [t["name"] for t in scenarios._targets(ratios)] == ["int4_vs_bf16", "int8_vs_bf16"]
+
+
+def test_stall_scenario_runs_on_an_engine_process_of_its_own(tmp_path):
+    """`--scenario stall` alone loads no model in this process; every oversized prompt is refused
+    while the stream runs, and the report carries the engine it measured."""
+    from http_helpers import make_tiny_tokenized_model
+
+    model = make_tiny_tokenized_model(tmp_path / "m")
+    out = scenarios.run_scenarios(["stall"], str(model), quick=True, record=False, dtype="float32")
+    st = out["stall"]
+    assert st["workload"]["context"] == 2048 and st["workload"]["oversized_prompts"] == 4
+    assert "accepted" not in st["errors"] and len(st["errors"]) == 2  # from the length, from a prefix
+    assert st["gaps_during"] > 0 and st["worst_gap_vs_itl"] is not None
+    assert out["model"] == st["engine"]["model"] and out["settings"]["dtype"] == "float32"
+    assert out["engine_status"]["max_token_chars"] == 81 and "pid" not in out["engine_status"]
+    assert [t["name"] for t in out["targets"]] == ["stall_worst_gap_vs_itl"]

@@ -271,6 +271,7 @@ def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, outp
     eng = start_engine(model, **settings)
     try:
         status = eng.status()
+        engine = {"model": status["model"], "settings": eng.settings(), "status": _described(status)}
         context, most = status["max_model_len"], status.get("max_token_chars")
         times: list[float] = []
         params = SamplingParams(max_tokens=min(output_len, context - 8), temperature=0, ignore_eos=True)
@@ -302,7 +303,7 @@ def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, outp
     during = [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
     itl = percentile(gaps, 50)
     worst = max(during, default=0.0)
-    return {"workload": {"stream_tokens": len(times), "oversized_prompts": oversized, "oversized_chars": len(huge),
+    return {"engine": engine, "workload": {"stream_tokens": len(times), "oversized_prompts": oversized, "oversized_chars": len(huge),
                          "near_bound_prompts": near_bound, "near_bound_chars": len(near), "context": context},
             "itl_p50_ms": itl * 1e3, "worst_gap_ms": worst * 1e3, "gaps_during": len(during),
             "attack_s": end - start,
@@ -310,6 +311,11 @@ def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, outp
                            for k, v in refusals.items()},
             "errors": sorted(errors), "worst_gap_vs_itl": worst / itl if itl else None,
             "target_at_most": TARGETS_AT_MOST["stall_worst_gap_vs_itl"]}
+
+
+def _described(status: dict) -> dict:
+    """An engine's status as a report keeps it (without what changes from run to run)."""
+    return {k: v for k, v in status.items() if k not in ("pid", "uptime_s")}
 
 
 def _ratios(out: dict) -> dict[str, float | None]:
@@ -344,8 +350,9 @@ def _targets(ratios: dict) -> list[dict]:
 
 @record_scenarios  # recorded in the run log (workbench/runs.py); record=False / run_log=PATH per call
 def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = False, **settings) -> dict:
-    """Run the named scenarios on one engine in this process; returns {name: result} with the
-    headline `ratios` and `targets`. `quick` uses the small sizes of `QUICK`."""
+    """Run the named scenarios on one engine in this process (`stall` starts an engine process of
+    its own); returns {name: result} with the headline `ratios` and `targets`. `quick` uses the
+    small sizes of `QUICK`."""
     from ..engine.llm_engine import LLMEngine
     from .peers import load_hf_model
 
@@ -353,12 +360,13 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
     for name in names:
         if name not in SCENARIOS:
             raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
-    engine = LLMEngine(model, **settings)
-    out: dict[str, Any] = {"model": engine.model_name, "settings": engine.settings.as_dict(), "scenarios": names,
-                           "quick": quick, "with_peers": with_peers,
-                           "engine_status": {k: v for k, v in engine.status().items() if k not in ("pid", "uptime_s")},
-                           "argv": sys.argv[1:]}
-    hf_path = engine.model_config.path if with_peers else None
+    # Only the in-process scenarios need the model loaded here.
+    engine = LLMEngine(model, **settings) if any(n != "stall" for n in names) else None
+    out: dict[str, Any] = {"scenarios": names, "quick": quick, "with_peers": with_peers, "argv": sys.argv[1:]}
+    if engine is not None:
+        out.update(model=engine.model_name, settings=engine.settings.as_dict(),
+                   engine_status=_described(engine.status()))
+    hf_path = engine.model_config.path if with_peers and engine is not None else None
     for name in names:
         size = QUICK[name] if quick else {}
         if name == "prefix":
@@ -367,6 +375,9 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
             out[name] = quant_scenario(engine, hf_path=hf_path, **size)
         elif name == "stall":
             out[name] = stall_scenario(model, **size, **settings)
+            if engine is None:
+                e = out[name]["engine"]
+                out.update(model=e["model"], settings=e["settings"], engine_status=e["status"])
         else:
             hf = load_hf_model(hf_path, engine.dtype) if with_peers else None
             out[name] = spec_scenario(engine, hf_model=hf, **size)
