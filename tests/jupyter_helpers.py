@@ -69,7 +69,7 @@ def kill_engines_in(runtime_dir: Path) -> None:
 def private_engine(runtime_dir: Path, model=None, **kwargs):
     """`start_engine(model, **kwargs)` in a private runtime dir; stopped at the end whatever
     happens, with any engine left behind in that dir killed too."""
-    from workbench.ipc.client import start_engine
+    from workbench.ipc.launch import start_engine
 
     with private_runtime_dir(runtime_dir):
         eng = start_engine(model, **kwargs)

@@ -73,7 +73,7 @@ def test_cycle_finder_finds_a_cycle():
 def test_no_import_cycles():
     known = _modules()
     graph = {name: _imports(name, path, known) for name, path in known.items()}
-    assert "workbench.ipc.events" in graph["workbench.remote"]  # the finder sees real edges
+    assert "workbench.events" in graph["workbench.remote.client"]  # the finder sees real edges
     assert _cycles(graph) == []
 
 
@@ -85,3 +85,37 @@ def test_only_the_scheduler_changes_kv_blocks():
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         assert not names & {"block_manager", "bm", "BlockManager"}, module
+
+
+def test_metric_and_status_keys_are_defined_once():
+    """`workbench.reports` names every metric and status key; every other place that reads or
+    maps them uses those names (Prometheus mapping, remote servers' metrics, the lab panel)."""
+    import re
+
+    from workbench.http import metrics as prom
+    from workbench.remote.prometheus import parse_prometheus, server_metrics
+    from workbench.reports import EngineMetrics, EngineStatus, ProcessStatus, metric_fields
+
+    fields = set(metric_fields())
+    assert {key for _, key, _ in prom._COUNTERS + prom._GAUGES} <= fields
+    vllm = parse_prometheus(
+        "vllm:num_requests_running 3\nvllm:num_requests_waiting 2\nvllm:kv_cache_usage_perc 0.5\n"
+        "vllm:prefix_cache_hits_total 5\nvllm:prefix_cache_queries_total 10\nvllm:generation_tokens_total 7\n"
+        "vllm:prompt_tokens_total 9\n")
+    assert set(server_metrics(vllm)) <= fields and server_metrics(vllm)["num_running"] == 3
+    model_ts = (ROOT.parent / "extension" / "src" / "model.ts").read_text()
+    panel_reads = set(re.findall(r"metrics\.([a-z_0-9]+)", model_ts))
+    assert panel_reads and panel_reads <= fields, panel_reads - fields
+    panel_ts = (ROOT.parent / "extension" / "src" / "panel.ts").read_text()
+    assert set(re.findall(r"status\.status\.([a-z_0-9]+)", panel_ts)) <= set(ProcessStatus.__struct_fields__)
+    assert set(EngineStatus.__struct_fields__) <= set(ProcessStatus.__struct_fields__)
+    assert "total_preemptions" in EngineMetrics.__struct_fields__
+
+
+def test_event_kinds_are_defined_once():
+    """The event kinds live in `ipc.protocol.EVENT_KINDS`; no other module spells the list out."""
+    import re
+
+    spelled = re.compile(r"""["']timeline["'],\s*["']settings["'],\s*["']relayout["']""")
+    found = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if spelled.search(p.read_text())]
+    assert found == ["ipc/protocol.py"], found

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from workbench.bench import RESULT_KEYS, percentile, summarize
-from workbench.bench.runner import run_engine, token_agreement
+from workbench.bench.driver import run_workload
+from workbench.bench.runner import token_agreement
 from workbench.bench.stats import RequestRecord
 from workbench.bench.workload import TEXT_FILE, make_workload, single_stream_request
 from workbench.cli import main
@@ -224,7 +225,7 @@ def test_engine_runner_honours_arrival_times(tiny_bench_model):
     llm = LLM(str(tiny_bench_model), dtype="float32")
     w = make_workload(3, seed=0, vocab_size=256, prompt_len=(8, 16), output_len=(4, 6),
                       arrival="poisson", rate=10.0)
-    records, start = run_engine(llm.engine, w)
+    records, start = run_workload(llm, w.requests)
     assert [r.index for r in records] == [0, 1, 2]
     for req, rec in zip(w.requests, records):
         assert rec.arrival == pytest.approx(start + req.arrival_s)

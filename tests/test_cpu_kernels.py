@@ -414,24 +414,24 @@ def test_one_call_layer_equals_op_by_op(tiny_bf16, quantization, monkeypatch):
     """Decode steps of up to MAX_ROWS sequences run each layer in one C call; that call must give
     exactly what the op-by-op C path gives (same kernels, same order)."""
     from workbench import SamplingParams
-    from workbench.models import llama
+    from workbench.models.cpu_forward import CpuKernelForward
 
     llm = tiny_bf16
     llm.configure(cpu_kernels=True, quantization=quantization)
     calls = []
-    original = llama.DecoderLayer.fused
+    original = CpuKernelForward._one_call
 
-    def counting(self):
-        fused = original(self)
+    def counting(self, layer):
+        fused = original(self, layer)
         calls.append(fused is not None)
         return fused
 
-    monkeypatch.setattr(llama.DecoderLayer, "fused", counting)
+    monkeypatch.setattr(CpuKernelForward, "_one_call", counting)
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     prompts = _prompts()[:cpu.MAX_ROWS]
     fused = llm.generate(None, sp, prompt_token_ids=prompts)
     assert calls and all(calls)
-    monkeypatch.setattr(llama.DecoderLayer, "fused", lambda self: None)
+    monkeypatch.setattr(CpuKernelForward, "_one_call", lambda self, layer: None)
     op_by_op = llm.generate(None, sp, prompt_token_ids=prompts)
     for a, b in zip(fused, op_by_op):
         assert a.token_ids == b.token_ids

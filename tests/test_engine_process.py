@@ -34,8 +34,8 @@ from workbench.ipc.client import (
     EngineConnectError,
     EngineDeadError,
     EngineStartError,
-    start_engine,
 )
+from workbench.ipc.launch import start_engine
 from workbench.ipc.protocol import (
     HEADER,
     MAGIC,
@@ -71,7 +71,7 @@ if mode == "generate":
                         timeout=90)
     print(json.dumps([o.token_ids for o in outs]), flush=True)
 elif mode == "starter":  # starts its own engine, then waits to be killed
-    from workbench.ipc.client import start_engine
+    from workbench.ipc.launch import start_engine
     eng = start_engine(sys.argv[3], name=name, dtype="float32", num_kv_blocks=16, timeout=120)
     print("READY", eng.pid, flush=True)
     sys.stdin.read()
@@ -749,7 +749,7 @@ def test_cli_help_lists_every_setting(capsys):
     text = capsys.readouterr().out
     for name in setting_names():
         assert f"--{name.replace('_', '-')}" in text
-    from workbench.ipc.server import add_serve_arguments, settings_from_args
+    from workbench.ipc.serve import add_serve_arguments, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

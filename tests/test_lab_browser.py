@@ -95,7 +95,7 @@ def runtime_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(runtime_dir):
-    from workbench.ipc.client import start_engine
+    from workbench.ipc.launch import start_engine
 
     eng = start_engine(None, name="e2e", timeout=300, max_num_seqs=8)
     yield eng

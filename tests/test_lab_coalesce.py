@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -173,3 +177,58 @@ def test_set_rate_changes_interval():
 ])
 def test_history_window_is_bounded(given, expected):
     assert history_window(given) == expected
+
+
+# -- the drawn columns come from the notebook's reducer ---------------------------------------------
+FIXTURE = Path(__file__).resolve().parents[1] / "extension" / "test" / "fixtures" / "reducer_messages.json"
+
+
+def _reducer_messages() -> list[dict]:
+    """A snapshot and a delta for two requests (one queued behind the other), as the websocket
+    sends them: the jest tests apply exactly these (`extension/test/fixtures`)."""
+    def step(seq, start, phase, batch, **kw):
+        return StepEvent(seq=seq, start=start, end=start + 0.05, phase=phase,
+                         batch=[BatchEntry(*b) for b in batch], **kw)
+
+    first = Timeline(steps=[step(3, 10.0, "prefill", [("aaaaaa1", 5, "prefill")], num_prefill_tokens=5)],
+                     requests=[RequestEvent(seq=1, time=9.9, request_id="aaaaaa1", kind="arrived"),
+                               RequestEvent(seq=2, time=10.0, request_id="aaaaaa1", kind="scheduled")], cursor=3)
+    second = Timeline(
+        steps=[step(6, 10.1, "mixed", [("aaaaaa1", 1, "decode"), ("bbbbbb2", 4, "prefill")], num_prefill_tokens=4,
+                    num_decode_tokens=1),
+               step(8, 10.2, "decode", [("aaaaaa1", 1, "decode"), ("bbbbbb2", 1, "decode")], num_decode_tokens=2)],
+        requests=[RequestEvent(seq=4, time=10.05, request_id="bbbbbb2", kind="arrived"),
+                  RequestEvent(seq=5, time=10.1, request_id="bbbbbb2", kind="scheduled"),
+                  RequestEvent(seq=7, time=10.15, request_id="aaaaaa1", kind="first_token"),
+                  RequestEvent(seq=9, time=10.25, request_id="aaaaaa1", kind="finished", detail="length")],
+        cursor=9)
+    c = EventCoalescer(rate_hz=10)
+    messages = [snap(c, msgspec.to_builtins(first), now=10.06)]
+    c.add("timeline", msgspec.to_builtins(second), time=10.25)
+    messages.append(c.flush(now=11.0))
+    return json.loads(json.dumps(messages))
+
+
+def test_messages_carry_the_notebook_reducers_columns_and_palette():
+    from workbench.jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
+
+    snapshot, delta = _reducer_messages()
+    assert snapshot["palette"] == {"phase": PHASE_COLORS, "state": STATE_COLORS}
+    assert snapshot["t0"] == 9.9  # the first event: x = 0
+    reducer = TimelineReducer(t0=9.9)
+    reducer.add(snapshot["timeline"])
+    assert snapshot["columns"]["steps"] == reducer.drain()["steps"]
+    reducer.add(delta["timeline"])
+    expected = reducer.drain()
+    assert delta["columns"]["steps"] == expected["steps"] and delta["columns"]["lanes"] == expected["lanes"]
+    assert delta["columns"]["steps"]["phase"] == ["mixed", "decode"]
+    assert delta["columns"]["steps"]["color"] == [PHASE_COLORS["mixed"], PHASE_COLORS["decode"]]
+
+
+def test_the_browsers_fixture_is_what_the_coalescer_sends():
+    """extension/test/fixtures/reducer_messages.json (what jest applies) must not drift from the
+    Python side; rewrite it with WORKBENCH_WRITE_FIXTURES=1."""
+    messages = _reducer_messages()
+    if os.environ.get("WORKBENCH_WRITE_FIXTURES"):
+        FIXTURE.write_text(json.dumps(messages, indent=1) + "\n")
+    assert json.loads(FIXTURE.read_text()) == messages

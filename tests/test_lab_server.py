@@ -22,7 +22,7 @@ from jupyter_helpers import private_runtime_dir, stop_engine
 from pytest_jupyter.jupyter_server import *  # noqa: E402, F403
 
 from workbench.ipc import connection as conn
-from workbench.ipc.client import start_engine
+from workbench.ipc.launch import start_engine
 from workbench.sampling_params import SamplingParams
 from workbench.settings import schema, setting_names
 

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.models import loader
+from workbench.models import embedded, loader
+from workbench.models import gguf as gguf_format
+from workbench.models import hf as hf_folder
 from workbench.models.loader import ModelConfig, load_model
 from workbench.tokenizer import Tokenizer
 
@@ -300,7 +302,7 @@ def test_unpermute_inverts_permute():
     w = torch.arange(6 * 16 * 3, dtype=torch.float32).reshape(6 * 16, 3)
     permuted = torch.from_numpy(_permute_like_llama_cpp(w.numpy(), 6))
     assert not torch.equal(permuted, w)
-    assert torch.equal(loader._unpermute_qk(permuted, 6), w)
+    assert torch.equal(gguf_format._unpermute_qk(permuted, 6), w)
 
 
 # ----------------------------------------------------------------------------- default + cache
@@ -312,13 +314,13 @@ def tiny_default(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(cache))
     monkeypatch.setattr(loader, "default_gguf_path", lambda: path)
     calls = []
-    real = loader.convert_gguf_to_hf
+    real = embedded.convert_gguf_to_hf
 
     def counting(*a, **k):
         calls.append(a)
         return real(*a, **k)
 
-    monkeypatch.setattr(loader, "convert_gguf_to_hf", counting)
+    monkeypatch.setattr(embedded, "convert_gguf_to_hf", counting)
     return cache / "models", ref, calls
 
 
@@ -354,8 +356,8 @@ def test_interrupted_conversion_leaves_nothing_complete(tiny_default, monkeypatc
         raise RuntimeError("disk full (simulated)")
 
     # weights are written, then the tokenizer writer fails midway
-    real_save_tokenizer = loader._save_tokenizer
-    monkeypatch.setattr(loader, "_save_tokenizer", boom)
+    real_save_tokenizer = hf_folder._save_tokenizer
+    monkeypatch.setattr(hf_folder, "_save_tokenizer", boom)
     with pytest.raises(RuntimeError, match="simulated"):
         load_model(None)
     assert _entries(models) == []  # neither a target nor a temp folder is left
@@ -366,7 +368,7 @@ def test_interrupted_conversion_leaves_nothing_complete(tiny_default, monkeypatc
     (stale / "config.json").write_text("{}")
     old = time.time() - 2 * 3600
     os.utime(stale, (old, old))
-    monkeypatch.setattr(loader, "_save_tokenizer", real_save_tokenizer)
+    monkeypatch.setattr(hf_folder, "_save_tokenizer", real_save_tokenizer)
     m = load_model(None, dtype=torch.float32)
     assert len(calls) == 2
     assert m.tokenizer is not None
@@ -378,7 +380,7 @@ def test_broken_cache_folder_is_reconverted(tiny_default):
     models, _, calls = tiny_default
     first = load_model(None)
     folder = Path(first.config.path)
-    (folder / loader._COMPLETE_MARKER).unlink()  # e.g. someone deleted files by hand
+    (folder / embedded._COMPLETE_MARKER).unlink()  # e.g. someone deleted files by hand
     (folder / "model.safetensors").write_bytes(b"garbage")
     again = load_model(None)
     assert len(calls) == 2 and again.checksum == first.checksum
@@ -389,13 +391,13 @@ def test_concurrent_converters(tiny_default, monkeypatch):
     """Two converters that both finish writing before either renames: one wins, both succeed."""
     models, _, calls = tiny_default
     barrier = threading.Barrier(2, timeout=60)
-    real_write = loader._write_hf_dir
+    real_write = embedded.write_hf_dir
 
     def write_then_wait(*a, **k):
         real_write(*a, **k)
         barrier.wait()
 
-    monkeypatch.setattr(loader, "_write_hf_dir", write_then_wait)
+    monkeypatch.setattr(embedded, "write_hf_dir", write_then_wait)
     results, errors = [], []
 
     def worker():
@@ -413,7 +415,7 @@ def test_concurrent_converters(tiny_default, monkeypatch):
     assert len(calls) == 2 and len(results) == 2
     assert results[0].checksum == results[1].checksum
     (name,) = _entries(models)
-    assert loader._is_complete(models / name)
+    assert embedded._is_complete(models / name)
 
 
 # ----------------------------------------------------------------------------- the real default

@@ -1,4 +1,4 @@
-"""`RemoteEngineClient` (`EngineClient.connect("http://...")`): against our own HTTP endpoint in a
+"""`RemoteEngineClient` (`workbench.connect("http://...")`): against our own HTTP endpoint in a
 separate process, against a minimal third-party-style OpenAI server (text only, no /metrics),
 and against llama.cpp's server (llama-cpp-python) when it is installed; plus the endpoint load
 generator (`workbench bench --endpoint`)."""
@@ -20,16 +20,11 @@ import pytest
 from fastapi import Request  # module level: FastAPI resolves the handler's annotations here
 from http_helpers import API_KEY, MAX_LEN, free_port, shared_server, stop_process
 
+import workbench
 from workbench import EngineClient, SamplingParams
-from workbench.remote import (
-    RemoteEngineClient,
-    RemoteSettingsError,
-    _detect_kind,
-    _split_url,
-    histogram_quantile,
-    parse_prometheus,
-    server_metrics,
-)
+from workbench.remote import RemoteEngineClient, RemoteSettingsError, parse_prometheus, server_metrics
+from workbench.remote.prometheus import histogram_quantile
+from workbench.remote.wire import detect_kind, split_url
 from workbench.timeline import Timeline
 
 VLLM_METRICS = """\
@@ -86,11 +81,11 @@ def test_prometheus_mapping_for_vllm_and_sglang():
     assert (s["num_running"], s["num_waiting"], s["kv_usage"], s["prefix_hit_rate"]) == (7, 1, 0.5, 0.75)
     assert s["spec_mean_accepted"] == 2.5 and s["output_tok_s"] == 321.0
     assert histogram_quantile({}, "x", 0.5) is None
-    assert _split_url("http://h:1/v1/?model=a") == ("http://h:1", "a")
-    assert _detect_kind({"owned_by": "vllm"}, {}, "") == "vllm"
-    assert _detect_kind({"owned_by": "me", "permissions": []}, {}, "") == "llama-cpp-python"
-    assert _detect_kind({}, parse_prometheus(SGLANG_METRICS), "") == "sglang"
-    assert _detect_kind({"owned_by": "someone"}, {}, "uvicorn") == "openai-compatible"
+    assert split_url("http://h:1/v1/?model=a") == ("http://h:1", "a")
+    assert detect_kind({"owned_by": "vllm"}, {}, "") == "vllm"
+    assert detect_kind({"owned_by": "me", "permissions": []}, {}, "") == "llama-cpp-python"
+    assert detect_kind({}, parse_prometheus(SGLANG_METRICS), "") == "sglang"
+    assert detect_kind({"owned_by": "someone"}, {}, "uvicorn") == "openai-compatible"
 
 
 # -- against our own endpoint (a separate process) ------------------------------------------------
@@ -103,7 +98,7 @@ def server(request, tmp_path_factory):
 def remote(server):
     os.environ["WORKBENCH_API_KEY"] = API_KEY
     try:
-        client = EngineClient.connect(server["url"] + "/v1")  # the hook in EngineClient.connect
+        client = workbench.connect(server["url"] + "/v1")  # the factory picks the remote client
     finally:
         os.environ.pop("WORKBENCH_API_KEY", None)
     yield client
@@ -230,7 +225,7 @@ def test_named_remote_reaches_the_lab_server_hub(server):
     register_remote(name, server["url"], api_key=API_KEY)
     try:
         assert {"name": name, "url": server["url"], "model": None} in list_remotes()
-        with EngineClient.connect(name) as eng:
+        with workbench.connect(name) as eng:
             assert isinstance(eng, RemoteEngineClient) and eng.name == name
             assert eng.generate(["hi"], SamplingParams(max_tokens=2))[0].finish_reason == "length"
 
@@ -376,7 +371,7 @@ def test_remote_against_llama_cpp_server_on_the_same_gguf(tmp_path):
 def test_connect_errors_are_clear():
     port = free_port()  # nothing listens there
     with pytest.raises(ConnectionError, match="no OpenAI-compatible server"):
-        EngineClient.connect(f"http://127.0.0.1:{port}", timeout=2)
+        workbench.connect(f"http://127.0.0.1:{port}", timeout=2)
     with pytest.raises(ValueError):
         RemoteEngineClient("ftp://x")
 

@@ -9,9 +9,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine():
-    from workbench.engine.llm_engine import LLMEngine
+    from workbench import LLM
 
-    return LLMEngine(None, num_kv_blocks=256)
+    return LLM(None, num_kv_blocks=256)
 
 
 def test_prefix_scenario_hits_the_shared_prompt(engine):
@@ -28,14 +28,14 @@ def test_spec_scenario_reports_acceptance(engine):
     assert out["ngram"]["acceptance_rate"] > 0.3  # the answer copies the prompt
     assert out["ngram"]["tokens"] == out["off"]["tokens"]
     assert set(out) >= {"ngram_vs_off", "draft_vs_off", "target"}
-    assert engine.settings.speculative == "off"
+    assert engine.settings()["speculative"] == "off"
 
 
 def test_quant_scenario_restores_weights(engine):
     before = engine.weights_checksum()
     out = scenarios.quant_scenario(engine, output_len=8)
     assert {"none", "int8", "int4", "int8_vs_bf16", "int4_vs_bf16"} <= set(out)
-    assert engine.settings.quantization == "none" and engine.weights_checksum() == before
+    assert engine.settings()["quantization"] == "none" and engine.weights_checksum() == before
 
 
 def test_unknown_scenario_named():
@@ -49,9 +49,9 @@ N_PEER = 5
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama):
-    from workbench.engine.llm_engine import LLMEngine
+    from workbench import LLM
 
-    return LLMEngine(str(tiny_llama[0]), num_kv_blocks=64)
+    return LLM(str(tiny_llama[0]), num_kv_blocks=64)
 
 
 def test_quant_peer_bf16_is_transformers_greedy_generate(tiny_llama, tiny_engine):
@@ -88,7 +88,7 @@ def test_quant_scenario_reports_the_peer_beside_ours(tiny_llama, tiny_engine):
         assert out[mode]["tokens"] == hf[mode]["tokens"] == N_PEER
         assert out["vs_hf"][mode] == pytest.approx(out[mode]["decode_tok_s"] / hf[mode]["decode_tok_s"])
     assert set(hf) >= {"int8_vs_bf16", "int4_vs_bf16"} and hf["int4_vs_bf16"] > 0
-    assert tiny_engine.settings.quantization == "none"
+    assert tiny_engine.settings()["quantization"] == "none"
 
 
 def test_quant_peer_reports_a_failing_mode_instead_of_crashing(tiny_llama, tiny_engine, monkeypatch):

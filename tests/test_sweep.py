@@ -8,8 +8,10 @@ import threading
 import pytest
 
 import workbench
+from workbench import LLM
 from workbench.runs import RunLog
-from workbench.sweep import SweepResult, make_sweep_workload
+from workbench.tuning.result import SweepResult
+from workbench.tuning.workload import make_sweep_workload
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -213,20 +215,20 @@ def test_sweep_magic(llm, log, monkeypatch):
         InteractiveShell.clear_instance()
 
 
-class _Plain:
-    """A look-alike engine: only configure/settings/generate/metrics/status (no tokenizer, no
-    timeline, no in-process core): text is tokenized by the engine, runs go through generate()."""
+class _NoLocalTokenizer(LLM):
+    """An engine whose tokenizer is not at hand here (as with a remote server): text is tokenized
+    by the engine itself."""
 
-    def __init__(self, llm):
-        self._llm = llm
-
-    def __getattr__(self, name):
-        if name in ("configure", "settings", "generate", "metrics", "status"):
-            return getattr(self._llm, name)
-        raise AttributeError(name)
+    tokenizer = None
 
 
-def test_text_prompts_cell_magic_and_a_plain_engine(tmp_path, log, monkeypatch):
+def _without_local_tokenizer(llm: LLM) -> LLM:
+    plain = object.__new__(_NoLocalTokenizer)
+    plain.__dict__ = llm.__dict__  # the same engine, seen without its tokenizer
+    return plain
+
+
+def test_text_prompts_cell_magic_and_an_engine_without_a_local_tokenizer(tmp_path, log, monkeypatch):
     from http_helpers import make_tiny_tokenized_model
     from IPython.core.interactiveshell import InteractiveShell
 
@@ -239,11 +241,13 @@ def test_text_prompts_cell_magic_and_a_plain_engine(tmp_path, log, monkeypatch):
     prompts = ["Once upon a time", "The quick brown fox jumps over"]
     ids = [tok_llm.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
     assert [r.prompt_token_ids for r in make_sweep_workload(tok_llm, prompts).requests] == ids
-    plain = _Plain(tok_llm)
+    plain = _without_local_tokenizer(tok_llm)
     assert [r.prompt_token_ids for r in make_sweep_workload(plain, prompts).requests] == ids  # engine-tokenized
     res = workbench.sweep(plain, grid={"max_num_seqs": [1, 2]}, workload=prompts, max_tokens=3, repeats=1, warmup=1,
                           progress=False, run_log=log)
-    assert [r["output_tokens"] for r in res] == [6, 6] and res[0]["kv_usage_peak"] is None  # no timeline there
+    assert [r["output_tokens"] for r in res] == [6, 6]
+    with pytest.raises(TypeError, match="sweep needs a workbench Engine"):  # look-alikes are not enough
+        workbench.sweep(object(), grid={"max_num_seqs": [1]}, workload=prompts, progress=False, record=False)
 
     shell = InteractiveShell.instance()
     try:

@@ -4,10 +4,11 @@ import math
 
 import pytest
 
-from workbench import costs
-from workbench.pareto import annotate, dominates, noise_overlaps, pareto_front, ranges_overlap, spread
-from workbench.sweep import aggregate, grid_points, point_label
-from workbench.sweep_plots import front_line, plot_data
+from workbench.tuning import costs
+from workbench.tuning.grid import grid_points, point_label
+from workbench.tuning.measure import aggregate
+from workbench.tuning.pareto import annotate, dominates, noise_overlaps, pareto_front, ranges_overlap, spread
+from workbench.tuning.plots import front_line, plot_data
 
 MAXMIN = [("tps", "max"), ("lat", "min")]
 

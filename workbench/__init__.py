@@ -21,8 +21,10 @@ _LAZY = {
     "LLM": ("workbench.llm", "LLM"),
     "SamplingParams": ("workbench.sampling_params", "SamplingParams"),
     "EngineClient": ("workbench.ipc.client", "EngineClient"),
-    "start_engine": ("workbench.ipc.client", "start_engine"),
-    "sweep": ("workbench.sweep", "sweep"),
+    "start_engine": ("workbench.ipc.launch", "start_engine"),
+    "connect": ("workbench.engines", "connect"),
+    "Engine": ("workbench.interface", "Engine"),
+    "sweep": ("workbench.tuning.sweep", "sweep"),
     "runs": ("workbench.runs", None),  # the run log module: workbench.runs.list_runs(), ...
     "RequestOutput": ("workbench.outputs", "RequestOutput"),
     "StreamChunk": ("workbench.outputs", "StreamChunk"),
@@ -31,12 +33,15 @@ _LAZY = {
 }
 
 __all__ = [
-    "LLM", "SamplingParams", "EngineClient", "start_engine", "sweep",
+    "LLM", "SamplingParams", "EngineClient", "start_engine", "connect", "Engine", "sweep",
     "RequestOutput", "StreamChunk", "Timeline", "EngineSettings",
 ]
 
 if TYPE_CHECKING:
-    from .ipc.client import EngineClient, start_engine
+    from .engines import connect
+    from .interface import Engine
+    from .ipc.client import EngineClient
+    from .ipc.launch import start_engine
     from .llm import LLM
     from .outputs import RequestOutput, StreamChunk
     from .sampling_params import SamplingParams

@@ -5,7 +5,7 @@
     workbench bench [--json] [--requests N] [--systems workbench,hf_sequential,hf_static,llama_server]
                     [--arrival all|poisson] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
     workbench lab [--model M] [--name N] [--port P] [--no-browser] [--<setting> VALUE ...] [-- JUPYTER ARGS]
-    workbench runs list|show|compare|export|path [...]     (the run log; workbench/runs_cli.py)
+    workbench runs list|show|compare|export|path [...]     (the run log; workbench/runs/cli.py)
 
 Each subcommand registers itself in `_SUBCOMMANDS` with a function that adds its arguments and
 one that runs it; imports of heavy modules stay inside the run functions so `--help` is fast.
@@ -20,7 +20,7 @@ from .settings import add_setting_flags, settings_from_flags
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from .ipc.server import add_serve_arguments
+    from .ipc.serve import add_serve_arguments
 
     p = sub.add_parser(
         "serve", help="run a long-lived engine that clients attach to (EngineClient.connect(name))",
@@ -37,7 +37,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     if getattr(args, "http", None):  # engine process + OpenAI-compatible HTTP front (workbench/http/)
         from .http.server import parse_host_port, run_front
-        from .ipc.server import settings_from_args
+        from .ipc.serve import settings_from_args
 
         try:
             settings = settings_from_args(args)
@@ -46,7 +46,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             print(f"workbench serve: {e}", file=sys.stderr)
             return 2
         return run_front(args, settings)
-    from .ipc.server import serve
+    from .ipc.serve import serve
 
     return serve(args)
 
@@ -312,7 +312,7 @@ def _run_bench_endpoints(args: argparse.Namespace) -> int:
 
 
 def _add_runs(sub: argparse._SubParsersAction) -> None:
-    from .runs_cli import add_runs_parser
+    from .runs.cli import add_runs_parser
 
     add_runs_parser(sub)
 

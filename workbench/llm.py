@@ -1,66 +1,110 @@
-"""`LLM`: the engine in this process, driven step by step from the caller's thread."""
+"""`LLM`: the engine in this process, an `Engine` stepped by whichever call is waiting.
+
+There is no background thread: `generate`, `stream` (and the asyncio twins) run engine steps
+until their own output is there, and every request's chunks go to its own caller, so two streams
+iterated in turn both progress. Events (`events`, `on_event`) are delivered after each step.
+One thread at a time: the engine's state is not locked against concurrent steps.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .engine.llm_engine import LLMEngine
-from .outputs import RequestOutput, StreamChunk
-from .sampling_params import normalize_batch
+from .events import EventSubscription
+from .interface import Engine, request_ids
+from .ipc.protocol import Event
+from .outputs import StreamChunk
+
+METRICS_EVERY_S = 1.0  # "metrics" events, as often as the engine process publishes them
 
 
-class LLM:
+class LLM(Engine):
     def __init__(self, model: str | None = None, **settings: Any):
         self.engine = LLMEngine(model, **settings)
+        self._sinks: dict[str, tuple[Callable[[Any], None], bool]] = {}
+        self._lock = threading.RLock()
+        self._subs: list[EventSubscription] = []
+        self._tl_cursor = self.engine.timeline.cursor
+        self._last_metrics = 0.0
+        self.engine.event_hooks.append(self._on_engine_event)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False) -> list[RequestOutput]:
-        batch = normalize_batch(prompts, params, prompt_token_ids)
-        ids = self._submit(batch, chat)
-        done: dict[str, RequestOutput] = {}
-        try:
-            while len(done) < len(ids):
-                for chunk in self.engine.step():
-                    if chunk.output is not None and chunk.request_id in ids:
-                        done[chunk.request_id] = chunk.output
-        finally:
-            for rid in ids:
-                if rid not in done:
-                    self.engine.abort_request(rid)
-        return [done[rid] for rid in ids]
+    @property
+    def name(self) -> str:
+        return "in-process"
 
-    def stream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False) -> Iterator[StreamChunk]:
-        [(p, ids, sp)] = normalize_batch(
-            prompt, params, None if prompt_token_ids is None else [prompt_token_ids]
-        )
-        rid = self.engine.add_request(p, sp, prompt_token_ids=ids, chat=chat)
-        finished = False
-        try:
-            while not finished:
-                for chunk in self.engine.step():
-                    if chunk.request_id == rid:
-                        finished = chunk.finish_reason is not None
-                        yield chunk
-        finally:
-            if not finished:
-                self.engine.abort_request(rid)
-
-    def _submit(self, batch, chat: bool) -> list[str]:
+    # -- primitives -------------------------------------------------------------------------------
+    def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
+               into: list[str] | None = None) -> list[str]:
         # Validate everything first so one bad prompt submits nothing.
         encoded = [self.engine.encode_prompt(p, ids, chat) for p, ids, _ in batch]
         submitted: list[str] = []
         try:
             for (p, _, sp), ids in zip(batch, encoded):
-                submitted.append(self.engine.add_request(p, sp, prompt_token_ids=ids))
+                rid = self.engine.add_request(p, sp, prompt_token_ids=ids)
+                self._sinks[rid] = (sink, stream)
+                submitted.append(rid)
+                if into is not None:
+                    into.append(rid)
         except Exception:
-            for rid in submitted:
-                self.engine.abort_request(rid)
+            self.abandon(submitted)
             raise
         return submitted
+
+    def abandon(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._sinks.pop(rid, None)
+            self.engine.abort_request(rid)
+
+    def poll(self, q: queue.SimpleQueue, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while q.empty():
+            if not self.engine.has_unfinished_requests():
+                return q.get(timeout=max(0.0, deadline - time.monotonic()))  # nothing to step
+            self._step()
+            if time.monotonic() >= deadline and q.empty():
+                raise queue.Empty
+        return q.get_nowait()
+
+    async def apoll(self, aq: asyncio.Queue) -> Any:
+        while aq.empty():
+            if not self.engine.has_unfinished_requests():
+                return await aq.get()
+            self._step()
+            await asyncio.sleep(0)  # lets the sinks' call_soon callbacks (and other tasks) run
+        return aq.get_nowait()
+
+    def _step(self) -> None:
+        for chunk in self.engine.step():
+            self._deliver(chunk)
+        self._publish_progress()
+
+    def _deliver(self, chunk: StreamChunk | None) -> None:
+        if chunk is None:
+            return
+        entry = self._sinks.get(chunk.request_id)
+        if entry is None:
+            return
+        sink, stream = entry
+        if chunk.finish_reason is not None:
+            del self._sinks[chunk.request_id]
+        elif not stream:
+            return
+        sink(chunk)
+
+    # -- control and views --------------------------------------------------------------------------
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        for rid in request_ids(request_id):
+            self._deliver(self.engine.abort_request(rid))
 
     def configure(self, **changes) -> dict:
         return self.engine.configure(**changes)
@@ -74,5 +118,73 @@ class LLM:
     def metrics(self) -> dict:
         return self.engine.metrics()
 
+    def schema(self) -> list[dict]:
+        from .settings import schema
+
+        return schema()
+
     def timeline(self, since: int | None = None):
         return self.engine.timeline.read(since)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.engine.score(token_ids)
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    def weights_checksum(self) -> str:
+        return self.engine.weights_checksum()
+
+    # -- events -------------------------------------------------------------------------------------
+    def _subscribe(self, sub: EventSubscription, timeout: float = 10.0) -> EventSubscription:
+        """Events are delivered after each step ("engine" events: none, the engine is this process)."""
+        with self._lock:
+            self._subs.append(sub)
+        return sub
+
+    def _publish(self, kind: str, data: Any) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        ev = Event(kind, time.monotonic(), data)
+        for sub in subs:
+            sub._deliver(ev)
+
+    def _publish_progress(self) -> None:
+        if not self._subs:
+            return
+        rec = self.engine.timeline
+        if rec.cursor != self._tl_cursor:
+            tl = rec.read(self._tl_cursor)
+            self._tl_cursor = rec.cursor
+            self._publish("timeline", tl)
+        now = time.monotonic()
+        if now - self._last_metrics >= METRICS_EVERY_S:
+            self._last_metrics = now
+            self._publish("metrics", self.engine.metrics())
+
+    def _on_engine_event(self, kind: str, payload: dict) -> None:
+        if self._subs:
+            self._publish_progress()
+            self._publish(kind, payload)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Abort what is still running and end the event subscriptions (the engine stays usable)."""
+        self.abandon(list(self._sinks))
+        with self._lock:
+            subs, self._subs = self._subs, []
+        for sub in subs:
+            sub.close()
+
+    def shutdown(self, drain: bool = False, timeout: float = 60.0) -> None:
+        self.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -52,6 +52,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     prompt: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    usage: dict | None = None  # a remote server's own token counts (OpenAI `usage`)
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ import threading
 import time
 
 from workbench import SamplingParams
-from workbench.ipc.client import start_engine
+from workbench.ipc.launch import start_engine
 
 HOG = "import time, sys\nsys.stdin.readline()\nt = time.monotonic()\nwhile time.monotonic() - t < 1.3: pass\n" \
       "print(t, time.monotonic(), flush=True)"

@@ -6,7 +6,7 @@
 import time
 
 from workbench import SamplingParams
-from workbench.ipc.client import start_engine
+from workbench.ipc.launch import start_engine
 
 
 def rss(pid):

@@ -7,7 +7,7 @@ import sys
 import time
 
 from workbench import SamplingParams
-from workbench.ipc.client import start_engine
+from workbench.ipc.launch import start_engine
 
 eng = start_engine(None, name=f"latency-{sys.argv[1] if len(sys.argv) > 1 else 'probe'}")
 params = SamplingParams(max_tokens=1, temperature=0)

@@ -8,7 +8,7 @@ import json
 import msgspec
 
 from workbench import SamplingParams
-from workbench.ipc.client import start_engine
+from workbench.ipc.launch import start_engine
 from workbench.jupyter_server.coalesce import trim_timeline
 
 eng = start_engine(None, name="snapsize")

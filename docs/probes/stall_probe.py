@@ -8,7 +8,8 @@ import threading
 import time
 
 from workbench import SamplingParams
-from workbench.ipc.client import EngineClient, start_engine
+from workbench.ipc.client import EngineClient
+from workbench.ipc.launch import start_engine
 
 eng = start_engine(None, name="stallprobe")
 other = EngineClient.connect("stallprobe")

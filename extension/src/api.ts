@@ -188,6 +188,7 @@ export class EngineConnection {
         this._changed.emit({
           snapshot: false,
           newSteps: [],
+          newColumns: {},
           requestsChanged: false,
           settingsChanged: [],
           metricsChanged: false,

@@ -4,14 +4,7 @@
  * notebook dashboard, which embeds the same version). Nothing is bundled or fetched from a CDN.
  */
 import { bokehScriptUrl } from './url';
-import {
-  EngineState,
-  IStepEvent,
-  PHASES,
-  requestColumns,
-  spanCounts,
-  stepColumns
-} from './model';
+import { Columns, EngineState, PHASES, requestColumns, spanCounts, stepColumns } from './model';
 
 // BokehJS has no typings on the page; the little we use is typed loosely here.
 type BokehNS = any;
@@ -70,13 +63,11 @@ export interface IChartOptions {
   window?: number;
   /** Steps kept in the chart's data source. */
   rollover?: number;
-  /** Requests drawn in the lanes (the newest). */
-  maxRequests?: number;
   toolbar?: boolean;
 }
 
 /**
- * Engine steps by phase (one row per phase) above request lanes (queued / prefill / decode),
+ * Engine steps by phase (one row per phase) above request lanes (queued / prefill / decode / verify),
  * sharing a time axis that follows the live end.
  */
 export class TimelineChart {
@@ -91,9 +82,7 @@ export class TimelineChart {
   private _spans: any = null;
   private _xRange: any = null;
   private _views: any[] = [];
-  private _dirtySpans = false;
   private _ready: Promise<void> | null = null;
-  private _pendingSteps: IStepEvent[] = [];
   private _disposed = false;
 
   get ready(): boolean {
@@ -116,8 +105,8 @@ export class TimelineChart {
     this._bk = Bokeh;
     const opts = this.options;
     const { figure, gridplot, show } = Bokeh.Plotting;
-    this._steps = new Bokeh.ColumnDataSource({ data: stepColumns(this.state, []) });
-    this._spans = new Bokeh.ColumnDataSource({ data: requestColumns(this.state, 0) });
+    this._steps = new Bokeh.ColumnDataSource({ data: stepColumns(undefined) });
+    this._spans = new Bokeh.ColumnDataSource({ data: requestColumns(undefined) });
     this._xRange = new Bokeh.DataRange1d({
       follow: 'end',
       follow_interval: opts.window ?? 30,
@@ -150,7 +139,7 @@ export class TimelineChart {
           ['step', '@seq'],
           ['phase', '@phase'],
           ['tokens', '@tokens'],
-          ['batch', '@batch'],
+          ['batch', '@composition'],
           ['ms', '@ms']
         ]
       })
@@ -163,7 +152,7 @@ export class TimelineChart {
       y_range: new Bokeh.DataRange1d({ flipped: true, range_padding: 0.05 }),
       tools,
       toolbar_location: opts.toolbar === false ? null : 'above',
-      title: 'requests (queued / prefill / decode)',
+      title: 'requests (queued / prefill / decode / verify)',
       x_axis_label: 'engine time (s)',
       min_border_left: 60
     });
@@ -201,47 +190,29 @@ export class TimelineChart {
       return;
     }
     this.reset();
-    if (this._pendingSteps.length) {
-      this.addSteps(this._pendingSteps);
-      this._pendingSteps = [];
-    }
   }
 
-  /** Redraw everything from the state (after a snapshot). */
+  /** Redraw everything from the state (after a snapshot, or once the figures exist). */
   reset(): void {
-    this._pendingSteps = [];
     if (!this.ready) {
       return;
     }
-    const rollover = this.options.rollover ?? 5000;
-    this._steps.data = stepColumns(this.state, this.state.steps.slice(-rollover));
-    this._spans.data = requestColumns(this.state, this.options.maxRequests ?? 200);
-    this._dirtySpans = false;
+    this._steps.data = stepColumns(this.state.columns.steps);
+    this._spans.data = requestColumns(this.state.columns.lanes);
     this._publishCounts();
   }
 
-  /** Append new steps (streamed, older ones roll over). */
-  addSteps(steps: IStepEvent[]): void {
-    if (!steps.length) {
-      return;
-    }
+  /** Append the reducer's new rows (streamed; older ones roll over). */
+  add(columns: Record<string, Columns>): void {
     if (!this.ready) {
-      this._pendingSteps.push(...steps);
-      return;
+      return; // reset() draws everything from the state once the figures exist
     }
-    this._steps.stream(stepColumns(this.state, steps), this.options.rollover ?? 5000);
-    this._dirtySpans = true; // open spans grow with time
-    this._publishCounts();
-  }
-
-  /** Request lanes changed (or time moved): rebuild their columns. */
-  updateRequests(force = false): void {
-    if (!this.ready || (!force && !this._dirtySpans && this.state.activeRequests === 0)) {
-      this._publishCounts();
-      return;
+    if (columns.steps) {
+      this._steps.stream(stepColumns(columns.steps), this.options.rollover ?? 5000);
     }
-    this._spans.data = requestColumns(this.state, this.options.maxRequests ?? 200);
-    this._dirtySpans = false;
+    if (columns.lanes) {
+      this._spans.stream(requestColumns(columns.lanes), this.state.maxLaneRows);
+    }
     this._publishCounts();
   }
 

@@ -2,26 +2,25 @@
  * The browser's copy of one engine's state, kept current from the server extension's websocket:
  * one snapshot, then deltas (see `workbench/jupyter_server/coalesce.py` for the other side).
  *
- * Pure logic (no DOM, no JupyterLab) so jest can test it on synthetic messages. The chart and
- * the panel read the derived columns (`stepColumns`, `requestColumns`) and numbers from here.
+ * Pure logic (no DOM, no JupyterLab) so jest can test it on synthetic messages. What is drawn is
+ * not derived here: the server runs the tested Python reducer (`workbench/jupyter/reducer.py`)
+ * and sends its plot columns and palette; this keeps them (`columns`, bounded) and maps them onto
+ * the chart's fields (`stepColumns`, `requestColumns`), so every view draws the same thing.
  */
 
+/** The step rows of the chart (the reducer's phases). */
 export const PHASES = ['prefill', 'decode', 'mixed', 'verify', 'relayout'];
-export const SPAN_KINDS = ['queued', 'prefill', 'decode'];
+/** The lane states the reducer draws. */
+export const LANE_STATES = ['queued', 'prefill', 'decode', 'verify'];
 
-export const PHASE_COLORS: Record<string, string> = {
-  prefill: '#e6862b',
-  decode: '#3b7dd8',
-  mixed: '#8e5ccf',
-  verify: '#2a9d8f',
-  relayout: '#c0392b'
-};
+/** Columns as the reducer sends them: name -> values, all of one length. */
+export type Columns = Record<string, any[]>;
 
-export const SPAN_COLORS: Record<string, string> = {
-  queued: '#b8bec6',
-  prefill: '#e6862b',
-  decode: '#3b7dd8'
-};
+/** The reducer's palette (`PHASE_COLORS`, `STATE_COLORS` in workbench/jupyter/reducer.py). */
+export interface IPalette {
+  phase: Record<string, string>;
+  state: Record<string, string>;
+}
 
 /** A `workbench.timeline.StepEvent` as JSON (defaults omitted by the engine). */
 export interface IStepEvent {
@@ -66,6 +65,10 @@ export interface ISnapshotMessage {
   settings: Dict;
   metrics: Dict;
   timeline: ITimelinePart;
+  /** The reducer's rows of the drawn sources ("steps", "lanes"), x in seconds since t0. */
+  columns?: Record<string, Columns>;
+  t0?: number | null;
+  palette?: IPalette;
   time?: number | null;
   rate?: number;
   /** Steps this snapshot was asked to hold (the first is small; the view may ask for more). */
@@ -85,6 +88,7 @@ export interface IDeltaMessage {
   relayout?: Dict[];
   engine?: { state: string; [key: string]: any };
   dropped?: number;
+  columns?: Record<string, Columns>;
 }
 
 export interface IErrorMessage {
@@ -99,6 +103,8 @@ export type ServerMessage = ISnapshotMessage | IDeltaMessage | IErrorMessage;
 export interface IChange {
   snapshot: boolean;
   newSteps: IStepEvent[];
+  /** The reducer's new rows, per drawn source. */
+  newColumns: Record<string, Columns>;
   requestsChanged: boolean;
   settingsChanged: string[];
   metricsChanged: boolean;
@@ -106,10 +112,9 @@ export interface IChange {
   error?: string;
 }
 
-/** Lifecycle times of one request (engine clock), and the lane it is drawn in. */
+/** Lifecycle times of one request (engine clock). */
 export interface IRequestInfo {
   id: string;
-  lane: number;
   order: number;
   arrived?: number;
   scheduled?: number;
@@ -125,16 +130,20 @@ export interface IStateOptions {
   maxSteps?: number;
   /** Requests kept in memory (the newest by arrival). */
   maxRequests?: number;
+  /** Lane rectangles kept in memory (the newest). */
+  maxLaneRows?: number;
 }
 
 export class EngineState {
   constructor(options: IStateOptions = {}) {
     this.maxSteps = options.maxSteps ?? 20000;
     this.maxRequests = options.maxRequests ?? 500;
+    this.maxLaneRows = options.maxLaneRows ?? 20000;
   }
 
   readonly maxSteps: number;
   readonly maxRequests: number;
+  readonly maxLaneRows: number;
   engine = '';
   status: Dict = {};
   settings: Dict = {};
@@ -149,6 +158,9 @@ export class EngineState {
   origin: number | null = null;
   steps: IStepEvent[] = [];
   requests = new Map<string, IRequestInfo>();
+  /** What the chart draws: the reducer's rows, newest kept. */
+  columns: Record<string, Columns> = { steps: {}, lanes: {} };
+  palette: IPalette = { phase: {}, state: {} };
   relayout: Dict[] = [];
   dropped = 0;
   /** Steps the last snapshot was asked for, and whether the engine holds earlier ones. */
@@ -157,7 +169,6 @@ export class EngineState {
   lastSeq = -1;
   /** Deltas that arrived out of order or before the snapshot (ignored). */
   ignored = 0;
-  private _lanes: number[] = []; // per lane: when its last request finished (Infinity: running)
   private _order = 0;
 
   get hasSnapshot(): boolean {
@@ -169,6 +180,7 @@ export class EngineState {
     const change: IChange = {
       snapshot: false,
       newSteps: [],
+      newColumns: {},
       requestsChanged: false,
       settingsChanged: [],
       metricsChanged: false,
@@ -193,7 +205,14 @@ export class EngineState {
       change.metricsChanged = true;
       change.stateChanged = true;
       this._noteTime(msg.time);
+      if (typeof msg.t0 === 'number') {
+        this.origin = msg.t0; // x = 0 of the reducer's columns
+      }
+      if (msg.palette) {
+        this.palette = msg.palette;
+      }
       this._applyTimeline(msg.timeline, change);
+      this._applyColumns(msg.columns, change);
       if (this.origin === null) {
         this.origin = this.time;
       }
@@ -209,6 +228,7 @@ export class EngineState {
     if (msg.timeline) {
       this._applyTimeline(msg.timeline, change);
     }
+    this._applyColumns(msg.columns, change);
     if (msg.settings || msg.changes) {
       const before = this.settings;
       this.settings = { ...before, ...(msg.settings ?? {}) };
@@ -242,7 +262,7 @@ export class EngineState {
   private _reset(): void {
     this.steps = [];
     this.requests = new Map();
-    this._lanes = [];
+    this.columns = { steps: {}, lanes: {} };
     this._order = 0;
     this.cursor = 0;
     this.dropped = 0;
@@ -289,12 +309,32 @@ export class EngineState {
     this.cursor = Math.max(this.cursor, part.cursor ?? 0, ...steps.map(s => s.seq), ...events.map(e => e.seq));
   }
 
+  private _applyColumns(columns: Record<string, Columns> | undefined, change: IChange): void {
+    if (!columns) {
+      return;
+    }
+    const caps: Record<string, number> = { steps: this.maxSteps, lanes: this.maxLaneRows };
+    for (const [name, cols] of Object.entries(columns)) {
+      const names = Object.keys(cols);
+      if (!names.length || !cols[names[0]].length) {
+        continue;
+      }
+      const kept = this.columns[name] ?? {};
+      for (const c of names) {
+        const joined = (kept[c] ?? []).concat(cols[c]);
+        const cap = caps[name] ?? this.maxSteps;
+        kept[c] = joined.length > cap ? joined.slice(joined.length - cap) : joined;
+      }
+      this.columns[name] = kept;
+      change.newColumns[name] = cols;
+    }
+  }
+
   private _applyRequestEvent(ev: IRequestEvent): void {
     let info = this.requests.get(ev.request_id);
     if (!info) {
       info = {
         id: ev.request_id,
-        lane: this._takeLane(ev.time),
         order: this._order++,
         preemptions: 0,
         lastTime: ev.time
@@ -318,26 +358,10 @@ export class EngineState {
       case 'finished':
         info.finished = info.finished ?? ev.time;
         info.finishReason = ev.detail ?? null;
-        this._lanes[info.lane] = Math.max(
-          this._lanes[info.lane] === Infinity ? -Infinity : this._lanes[info.lane],
-          ev.time
-        );
         break;
       default:
         break;
     }
-  }
-
-  /** The lowest lane free at time t (its last request finished by then), else a new one. */
-  private _takeLane(t: number): number {
-    for (let i = 0; i < this._lanes.length; i++) {
-      if (this._lanes[i] <= t) {
-        this._lanes[i] = Infinity;
-        return i;
-      }
-    }
-    this._lanes.push(Infinity);
-    return this._lanes.length - 1;
   }
 
   private _trimRequests(): void {
@@ -367,43 +391,6 @@ export class EngineState {
   }
 }
 
-export interface ISpan {
-  request_id: string;
-  kind: string;
-  start: number;
-  end: number;
-  open: boolean;
-  lane: number;
-}
-
-/** Queued / prefill / decode spans of one request; open spans end at `now`. */
-export function requestSpans(info: IRequestInfo, now: number): ISpan[] {
-  const out: ISpan[] = [];
-  const marks: Array<[string, number | undefined, number | undefined]> = [
-    ['queued', info.arrived, info.scheduled],
-    ['prefill', info.scheduled, info.first_token],
-    ['decode', info.first_token, info.finished]
-  ];
-  for (const [kind, start, end] of marks) {
-    if (start === undefined) {
-      continue;
-    }
-    const open = end === undefined;
-    if (open && info.finished !== undefined) {
-      continue; // finished before this phase began (an abort, an error)
-    }
-    out.push({
-      request_id: info.id,
-      kind,
-      start,
-      end: open ? Math.max(start, now) : end!,
-      open,
-      lane: info.lane
-    });
-  }
-  return out;
-}
-
 export interface IStepColumns {
   [key: string]: any[];
   left: number[];
@@ -414,23 +401,26 @@ export interface IStepColumns {
   batch: number[];
   ms: number[];
   seq: number[];
+  composition: string[];
 }
 
-/** Bokeh column data for steps (x relative to the state's origin). */
-export function stepColumns(state: EngineState, steps: IStepEvent[]): IStepColumns {
-  const cols: IStepColumns = { left: [], right: [], phase: [], color: [], tokens: [], batch: [], ms: [], seq: [] };
-  for (const s of steps) {
-    const phase = PHASES.includes(s.phase) ? s.phase : 'mixed';
-    cols.left.push(state.x(s.start));
-    cols.right.push(state.x(Math.max(s.end, s.start)));
-    cols.phase.push(phase);
-    cols.color.push(PHASE_COLORS[phase]);
-    cols.tokens.push((s.num_prefill_tokens ?? 0) + (s.num_decode_tokens ?? 0));
-    cols.batch.push(s.batch ? s.batch.length : 0);
-    cols.ms.push(Math.round((s.end - s.start) * 1e5) / 100);
-    cols.seq.push(s.seq);
-  }
-  return cols;
+/** The chart's step bars from the reducer's "steps" rows (all kept, or the new ones of a message). */
+export function stepColumns(rows: Columns | undefined): IStepColumns {
+  const r = rows ?? {};
+  const col = (name: string): any[] => r[name] ?? [];
+  const prefill = col('prefill_tokens');
+  const decode = col('decode_tokens');
+  return {
+    left: col('left'),
+    right: col('right'),
+    phase: col('phase'),
+    color: col('color'),
+    tokens: prefill.map((p: number, i: number) => p + (decode[i] ?? 0)),
+    batch: col('batch_size'),
+    ms: col('duration_ms'),
+    seq: col('seq'),
+    composition: col('composition')
+  };
 }
 
 export interface ISpanColumns {
@@ -444,45 +434,42 @@ export interface ISpanColumns {
   ms: number[];
 }
 
-/** Bokeh column data for the request lanes, newest `limit` requests. */
-export function requestColumns(state: EngineState, limit = 200): ISpanColumns {
-  const cols: ISpanColumns = { left: [], right: [], lane: [], kind: [], color: [], request_id: [], ms: [] };
-  const now = state.time ?? 0;
-  const infos = [...state.requests.values()].sort((a, b) => a.order - b.order).slice(-limit);
-  for (const info of infos) {
-    for (const span of requestSpans(info, now)) {
-      cols.left.push(state.x(span.start));
-      cols.right.push(state.x(span.end));
-      cols.lane.push(span.lane);
-      cols.kind.push(span.kind);
-      cols.color.push(SPAN_COLORS[span.kind]);
-      cols.request_id.push(span.request_id);
-      cols.ms.push(Math.round((span.end - span.start) * 1e5) / 100);
-    }
-  }
-  return cols;
+/** The chart's request lanes from the reducer's "lanes" rows (one per request and state). */
+export function requestColumns(rows: Columns | undefined): ISpanColumns {
+  const r = rows ?? {};
+  const col = (name: string): any[] => r[name] ?? [];
+  const left = col('left');
+  const right = col('right');
+  return {
+    left,
+    right,
+    lane: col('lane'),
+    kind: col('state'),
+    color: col('color'),
+    request_id: col('request'),
+    ms: left.map((l: number, i: number) => Math.round((right[i] - l) * 1e5) / 100)
+  };
 }
 
-/** How many step bars per phase and request spans per kind there are (tests and badges). */
+/** How many step bars per phase and lane rectangles per state are kept (tests and badges). */
 export function spanCounts(state: EngineState): { steps: Record<string, number>; spans: Record<string, number> } {
   const steps: Record<string, number> = {};
+  const spans: Record<string, number> = {};
   for (const p of PHASES) {
     steps[p] = 0;
   }
-  for (const s of state.steps) {
-    steps[s.phase] = (steps[s.phase] ?? 0) + 1;
+  for (const k of LANE_STATES) {
+    spans[k] = 0;
   }
-  const spans: Record<string, number> = { queued: 0, prefill: 0, decode: 0 };
-  const now = state.time ?? 0;
-  for (const info of state.requests.values()) {
-    for (const span of requestSpans(info, now)) {
-      spans[span.kind] += 1;
-    }
+  for (const p of state.columns.steps?.phase ?? []) {
+    steps[p] = (steps[p] ?? 0) + 1;
+  }
+  for (const k of state.columns.lanes?.state ?? []) {
+    spans[k] = (spans[k] ?? 0) + 1;
   }
   return { steps, spans };
 }
 
-/** The panel's headline numbers from a metrics dict. */
 export interface ILiveNumbers {
   tokS: string;
   queue: string;

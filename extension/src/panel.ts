@@ -170,8 +170,7 @@ export class WorkbenchPanel extends Widget {
       lanesHeight: 150,
       window: 30,
       toolbar: false,
-      rollover: 2000,
-      maxRequests: 64
+      rollover: 2000
     });
     this._timeline.addClass('wb-Panel-timeline');
     root.appendChild(this._timeline.node);

@@ -144,8 +144,7 @@ export class TimelineView extends Widget {
     if (change.snapshot) {
       chart.reset();
     } else {
-      chart.addSteps(change.newSteps);
-      chart.updateRequests(change.requestsChanged);
+      chart.add(change.newColumns);
     }
     this._updateStatus();
   }

@@ -7,10 +7,14 @@ import {
   formatUptime,
   liveNumbers,
   requestColumns,
-  requestSpans,
   spanCounts,
   stepColumns
 } from '../src/model';
+
+import fixture from './fixtures/reducer_messages.json';
+
+// Written by tests/test_lab_coalesce.py from the Python coalescer and reducer: a snapshot and a delta.
+const reducerMessages = fixture as unknown as [ISnapshotMessage, IDeltaMessage];
 
 function step(seq: number, start: number, phase: string, extra: Partial<IStepEvent> = {}): IStepEvent {
   return { seq, start, end: start + 0.01, phase, ...extra };
@@ -137,71 +141,44 @@ describe('EngineState', () => {
   });
 });
 
-describe('request lanes and spans', () => {
-  it('gives concurrent requests their own lanes and reuses free ones', () => {
+describe('drawn columns: the Python reducer\'s', () => {
+  it('keeps the snapshot\'s columns, palette and origin', () => {
     const st = new EngineState();
-    st.apply(snapshot());
-    st.apply({
-      type: 'delta',
-      seq: 1,
-      timeline: {
-        steps: [],
-        requests: [
-          rev(1, 100, 'a', 'arrived'),
-          rev(2, 100, 'b', 'arrived'),
-          rev(3, 101, 'a', 'finished', 'stop'),
-          rev(4, 102, 'c', 'arrived')
-        ],
-        cursor: 4
-      }
-    });
-    expect(st.requests.get('a')!.lane).toBe(0);
-    expect(st.requests.get('b')!.lane).toBe(1);
-    expect(st.requests.get('c')!.lane).toBe(0);
-    expect(st.activeRequests).toBe(2);
+    const [snap] = reducerMessages;
+    const ch = st.apply(snap);
+    expect(ch.newColumns.steps.phase).toEqual(['prefill']);
+    expect(st.origin).toBe(snap.t0);
+    expect(st.palette).toEqual(snap.palette);
+    const sc = stepColumns(st.columns.steps);
+    expect(sc.phase).toEqual(['prefill']);
+    expect(sc.color).toEqual([snap.palette!.phase.prefill]);
+    expect(sc.tokens).toEqual([5]);
+    expect(sc.left[0]).toBeCloseTo(0.1);
   });
 
-  it('cuts queued / prefill / decode spans, open ones end now', () => {
-    const info = { id: 'r', lane: 0, order: 0, preemptions: 0, lastTime: 3, arrived: 1, scheduled: 2, first_token: 3 };
-    const spans = requestSpans(info, 5);
-    expect(spans.map(s => [s.kind, s.start, s.end, s.open])).toEqual([
-      ['queued', 1, 2, false],
-      ['prefill', 2, 3, false],
-      ['decode', 3, 5, true]
-    ]);
-    const aborted = requestSpans({ ...info, first_token: undefined, finished: 2.5 }, 9);
-    expect(aborted.map(s => s.kind)).toEqual(['queued']);
-  });
-
-  it('builds chart columns relative to the origin and counts spans', () => {
+  it('appends a delta\'s rows and maps lanes onto the chart', () => {
     const st = new EngineState();
-    st.apply(
-      snapshot({
-        timeline: {
-          steps: [step(2, 10.5, 'prefill', { num_prefill_tokens: 7, batch: [['r', 7, 'prefill']] }), step(4, 10.6, 'decode')],
-          requests: [
-            rev(1, 10.0, 'r', 'arrived'),
-            rev(3, 10.5, 'r', 'scheduled'),
-            rev(5, 10.6, 'r', 'first_token'),
-            rev(6, 11.0, 'r', 'finished', 'length')
-          ],
-          cursor: 6
-        }
-      })
-    );
-    const sc = stepColumns(st, st.steps);
-    expect(sc.left[0]).toBeCloseTo(0.5);
-    expect(sc.phase).toEqual(['prefill', 'decode']);
-    expect(sc.tokens[0]).toBe(7);
-    expect(sc.batch[0]).toBe(1);
-    const rc = requestColumns(st);
-    expect(rc.kind).toEqual(['queued', 'prefill', 'decode']);
-    expect(rc.left[0]).toBeCloseTo(0);
-    expect(rc.right[2]).toBeCloseTo(1.0);
+    const [snap, delta] = reducerMessages;
+    st.apply(snap);
+    const ch = st.apply(delta);
+    expect(stepColumns(ch.newColumns.steps).phase).toEqual(['mixed', 'decode']);
+    expect(st.columns.steps.phase).toEqual(['prefill', 'mixed', 'decode']);
+    const rc = requestColumns(st.columns.lanes);
+    expect(rc.kind).toEqual(['queued', 'prefill', ...delta.columns!.lanes.state]);
+    expect(rc.lane).toEqual([0, 0, ...delta.columns!.lanes.lane]);
+    expect(rc.color[0]).toBe(snap.palette!.state.queued);
+    expect(rc.ms[1]).toBeCloseTo(50);
     const counts = spanCounts(st);
-    expect(counts.steps.prefill).toBe(1);
-    expect(counts.steps.decode).toBe(1);
-    expect(counts.spans).toEqual({ queued: 1, prefill: 1, decode: 1 });
+    expect(counts.steps).toEqual({ prefill: 1, decode: 1, mixed: 1, verify: 0, relayout: 0 });
+    expect(counts.spans.decode).toBe(3);
+  });
+
+  it('bounds the rows it keeps', () => {
+    const st = new EngineState({ maxSteps: 2 });
+    const [snap, delta] = reducerMessages;
+    st.apply(snap);
+    st.apply(delta);
+    expect(st.columns.steps.seq).toEqual([6, 8]);
   });
 });
 

@@ -9,7 +9,8 @@
 Each endpoint gets the identical workload (`make_workload`: prompts cut from the shipped English
 text, output lengths and Poisson arrival gaps drawn from one seeded generator), sent as streamed
 completions with ``max_tokens`` fixed and ``ignore_eos`` where the server has it, one request
-released at each arrival time, through `RemoteEngineClient.run_load` (timed on its event loop).
+released at each arrival time by the workload driver (`driver.py`, as for our engine), through
+`RemoteEngineClient`.
 
 Measured on the client, as vLLM's `benchmark_serving` does: TTFT from sending a request to its
 first streamed token; ITL as the gaps between streamed chunks; output tok/s as the tokens the
@@ -23,11 +24,14 @@ instead, for servers of the same model (exact prompt lengths).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..runs import record_bench
+from ..sampling_params import SamplingParams
+from .driver import Served, serve_workload
 from .stats import RequestRecord, summarize
 from .workload import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN, Workload, make_workload
 
@@ -35,9 +39,9 @@ DEFAULT_RATE = 4.0  # requests per second for Poisson arrivals
 
 
 def endpoint_label(url: str, kind: str) -> str:
-    from ..remote import _split_url
+    from ..remote.wire import split_url
 
-    base, _ = _split_url(url)
+    base, _ = split_url(url)
     return f"{kind}@{base.split('://', 1)[1]}"
 
 
@@ -59,28 +63,32 @@ def load_tokenizer(model=None):
     return tok
 
 
-def endpoint_summary(results: list[dict], start: float) -> dict:
+def endpoint_summary(served: list[Served], start: float) -> dict:
     """`summarize` over chunk times, with token counts from the server's usage when it gives them."""
     records, tokens, prompt_tokens, errors = [], 0, 0, 0
-    for i, r in enumerate(results):
-        out, usage = r["output"], r.get("usage") or {}
-        if r.get("error") is not None:
+    for i, s in enumerate(served):
+        out = s.output
+        usage = (out.usage if out is not None else None) or {}
+        if s.error is not None or (out is not None and out.error is not None):
             errors += 1
-        n = usage.get("completion_tokens") or len(out.token_ids) or len(out.metrics.token_times)
-        p = usage.get("prompt_tokens") or len(out.prompt_token_ids)
+        times = list(out.metrics.token_times) if out is not None else []
+        n = usage.get("completion_tokens") or (len(out.token_ids) if out is not None else 0) or len(times)
+        p = usage.get("prompt_tokens") or (len(out.prompt_token_ids) if out is not None else 0) or s.request.prompt_len
         tokens += n
         prompt_tokens += p
-        records.append(RequestRecord(i, out.metrics.arrival, p, list(out.token_ids), list(r["chunk_times"]),
-                                     out.metrics.finished))
-    s = summarize(records, start)
-    duration = s["duration_s"]
-    s.update(output_tokens=tokens, prompt_tokens=prompt_tokens, output_tok_s=tokens / duration,
-             total_tok_s=(tokens + prompt_tokens) / duration, errors=errors,
-             request_throughput=len(results) / duration)
-    return s
+        # ITL as gaps between streamed chunks (a chunk's tokens share its arrival time)
+        chunks = [t for k, t in enumerate(times) if k == 0 or t != times[k - 1]]
+        records.append(RequestRecord(i, s.arrival, p, list(out.token_ids) if out is not None else [], chunks,
+                                     out.metrics.finished if out is not None else None))
+    summary = summarize(records, start)
+    duration = summary["duration_s"]
+    summary.update(output_tokens=tokens, prompt_tokens=prompt_tokens, output_tok_s=tokens / duration,
+                   total_tok_s=(tokens + prompt_tokens) / duration, errors=errors,
+                   request_throughput=len(served) / duration)
+    return summary
 
 
-@record_bench  # recorded in the run log (workbench/runs.py); record=False / run_log=PATH per call
+@record_bench  # recorded in the run log (workbench/runs/); record=False / run_log=PATH per call
 def run_endpoint_bench(
     endpoints: list[str],
     *,
@@ -112,15 +120,8 @@ def run_endpoint_bench(
     workload: Workload = make_workload(num_requests, seed=seed, tokenizer=tok, prompt_len=tuple(prompt_len),
                                        output_len=tuple(output_len), arrival=arrival,
                                        rate=rate if arrival == "poisson" else None)
-    items = []
-    for r in workload.requests:
-        item: dict[str, Any] = {"params": {"max_tokens": r.max_tokens, "temperature": 0.0, "ignore_eos": ignore_eos},
-                                "arrival_s": r.arrival_s}
-        if token_ids:
-            item["prompt_token_ids"] = r.prompt_token_ids
-        else:
-            item["prompt"] = tok.decode(r.prompt_token_ids, skip_special_tokens=True)
-        items.append(item)
+    requests = [r if token_ids else dataclasses.replace(r, prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True))
+                for r in workload.requests]
     report: dict[str, Any] = {
         "mode": "endpoint",
         "workload": {**workload.describe(), "prompt_format": "token_ids" if token_ids else "text",
@@ -139,19 +140,18 @@ def run_endpoint_bench(
             if warmup:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    client.run_load([{"prompt": "Hello", "params": {"max_tokens": 4, "temperature": 0.0}}],
-                                    timeout=timeout)
-            bar = progress(label, len(items)) if progress is not None else None
-            log(f"{label}: {len(items)} requests ({arrival}{f' at {rate}/s' if arrival == 'poisson' else ''})")
+                    client.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0), timeout=timeout)
+            bar = progress(label, len(requests)) if progress is not None else None
+            log(f"{label}: {len(requests)} requests ({arrival}{f' at {rate}/s' if arrival == 'poisson' else ''})")
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    results, start = client.run_load(items, max_concurrency=max_concurrency, progress=bar,
-                                                     timeout=timeout)
+                    served, start = serve_workload(client, requests, max_concurrency=max_concurrency, progress=bar,
+                                                   ignore_eos=ignore_eos, keep_errors=True, check=_deadline(timeout))
             finally:
                 if bar is not None:
                     bar.close()
-            summary = endpoint_summary(results, start)
+            summary = endpoint_summary(served, start)
             report["results"][label] = summary
             report["endpoints"][label] = {
                 "url": client.base, "server": client.kind, "model": client.model,
@@ -161,7 +161,8 @@ def run_endpoint_bench(
                                          if k.startswith("server_") or k in ("total_output_tokens", "kv_usage")},
             }
             if summary["errors"]:
-                first = next(r["error"] for r in results if r.get("error") is not None)
+                first = next(s.error or s.output.error for s in served if s.error is not None
+                             or (s.output is not None and s.output.error is not None))
                 log(f"{label}: {summary['errors']} requests failed, e.g. {type(first).__name__}: {first}")
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return report
@@ -190,3 +191,16 @@ def format_endpoint_report(rep: dict) -> str:
                      f"{'' if e['metrics_endpoint'] else ' (no /metrics)'}{extra}")
     lines += rep.get("notes", [])
     return "\n".join(lines)
+
+
+def _deadline(timeout: float | None) -> Callable[[], None] | None:
+    """A driver `check` that stops the run after `timeout` seconds (None: never)."""
+    if timeout is None:
+        return None
+    end = time.monotonic() + timeout
+
+    def check() -> None:
+        if time.monotonic() > end:
+            raise TimeoutError(f"the endpoint run did not finish within {timeout}s")
+
+    return check

@@ -61,6 +61,8 @@ def run_llama_server(binary: str, gguf: str, workloads: dict[str, Workload], *, 
     import tempfile
 
     from ..remote import RemoteEngineClient
+    from ..sampling_params import SamplingParams
+    from .driver import serve_workload
     from .endpoint import endpoint_summary
 
     longest = max(r.prompt_len + r.max_tokens for w in workloads.values() for r in w.requests)
@@ -77,18 +79,15 @@ def run_llama_server(binary: str, gguf: str, workloads: dict[str, Workload], *, 
         try:
             _wait_ready(proc, err, url, startup_timeout)
             with RemoteEngineClient(url) as client:
-                client.run_load([{"prompt": "Hello", "params": {"max_tokens": 4, "temperature": 0.0}}])  # warm-up
+                client.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
                 for name, workload in workloads.items():
-                    items = [{"prompt_token_ids": r.prompt_token_ids, "arrival_s": r.arrival_s,
-                              "params": {"max_tokens": r.max_tokens, "temperature": 0.0, "ignore_eos": True}}
-                             for r in sorted(workload.requests, key=lambda r: r.index)]
-                    bar = progress(name, len(items)) if progress is not None else None
+                    bar = progress(name, len(workload.requests)) if progress is not None else None
                     try:
-                        results, start = client.run_load(items, progress=bar)
+                        served, start = serve_workload(client, workload.requests, progress=bar, keep_errors=True)
                     finally:
                         if bar is not None:
                             bar.close()
-                    summaries[name] = endpoint_summary(results, start)
+                    summaries[name] = endpoint_summary(served, start)
         finally:
             proc.terminate()
             try:

@@ -5,8 +5,9 @@ system run to its summary (`output_tok_s`, `ttft_p50_ms`, `ttft_p99_ms`, `itl_p5
 `itl_p99_ms`, ...) and `roofline` holds the measured limits.
 
 Systems:
-- `workbench`: our engine (`LLMEngine`), requests added when their arrival time comes, the
-  engine stepped in between; TTFT counted from each request's release;
+- `workbench`: our engine in this process (`LLM`), served by the workload driver (`driver.py`):
+  requests released when their arrival time comes, the engine stepped in between; TTFT counted
+  from each request's release;
 - `workbench_single_stream`: one request, short prompt, 256 output tokens: decode tok/s, achieved
   GB/s (weight bytes x tok/s) and the fraction of the measured bandwidth;
 - `hf_sequential`, `hf_static`: transformers `generate` (see `peers.py`), in the dtype that is
@@ -22,7 +23,6 @@ import gc
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,13 +30,13 @@ from typing import Any
 import torch
 
 from ..runs import machine_facts, record_bench
+from .driver import run_workload
 from .roofline import measure_roofline, model_costs
 from .stats import NoProgress, RequestRecord, summarize
 from .workload import (
     DEFAULT_NUM_REQUESTS,
     DEFAULT_OUTPUT_LEN,
     DEFAULT_PROMPT_LEN,
-    BenchRequest,
     Workload,
     make_workload,
     single_stream_request,
@@ -63,55 +63,13 @@ def _no_progress(desc: str, total: int):
 
 
 # ----------------------------------------------------------------------------- our engine
-def run_engine(engine, workload: Workload, *, progress=None) -> tuple[list[RequestRecord], float]:
-    """Serve `workload` on an `LLMEngine`, adding each request when its arrival time comes.
-
-    Returns (records in request order, start time). Requests are greedy with ignore_eos.
-    """
-    from ..sampling_params import SamplingParams
-
-    pending = sorted(workload.requests, key=lambda r: (r.arrival_s, r.index))
-    done: dict[int, RequestRecord] = {}
-    ids: dict[str, BenchRequest] = {}
-    tag = f"bench{time.monotonic_ns()}"
-    start = time.monotonic()
-    i = 0
-    while i < len(pending) or len(done) < len(ids):
-        now = time.monotonic()
-        while i < len(pending) and start + pending[i].arrival_s <= now:
-            r = pending[i]
-            i += 1
-            rid = engine.add_request(
-                None, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
-                prompt_token_ids=r.prompt_token_ids, request_id=f"{tag}-{r.index}", arrival=start + r.arrival_s,
-            )
-            ids[rid] = r
-        if len(done) < len(ids):
-            for chunk in engine.step():
-                out = chunk.output
-                if out is None or chunk.request_id not in ids:
-                    continue
-                r = ids[chunk.request_id]
-                m = out.metrics
-                done[r.index] = RequestRecord(r.index, m.arrival, len(out.prompt_token_ids), list(out.token_ids),
-                                              list(m.token_times), m.finished)
-                if progress is not None:
-                    progress.update(1)
-        elif i < len(pending):
-            time.sleep(max(0.0, start + pending[i].arrival_s - time.monotonic()))
-    return [done[k] for k in sorted(done)], start
-
-
 def warm_up_engine(engine, vocab_size: int) -> None:
     """A prefill and a few batched decodes so one-time costs stay out of the timed run."""
     from ..sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     base = [min(7 + i, vocab_size - 1) for i in range(24)]
-    for ids in (base, base[::-1][:9]):
-        engine.add_request(None, sp, prompt_token_ids=ids)
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.generate(prompt_token_ids=[base, base[::-1][:9]], params=sp)
     engine.reset_prefix_cache()
 
 
@@ -192,7 +150,7 @@ def _loadavg() -> list[float] | None:
 
 
 # ----------------------------------------------------------------------------- the benchmark
-@record_bench  # every run lands in the run log (workbench/runs.py); record=False / run_log=PATH per call
+@record_bench  # every run lands in the run log (workbench/runs/); record=False / run_log=PATH per call
 def run_bench(
     model=None,
     *,
@@ -288,12 +246,11 @@ def run_bench(
         from ..llm import LLM
 
         log("workbench: loading the engine")
-        llm = LLM(model, **settings)
-        engine = llm.engine
+        engine = LLM(model, **settings)
         warm_up_engine(engine, config.vocab_size)
         bar = progress("workbench", len(workload))
         try:
-            recs, start = run_engine(engine, workload, progress=bar)
+            recs, start = run_workload(engine, workload.requests, progress=bar)
         finally:
             bar.close()
         results["workbench"] = summarize(recs, start)
@@ -303,12 +260,12 @@ def run_bench(
             engine.reset_prefix_cache()
             bar = progress("workbench_single_stream", 1)
             try:
-                recs, start = run_engine(engine, ss_workload, progress=bar)
+                recs, start = run_workload(engine, ss_workload.requests, progress=bar)
             finally:
                 bar.close()
             results["workbench_single_stream"] = single_stream_summary(recs, start, roof)
             records["workbench_single_stream"] = recs
-        del llm, engine
+        del engine
         gc.collect()
 
     hf_systems = [s for s in ("hf_static", "hf_sequential") if s in systems]

@@ -15,7 +15,7 @@
   tokens while they arrive, against its median gap. Target: worst gap <= 6 normal steps.
 Every scenario returns plain JSON-ready dicts; `workbench bench --scenario NAME` prints them, with
 the headline `ratios` and the `targets` they are held to, and records the run in the run log
-(kind `scenario`, workbench/runs.py).
+(kind `scenario`, workbench/runs/).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import time
 from typing import Any
 
 from ..runs import record_scenarios
+from .driver import run_workload
 from .stats import RequestRecord, percentile
-from .workload import BenchRequest, Workload, text_token_ids
+from .workload import BenchRequest, text_token_ids
 
 SCENARIOS = ("prefix", "quant", "spec", "stall")
 TARGETS = {"prefix_ttft_ratio": 3.0, "int4_vs_bf16": 2.0, "int8_vs_bf16": 1.5, "ngram_vs_off": 1.5}
@@ -54,15 +55,13 @@ def _prompt_tokens(engine) -> list[int]:
     if engine.tokenizer is not None:
         return text_token_ids(engine.tokenizer)
     rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.engine.model_config.vocab_size
     return [rng.randrange(3, vocab) for _ in range(4096)]
 
 
 def _serve_one(engine, request: BenchRequest) -> Any:
     """Release one request to an idle engine; return its record."""
-    from .runner import run_engine
-
-    records, _ = run_engine(engine, Workload([request], seed=0))
+    records, _ = run_workload(engine, [request])
     return records[0]
 
 
@@ -118,8 +117,8 @@ def int4_group_size(engine) -> int:
     """The int4 group size our engine uses on this model's hidden and MLP rows (the peer gets the same)."""
     from ..models.linear import int4_group_size as fit
 
-    cfg = engine.model_config
-    wanted = engine.settings.quant_group_size
+    cfg = engine.engine.model_config
+    wanted = engine.engine.settings.quant_group_size
     if wanted == "auto":
         wanted = cfg.source_quant_block or 128
     return min(fit(cfg.hidden_size, int(wanted)), fit(cfg.intermediate_size, int(wanted)))
@@ -143,8 +142,8 @@ def quant_scenario(engine, *, output_len: int = 128, weight_bytes: dict[str, flo
     out["int4_vs_bf16"] = out["int4"]["decode_tok_s"] / base
     out["targets"] = {"int8_vs_bf16": TARGETS["int8_vs_bf16"], "int4_vs_bf16": TARGETS["int4_vs_bf16"]}
     if hf_path is not None:
-        hf = hf_quant_peer(hf_path, request.prompt_token_ids, output_len, dtype=engine.dtype,
-                           device=engine.device, group_size=out["workload"]["int4_group_size"])
+        hf = hf_quant_peer(hf_path, request.prompt_token_ids, output_len, dtype=engine.engine.dtype,
+                           device=engine.engine.device, group_size=out["workload"]["int4_group_size"])
         out["hf"] = hf
         # ours against the peer, mode by mode (decode tok/s); None where the peer failed
         out["vs_hf"] = {m: out[m]["decode_tok_s"] / hf[m]["decode_tok_s"] if hf[m].get("decode_tok_s") else None
@@ -265,7 +264,8 @@ def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, outp
     """The `stall` scenario on its own engine process (started and stopped here)."""
     import threading
 
-    from ..ipc.client import EngineClient, start_engine
+    from ..ipc.client import EngineClient
+    from ..ipc.launch import start_engine
     from ..sampling_params import SamplingParams
 
     eng = start_engine(model, **settings)
@@ -348,12 +348,12 @@ def _targets(ratios: dict) -> list[dict]:
         for k, t in TARGETS_AT_MOST.items() if isinstance(ratios.get(k), (int, float))]
 
 
-@record_scenarios  # recorded in the run log (workbench/runs.py); record=False / run_log=PATH per call
+@record_scenarios  # recorded in the run log (workbench/runs/); record=False / run_log=PATH per call
 def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = False, **settings) -> dict:
     """Run the named scenarios on one engine in this process (`stall` starts an engine process of
     its own); returns {name: result} with the headline `ratios` and `targets`. `quick` uses the
     small sizes of `QUICK`."""
-    from ..engine.llm_engine import LLMEngine
+    from ..llm import LLM
     from .peers import load_hf_model
 
     names = list(names)
@@ -361,12 +361,12 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
         if name not in SCENARIOS:
             raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
     # Only the in-process scenarios need the model loaded here.
-    engine = LLMEngine(model, **settings) if any(n != "stall" for n in names) else None
+    engine = LLM(model, **settings) if any(n != "stall" for n in names) else None
     out: dict[str, Any] = {"scenarios": names, "quick": quick, "with_peers": with_peers, "argv": sys.argv[1:]}
     if engine is not None:
-        out.update(model=engine.model_name, settings=engine.settings.as_dict(),
+        out.update(model=engine.engine.model_name, settings=engine.settings(),
                    engine_status=_described(engine.status()))
-    hf_path = engine.model_config.path if with_peers and engine is not None else None
+    hf_path = engine.engine.model_config.path if with_peers and engine is not None else None
     for name in names:
         size = QUICK[name] if quick else {}
         if name == "prefix":
@@ -379,7 +379,7 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
                 e = out[name]["engine"]
                 out.update(model=e["model"], settings=e["settings"], engine_status=e["status"])
         else:
-            hf = load_hf_model(hf_path, engine.dtype) if with_peers else None
+            hf = load_hf_model(hf_path, engine.engine.dtype) if with_peers else None
             out[name] = spec_scenario(engine, hf_model=hf, **size)
             del hf
     out["workload"] = {name: out[name].get("workload") for name in names}

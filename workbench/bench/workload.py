@@ -33,6 +33,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_s: float = 0.0  # offset from the start of the run
+    prompt: str | None = None  # sent as this text instead of the ids (servers with other tokenizers)
 
     @property
     def prompt_len(self) -> int:

@@ -2,7 +2,8 @@
 
 A backend is three functions with the signatures of `workbench_kernels.reference`
 (write_kv, extend_attention, decode_attention); `torch` runs those references, `triton` runs
-our Triton kernels. The cache layout is documented in `kernels/reference.py`.
+our Triton kernels, `cpu` our C kernels. Each backend prepares the metadata it needs beyond the
+common part (`prepare`). The cache layout is documented in `kernels/reference.py`.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ class AttnMetadata:
     ext_cu_seqlens_q: torch.Tensor | None  # the remaining tokens: prefill chunks and verifies
     ext_seq_lens: torch.Tensor | None
     ext_block_tables: torch.Tensor | None
-    # Small steps (<= SMALL_STEP tokens) also describe every token as a one-query attention of its
-    # own: its sequence's block table and its causal context length (position + 1). Decodes and
-    # short verifies/prefills then share the one-call layer kernel.
+    # The CPU backend also describes each token of a small step as a one-query attention of its own:
+    # its sequence's block table and its causal context length (position + 1). Decodes and short
+    # verifies/prefills then share the one-call layer kernel (`models/cpu_forward.py`).
     token_block_tables: torch.Tensor | None = None
     token_seq_lens: torch.Tensor | None = None
 
@@ -65,6 +66,10 @@ class AttentionBackend:
         self.ops = ops
         self.kv = kv
         self.scale = 1.0 / math.sqrt(head_dim)
+
+    def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
+        """Metadata this backend needs beyond the common part; `tables` holds each scheduled
+        sequence's block table and token count, in the step's token order."""
 
     def __call__(self, q, k, v, layer: int, meta: AttnMetadata) -> torch.Tensor:
         k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
@@ -91,6 +96,24 @@ class AttentionBackend:
         return out
 
 
+class CpuKernelAttention(AttentionBackend):
+    """Our C attention kernels, which also serve the one-call layer kernel's small steps."""
+
+    def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
+        from workbench_kernels.cpu import MAX_ROWS
+
+        if len(positions) > MAX_ROWS:
+            return
+        dev = meta.slot_mapping.device
+        meta.token_block_tables = pad_tables([t for t, n in tables for _ in range(n)], dev)
+        meta.token_seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev)
+
+
+def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+
+
 _TORCH_OPS = SimpleNamespace(
     write_kv=reference.write_kv_ref,
     extend_attention=reference.extend_attention_ref,
@@ -103,6 +126,13 @@ def _cpu_ops():
 
     return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=cpu.extend_attention,
                            decode_attention=cpu.decode_attention)
+
+
+def make_backend(name: str, device: torch.device, cpu_kernels: bool, kv: KVCache, head_dim: int) -> AttentionBackend:
+    """The backend `attention_backend=name` selects here (see `backend_ops`)."""
+    resolved, ops = backend_ops(name, device, cpu_kernels)
+    cls = CpuKernelAttention if resolved == "cpu" else AttentionBackend
+    return cls(resolved, ops, kv, head_dim)
 
 
 def backend_ops(name: str, device: torch.device, cpu_kernels: bool = False):

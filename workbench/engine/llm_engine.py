@@ -26,6 +26,7 @@ from ..models.linear import fp8_supported
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
 from ..outputs import StreamChunk
+from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
 from ..timeline import BatchEntry, TimelineRecorder
@@ -74,8 +75,7 @@ class LLMEngine:
         self.event_hooks: list[Callable[[str, dict], None]] = []
         self.started = time.monotonic()
         self._seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-        self.totals = {"prompt_tokens": 0, "prefix_hit_tokens": 0, "output_tokens": 0,
-                       "spec_proposed": 0, "spec_accepted": 0, "spec_verifies": 0, "finished": 0, "preemptions": 0}
+        self.totals = dict.fromkeys(TOTALS, 0)
         self.outputs = OutputProcessor(self.tokenizer, c.eos_token_ids, self.max_model_len, self.scheduler,
                                        self.timeline, self.totals)
         self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
@@ -335,24 +335,26 @@ class LLMEngine:
         return checksum_of(self._weights)
 
     def status(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "model": self.model_name,
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "uptime_s": time.monotonic() - self.started,
-            "weights_checksum": self._weights_checksum,
-            "num_kv_blocks": self.scheduler.kv_blocks[1],
-            "block_size": self.settings.block_size,
-            "max_model_len": self.max_model_len,
-            "attention_backend": self.runner.backend.name,
-            "cpu_kernels": self.runner.model.cpu_kernels,
+        return as_dict(self.status_report())
+
+    def status_report(self) -> EngineStatus:
+        return EngineStatus(
+            pid=os.getpid(),
+            model=self.model_name,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            uptime_s=time.monotonic() - self.started,
+            weights_checksum=self._weights_checksum,
+            num_kv_blocks=self.scheduler.kv_blocks[1],
+            block_size=self.settings.block_size,
+            max_model_len=self.max_model_len,
+            attention_backend=self.runner.backend.name,
+            cpu_kernels=self.runner.model.cpu_kernels,
             **self.runner.model.kernel_report(),
-            # longest text one token stands for: longer prompts are refused before tokenizing
-            "max_token_chars": self.tokenizer.max_token_chars if self.tokenizer is not None else None,
-            "num_layers": self.model_config.num_hidden_layers,
-            "vocab_size": self.model_config.vocab_size,
-        }
+            max_token_chars=self.tokenizer.max_token_chars if self.tokenizer is not None else None,
+            num_layers=self.model_config.num_hidden_layers,
+            vocab_size=self.model_config.vocab_size,
+        )
 
     def metrics(self, window_s: float = 10.0) -> dict[str, Any]:
         now = time.monotonic()
@@ -363,17 +365,17 @@ class LLMEngine:
         itl = [x for o in self.outputs.recent for x in o.metrics.itl]
         t = self.totals
         used, total = self.scheduler.kv_blocks
-        return {
-            "output_tok_s": out_tokens / span if span > 0 else 0.0,
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "kv_blocks_used": used,
-            "kv_blocks_total": total,
-            "kv_usage": used / total,
-            "prefix_hit_rate": t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
-            "spec_acceptance_rate": t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
-            "spec_mean_accepted": t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
-            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
-            "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
+        return as_dict(EngineMetrics(
+            output_tok_s=out_tokens / span if span > 0 else 0.0,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            kv_usage=used / total,
+            prefix_hit_rate=t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
+            spec_acceptance_rate=t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
+            spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
+            ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
+            itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
             **{f"total_{k}": v for k, v in t.items()},
-        }
+        ))

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from workbench_kernels.cpu import MAX_ROWS as SMALL_STEP
 
 from ..models.llama import Transformer
-from .attention import AttentionBackend, AttnMetadata, KVCache, backend_ops
+from .attention import AttnMetadata, KVCache, make_backend, pad_tables
 from .scheduler import ScheduledSeq
 
 
@@ -36,9 +35,8 @@ class ModelRunner:
                        c.head_dim, self.dtype, kv_cache_dtype, self.device)
 
     def set_backend(self, name: str) -> None:
-        resolved, ops = backend_ops(name, self.device, self.model.cpu_kernels)
+        self.backend = make_backend(name, self.device, self.model.cpu_kernels, self.kv, self.config.head_dim)
         self.backend_name = name
-        self.backend = AttentionBackend(resolved, ops, self.kv, self.config.head_dim)
 
     def set_cpu_kernels(self, on: bool) -> None:
         self.model.set_cpu_kernels(on)
@@ -58,6 +56,7 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots = [], [], []
         dec_tables, dec_lens, ext_tables, ext_lens, ext_cu = [], [], [], [], [0]
+        tables: list[tuple[list[int], int]] = []  # (block table, tokens) in token order
         sample_at: list[tuple[int, int, int]] = []  # (scheduled index, first flat index, count)
         num_decode = 0
         for i in order:
@@ -70,6 +69,7 @@ class ModelRunner:
             positions = range(start, start + n)
             pos.extend(positions)
             table = seq.block_table
+            tables.append((table, n))
             slots.extend(table[p // bs] * bs + p % bs for p in positions)
             if s.kind == "decode":
                 num_decode += 1
@@ -88,16 +88,13 @@ class ModelRunner:
         meta = AttnMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode=num_decode,
-            decode_block_tables=_pad_tables(dec_tables, dev) if dec_tables else None,
+            decode_block_tables=pad_tables(dec_tables, dev) if dec_tables else None,
             decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev) if dec_lens else None,
             ext_cu_seqlens_q=torch.tensor(ext_cu, dtype=torch.int32, device=dev) if ext_tables else None,
             ext_seq_lens=torch.tensor(ext_lens, dtype=torch.int32, device=dev) if ext_tables else None,
-            ext_block_tables=_pad_tables(ext_tables, dev) if ext_tables else None,
+            ext_block_tables=pad_tables(ext_tables, dev) if ext_tables else None,
         )
-        if len(ids) <= SMALL_STEP:
-            meta.token_block_tables = _pad_tables(
-                [scheduled[i].seq.block_table for i in order for _ in range(scheduled[i].num_tokens)], dev)
-            meta.token_seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev)
+        self.backend.prepare(meta, tables, pos)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         hidden = self.model.hidden_states(input_ids, positions, self.backend, meta)
@@ -111,7 +108,3 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(index, device=dev)])
         return ForwardResult(logits, rows)
 
-
-def _pad_tables(tables: list[list[int]], device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

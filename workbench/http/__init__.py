@@ -7,7 +7,7 @@ FastAPI on uvicorn. Why a separate process:
 - the engine's step loop keeps the GIL for itself: JSON parsing, SSE framing, tokenizing chat
   templates and Prometheus rendering for many connections run on the front's interpreter and
   never delay a step (the engine-side IO threads already have to share the GIL with it);
-- the engine stays reachable by name for notebooks (`EngineClient.connect(name)`), the
+- the engine stays reachable by name for notebooks (`workbench.connect(name)`), the
   dashboard and the lab panel at the same time as HTTP clients, and all of them see the same
   requests in the timeline;
 - a crash or a stuck connection in the web stack cannot take the engine down, and the front can

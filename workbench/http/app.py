@@ -9,6 +9,9 @@ Each choice of each request is one engine request through the shared `EngineClie
 (thread-safe, asyncio-friendly). A client that disconnects cancels the task waiting on the
 engine; the client's stream cleanup then sends the engine an abort, so the KV blocks are freed
 at the next step boundary.
+
+Over 600 lines on purpose: one app's routes and the request, streaming and drain state they
+share (`Front`); the wire shapes live in `protocol.py`, the exposition in `metrics.py`.
 """
 
 from __future__ import annotations

@@ -69,8 +69,10 @@ def load_front_tokenizer(model=None, engine_model_name: str | None = None):
     if path.suffix.lower() == ".gguf":
         import gguf
 
+        from ..models.gguf import gguf_tokenizer
+
         # Only the tokenizer's metadata is read (the file is memory-mapped, the weights not touched).
-        return loader._gguf_tokenizer(gguf.GGUFReader(str(path)))
+        return gguf_tokenizer(gguf.GGUFReader(str(path)))
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_dir(path)
     return None
@@ -210,7 +212,8 @@ def add_http_arguments(parser: argparse.ArgumentParser, *, attach: bool = False)
 
 def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
     """`workbench serve --http`: start (or attach to) the engine, serve HTTP until a signal."""
-    from ..ipc.client import EngineClient, start_engine
+    from ..ipc.client import EngineClient
+    from ..ipc.launch import start_engine
     from .app import create_app
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -265,7 +268,7 @@ def _watch_engine(engine, server) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m workbench.http --attach NAME --http HOST:PORT` (or --model M to start one)."""
-    from ..ipc.server import add_serve_arguments, settings_from_args
+    from ..ipc.serve import add_serve_arguments, settings_from_args
 
     parser = argparse.ArgumentParser(prog="python -m workbench.http", description="OpenAI-compatible HTTP front.")
     add_serve_arguments(parser)

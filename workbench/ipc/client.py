@@ -13,6 +13,9 @@ future or queue, so the client is thread-safe and asyncio-friendly. The IO threa
 heartbeats and notices a dead engine (process gone, or silent for the engine's client timeout):
 every waiter then raises `EngineDeadError` instead of hanging. Events come through a SUB socket
 owned by a second thread, started on the first subscription.
+
+Over 600 lines on purpose: one class whose IO thread, event thread and callers share one lock and
+one dead / revived state (`reconnect`); `start_engine` is in `launch.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import itertools
-import json
 import logging
 import os
 import secrets
@@ -38,17 +40,13 @@ from typing import Any
 
 import zmq
 
+from ..events import EventSubscription
+from ..interface import Engine, request_ids
 from ..timeline import Timeline
 from . import connection as conn
-from .events import EventSubscription
 from .protocol import (
-    DEFAULT_DRAIN_TIMEOUT_S,
-    DEFAULT_MAX_MESSAGE_MB,
-    DEFAULT_MAX_QUEUED_CHARS,
-    DEFAULT_MAX_QUEUED_TOKENS,
     HEADER,
     PROTOCOL_VERSION,
-    START_FAILED,
     Abort,
     Bye,
     Call,
@@ -75,7 +73,6 @@ from .protocol import (
     encode_strict,
     error_from_wire,
 )
-from .surface import RequestSurface, request_ids
 
 __all__ = [
     "EngineBusyError",
@@ -86,7 +83,6 @@ __all__ = [
     "Event",
     "EventSubscription",
     "ProtocolMismatchError",
-    "start_engine",
 ]
 
 log = logging.getLogger("workbench.client")
@@ -94,7 +90,7 @@ log = logging.getLogger("workbench.client")
 _clients: weakref.WeakSet = weakref.WeakSet()
 
 
-class EngineClient(RequestSurface):
+class EngineClient(Engine):
     """A connection to an engine process. Thread-safe; sync and asyncio methods."""
 
     rpc_timeout: float = 300.0  # seconds an RPC may take (a relayout of a big model is slow)
@@ -186,18 +182,9 @@ class EngineClient(RequestSurface):
     @classmethod
     def connect(cls, name_or_connection_file: str | os.PathLike | None = None, *, timeout: float = 10.0,
                 check_pid: bool = True, reconnect: bool = False) -> EngineClient:
-        """Attach to a running engine by name (looked up in the runtime dir) or connection file.
-        An http(s):// URL attaches to an OpenAI-compatible server instead (workbench.remote).
-        With reconnect=True the client follows the name: when the engine dies and another starts
-        under the same name, the next call (or `alive`) attaches to it."""
-        # Hook for remote backends (workbench/remote.py): a URL, or a name given to one with
-        # register_remote(), returns a RemoteEngineClient (same surface, settings read-only).
-        from ..remote import RemoteEngineClient, registered_remote
-
-        x = name_or_connection_file
-        remote = {"url": x} if isinstance(x, str) and x.startswith(("http://", "https://")) else registered_remote(x or "default")
-        if remote is not None:
-            return RemoteEngineClient.connect(timeout=timeout, **remote)
+        """Attach to a running engine process by name (looked up in the runtime dir) or connection
+        file (`workbench.connect` also takes http(s):// URLs). With reconnect=True the client follows the name: when the engine dies and another
+        starts under the same name, the next call (or `alive`) attaches to it."""
         path = conn.resolve(name_or_connection_file)
         info = conn.read_connection_file(path)
         if check_pid and not info.engine_alive():
@@ -452,8 +439,8 @@ class EngineClient(RequestSurface):
         return self.call("timeline", since=since, _type=Timeline)
 
     # -- requests -------------------------------------------------------------------------------
-    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None],
-                into: list[str] | None = None) -> list[str]:
+    def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
+               into: list[str] | None = None) -> list[str]:
         """Send a batch; its ids are appended to `into` before anything is sent, so a caller
         interrupted at any point still knows what to abort."""
         reqs = [NewRequest(request_id=f"{secrets.token_hex(6)}", prompt=p, prompt_token_ids=ids, params=sp,
@@ -471,7 +458,7 @@ class EngineClient(RequestSurface):
             self._post(Submit(reqs))
         except BaseException:
             # An interrupt can land after the message is queued: abort, so nothing runs unowned.
-            self._abandon(rids)
+            self.abandon(rids)
             raise
         return rids
 
@@ -480,7 +467,7 @@ class EngineClient(RequestSurface):
             for rid in rids:
                 self._sinks.pop(rid, None)
 
-    def _abandon(self, rids: list[str]) -> None:
+    def abandon(self, rids: list[str]) -> None:
         self._drop_sinks(rids)
         if self._dead is None and not self._closed:
             try:
@@ -493,23 +480,6 @@ class EngineClient(RequestSurface):
         self._post(Abort(request_ids(request_id)))
 
     # -- events ---------------------------------------------------------------------------------
-    def events(self, kinds: Iterable[str] | str | None = None, *, maxsize: int = 10_000,
-               timeout: float = 10.0) -> EventSubscription:
-        """Subscribe to engine events; returns once the subscription is live (so no event
-        published after this call returns is missed)."""
-        return self._subscribe(EventSubscription(self, kinds, maxsize=maxsize), timeout)
-
-    def on_event(self, callback: Callable[[Event], None], kinds: Iterable[str] | str | None = None, *,
-                 timeout: float = 10.0) -> EventSubscription:
-        """Call `callback(event)` on the client's event thread for each event; `.close()` stops."""
-        return self._subscribe(EventSubscription(self, kinds, callback=callback), timeout)
-
-    async def aevents(self, kinds: Iterable[str] | str | None = None, *, timeout: float = 10.0
-                      ) -> EventSubscription:
-        """`async for ev in await client.aevents(): ...`"""
-        sub = EventSubscription(self, kinds, loop=asyncio.get_running_loop())
-        return await asyncio.get_running_loop().run_in_executor(None, self._subscribe, sub, timeout)
-
     def _subscribe(self, sub: EventSubscription, timeout: float) -> EventSubscription:
         self._revive()
         with self._ev_lock:
@@ -668,110 +638,6 @@ def _copy_exc(exc: BaseException) -> BaseException:
         return type(exc)(*exc.args)
     except Exception:
         return exc
-
-
-# -- start_engine -------------------------------------------------------------------------------
-def start_engine(model: str | os.PathLike | None = None, *, name: str | None = None, timeout: float = 600.0,
-                 transport: str = "ipc", host: str = "127.0.0.1", port: int = 0, client_timeout: float = 10.0,
-                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, detach: bool = False,
-                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
-                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS, **settings: Any) -> EngineClient:
-    """Spawn a long-lived engine process (a fresh interpreter: never a fork, so it is safe from a
-    notebook), wait until it is ready, and return a client of it.
-
-    `settings` are engine settings (validated here first). Unless `detach=True`, the engine stops
-    when this process exits. `drain_timeout`: how long a SIGTERM lets running requests finish;
-    `max_queued_chars` / `max_queued_tokens`: admission limits (beyond them EngineBusyError). Raises EngineStartError with the engine's last log lines when it
-    fails to start (a bad model path shows the loader's message), or does not become ready within
-    `timeout` seconds (loading, or converting the default model the first time, is the usual
-    cause)."""
-    from ..settings import validate
-
-    settings = validate(settings)
-    if transport not in ("ipc", "tcp"):
-        raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-    directory = conn.runtime_dir()
-    name = conn.check_name(name) if name is not None else conn.unique_name(directory)
-    holder = conn.live_engine(name, directory)
-    if holder is not None:
-        raise FileExistsError(f"an engine named {name!r} is already running (pid {holder.pid}); connect with "
-                              f"EngineClient.connect({name!r}) or pass another name")
-    log_file = conn.log_path(name, directory)
-    cmd = [sys.executable, "-m", "workbench.ipc.server", "--name", name, "--transport", transport,
-           "--host", host, "--port", str(int(port)), "--client-timeout", str(float(client_timeout)),
-           "--max-message-mb", str(float(max_message_mb)), "--settings-json", json.dumps(settings),
-           "--drain-timeout", str(float(drain_timeout)), "--max-queued-chars", str(int(max_queued_chars)),
-           "--max-queued-tokens", str(int(max_queued_tokens)),
-           "--log-file", str(log_file)]
-    if model is not None:
-        cmd += ["--model", os.fspath(model)]
-    if not detach:
-        cmd += ["--parent-pid", str(os.getpid())]
-    env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[conn.ENV_RUNTIME_DIR] = str(directory)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    with open(log_file, "wb") as logf:
-        os.chmod(log_file, 0o600)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                close_fds=True, start_new_session=True)
-    try:
-        return _wait_ready(proc, name, directory, log_file, timeout)
-    except BaseException:
-        _kill(proc)
-        raise
-
-
-def _wait_ready(proc: subprocess.Popen, name: str, directory: Path, log_file: Path, timeout: float) -> EngineClient:
-    deadline = time.monotonic() + timeout
-    path = conn.connection_path(name, directory)
-    while True:
-        rc = proc.poll()
-        if rc is not None:
-            raise EngineStartError(_start_failure(name, f"exited with code {rc} while starting", log_file))
-        try:
-            info = conn.read_connection_file(path)
-        except (OSError, ValueError, TypeError):
-            info = None
-        if info is not None and info.pid == proc.pid:
-            left = max(1.0, deadline - time.monotonic())
-            try:
-                return EngineClient(info, process=proc, timeout=min(left, 60.0))
-            except EngineDeadError:
-                raise EngineStartError(_start_failure(name, "died during the handshake", log_file)) from None
-        if time.monotonic() > deadline:
-            raise EngineStartError(_start_failure(
-                name, f"did not become ready within {timeout}s (loading the weights, or converting the "
-                "default model the first time, is the usual cause; pass a larger timeout=)", log_file))
-        time.sleep(0.05)
-
-
-def _start_failure(name: str, what: str, log_file: Path) -> str:
-    tail = _tail(log_file)
-    reason = next((line.split(START_FAILED, 1)[1].strip() for line in reversed(tail) if START_FAILED in line), None)
-    head = f"engine {name!r} {what}" + (f": {reason}" if reason else "")
-    return head + f"\n--- last lines of {log_file} ---\n" + "\n".join(tail)
-
-
-def _tail(path: Path, lines: int = 30) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16_384))
-            return f.read().decode(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 @atexit.register

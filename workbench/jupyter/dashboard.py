@@ -22,11 +22,11 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..ipc.protocol import EVENT_KINDS
 from .reducer import TimelineReducer
 from .session import EngineSession, _local_name, get_session
 from .views import TimelineView
 
-EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
 _OPEN: list[Dashboard] = []
 
 
@@ -101,7 +101,7 @@ class Dashboard:
         self.messages: list[str] = []
 
         self.reducer = TimelineReducer()
-        from ..costs import LiveCosts  # $/M tokens and J/token, prefill and decode (workbench/costs.py)
+        from ..tuning.costs import LiveCosts  # $/M tokens and J/token, prefill and decode
 
         self.costs = LiveCosts(device=str((getattr(self.client, "engine_info", None) or {}).get("device", "cpu")))
         self.view = TimelineView(live=True, window_s=window_s)
@@ -187,9 +187,9 @@ class Dashboard:
             if self.session.name == self.name:
                 client = self.session.client()
             else:
-                from ..ipc.client import EngineClient
+                from ..engines import connect
 
-                client = EngineClient.connect(self.name, timeout=5)
+                client = connect(self.name, timeout=5)
             if client is None:
                 return False
             self.reducer = TimelineReducer(t0=self.reducer.t0)

@@ -71,14 +71,15 @@ def jupyter_command(args: argparse.Namespace, nb_dir: Path) -> list[str]:
 
 
 def run_lab(args: argparse.Namespace, settings: dict) -> int:
+    from ..engines import connect
     from ..ipc import connection as conn
-    from ..ipc.client import EngineClient, start_engine
+    from ..ipc.launch import start_engine
 
     nb_dir = notebook_dir(args.notebook_dir)
     name = conn.check_name(args.name)
     owned = False
     if conn.live_engine(name) is not None:
-        client = EngineClient.connect(name)
+        client = connect(name)
         print(f"workbench lab: attached to the running engine {name!r} (pid {client.pid}); it keeps running "
               "after JupyterLab exits", file=sys.stderr, flush=True)
         if settings:

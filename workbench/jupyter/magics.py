@@ -30,7 +30,7 @@ from .session import DEFAULT_NAME, NoEngineError, _local_name, get_session
 # "module:Class" of every Magics class `%load_ext workbench` registers.
 MAGIC_CLASSES: list[str] = [
     "workbench.jupyter.magics:WorkbenchMagics",
-    "workbench.jupyter.sweep_magic:SweepMagics",  # %sweep / %%sweep (workbench/sweep.py)
+    "workbench.jupyter.sweep_magic:SweepMagics",  # %sweep / %%sweep (workbench/tuning/sweep.py)
 ]
 
 _EXTRA: list[type] = []

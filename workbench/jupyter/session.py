@@ -2,8 +2,9 @@
 
 One `EngineSession` per process (`get_session()`). It holds the name of the engine to use
 (``$WORKBENCH_ENGINE``, set by `workbench lab`, else "default") and one thread-safe client.
-`client()` reconnects by name when the engine behind the old client went away and a new one
-holds the name (an engine restarted from another notebook or a terminal); `require()` raises
+Its clients follow the name (`EngineClient(reconnect=True)`): when the engine behind one went
+away and a new one holds the name (restarted from another notebook or a terminal), the same
+client attaches to it and views are told to re-subscribe; `require()` raises
 `NoEngineError` with what to run, or starts the embedded default model.
 """
 
@@ -39,24 +40,27 @@ class EngineSession:
 
     # -- the client -------------------------------------------------------------------------------
     def client(self, reconnect: bool = True):
-        """The live client, reconnecting by name when needed; None when no engine holds the name."""
+        """The live client, following the name to a new engine when the old one went away (the
+        client's own `reconnect`); None when no engine holds the name."""
         with self._lock:
             c = self._client
-            if c is not None and c.alive:
-                return c
+            if c is not None:
+                pid = getattr(c, "pid", None)
+                if c.alive:  # an engine-process client attaches to the engine now holding its name
+                    if getattr(c, "pid", None) != pid:
+                        self.started_here = False
+                        self._notify(c)  # views re-subscribe: the old engine's events ended
+                    return c
+                self._drop()
             if not reconnect or not _local_name(self.name):
                 return None  # a remote server (a URL) has no name to find it by again
             from ..ipc import connection as conn
-            from ..ipc.client import EngineClient
 
-            info = conn.live_engine(self.name)
-            if info is None:
-                if c is not None:
-                    self._drop()
+            if conn.live_engine(self.name) is None:
                 return None
-            if c is not None and c.alive and info.pid == c.pid:
-                return c
-            new = EngineClient.connect(self.name, timeout=10)
+            from ..engines import connect
+
+            new = connect(self.name, timeout=10, reconnect=True)
             self._set(new, started_here=False)
             return new
 
@@ -80,20 +84,21 @@ class EngineSession:
 
     def start(self, model: str | None = None, *, name: str | None = None, timeout: float = 600.0, **settings):
         """Start an engine process for this kernel (it stops when the kernel exits)."""
-        from ..ipc.client import start_engine
+        from ..ipc.launch import start_engine
 
         with self._lock:
             name = name or self.name
             c = start_engine(model, name=name, timeout=timeout, **settings)
+            c.reconnect = True  # should it die, follow the name to whichever engine holds it next
             self.name = name
             self._set(c, started_here=True)
             return c
 
     def connect(self, name: str):
-        from ..ipc.client import EngineClient
+        from ..engines import connect
 
         with self._lock:
-            c = EngineClient.connect(name, timeout=10)
+            c = connect(name, timeout=10, **({"reconnect": True} if _local_name(name) else {}))
             self.name = c.name or name
             self._set(c, started_here=False)
             return c

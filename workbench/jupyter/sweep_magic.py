@@ -180,7 +180,7 @@ async def sweep_cell_async(line: str, cell: str | None = None) -> None:
 
     from IPython import get_ipython
 
-    from ..sweep import asweep
+    from ..tuning.sweep import asweep
 
     shell = get_ipython()
     engine, kwargs, args = prepare(shell, line, cell)
@@ -202,7 +202,7 @@ class SweepMagics(Magics):
     @line_cell_magic
     def sweep(self, line: str = "", cell: str | None = None):
         """Sweep a settings grid on the engine: `%sweep --help`."""
-        from ..sweep import sweep as run_sweep
+        from ..tuning.sweep import sweep as run_sweep
 
         engine, kwargs, args = prepare(self.shell, line, cell)
         result = run_sweep(engine, **kwargs)

@@ -4,14 +4,20 @@ Pure logic (no sockets, no clocks of its own) so it can be tested on synthetic e
 websocket handler feeds it events from the engine's subscription and asks it, on a timer, for the
 next message. Its TypeScript counterpart (`extension/src/model.ts`) applies the messages.
 
+The plot columns come from the same tested reducer the notebook views use
+(`workbench.jupyter.reducer.TimelineReducer`): every message with timeline events also carries
+``columns`` (the reducer's new rows of ``steps`` and ``lanes``, x in seconds since ``t0``), and
+the snapshot carries ``t0`` and the ``palette``, so the panel and the main-area timeline draw
+exactly what notebooks draw, in the same colours.
+
 Messages (JSON-ready dicts):
 
 - ``{"type": "snapshot", "engine", "status", "settings", "metrics", "timeline": {"steps",
-  "requests", "cursor"}, "time", "rate", "window", "older"}`` — always the first message: the
+  "requests", "cursor"}, "columns", "t0", "palette", "time", "rate", "window", "older"}`` — always the first message: the
   newest ``window`` steps (bounded, so the first message stays small; ``older`` says the engine
   holds earlier ones). The browser may ask for a wider window (``{"history": steps}``); it then
   gets a fresh snapshot of that many steps.
-- ``{"type": "delta", "seq", "time", ["timeline"], ["settings", "changes"], ["metrics"],
+- ``{"type": "delta", "seq", "time", ["timeline", "columns"], ["settings", "changes"], ["metrics"],
   ["relayout"], ["engine"], ["dropped"]}`` — only what changed since the previous message:
   new step and request events (``seq`` above the last cursor sent, in order), the latest
   effective settings (with the union of the changed names), the latest metrics, relayout
@@ -24,6 +30,10 @@ oldest dropped first and counted in ``dropped``); settings and metrics keep the 
 from __future__ import annotations
 
 from typing import Any
+
+from ..jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
+
+DRAWN = ("steps", "lanes")  # the reducer's sources the browser draws
 
 MIN_RATE_HZ = 0.2
 MAX_RATE_HZ = 60.0
@@ -93,6 +103,7 @@ class EventCoalescer:
         self.messages_sent = 0
         self.last_flush: float | None = None
         self.engine_time: float | None = None
+        self.reducer = TimelineReducer()
         self._reset_pending()
 
     def _reset_pending(self) -> None:
@@ -170,12 +181,15 @@ class EventCoalescer:
         if self._pending_cursor <= self.cursor:
             self._pending_cursor = 0
         self._metrics = None  # the snapshot carries fresh metrics
+        self.reducer = TimelineReducer(t0=_first_time(tl, self.engine_time if self.engine_time is not None else now))
+        self.reducer.add(tl)
         self.snapshot_sent = True
         self.last_flush = now
         self.messages_sent += 1
         return {"type": "snapshot", "engine": engine, "status": status, "settings": settings,
-                "metrics": metrics, "timeline": tl, "time": self.engine_time, "rate": self.rate_hz,
-                "window": window, "older": bool(older or cut)}
+                "metrics": metrics, "timeline": tl, "columns": self._columns(), "t0": self.reducer.t0,
+                "palette": {"phase": PHASE_COLORS, "state": STATE_COLORS}, "time": self.engine_time,
+                "rate": self.rate_hz, "window": window, "older": bool(older or cut)}
 
     def pending(self) -> bool:
         return bool(self._steps or self._requests or self._settings is not None or self._changes
@@ -208,6 +222,8 @@ class EventCoalescer:
             cursor = max(self.cursor, self._pending_cursor,
                          *(s.get("seq", 0) for s in self._steps), *(r.get("seq", 0) for r in self._requests))
             msg["timeline"] = {"steps": self._steps, "requests": self._requests, "cursor": cursor}
+            self.reducer.add(msg["timeline"])
+            msg["columns"] = self._columns()
             self.cursor = cursor
         if self._settings is not None or self._changes:
             if self._settings is not None:
@@ -225,3 +241,16 @@ class EventCoalescer:
         self.last_flush = now
         self.messages_sent += 1
         return msg
+
+    def _columns(self) -> dict[str, dict[str, list]]:
+        """The reducer's new rows of the drawn sources (every column, empty when none)."""
+        new = self.reducer.drain()
+        empty = TimelineReducer.empty()
+        return {name: new.get(name, empty[name]) for name in DRAWN}
+
+
+def _first_time(timeline: dict[str, Any], fallback: float) -> float:
+    """The earliest event time in `timeline` (x = 0 of the drawn columns), else `fallback`."""
+    times = [s.get("start") for s in timeline.get("steps") or []] + [r.get("time") for r in timeline.get("requests") or []]
+    times = [t for t in times if isinstance(t, (int, float))]
+    return min(times) if times else fallback

@@ -32,11 +32,11 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.utils import url_path_join
 from tornado import websocket
 
+from ..ipc.protocol import EVENT_KINDS
 from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, history_window
 from .hub import EngineHub
 
 NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
-EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
 STATUS_POLL_S = 1.0  # how often a websocket checks that its engine is still alive
 
 

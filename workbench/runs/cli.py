@@ -1,4 +1,4 @@
-"""`workbench runs list|show|compare|export`: the run log (`workbench/runs.py`) from a shell.
+"""`workbench runs list|show|compare|export`: the run log (`workbench/runs/`) from a shell.
 
     workbench runs list [--kind bench|scenario|sweep|sweep_point] [--status S] [--limit N] [--all] [--json]
     workbench runs show ID [--json]
@@ -19,7 +19,7 @@ from typing import Any
 
 
 def add_runs_parser(sub: argparse._SubParsersAction) -> None:
-    from .runs import KINDS
+    from .log import KINDS
 
     p = sub.add_parser("runs", help="the run log: every bench, scenario and sweep run (list, show, compare, export)",
                        description="Every `workbench bench` run (`--scenario` runs too) and every sweep is "
@@ -72,7 +72,7 @@ def _run_runs(args: argparse.Namespace) -> int:
     if fn is None:
         args._runs_parser.print_help()
         return 2
-    from .runs import RunLog
+    from .log import RunLog
 
     log = RunLog(args.db)
     if fn is not _path and not log.path.exists():
@@ -124,7 +124,7 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def _list(args, log) -> int:
-    from .runs import headline, ratios_text
+    from .log import headline, ratios_text
 
     runs = log.list(kind=args.kind, status=args.status, limit=args.limit, children=args.all)
     if args.json:
@@ -152,7 +152,7 @@ def _list(args, log) -> int:
 
 
 def _show(args, log) -> int:
-    from .runs import flatten, ratios_text
+    from .log import flatten, ratios_text
 
     run = log.get(args.id)
     if args.json:

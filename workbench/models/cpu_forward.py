@@ -1,0 +1,117 @@
+"""The transformer's forward on our C kernels (bf16 on a CPU; `workbench_kernels/cpu_kernels.c`).
+
+The same arithmetic as `llama.py`'s torch layers, in fewer and fused calls: the residual add goes
+into the next RMSNorm, RoPE into the KV-cache write and SiLU into the up projection's product,
+keeping torch's bf16 rounding points. Three shapes, fastest first:
+
+- the whole stack in one C call (`DecodeStack`), when every layer has its one-call kernel;
+- each layer in one call (`DecodeLayer`): a step of at most `cpu.MAX_ROWS` tokens on the CPU
+  attention backend, every token attending as a one-query decode (the backend's metadata);
+- op by op (`_layer`): longer steps, or layers whose linears have no GEMV kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from workbench_kernels import cpu
+
+
+def why_not(model, on: bool) -> str | None:
+    """Why the C kernels cannot serve `model` (None: they can)."""
+    c = model.config
+    dev, dt = model.embed.device, model.embed.dtype
+    if not on:
+        return "cpu_kernels is off: torch's ops only"
+    if dev.type != "cpu":
+        return f"the C kernels serve CPUs; this model is on {dev}"
+    if dt != torch.bfloat16:
+        return f"the C kernels serve bf16 models; this one runs in {str(dt).removeprefix('torch.')}"
+    if not cpu.available():
+        return f"no C kernels: {cpu.unavailable_reason()}"
+    if not cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads):
+        return (f"the C kernels take head_dim % 16 == 0 (<= 256) and <= 16 query heads per KV head; "
+                f"this model has head_dim {c.head_dim}, {c.num_attention_heads}/{c.num_key_value_heads} heads")
+    return None
+
+
+class CpuKernelForward:
+    def __init__(self, model):
+        self.model = model
+        self._layers: dict[int, tuple[tuple, cpu.DecodeLayer]] = {}  # index -> (the GEMVs it binds, the layer)
+        self._stack: tuple[tuple, cpu.DecodeStack] | None = None  # (what it binds, the stack)
+
+    @staticmethod
+    def bind_linears(model, on: bool) -> None:
+        """Route the linears through the C GEMVs (and, where the host multiplies large steps in
+        fp32, its wide path) or back to torch."""
+        wide = on and cpu.gemm_path()[0] == "fp32"
+        for lin in model.linears():
+            lin.native, lin.wide = on, wide
+
+    def report(self) -> dict:
+        path, why, _ = cpu.gemm_path()
+        return {"kernel_variant": cpu.variant(), "kernel_variant_reason": cpu.variant_reason(),
+                "compute_path": path, "compute_path_reason": why}
+
+    def __call__(self, x, positions, attention, meta) -> torch.Tensor:
+        m = self.model
+        eps = m.config.rms_norm_eps
+        step = self._step(positions, attention, meta)
+        stack = self._decode_stack(attention.kv) if step is not None else None
+        if stack is not None:
+            return cpu.add_rms_norm(x, stack(step, x, None), m.norm, eps)
+        delta = None
+        for layer in m.layers:
+            one_call = self._one_call(layer) if step is not None else None
+            if one_call is not None:
+                k_cache, v_cache, _, _ = attention.kv.layer(layer.index)
+                delta = one_call(step, x, delta, k_cache, v_cache)
+            else:
+                delta = self._layer(layer, x, delta, positions, attention, meta)
+        return cpu.add_rms_norm(x, delta, m.norm, eps)
+
+    def _layer(self, layer, x, delta, positions, attention, meta):
+        """One layer op by op. The residual stream `x` is updated in place and this layer's MLP
+        output comes back as the next `delta`, for the next norm to add."""
+        rope = self.model.rope
+        h = cpu.add_rms_norm(x, delta, layer.ln1, layer.eps)
+        k_cache, v_cache, _, _ = attention.kv.layer(layer.index)
+        q = cpu.rope_write_kv(layer.qkv(h), positions, rope.cos, rope.sin, meta.slot_mapping, k_cache, v_cache,
+                              layer.nq)
+        o = attention.attend(q, layer.index, meta)
+        h = cpu.add_rms_norm(x, layer.o(o.view(-1, layer.nq * layer.d)), layer.ln2, layer.eps)
+        return layer.down(cpu.silu_mul(layer.gate_up(h)))
+
+    def _one_call(self, layer) -> cpu.DecodeLayer | None:
+        """The layer bound to the one-call kernel, if every matmul has a GEMV kernel; bound again
+        whenever a re-layout (quantisation) gave the linears new GEMVs."""
+        gemvs = tuple(lin._native for lin in layer.linears())
+        if any(g is None for g in gemvs):
+            return None
+        bound = self._layers.get(layer.index)
+        if bound is None or any(a is not b for a, b in zip(bound[0], gemvs)):
+            bound = self._layers[layer.index] = (gemvs, cpu.DecodeLayer(*gemvs, layer.ln1, layer.ln2, layer.eps))
+        return bound[1]
+
+    def _decode_stack(self, kv) -> cpu.DecodeStack | None:
+        """Every layer in one C call, when every layer has its one-call kernel; rebuilt when a
+        layer's kernel or the cache changes (re-layouts)."""
+        one_calls = [self._one_call(layer) for layer in self.model.layers]
+        if any(f is None for f in one_calls):
+            return None
+        key = (tuple(map(id, one_calls)), tuple(map(id, kv.k)), tuple(map(id, kv.v)))
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, cpu.DecodeStack(one_calls, kv.k, kv.v))
+        return self._stack[1]
+
+    def _step(self, positions, attention, meta) -> cpu.DecodeStep | None:
+        """The shared state of the one-call layer kernel, when the attention backend described each
+        token as a one-query decode (small steps on the CPU backend); None: op by op."""
+        if meta.token_seq_lens is None:
+            return None
+        c, rope = self.model.config, self.model.rope
+        return cpu.DecodeStep(
+            hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            intermediate=c.intermediate_size, block_size=attention.kv.k[0].shape[1], positions=positions,
+            slot_mapping=meta.slot_mapping, block_tables=meta.token_block_tables, seq_lens=meta.token_seq_lens,
+            cos=rope.cos, sin=rope.sin, scale=attention.scale)

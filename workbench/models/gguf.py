@@ -1,0 +1,270 @@
+"""GGUF files: config, tokenizer and (dequantised) weights, through the `gguf` package."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..tokenizer import Tokenizer
+from .config import LoadedModel, ModelConfig, select_weights, weights_checksum
+
+# ----------------------------------------------------------------------------------- GGUF
+# llama.cpp tensor names -> Hugging Face names ("{i}" is the layer).
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+
+# llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> how the original tokenizer splits text.
+_GPT2_PRE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"}
+_DIGITS_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_REGEX_PRE = {
+    "qwen2": _QWEN2_REGEX,
+    "stablelm2": _QWEN2_REGEX,
+    "deepseek-r1-qwen": _QWEN2_REGEX,
+    "llama-bpe": _LLAMA3_REGEX,
+    "llama3": _LLAMA3_REGEX,
+}
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's HF->GGUF reordering of q_proj/k_proj rows.
+
+    The converter regroups each head's rows from [first half | second half] (HF's rotate_half
+    RoPE) to interleaved pairs (GGML's RoPE): reshape(n_head, 2, d/2).swapaxes(1, 2). The
+    inverse reads the rows as (n_head, d/2, 2) and swaps back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_tokenizer(reader) -> Tokenizer | None:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE, tokenizer.ggml.model 'gpt2')"
+        )
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=merges,
+        fuse_unk=False,
+        byte_fallback=False,
+        ignore_merges=pre in ("llama-bpe", "llama3"),
+    )
+    tk = HFTokenizer(bpe)
+    if pre in _DIGITS_PRE:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    elif pre in _REGEX_PRE:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_REGEX_PRE[pre]), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        if pre not in _GPT2_PRE:
+            warnings.warn(
+                f"unknown GGUF pre-tokenizer {pre!r}; using the GPT-2 byte-level split", stacklevel=3
+            )
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+
+    special, user = [], []
+    for tok, ty in zip(tokens, types, strict=False):
+        if ty == 3:  # CONTROL
+            special.append(AddedToken(tok, special=True, normalized=False))
+        elif ty == 4:  # USER_DEFINED
+            user.append(AddedToken(tok, special=False, normalized=False))
+    if special:
+        tk.add_special_tokens(special)
+    if user:
+        tk.add_tokens(user)
+
+    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos_ids = [
+        int(v)
+        for v in (
+            _field(reader, "tokenizer.ggml.eos_token_id"),
+            _field(reader, "tokenizer.ggml.eot_token_id"),
+            _field(reader, "tokenizer.ggml.eom_token_id"),
+        )
+        if v is not None
+    ]
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        b = tokens[bos_id]
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{b} $A", pair=f"{b} $A {b} $B:1", special_tokens=[(b, int(bos_id))]
+        )
+    else:
+        tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    return Tokenizer(
+        tk,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token=None if bos_id is None else tokens[bos_id],
+        eos_token=tokens[eos_ids[0]] if eos_ids else None,
+        eos_token_ids=eos_ids,
+        bos_token_id=None if bos_id is None else int(bos_id),
+    )
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+    """Parse a GGUF file: config, dequantised float32 weights in HF names, tokenizer."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}"
+        )
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if isinstance(value, float):  # stored as float32: 1e-5 reads back as 9.9999997e-06
+            value = float(str(np.float32(value)))
+        return value
+
+    names = {t.name for t in reader.tensors}
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    kv_heads = int(meta("attention.head_count_kv", heads))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    scaling = None
+    s_type = meta("rope.scaling.type")
+    if s_type and s_type != "none":
+        scaling = {"rope_type": s_type, "factor": float(meta("rope.scaling.factor", 1.0))}
+        orig = meta("rope.scaling.original_context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+    if "rope_freqs.weight" in names:
+        warnings.warn(
+            f"{path}: GGUF carries rope_freqs (Llama 3.1-style rope scaling), which is not converted; "
+            "positions beyond the original context may be wrong",
+            stacklevel=2,
+        )
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = ModelConfig(
+        architecture=_GGUF_ARCHS[arch],
+        vocab_size=int(meta("vocab_size", len(tokens) if tokens else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        name=path.stem,
+        path=str(path),
+    )
+    if config.vocab_size == 0:
+        config.vocab_size = int(
+            reader.tensors[[t.name for t in reader.tensors].index("token_embd.weight")].shape[1]
+        )
+
+    weights: dict[str, torch.Tensor] = {}
+    layer_re = re.compile(r"^blk\.(\d+)\.(.+)$")
+    for t in reader.tensors:
+        if t.name in _GGUF_GLOBAL_NAMES:
+            hf = _GGUF_GLOBAL_NAMES[t.name]
+        elif t.name == "rope_freqs.weight":
+            continue
+        else:
+            m = layer_re.match(t.name)
+            if not m or m.group(2) not in _GGUF_LAYER_NAMES:
+                raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r} for architecture {arch!r}")
+            hf = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+        block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+        if block > 1 and len(t.shape) == 2:
+            # K-quants keep 32-wide sub-blocks inside 256-wide super-blocks.
+            block = min(block, 32)
+            config.source_quant_block = min(config.source_quant_block or block, block)
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        arr = arr.reshape(shape).astype(np.float32, copy=False)
+        if not arr.flags.writeable:  # unquantised tensors are views of the memory-mapped file
+            arr = arr.copy()
+        w = torch.from_numpy(arr)
+        # The HF->GGUF converter permutes q/k rows for llama (not qwen2); undo it.
+        if config.architecture in ("llama", "mistral"):
+            if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
+                w = _unpermute_qk(w, heads)
+            elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
+                w = _unpermute_qk(w, kv_heads)
+        weights[hf] = w
+
+    tokenizer = gguf_tokenizer(reader)
+    if tokenizer is not None:
+        for e in tokenizer.eos_token_ids:
+            if e not in config.eos_token_ids:
+                config.eos_token_ids.append(e)
+    return config, weights, tokenizer
+
+
+def load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    t0 = time.perf_counter()
+    config, raw, tokenizer = read_gguf(path)
+    weights = select_weights(raw, config, str(path), dtype)
+    return LoadedModel(config, weights, tokenizer, weights_checksum(weights), time.perf_counter() - t0)

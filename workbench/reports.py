@@ -1,0 +1,85 @@
+"""What an engine reports, defined once: `EngineMetrics` (`metrics()`) and `EngineStatus` /
+`ProcessStatus` (`status()`).
+
+`metrics()` and `status()` return these structs as plain dicts (the public contract), so every
+front end reads the same keys: the engine process and HTTP front pass them on, `/metrics`
+exposes metric fields under vLLM's Prometheus names (`http/metrics.py`), a remote client maps
+other servers' metrics onto these field names (`remote/prometheus.py`; only those the server
+reports), and the lab panel reads them by these names (`extension/src/model.ts`; a test checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = ["EngineMetrics", "EngineStatus", "ProcessStatus", "TOTALS", "as_dict", "metric_fields"]
+
+# Running totals since the engine started; metrics() carries each as total_<name>.
+TOTALS = ("prompt_tokens", "prefix_hit_tokens", "output_tokens", "spec_proposed", "spec_accepted", "spec_verifies",
+          "finished", "preemptions")
+
+
+class EngineMetrics(msgspec.Struct, kw_only=True):
+    output_tok_s: float  # output tokens per second over the last window_s seconds
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_usage: float  # used / total, 0..1
+    prefix_hit_rate: float  # prompt tokens served from the prefix cache, since start
+    spec_acceptance_rate: float  # accepted / proposed draft tokens, since start
+    spec_mean_accepted: float  # accepted draft tokens per verify step, since start
+    ttft_p50_ms: float  # over the recently finished requests
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    total_prompt_tokens: int = 0
+    total_prefix_hit_tokens: int = 0
+    total_output_tokens: int = 0
+    total_spec_proposed: int = 0
+    total_spec_accepted: int = 0
+    total_spec_verifies: int = 0
+    total_finished: int = 0
+    total_preemptions: int = 0
+
+
+class EngineStatus(msgspec.Struct, kw_only=True):
+    pid: int
+    model: str
+    device: str
+    dtype: str
+    uptime_s: float
+    weights_checksum: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    attention_backend: str  # the backend in use ("torch", "triton", "cpu"), not the setting
+    cpu_kernels: bool  # whether the C kernels serve (the setting may ask for them where they cannot)
+    kernel_variant: str  # "avx512_bf16", "avx2", "neon", "portable", "torch", "cuda", ...
+    kernel_variant_reason: str | None
+    compute_path: str  # the dtype large steps multiply in
+    compute_path_reason: str | None
+    max_token_chars: int | None  # longest text one token stands for (None: no bound is provable)
+    num_layers: int
+    vocab_size: int
+
+
+class ProcessStatus(EngineStatus, kw_only=True):
+    """An engine process adds who it is and who is attached; its uptime is the process's."""
+
+    name: str
+    protocol: int
+    transport: str
+    num_clients: int
+    num_requests: int
+    connection_file: str | None
+
+
+def as_dict(report: msgspec.Struct) -> dict[str, Any]:
+    return msgspec.structs.asdict(report)
+
+
+def metric_fields() -> tuple[str, ...]:
+    return EngineMetrics.__struct_fields__
