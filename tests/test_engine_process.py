@@ -854,10 +854,19 @@ def test_admission_refuses_while_queues_are_full(model_path):
 
 
 def test_client_reconnects_to_an_engine_restarted_under_its_name(model_path, runtime_dir, reference):
+    """`reconnect=True` follows the name; a notebook's session uses exactly that client (one
+    mechanism) and tells its views when the engine behind it changed."""
+    from workbench.jupyter.session import EngineSession
+
     first = start_engine(str(model_path), name="phoenix", **ENGINE_KW)
     follower = EngineClient.connect("phoenix", reconnect=True)
     plain = EngineClient.connect("phoenix")
+    session = EngineSession("phoenix")
+    seen = []
+    session.on_change(seen.append)
     try:
+        attached = session.client()
+        assert attached.reconnect and seen == [attached]
         old_pid = follower.pid
         stop_engine(first)
         wait_for(lambda: not plain.alive, 10, "the clients to notice the engine is gone")
@@ -867,6 +876,8 @@ def test_client_reconnects_to_an_engine_restarted_under_its_name(model_path, run
         second = start_engine(str(model_path), name="phoenix", **ENGINE_KW)
         try:
             assert follower.alive and follower.pid == second.pid != old_pid
+            assert session.client() is attached and attached.pid == second.pid  # the same client, revived
+            assert seen == [attached, attached]  # ...and the views were told to re-subscribe
             out = follower.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
             assert [o.token_ids for o in out] == reference(PROMPTS[:2])
             with follower.events("metrics") as sub:  # subscriptions work on the new engine too
@@ -879,6 +890,7 @@ def test_client_reconnects_to_an_engine_restarted_under_its_name(model_path, run
     finally:
         follower.close()
         plain.close()
+        attached.close()
 
 
 def test_admission_bounds_the_text_waiting_for_the_tokenizer(tmp_path, runtime_dir):

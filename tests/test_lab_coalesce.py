@@ -15,6 +15,7 @@ from workbench.jupyter_server.coalesce import (
     MIN_RATE_HZ,
     SNAPSHOT_STEPS,
     EventCoalescer,
+    browser_columns,
     clamp_rate,
     history_window,
     trim_timeline,
@@ -183,9 +184,10 @@ def test_history_window_is_bounded(given, expected):
 FIXTURE = Path(__file__).resolve().parents[1] / "extension" / "test" / "fixtures" / "reducer_messages.json"
 
 
-def _reducer_messages() -> list[dict]:
+def _reducer_messages(with_sources: bool = False):
     """A snapshot and a delta for two requests (one queued behind the other), as the websocket
-    sends them: the jest tests apply exactly these (`extension/test/fixtures`)."""
+    sends them: the jest tests apply exactly these (`extension/test/fixtures`). `with_sources`:
+    also the engine timelines they came from."""
     def step(seq, start, phase, batch, **kw):
         return StepEvent(seq=seq, start=start, end=start + 0.05, phase=phase,
                          batch=[BatchEntry(*b) for b in batch], **kw)
@@ -206,23 +208,27 @@ def _reducer_messages() -> list[dict]:
     messages = [snap(c, msgspec.to_builtins(first), now=10.06)]
     c.add("timeline", msgspec.to_builtins(second), time=10.25)
     messages.append(c.flush(now=11.0))
-    return json.loads(json.dumps(messages))
+    messages = json.loads(json.dumps(messages))
+    return (messages, (first, second)) if with_sources else messages
 
 
 def test_messages_carry_the_notebook_reducers_columns_and_palette():
     from workbench.jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
 
-    snapshot, delta = _reducer_messages()
+    (snapshot, delta), (first, second) = _reducer_messages(with_sources=True)
     assert snapshot["palette"] == {"phase": PHASE_COLORS, "state": STATE_COLORS}
     assert snapshot["t0"] == 9.9  # the first event: x = 0
     reducer = TimelineReducer(t0=9.9)
-    reducer.add(snapshot["timeline"])
-    assert snapshot["columns"]["steps"] == reducer.drain()["steps"]
-    reducer.add(delta["timeline"])
+    reducer.add(first)
+    assert snapshot["columns"] == browser_columns(reducer.drain())
+    reducer.add(second)
     expected = reducer.drain()
-    assert delta["columns"]["steps"] == expected["steps"] and delta["columns"]["lanes"] == expected["lanes"]
+    assert delta["columns"] == browser_columns(expected)
+    assert delta["columns"]["lanes"]["state"] == expected["lanes"]["state"]
+    assert delta["columns"]["lanes"]["left"] == [round(t, 6) for t in expected["lanes"]["left"]]
     assert delta["columns"]["steps"]["phase"] == ["mixed", "decode"]
     assert delta["columns"]["steps"]["color"] == [PHASE_COLORS["mixed"], PHASE_COLORS["decode"]]
+    assert all("batch" not in s for s in snapshot["timeline"]["steps"] + delta["timeline"]["steps"])  # sent once
 
 
 def test_the_browsers_fixture_is_what_the_coalescer_sends():

@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
+import logging
 import queue
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
@@ -41,7 +44,9 @@ from .events import POLL_S, EventSubscription
 from .outputs import RequestOutput, StreamChunk
 from .sampling_params import normalize_batch
 
-__all__ = ["Engine", "request_ids"]
+__all__ = ["Engine", "closed_at_exit", "deliver", "request_ids"]
+
+log = logging.getLogger("workbench.client")
 
 Sink = Callable[[Any], None]  # receives StreamChunk or BaseException
 
@@ -218,6 +223,29 @@ class Engine(abc.ABC):
         with self._lock:
             if sub in self._subs:
                 self._subs.remove(sub)
+
+
+def closed_at_exit() -> weakref.WeakSet:
+    """A registry of engine handles closed when the interpreter exits (their threads are daemons)."""
+    handles: weakref.WeakSet = weakref.WeakSet()
+    atexit.register(_close_each, handles)
+    return handles
+
+
+def _close_each(handles: weakref.WeakSet) -> None:
+    for handle in list(handles):
+        try:
+            handle.close()
+        except Exception:
+            pass
+
+
+def deliver(sink: Sink, item: Any) -> None:
+    """Hand `item` to a caller's sink; a consumer that went away (a closed event loop) is skipped."""
+    try:
+        sink(item)
+    except Exception:
+        log.debug("dropping an item for a gone consumer", exc_info=True)
 
 
 def request_ids(request_id: str | Iterable[str]) -> list[str]:

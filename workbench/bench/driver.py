@@ -79,8 +79,15 @@ def serve_workload(engine: Engine, requests: list[BenchRequest], *, progress=Non
                    and (max_concurrency is None or running < max_concurrency)):
                 r = pending[i]
                 i += 1
-                served[r.index] = Served(r, start + r.arrival_s)
-                engine.submit(_batch(r, ignore_eos), functools.partial(_tagged, q, r.index), into=submitted)
+                s = served[r.index] = Served(r, start + r.arrival_s)
+                try:
+                    engine.submit(_batch(r, ignore_eos), functools.partial(_tagged, q, r.index), into=submitted)
+                except Exception as e:  # refused at once (too long, engine busy, ...)
+                    if not keep_errors:
+                        raise
+                    s.error = e
+                    done.add(r.index)
+                    continue
                 running += 1
             if i < len(pending) and (max_concurrency is None or running < max_concurrency):
                 wait = max(0.0, min(_MAX_WAIT_S, start + pending[i].arrival_s - time.monotonic()))

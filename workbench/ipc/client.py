@@ -21,7 +21,6 @@ one dead / revived state (`reconnect`); `start_engine` is in `launch.py`.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -32,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,7 +39,7 @@ from typing import Any
 import zmq
 
 from ..events import EventSubscription
-from ..interface import Engine, request_ids
+from ..interface import Engine, closed_at_exit, deliver, request_ids
 from ..timeline import Timeline
 from . import connection as conn
 from .protocol import (
@@ -87,7 +85,7 @@ __all__ = [
 
 log = logging.getLogger("workbench.client")
 
-_clients: weakref.WeakSet = weakref.WeakSet()
+_clients = closed_at_exit()
 
 
 class EngineClient(Engine):
@@ -308,7 +306,7 @@ class EngineClient(Engine):
                     if sink is not None and chunk.finish_reason is not None:
                         del self._sinks[chunk.request_id]
                 if sink is not None:
-                    _safe(sink, chunk)
+                    deliver(sink, chunk)
         elif isinstance(msg, (Result, Failure)):
             with self._lock:
                 fut = self._calls.pop(msg.call_id, None)
@@ -322,7 +320,7 @@ class EngineClient(Engine):
                 with self._lock:
                     sink = self._sinks.pop(rid, None)
                 if sink is not None:
-                    _safe(sink, error_from_wire(msg.error))
+                    deliver(sink, error_from_wire(msg.error))
         elif isinstance(msg, ProtocolError):
             log.error("the engine could not understand a message from this client: %s", msg.message)
         elif isinstance(msg, Pong):
@@ -342,7 +340,7 @@ class EngineClient(Engine):
             if not fut.done():
                 fut.set_exception(_copy_exc(exc))
         for sink in set(sinks.values()):
-            _safe(sink, _copy_exc(exc))
+            deliver(sink, _copy_exc(exc))
         for sub in subs:
             sub._deliver(_copy_exc(exc))
 
@@ -626,12 +624,6 @@ def _apply_curve(sock: zmq.Socket, info: conn.ConnectionInfo) -> None:
     sock.curve_secretkey = keys["client_secret"].encode()
 
 
-def _safe(sink: Callable[[Any], None], item: Any) -> None:
-    try:
-        sink(item)
-    except Exception:  # a closed event loop, a consumer that went away
-        log.debug("dropping an item for a gone consumer", exc_info=True)
-
 
 def _copy_exc(exc: BaseException) -> BaseException:
     try:
@@ -639,12 +631,4 @@ def _copy_exc(exc: BaseException) -> BaseException:
     except Exception:
         return exc
 
-
-@atexit.register
-def _close_all() -> None:
-    for client in list(_clients):
-        try:
-            client.close()
-        except Exception:
-            pass
 

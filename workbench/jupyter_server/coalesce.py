@@ -13,7 +13,8 @@ exactly what notebooks draw, in the same colours.
 Messages (JSON-ready dicts):
 
 - ``{"type": "snapshot", "engine", "status", "settings", "metrics", "timeline": {"steps",
-  "requests", "cursor"}, "columns", "t0", "palette", "time", "rate", "window", "older"}`` — always the first message: the
+  "requests", "cursor"}, "columns", "t0", "palette", "time", "rate", "window", "older"}`` (steps
+  without their batch: the columns carry it) — always the first message: the
   newest ``window`` steps (bounded, so the first message stays small; ``older`` says the engine
   holds earlier ones). The browser may ask for a wider window (``{"history": steps}``); it then
   gets a fresh snapshot of that many steps.
@@ -33,7 +34,12 @@ from typing import Any
 
 from ..jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
 
-DRAWN = ("steps", "lanes")  # the reducer's sources the browser draws
+# The reducer's columns the browser draws (rows are its own; y comes from phase and lane there).
+DRAWN = {
+    "steps": ("left", "right", "seq", "phase", "color", "duration_ms", "batch_size", "prefill_tokens",
+              "decode_tokens", "composition"),
+    "lanes": ("left", "right", "lane", "request", "state", "color"),
+}
 
 MIN_RATE_HZ = 0.2
 MAX_RATE_HZ = 60.0
@@ -187,7 +193,7 @@ class EventCoalescer:
         self.last_flush = now
         self.messages_sent += 1
         return {"type": "snapshot", "engine": engine, "status": status, "settings": settings,
-                "metrics": metrics, "timeline": tl, "columns": self._columns(), "t0": self.reducer.t0,
+                "metrics": metrics, "timeline": _without_batches(tl), "columns": self._columns(), "t0": self.reducer.t0,
                 "palette": {"phase": PHASE_COLORS, "state": STATE_COLORS}, "time": self.engine_time,
                 "rate": self.rate_hz, "window": window, "older": bool(older or cut)}
 
@@ -221,8 +227,9 @@ class EventCoalescer:
         if self._steps or self._requests or self._pending_cursor > self.cursor:
             cursor = max(self.cursor, self._pending_cursor,
                          *(s.get("seq", 0) for s in self._steps), *(r.get("seq", 0) for r in self._requests))
-            msg["timeline"] = {"steps": self._steps, "requests": self._requests, "cursor": cursor}
-            self.reducer.add(msg["timeline"])
+            part = {"steps": self._steps, "requests": self._requests, "cursor": cursor}
+            self.reducer.add(part)
+            msg["timeline"] = _without_batches(part)
             msg["columns"] = self._columns()
             self.cursor = cursor
         if self._settings is not None or self._changes:
@@ -243,10 +250,23 @@ class EventCoalescer:
         return msg
 
     def _columns(self) -> dict[str, dict[str, list]]:
-        """The reducer's new rows of the drawn sources (every column, empty when none)."""
-        new = self.reducer.drain()
-        empty = TimelineReducer.empty()
-        return {name: new.get(name, empty[name]) for name in DRAWN}
+        return browser_columns(self.reducer.drain())
+
+
+def browser_columns(drained: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
+    """The drawn sources' columns of a reducer `drain()` (empty when no rows), times to the us."""
+    out = {}
+    for name, columns in DRAWN.items():
+        rows = drained.get(name) or {}
+        out[name] = {c: [round(v, 6) if isinstance(v, float) else v for v in rows.get(c, [])] for c in columns}
+    return out
+
+
+def _without_batches(timeline: dict[str, Any]) -> dict[str, Any]:
+    """The timeline as the browser gets it: a step's batch is drawn from the columns (its lane
+    rectangles, its composition), so it is not sent twice."""
+    steps = [{k: v for k, v in s.items() if k != "batch"} for s in timeline.get("steps") or []]
+    return {**timeline, "steps": steps}
 
 
 def _first_time(timeline: dict[str, Any], fallback: float) -> float:

@@ -9,7 +9,6 @@ servers' dialects (`wire.py`) and Prometheus parsing (`prometheus.py`) are alrea
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import json
 import logging
@@ -18,7 +17,6 @@ import secrets
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import httpx
 
 from ..events import EventSubscription
-from ..interface import Engine, request_ids
+from ..interface import Engine, closed_at_exit, deliver, request_ids
 from ..ipc.protocol import EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
@@ -54,7 +52,7 @@ log = logging.getLogger("workbench.remote")
 
 ENV_API_KEYS = ("WORKBENCH_API_KEY", "OPENAI_API_KEY")
 _RECENT = 1000  # finished requests kept for the latency percentiles
-_clients: weakref.WeakSet = weakref.WeakSet()  # closed at exit (their loop threads are daemons)
+_clients = closed_at_exit()  # closed at exit (their loop threads are daemons)
 _TOK_WINDOW_S = 10.0  # output_tok_s window (as the engine's metrics())
 
 
@@ -456,7 +454,7 @@ class RemoteEngineClient(Engine):
                         if lps is not None:
                             lps.extend(new_lps)
                         if stream and sink is not None:
-                            _safe(sink, StreamChunk(rid, text, tids, None, new_lps or None))
+                            deliver(sink, StreamChunk(rid, text, tids, None, new_lps or None))
             if finish is None:
                 finish = "abort"  # the stream ended without saying why
         except asyncio.CancelledError:
@@ -480,7 +478,7 @@ class RemoteEngineClient(Engine):
             self._totals["output_tokens"] += (usage or {}).get("completion_tokens") or len(token_ids) or len(token_times)
             self._totals["prompt_tokens"] += (usage or {}).get("prompt_tokens") or len(prompt_ids)
         if sink is not None:
-            _safe(sink, error if error is not None else StreamChunk(rid, "", [], out.finish_reason, output=out))
+            deliver(sink, error if error is not None else StreamChunk(rid, "", [], out.finish_reason, output=out))
 
     def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
                into: list[str] | None = None) -> list[str]:
@@ -624,17 +622,3 @@ class RemoteEngineClient(Engine):
         self.close()
 
 
-@atexit.register
-def _close_all() -> None:
-    for client in list(_clients):
-        try:
-            client.close()
-        except Exception:
-            pass
-
-
-def _safe(sink: Callable[[Any], None], item: Any) -> None:
-    try:
-        sink(item)
-    except Exception:
-        log.debug("dropping an item for a gone consumer", exc_info=True)
