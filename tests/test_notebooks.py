@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 ALL_NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 # Notebooks with a test of their own (their own engine, run log, checks) are run there instead.
-DEDICATED = {"07-tuning.ipynb": "test_notebook_tuning.py"}
+DEDICATED = {"07-tuning.ipynb": "test_notebook_tuning.py", "08-capacity-planning.ipynb": "test_notebook_capacity.py"}
 NOTEBOOKS = [p for p in ALL_NOTEBOOKS if p.name not in DEDICATED]
 CELL_TIMEOUT = 300
 

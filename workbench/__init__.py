@@ -25,6 +25,7 @@ _LAZY = {
     "connect": ("workbench.engines", "connect"),
     "Engine": ("workbench.interface", "Engine"),
     "sweep": ("workbench.tuning.sweep", "sweep"),
+    "Simulator": ("workbench.sim", "Simulator"),
     "runs": ("workbench.runs", None),  # the run log module: workbench.runs.list_runs(), ...
     "RequestOutput": ("workbench.outputs", "RequestOutput"),
     "StreamChunk": ("workbench.outputs", "StreamChunk"),
@@ -33,7 +34,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "LLM", "SamplingParams", "EngineClient", "start_engine", "connect", "Engine", "sweep",
+    "LLM", "SamplingParams", "EngineClient", "start_engine", "connect", "Engine", "sweep", "Simulator",
     "RequestOutput", "StreamChunk", "Timeline", "EngineSettings",
 ]
 

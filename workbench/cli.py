@@ -6,6 +6,7 @@
                     [--arrival all|poisson] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
     workbench lab [--model M] [--name N] [--port P] [--no-browser] [--<setting> VALUE ...] [-- JUPYTER ARGS]
     workbench runs list|show|compare|export|path [...]     (the run log; workbench/runs/cli.py)
+    workbench simulate [--json] [--profile h200|h100|a100|l4|cpu | --calibrate | --engine NAME] [...]
 
 Each subcommand registers itself in `_SUBCOMMANDS` with a function that adds its arguments and
 one that runs it; imports of heavy modules stay inside the run functions so `--help` is fast.
@@ -341,7 +342,13 @@ def _run_lab(args: argparse.Namespace) -> int:
     return run_lab(args, settings)
 
 
-_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench, _add_runs, _add_lab]
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from .sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
+
+
+_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench, _add_runs, _add_lab, _add_simulate]
 
 
 def build_parser() -> argparse.ArgumentParser:

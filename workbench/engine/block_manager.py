@@ -110,8 +110,10 @@ class BlockManager:
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens tokens; False (and no change) if full."""
-        need = self.blocks_for(num_tokens) - len(seq.block_table)
-        if need > self.num_free_blocks:
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True  # the common case: the current last block has room
+        if need > len(self.free_plain) + len(self.free_cached):
             return False
         for _ in range(need):
             seq.block_table.append(self._take_free())
@@ -136,8 +138,10 @@ class BlockManager:
         if not self.prefix_caching:
             return
         bs = self.block_size
-        chain = self._chain.setdefault(seq.request_id, [])
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if seq.num_hashed_blocks >= full:
+            return  # no block completed since the last call (most steps: a block holds 16 tokens)
+        chain = self._chain.setdefault(seq.request_id, [])
         while seq.num_hashed_blocks < full:
             i = seq.num_hashed_blocks
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])

@@ -29,7 +29,7 @@ from ..outputs import StreamChunk
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
-from ..timeline import BatchEntry, TimelineRecorder
+from ..timeline import TimelineRecorder
 from . import sampler
 from .attention import KVCache, backend_ops
 from .model_runner import ModelRunner
@@ -226,18 +226,8 @@ class LLMEngine:
         return self.outputs.emit(self.requests[seq.request_id], tokens, lps, now)
 
     def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks) -> None:
-        batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
-        prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
         self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
-        used, total = self.scheduler.kv_blocks
-        self.timeline.add_step(
-            start=start, end=end, phase=sched.phase, num_prefill_tokens=prefill,
-            num_decode_tokens=sched.num_tokens - prefill, batch=batch,
-            kv_blocks_used=used, kv_blocks_total=total,
-            prefix_hit_tokens=sched.prefix_hit_tokens, spec_proposed=sched.spec_proposed,
-            spec_accepted=sched.spec_accepted, num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running), output_tokens=sum(len(c.token_ids_delta) for c in chunks),
-        )
+        self.scheduler.record_step(sched, start, end, sum(len(c.token_ids_delta) for c in chunks))
 
     # -- settings -------------------------------------------------------------------------------
     def configure(self, **changes: Any) -> dict[str, Any]:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..settings import EngineSettings
-from ..timeline import TimelineRecorder
+from ..timeline import BatchEntry, TimelineRecorder
 from .block_manager import BlockManager
 from .sequence import SeqState, Sequence
 
@@ -60,8 +61,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, settings: EngineSettings, num_blocks: int, timeline: TimelineRecorder):
+    def __init__(self, settings: EngineSettings, num_blocks: int, timeline: TimelineRecorder,
+                 clock: Callable[[], float] = time.monotonic):
         self.settings = settings
+        self.clock = clock  # the engine's time.monotonic; the simulator's simulated time
         self.bm = BlockManager(num_blocks, settings.block_size, settings.prefix_caching and settings.kv_cache)
         self.timeline = timeline
         self.waiting: deque[Sequence] = deque()
@@ -128,7 +131,7 @@ class Scheduler:
         resumed = seq.state is SeqState.PREEMPTED
         seq.state = SeqState.RUNNING
         self.running.append(seq)
-        now = time.monotonic()
+        now = self.clock()
         if seq.metrics.first_scheduled is None:
             seq.metrics.first_scheduled = now
         self.timeline.add_request(now, seq.request_id, "resumed" if resumed else "scheduled",
@@ -170,7 +173,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         if counted:
             seq.metrics.num_preemptions += 1
-            self.timeline.add_request(time.monotonic(), seq.request_id, "preempted")
+            self.timeline.add_request(self.clock(), seq.request_id, "preempted")
 
     def preempt_all(self) -> None:
         """Drop every running sequence's KV (they recompute it when rescheduled): a re-layout of
@@ -211,6 +214,20 @@ class Scheduler:
         """Forget the last `count` tokens (accepted draft tokens past a stop)."""
         if count:
             del seq.token_ids[-count:]
+
+    def record_step(self, sched: SchedulerOutput, start: float, end: float, output_tokens: int) -> None:
+        """The step's event on the timeline (the engine's and the simulator's steps alike)."""
+        batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
+        prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
+        used, total = self.kv_blocks
+        self.timeline.add_step(
+            start=start, end=end, phase=sched.phase, num_prefill_tokens=prefill,
+            num_decode_tokens=sched.num_tokens - prefill, batch=batch,
+            kv_blocks_used=used, kv_blocks_total=total,
+            prefix_hit_tokens=sched.prefix_hit_tokens, spec_proposed=sched.spec_proposed,
+            spec_accepted=sched.spec_accepted, num_waiting=len(self.waiting),
+            num_running=len(self.running), output_tokens=output_tokens,
+        )
 
     # -- cache-wide -------------------------------------------------------------------------------
     def set_prefix_caching(self, enabled: bool, reset: bool) -> None:

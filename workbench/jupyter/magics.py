@@ -31,6 +31,7 @@ from .session import DEFAULT_NAME, NoEngineError, _local_name, get_session
 MAGIC_CLASSES: list[str] = [
     "workbench.jupyter.magics:WorkbenchMagics",
     "workbench.jupyter.sweep_magic:SweepMagics",  # %sweep / %%sweep (workbench/tuning/sweep.py)
+    "workbench.jupyter.sim_magic:SimulateMagics",  # %simulate (workbench/sim/)
 ]
 
 _EXTRA: list[type] = []

@@ -23,7 +23,7 @@ from .facts import machine_facts, package_versions
 ENV_VAR = "WORKBENCH_RUNS_DB"
 SCHEMA_VERSION = 1
 STATUSES = ("running", "completed", "interrupted", "failed", "abandoned")
-KINDS = ("bench", "scenario", "sweep", "sweep_point")
+KINDS = ("bench", "scenario", "sweep", "sweep_point", "simulation")
 JSON_COLUMNS = ("settings", "workload", "metrics", "versions", "machine", "extra")
 COLUMNS = ("id", "kind", "parent_id", "status", "started_at", "finished_at", "label", "key", "model",
            "weights_checksum", "device", "host", "pid", "pid_start", *JSON_COLUMNS, "error")

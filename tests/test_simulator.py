@@ -1,0 +1,241 @@
+"""The serving simulator: the engine's own scheduler on simulated time (identical batches to a real
+engine), step-cost models, replicas and routers, disaggregation, SLOs, the run log and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import workbench
+from workbench import LLM, Simulator
+from workbench.bench.driver import run_workload
+from workbench.bench.stats import RESULT_KEYS
+from workbench.bench.workload import BenchRequest, make_workload
+from workbench.jupyter.reducer import TimelineReducer
+from workbench.runs import RunLog
+from workbench.sim import FittedCost, RooflineCost, StepShape
+from workbench.sim.cost import ModelShape, shapes_from_timeline
+from workbench.sim.profiles import PROFILES
+from workbench.timeline import Timeline
+
+
+class Fixed:
+    """A step-cost model: every step takes the same time (the batches cannot depend on it)."""
+
+    def __call__(self, shape: StepShape) -> float:
+        return 0.01
+
+    def describe(self) -> dict:
+        return {"kind": "fixed", "step_s": 0.01}
+
+
+def small(n=8, seed=0, **kw):
+    return make_workload(n, seed=seed, vocab_size=256, prompt_len=(8, 40), output_len=(3, 8), **kw)
+
+
+def sim_for(llm, **kw) -> Simulator:
+    st = llm.status()
+    return Simulator(None, cost=Fixed(), settings=llm.settings(), num_kv_blocks=st["num_kv_blocks"],
+                     block_size=st["block_size"], vocab_size=256, **kw)
+
+
+def batches(timeline, order: dict[str, int]) -> list[list[tuple[int, int, str]]]:
+    return [[(order[e.request_id], e.num_tokens, e.kind) for e in s.batch] for s in timeline.steps]
+
+
+@pytest.mark.parametrize("blocks,settings", [
+    (24, {"max_num_seqs": 3, "max_num_batched_tokens": 32}),  # chunked prefill at odd boundaries
+    (24, {"batching": "static", "max_num_seqs": 4}),
+    (8, {"max_num_seqs": 8, "max_num_batched_tokens": 256}),  # every prompt fills a block: decodes preempt
+])
+def test_the_engine_and_the_simulator_admit_the_same_batches(tiny_llama, blocks, settings):
+    """Same workload (all at t=0), same settings, same KV cache: every step's batch is identical,
+    since both run the same Scheduler (a scheduler change shows up in both)."""
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=blocks, prefix_caching=False, **settings)
+    w = small(8) if blocks > 8 else [BenchRequest(i, [(7 * i + k) % 250 + 3 for k in range(16)], 6) for i in range(8)]
+    cursor = llm.timeline(since=1 << 62).cursor
+    run_workload(llm, w if isinstance(w, list) else w.requests)
+    real = llm.timeline(since=cursor)
+    arrived = [r.request_id for r in real.requests if r.kind == "arrived"]
+    measured = batches(real, {rid: i for i, rid in enumerate(arrived)})
+    res = sim_for(llm).run(w, record=False)
+    simulated = batches(res.timeline, {str(i): i for i in range(8)})
+    assert measured == simulated
+    assert res.summary()["preemptions"] == sum(1 for r in real.requests if r.kind == "preempted")
+    assert any(len(b) > 1 for b in simulated)
+    assert (res.summary()["preemptions"] > 0) == (blocks == 8)
+
+
+def test_a_fit_recovers_the_step_cost_it_was_fitted_on():
+    truth = [0.002, 0.0001, 0.0005, 0.0002, 0.0003, 0.004, 0.0]
+    shapes = [StepShape(p, d, max(1, d), float(a)) for p in (0, 16, 64, 200) for d in (1, 4, 6, 9, 32)
+              for a in (100, 2000)]
+    seconds = [sum(c * f for c, f in zip(truth, s.features(8))) for s in shapes]
+    fit = FittedCost.fit(shapes, seconds)
+    assert fit.report["mape"] < 1e-6 and fit.report["threshold_tokens"] == 8
+    assert fit(StepShape(32, 8, 8, 500.0)) == pytest.approx(sum(c * f for c, f in zip(truth, StepShape(32, 8, 8, 500.0).features(8))))
+    with pytest.raises(ValueError, match="at least 8"):
+        FittedCost.fit(shapes[:3], seconds[:3])
+
+
+def test_roofline_steps_are_bandwidth_or_compute_bound():
+    m = ModelShape(weight_bytes=2e9, flops_per_token=2e9, kv_bytes_per_token=1e5, attention_flops_per_position=1e4)
+    h200 = RooflineCost(PROFILES["h200"], m)
+    decode = h200(StepShape(0, 1, 1, 100.0))
+    read = (2e9 + 101 * 1e5) / (4800e9 * 0.8)
+    assert decode == pytest.approx(0.0005 + read)  # one token: reading the weights
+    big = StepShape(8192, 0, 1, 8192 * 4096.0)
+    flops = 8192 * 2e9 + 8192 * 4096.0 * 1e4
+    assert h200(big) == pytest.approx(0.0005 + max((2e9 + (8192 * 4096 + 8192) * 1e5) / (4800e9 * 0.8),
+                                                     flops / (989e12 * 0.6)))
+    assert RooflineCost(PROFILES["l4"], m)(StepShape(0, 1, 1, 100.0)) > decode  # less bandwidth: slower
+
+
+def test_replicas_routers_and_the_summary():
+    sim = Simulator("h200")
+    wl = {"num_requests": 40, "arrival": "poisson", "rate": 50.0, "seed": 3, "prompt_len": (32, 256),
+          "output_len": (16, 64)}
+    res = sim.run(wl, replicas=2, router="round_robin", record=False)
+    assert sorted(r.replica for r in res.requests) == [0] * 20 + [1] * 20
+    s = res.summary()
+    assert set(RESULT_KEYS) <= set(s) and s["requests"] == 40 and s["replicas"] == 2
+    assert s["output_tokens"] == sum(r.max_tokens for r in sim.workload(wl))
+    assert isinstance(res.timeline, Timeline) and len(res.timelines) == 2
+    reducer = TimelineReducer()
+    reducer.add(res.timeline)  # the notebook's views draw a simulated run like a measured one
+    assert reducer.drain()["steps"]["phase"]
+    least = sim.run(wl, replicas=3, router="least_outstanding", record=False)
+    assert {r.replica for r in least.requests} == {0, 1, 2}
+    shared = [BenchRequest(i, [7] * 64 + [i + 10] * 8, 4, 0.01 * i) for i in range(6)]
+    aff = sim.run(shared, replicas=3, router="prefix_affinity", record=False)
+    assert len({r.replica for r in aff.requests}) == 1  # one prefix, one replica: its cache gets the hits
+    assert aff.summary()["prefix_hit_tokens"] > 0
+    custom = sim.run(shared, replicas=2, router=lambda req, replicas: req.index % 2, record=False)
+    assert [r.replica for r in custom.requests] == [0, 1, 0, 1, 0, 1]
+    with pytest.raises(ValueError, match="router must be one of round_robin"):
+        sim.run(wl, replicas=2, router="random")
+
+
+def test_disaggregated_prefill_hands_its_kv_to_decode_replicas():
+    sim = Simulator("h100")
+    wl = {"num_requests": 12, "arrival": "poisson", "rate": 20.0, "seed": 1, "output_len": (8, 16)}
+    res = sim.run(wl, disaggregated=(1, 2), kv_transfer_gbs=10.0, record=False)
+    prefill, *decode = res.timelines
+    assert all(e.kind == "prefill" for s in prefill.steps for e in s.batch)
+    assert all(e.num_tokens == 1 for tl in decode for s in tl.steps for e in s.batch)  # the KV arrived with it
+    s = res.summary()
+    assert s["output_tokens"] == sum(r.max_tokens for r in sim.workload(wl)) and s["replicas"] == 3
+    colocated = sim.run(wl, replicas=3, record=False).summary()
+    assert s["ttft_p50_ms"] > 0 and colocated["output_tokens"] == s["output_tokens"]
+    with pytest.raises(ValueError, match="prefill replicas, decode replicas"):
+        sim.run(wl, disaggregated=(0, 2))
+
+
+def test_slo_goodput_and_the_smallest_replica_count():
+    sim = Simulator("l4")
+    wl = {"num_requests": 60, "arrival": "poisson", "rate": 30.0, "seed": 2}
+    slo = {"ttft_ms": 300.0, "itl_ms": 60.0}
+    one = sim.run(wl, replicas=1, slo=slo, record=False).summary()
+    need = sim.replicas_for(slo, wl, max_replicas=16)
+    assert need is not None and need >= 1
+    at = sim.run(wl, replicas=need, router="least_outstanding", slo=slo, record=False).summary()
+    assert at["slo_attainment"] >= 0.99
+    if need > 1:
+        below = sim.run(wl, replicas=need - 1, router="least_outstanding", slo=slo, record=False).summary()
+        assert below["slo_attainment"] < 0.99
+    assert one["slo_attainment"] <= at["slo_attainment"]
+    assert at["cost_per_mtok"] > 0 and at["joules_per_token"] > 0
+    with pytest.raises(ValueError, match="slo must be a dict"):
+        sim.run(wl, slo={"tpot": 5})
+
+
+def test_bad_input_is_refused_with_what_is_allowed():
+    sim = Simulator("h200")
+    with pytest.raises(ValueError, match="allowed: num_requests"):
+        sim.run({"num_requests": 4, "bogus": 1})
+    with pytest.raises(ValueError, match="replicas must be an int >= 1"):
+        sim.run({"num_requests": 4}, replicas=0)
+    with pytest.raises(ValueError, match="unknown profile 'tpu'"):
+        Simulator("tpu")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sim.run({"num_requests": 4}, {"max_num_seqs": 0})
+    tiny_cache = Simulator("h200", num_kv_blocks=4)
+    with pytest.raises(ValueError, match="more than the 4"):
+        tiny_cache.run([BenchRequest(0, list(range(3, 200)), 8)])
+
+
+def test_calibrated_from_a_live_engine_and_recorded(tiny_llama, tmp_path):
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=64)
+    sim = Simulator.calibrate(llm)
+    cal = sim.calibration
+    assert cal["kind"] == "fitted" and cal["steps"] >= 8 and 0 <= cal["mape"] < 1
+    w = small(12, seed=5, arrival="poisson", rate=20.0)
+    log = RunLog(tmp_path / "runs.sqlite")
+    res = sim.run(w, run_log=log, predicts=7)
+    row = log.get(res.run_id)
+    assert row["kind"] == "simulation" and row["extra"]["predicts"] == 7
+    assert row["extra"]["simulator"]["calibration"]["steps"] == cal["steps"]
+    assert row["metrics"]["output_tok_s"] == pytest.approx(res.summary()["output_tok_s"])
+    shapes, seconds = shapes_from_timeline(llm.timeline().steps, llm.timeline().requests)
+    assert len(shapes) == len(seconds) > 0 and all(t > 0 for t in seconds)
+
+
+def test_the_command_line_prints_the_bench_keys(tmp_path):
+    env_db = {"WORKBENCH_RUNS_DB": str(tmp_path / "runs.sqlite")}
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--json", "--requests", "20",
+                          "--rate", "10", "--replicas", "2", "--slo-ttft-ms", "100", "--replicas-for"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **env_db})
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert set(RESULT_KEYS) <= set(rep["results"]["simulated"]) and rep["replicas_for_slo"] >= 1
+    assert rep["simulator"]["cost"]["profile"] == "h200" and rep["run_id"] is not None
+    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--max-num-seqs", "0"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **env_db})
+    assert bad.returncode == 2 and "max_num_seqs" in bad.stderr
+    assert workbench.Simulator is Simulator
+
+
+def test_the_simulate_magic(tmp_path, monkeypatch):
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from workbench.jupyter.sim_magic import SimulateMagics
+    from workbench.sim import SimResult
+
+    monkeypatch.setenv("WORKBENCH_RUNS_DB", str(tmp_path / "runs.sqlite"))
+    shell = InteractiveShell.instance()
+    try:
+        shell.register_magics(SimulateMagics)
+        with capture_output() as cap:
+            shell.run_line_magic("simulate", "--profile a100 --requests 12 --rate 8 --replicas 2 -o r")
+        res = shell.user_ns["r"]
+        assert isinstance(res, SimResult) and res.summary()["requests"] == 12 and res.config["replicas"] == 2
+        assert "workbench simulate: 12 requests" in cap.stdout and "a100 roofline" in cap.stdout
+        assert cap.outputs  # the simulated timeline, drawn by the notebook's view
+        with pytest.raises(UsageError, match="replicas must be an int >= 1"):
+            shell.run_line_magic("simulate", "--replicas 0 --no-plot")
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_routing_short_prompts_to_a_cheaper_pool():
+    from workbench.sim import route
+
+    small_gpu, big_gpu = Simulator("l4"), Simulator("h100")
+    wl = {"num_requests": 30, "arrival": "poisson", "rate": 10.0, "seed": 4}
+    res = route(wl, [("short", small_gpu, lambda r: r.prompt_len < 200), ("long", big_gpu, None)])
+    s = res.summary()
+    reqs = small_gpu.workload(wl)
+    short = sum(1 for r in reqs if r.prompt_len < 200)
+    assert s["routes"]["short"]["requests"] == short and s["routes"]["long"]["requests"] == 30 - short
+    assert s["requests"] == 30 and set(RESULT_KEYS) <= set(s)
+    l4, h100 = s["routes"]["short"]["cost_per_mtok"], s["routes"]["long"]["cost_per_mtok"]
+    assert min(l4, h100) <= s["cost_per_mtok"] <= max(l4, h100)  # each token at its route's price
+    with pytest.raises(ValueError, match="matches no route"):
+        route(wl, [("short", small_gpu, lambda r: r.prompt_len < 10)])
