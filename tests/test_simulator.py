@@ -239,3 +239,79 @@ def test_routing_short_prompts_to_a_cheaper_pool():
     assert min(l4, h100) <= s["cost_per_mtok"] <= max(l4, h100)  # each token at its route's price
     with pytest.raises(ValueError, match="matches no route"):
         route(wl, [("short", small_gpu, lambda r: r.prompt_len < 10)])
+
+
+def test_bursty_arrivals_keep_the_rate_and_clump():
+    import statistics
+
+    po = make_workload(2000, seed=0, vocab_size=256, arrival="poisson", rate=10.0)
+    bu = make_workload(2000, seed=0, vocab_size=256, arrival="bursty", rate=10.0)
+
+    def gaps(w):
+        t = [r.arrival_s for r in w.requests]
+        return [b - a for a, b in zip(t, t[1:])]
+
+    assert statistics.mean(gaps(bu)) == pytest.approx(0.1, rel=0.15)  # same mean rate
+    cv = statistics.pstdev(gaps(bu)) / statistics.mean(gaps(bu))
+    assert 1.6 < cv < 2.4 and statistics.pstdev(gaps(po)) / statistics.mean(gaps(po)) < 1.2
+    sim = Simulator("l4")
+    calm = sim.run(po, replicas=1, record=False).summary()
+    burst = sim.run(bu, replicas=1, record=False).summary()
+    assert burst["ttft_p99_ms"] > calm["ttft_p99_ms"]  # clumps queue
+
+
+def test_a_recorded_timeline_replays_as_a_trace(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=64)
+    w = small(6, seed=9, arrival="poisson", rate=30.0)
+    cursor = llm.timeline(since=1 << 62).cursor
+    run_workload(llm, w.requests)
+    trace = llm.timeline(since=cursor)
+    sim = sim_for(llm)
+    replay = sim.workload(trace)
+    assert [r.prompt_len for r in replay] == [r.prompt_len for r in w.requests]
+    assert [r.max_tokens for r in replay] == [r.max_tokens for r in w.requests]
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(replay, replay[1:])]
+    assert gaps == pytest.approx([b.arrival_s - a.arrival_s for a, b in zip(w.requests, w.requests[1:])], abs=0.05)
+    assert sim.run(trace, record=False).summary()["requests"] == 6
+    with pytest.raises(ValueError, match="nothing to replay"):
+        sim.workload(Timeline(steps=[], requests=[], cursor=0))
+
+
+def test_a_sweep_simulates_its_grid_first_and_measures_the_predicted_front(tiny_llama, tmp_path):
+    from workbench.tuning.sweep import _off_the_predicted_front
+
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=64)
+    sim = Simulator.calibrate(llm)
+    grid = {"kv_cache": [True, False], "max_num_seqs": [4, 8]}  # recomputing every step: dominated
+    wl = {"num_requests": 8, "prompt_len": (8, 24), "output_len": (4, 8)}
+    res = workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False,
+                          run_log=tmp_path / "runs.sqlite", simulate_first=sim)
+    assert len(res) == 4 and all(r["predicted"] is not None for r in res)
+    simulated = [r for r in res if r["source"] == "simulated"]
+    measured = [r for r in res if r["source"] == "measured"]
+    assert {r["index"] for r in res if not r["kv_cache"]} <= {r["index"] for r in simulated}
+    assert measured and all(r["kv_cache"] for r in measured)
+    expected_skip = _off_the_predicted_front({r["index"]: r["predicted"] for r in res}, len(res))
+    assert {r["index"] for r in simulated} == expected_skip
+    assert all(r["output_tok_s"] == r["predicted"]["output_tok_s"] for r in simulated)
+    assert llm.settings()["max_num_seqs"] == 64 and llm.settings()["batching"] == "continuous"  # put back
+    q = workbench.sweep(llm, grid={"quantization": ["none", "int8"]}, workload=wl, repeats=1, warmup=0,
+                        progress=False, record=False, ppl_tokens=0, simulate_first=sim)
+    assert [r["source"] for r in q] == ["measured", "measured"]  # the simulator cannot model quantisation
+
+
+def test_runs_compare_sets_a_prediction_next_to_its_measurement(tiny_llama, tmp_path, capsys):
+    log = RunLog(tmp_path / "runs.sqlite")
+    measured = log.start("bench", label="bench workbench", model="m")
+    log.finish(measured, "completed", metrics={"results": {"workbench": {"output_tok_s": 100.0, "ttft_p99_ms": 50.0}}})
+    sim = Simulator("h200")
+    res = sim.run({"num_requests": 4, "arrival": "all"}, run_log=log, predicts=measured)
+    c = log.compare([res.run_id])
+    assert [r["id"] for r in c["runs"]] == [measured, res.run_id]  # the measurement comes along
+    [p] = c["predictions"]
+    assert p["measured"] == measured and p["error"]["output_tok_s"] == pytest.approx(
+        res.summary()["output_tok_s"] / 100.0 - 1)
+    from workbench.cli import main
+
+    assert main(["runs", "compare", str(res.run_id), "--db", str(log.path)]) == 0
+    assert f"simulation #{res.run_id} predicts run #{measured}: output_tok_s" in capsys.readouterr().out

@@ -3,7 +3,7 @@
     workbench serve [--model M] [--name N] [--transport ipc|tcp] [--<setting> VALUE ...]
     workbench generate PROMPT [--max-tokens N] [--temperature T] [--chat] [--model M] [--<setting> VALUE ...]
     workbench bench [--json] [--requests N] [--systems workbench,hf_sequential,hf_static,llama_server]
-                    [--arrival all|poisson] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
+                    [--arrival all|poisson|bursty] [--rate R] [--seed S] [--model M] [--quick] [--<setting> VALUE ...]
     workbench lab [--model M] [--name N] [--port P] [--no-browser] [--<setting> VALUE ...] [-- JUPYTER ARGS]
     workbench runs list|show|compare|export|path [...]     (the run log; workbench/runs/cli.py)
     workbench simulate [--json] [--profile h200|h100|a100|l4|cpu | --calibrate | --engine NAME] [...]
@@ -140,8 +140,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="dtype of the transformers peers (auto: bf16 or fp32, whichever matmul measures faster here)")
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama.cpp's llama-server binary (default: $WORKBENCH_LLAMA_SERVER, then PATH)")
-    p.add_argument("--arrival", choices=["all", "poisson"], default="all",
-                   help="all: every request at t=0 (default); poisson: exponential gaps at --rate")
+    p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default="all",
+                   help="all: every request at t=0 (default); poisson: exponential gaps at --rate; bursty: clumps "
+                        "and lulls at the same mean --rate (gamma gaps, twice the spread)")
     p.add_argument("--rate", type=float, default=0.5, help="poisson arrivals: requests per second (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
@@ -219,7 +220,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         settings = settings_from_flags(args)
         if args.requests is not None and args.requests < 1:
             raise ValueError(f"--requests must be >= 1, got {args.requests}")
-        if args.arrival == "poisson" and args.rate <= 0:
+        if args.arrival in ("poisson", "bursty") and args.rate <= 0:
             raise ValueError(f"--rate must be > 0, got {args.rate}")
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -240,7 +241,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     report = run_bench(
         args.model, systems=systems, num_requests=args.requests or (8 if args.quick else 64),
-        arrival=args.arrival, rate=args.rate if args.arrival == "poisson" else None, seed=args.seed,
+        arrival=args.arrival, rate=args.rate if args.arrival in ("poisson", "bursty") else None, seed=args.seed,
         quick=args.quick, settings=settings, single_stream=args.single_stream,
         hf_dtype=args.hf_dtype, llama_server=args.llama_server, progress=_progress_factory(), log=log,
     )
@@ -287,7 +288,7 @@ def _run_bench_endpoints(args: argparse.Namespace) -> int:
     try:
         if args.requests is not None and args.requests < 1:
             raise ValueError(f"--requests must be >= 1, got {args.requests}")
-        if args.arrival == "poisson" and args.rate <= 0:
+        if args.arrival in ("poisson", "bursty") and args.rate <= 0:
             raise ValueError(f"--rate must be > 0, got {args.rate}")
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")

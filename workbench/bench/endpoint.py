@@ -119,7 +119,7 @@ def run_endpoint_bench(
     tok = load_tokenizer(tokenizer_model)
     workload: Workload = make_workload(num_requests, seed=seed, tokenizer=tok, prompt_len=tuple(prompt_len),
                                        output_len=tuple(output_len), arrival=arrival,
-                                       rate=rate if arrival == "poisson" else None)
+                                       rate=rate if arrival in ("poisson", "bursty") else None)
     requests = [r if token_ids else dataclasses.replace(r, prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True))
                 for r in workload.requests]
     report: dict[str, Any] = {
@@ -142,7 +142,7 @@ def run_endpoint_bench(
                     warnings.simplefilter("ignore")
                     client.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0), timeout=timeout)
             bar = progress(label, len(requests)) if progress is not None else None
-            log(f"{label}: {len(requests)} requests ({arrival}{f' at {rate}/s' if arrival == 'poisson' else ''})")
+            log(f"{label}: {len(requests)} requests ({arrival}{f' at {rate}/s' if arrival != 'all' else ''})")
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")

@@ -26,7 +26,7 @@ def single_stream_line(name: str, r: dict) -> str:
 
 def format_report(rep: dict) -> str:
     w, roof = rep["workload"], rep["roofline"]
-    arrival = "all at t=0" if w["arrival"] == "all" else f"Poisson, {w['rate']} req/s"
+    arrival = "all at t=0" if w["arrival"] == "all" else f"{'Poisson' if w['arrival'] == 'poisson' else 'bursty'}, {w['rate']} req/s"
     m = rep["machine"]
     lines = [
         f"workbench bench: {rep['model']}, {w['num_requests']} requests ({arrival}), "

@@ -24,7 +24,8 @@ TEXT_FILE = Path(__file__).with_name("data") / "text.txt"
 DEFAULT_NUM_REQUESTS = 64
 DEFAULT_PROMPT_LEN = (32, 512)
 DEFAULT_OUTPUT_LEN = (32, 256)
-ARRIVALS = ("all", "poisson")
+ARRIVALS = ("all", "poisson", "bursty")
+BURSTY_SHAPE = 0.25  # gamma shape of the bursty gaps: coefficient of variation 2 (Poisson: 1)
 
 
 @dataclass
@@ -108,7 +109,8 @@ def make_workload(
 
     Prompt and output lengths are uniform integers in the inclusive ranges. `arrival="all"`
     releases every request at t=0; `"poisson"` spaces them with exponential gaps at `rate`
-    requests per second (the first arrives at t=0).
+    requests per second (the first arrives at t=0); `"bursty"` with gamma gaps of the same mean
+    and twice the spread (clumps and lulls).
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
@@ -117,8 +119,8 @@ def make_workload(
             raise ValueError(f"{name} must be a range (lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
     if arrival not in ARRIVALS:
         raise ValueError(f"arrival must be one of {ARRIVALS}, got {arrival!r}")
-    if arrival == "poisson" and (rate is None or rate <= 0):
-        raise ValueError(f"arrival='poisson' needs a rate > 0 (requests per second), got {rate!r}")
+    if arrival in ("poisson", "bursty") and (rate is None or rate <= 0):
+        raise ValueError(f"arrival={arrival!r} needs a rate > 0 (requests per second), got {rate!r}")
     if tokenizer is None and not vocab_size:
         raise ValueError("give a tokenizer (English prompts) or a vocab_size (random token-id prompts)")
 
@@ -147,14 +149,15 @@ def make_workload(
         prompts = [[rng.choice(pool) for _ in range(n)] for n in lengths]
 
     arrivals = [0.0] * num_requests
-    if arrival == "poisson":
+    if arrival in ("poisson", "bursty"):
         t = 0.0
         for i in range(1, num_requests):
-            t += rng.expovariate(rate)
+            # bursty: gamma gaps with the same mean, so requests come in clumps with lulls between
+            t += rng.expovariate(rate) if arrival == "poisson" else rng.gammavariate(BURSTY_SHAPE, 1 / (BURSTY_SHAPE * rate))
             arrivals[i] = t
 
     reqs = [BenchRequest(i, p, o, a) for i, (p, o, a) in enumerate(zip(prompts, outputs, arrivals))]
-    return Workload(reqs, seed, arrival, rate if arrival == "poisson" else None, source,
+    return Workload(reqs, seed, arrival, rate if arrival in ("poisson", "bursty") else None, source,
                     tuple(prompt_len), tuple(output_len))
 
 

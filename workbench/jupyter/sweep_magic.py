@@ -56,7 +56,7 @@ def sweep_parser() -> MagicArgumentParser:
     p.add_argument("--prompt-len", type=_range, default=None, metavar="LO-HI", help="bench workload prompt tokens")
     p.add_argument("--output-len", type=_range, default=None, metavar="LO-HI", help="bench workload output tokens")
     p.add_argument("--seed", type=int, default=None, help="workload seed (default 0)")
-    p.add_argument("--arrival", choices=["all", "poisson"], default=None)
+    p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default=None)
     p.add_argument("--rate", type=float, default=None, help="poisson arrivals per second")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per prompt of a prompt list")
     p.add_argument("--workload", default=None, metavar="VAR", help="a variable holding the workload")

@@ -193,6 +193,9 @@ def _compare(args, log) -> int:
     rows += [[f"setting {k}", *v] for k, v in c["settings"].items()]
     rows += [[k, *v] for k, v in c["metrics"].items()]
     print(table(headers, rows))
+    for p in c.get("predictions") or []:
+        errs = ", ".join(f"{k} {v:+.1%}" for k, v in p["error"].items())
+        print(f"simulation #{p['simulation']} predicts run #{p['measured']}: {errs or 'no common metrics'}")
     notes = []
     if not c["same_weights"]:
         notes.append("weights checksums differ (or are unknown): different models or weights")

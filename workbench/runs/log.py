@@ -359,8 +359,19 @@ class RunLog:
         return list(out.values())
 
     def compare(self, ids: Iterable[int]) -> dict[str, Any]:
-        """Metrics side by side (a sweep expands to its points) and the settings that differ."""
+        """Metrics side by side (a sweep expands to its points) and the settings that differ. A
+        simulation that predicts a measured run brings that run along, and `predictions` holds
+        its error on each headline metric (predicted / measured - 1)."""
         runs = self._expand(ids)
+        present = {r["id"] for r in runs}
+        for r in list(runs):
+            target = (r.get("extra") or {}).get("predicts") if r.get("kind") == "simulation" else None
+            if isinstance(target, int) and target not in present:
+                try:
+                    runs.insert(runs.index(r), self.get(target))
+                    present.add(target)
+                except KeyError:
+                    pass  # the measured run is gone from this log
         flat = [flatten(r.get("metrics") or {}) for r in runs]
         names = _ordered_union(flat, HEADLINE)
         metrics = {n: [f.get(n) for f in flat] for n in names
@@ -376,6 +387,7 @@ class RunLog:
             "settings": differ,
             "same_weights": len(checksums) == 1 and None not in checksums,
             "same_workload": len({json.dumps(r.get("workload"), sort_keys=True, default=str) for r in runs}) == 1,
+            "predictions": _predictions(runs),
         }
 
     def export(self, path: str | os.PathLike | None = None, *, ids: Iterable[int] | None = None,
@@ -450,6 +462,19 @@ def export_row(run: dict) -> dict[str, Any]:
             for k, x in flatten({k: x for k, x in v.items() if k != "runs"}).items():
                 row[f"{col}.{k}"] = x
     return row
+
+
+def _predictions(runs: list[dict]) -> list[dict[str, Any]]:
+    by_id = {r["id"]: r for r in runs}
+    out = []
+    for r in runs:
+        target = by_id.get((r.get("extra") or {}).get("predicts")) if r.get("kind") == "simulation" else None
+        if target is None:
+            continue
+        pred, meas = headline(r), headline(target)
+        out.append({"simulation": r["id"], "measured": target["id"],
+                    "error": {k: pred[k] / meas[k] - 1 for k in pred if k in meas and meas[k]}})
+    return out
 
 
 def headline(run: dict) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser, *, calibrate_help: str) -
                      help="fit the step costs from the running engine NAME (runs a short calibration on it)")
     p.add_argument("--model", default=None, help="the model whose shape the roofline uses (default: the embedded one)")
     p.add_argument("--requests", type=int, default=64, metavar="N", help="number of requests (default 64)")
-    p.add_argument("--arrival", choices=["all", "poisson"], default="poisson", help="arrivals (default poisson)")
+    p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default="poisson", help="arrivals (default poisson)")
     p.add_argument("--rate", type=float, default=4.0, help="poisson arrivals: requests per second (default 4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--prompt-len", type=_pair, default=None, metavar="LO,HI", help="prompt lengths (default 32,512)")
@@ -134,7 +134,7 @@ def _log(message: str) -> None:
 def format_report(rep: dict) -> str:
     s = rep["results"]["simulated"]
     cfg, sim, w = rep["config"], rep["simulator"], rep["workload"]
-    arrival = "all at t=0" if w["arrival"] == "all" else f"Poisson, {w['rate']} req/s"
+    arrival = "all at t=0" if w["arrival"] == "all" else f"{'Poisson' if w['arrival'] == 'poisson' else 'bursty'}, {w['rate']} req/s"
     layout = (f"disaggregated {cfg['disaggregated'][0]} prefill + {cfg['disaggregated'][1]} decode"
               if cfg["disaggregated"] else f"{cfg['replicas']} replica(s), {cfg['router']}")
     cost = sim.get("cost", {})

@@ -284,19 +284,22 @@ class Simulator:
     # -- running -------------------------------------------------------------------------------------
     def workload(self, workload=None) -> list[BenchRequest]:
         """The requests of `workload`: the bench's parameters (a dict, as `workbench bench`), a
-        `Workload`, or a list of `BenchRequest`s."""
+        `Workload`, a list of `BenchRequest`s, or a recorded `Timeline` (a trace: each request's
+        arrival, prompt length and output length replayed, with stand-in token ids)."""
         if isinstance(workload, Workload):
             return list(workload.requests)
+        if isinstance(workload, Timeline):
+            return trace_requests(workload, self.vocab_size or 49152)
         if isinstance(workload, (list, tuple)) and all(isinstance(r, BenchRequest) for r in workload):
             return list(workload)
         if workload is not None and not isinstance(workload, dict):
-            raise TypeError("workload must be a dict of workbench bench parameters, a Workload or a list of "
-                            f"BenchRequest; got {type(workload).__name__}")
+            raise TypeError("workload must be a dict of workbench bench parameters, a Workload, a list of "
+                            f"BenchRequest or a recorded Timeline; got {type(workload).__name__}")
         kw = {**DEFAULT_WORKLOAD, **(workload or {})}
         unknown = set(kw) - set(WORKLOAD_KEYS)
         if unknown:
             raise ValueError(f"unknown workload key(s) {sorted(unknown)}; allowed: {', '.join(WORKLOAD_KEYS)}")
-        if kw.get("arrival") != "poisson":
+        if kw.get("arrival") not in ("poisson", "bursty"):
             kw.pop("rate", None)
         for k in ("prompt_len", "output_len"):
             if k in kw:
@@ -539,9 +542,45 @@ def _settings(values: dict[str, Any]) -> EngineSettings:
     return s
 
 
+def trace_requests(timeline: Timeline, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """A recorded timeline as a workload: every request that arrived and finished in it, at its
+    arrival offset, with its prompt length (the "arrived" event) and the tokens its steps produced
+    (one per decode step, one when its prefill completed). Token ids are seeded stand-ins, so
+    prefix sharing in the original prompts is not replayed."""
+    import random
+
+    arrived: dict[str, tuple[float, int]] = {}
+    finished: set[str] = set()
+    for ev in timeline.requests:
+        if ev.kind == "arrived" and ev.detail and ev.detail.startswith("prompt_tokens="):
+            arrived[ev.request_id] = (ev.time, int(ev.detail.split("=", 1)[1]))
+        elif ev.kind == "finished":
+            finished.add(ev.request_id)
+    produced: dict[str, int] = {}
+    computed: dict[str, int] = {}
+    for st in timeline.steps:
+        for e in st.batch:
+            if e.request_id not in arrived:
+                continue
+            done = computed.get(e.request_id, 0) + e.num_tokens
+            computed[e.request_id] = done
+            if e.kind != "prefill" or done >= arrived[e.request_id][1]:
+                produced[e.request_id] = produced.get(e.request_id, 0) + 1
+    keep = sorted((rid for rid in arrived if rid in finished and produced.get(rid)), key=lambda r: arrived[r][0])
+    if not keep:
+        raise ValueError("the timeline holds no request that arrived, ran and finished: nothing to replay")
+    t0 = arrived[keep[0]][0]
+    rng = random.Random(seed)
+    return [BenchRequest(i, [rng.randrange(3, vocab_size) for _ in range(arrived[rid][1])], produced[rid],
+                         arrived[rid][0] - t0) for i, rid in enumerate(keep)]
+
+
 def _describe_workload(workload, requests: list[BenchRequest]) -> dict[str, Any]:
     if isinstance(workload, Workload):
         return workload.describe()
+    if isinstance(workload, Timeline):
+        return {"trace": "timeline", "requests": len(requests), "prompt_tokens": sum(r.prompt_len for r in requests),
+                "output_tokens": sum(r.max_tokens for r in requests)}
     d = {**DEFAULT_WORKLOAD, **(workload or {})} if isinstance(workload, dict) or workload is None else {}
     return {**{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}, "requests": len(requests),
             "prompt_tokens": sum(r.prompt_len for r in requests), "output_tokens": sum(r.max_tokens for r in requests)}

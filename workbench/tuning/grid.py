@@ -16,7 +16,7 @@ SPREAD_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_
 QUANT_DEFAULTS = {"quantization": "none", "kv_cache_dtype": "auto"}
 TABLE_COLUMNS = ("output_tok_s", "output_tok_s_min", "output_tok_s_max", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                  "itl_p99_ms", "kv_usage_peak", "prefix_hit_rate", "spec_acceptance_rate", "delta_ppl",
-                 "cost_per_mtok", "joules_per_token", "pareto", "noisy", "overlaps", "repeats", "resumed")
+                 "cost_per_mtok", "joules_per_token", "pareto", "noisy", "overlaps", "repeats", "resumed", "source")
 COST_COLUMNS = ("output_tok_s", "cost_per_mtok", "joules_per_token", "prefill_tok_s", "prefill_cost_per_mtok",
                 "prefill_joules_per_token", "decode_tok_s", "decode_cost_per_mtok", "decode_joules_per_token")
 

@@ -90,7 +90,8 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
           resume: bool | Sequence[dict] = True, price_per_hour: float | None = None, watts: float | None = None,
           max_tokens: int = DEFAULT_MAX_TOKENS, ppl_tokens: int = 256, reset_prefix_cache: bool = True,
           progress=True, record: bool = True, run_log: str | RunLog | None = None,
-          on_point: Callable[[dict], Any] | None = None, cancel: threading.Event | None = None) -> SweepResult:
+          on_point: Callable[[dict], Any] | None = None, cancel: threading.Event | None = None,
+          simulate_first: bool | Any = False) -> SweepResult:
     """Measure `workload` at every point of `grid` on the running `engine`; one record per point.
 
     repeats: measured runs per point (spread and noise flags need >= 2). warmup: short warm-up
@@ -101,7 +102,10 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
     quantised points (0: skip). progress: True (tqdm), False, or a factory `(desc, total) -> bar`.
     record: write the run log (`run_log`: a path or RunLog; default `workbench.runs.default_path()`).
     on_point: called with each finished record. cancel: a threading.Event that stops the sweep like
-    Ctrl-C when set (what `asweep` uses).
+    Ctrl-C when set (what `asweep` uses). simulate_first: True (or a `workbench.Simulator`)
+    predicts every point with the simulator (calibrated on this engine) and measures only the
+    points on the predicted Pareto front, and those whose settings it cannot simulate; the others
+    keep their prediction (`source` "simulated"; every record has `predicted`).
     See the module doc for what is measured and how interrupts and resume behave.
     """
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
@@ -159,8 +163,13 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
     for p in points:
         full = {**original, **p}
         todo.append((p, stable_hash({**identity, "settings": full})))
-    measure = [t for t in todo if t[1] not in reuse]
-    if reuse and len(measure) < len(todo):
+    predicted = _predict(engine, simulate_first, w, original, [p for p, _ in todo]) if simulate_first else {}
+    skip = _off_the_predicted_front(predicted, len(todo))
+    measure = [t for i, t in enumerate(todo) if t[1] not in reuse and i not in skip]
+    if skip:
+        print(f"sweep: simulated all {len(todo)} points; measuring the {len(measure)} on the predicted front "
+              "(and any the simulator cannot model)", file=sys.stderr)
+    if reuse and len(measure) < len(todo) - len(skip):
         print(f"sweep: {len(todo) - len(measure)} of {len(todo)} points already measured"
               + (f" (run log sweep #{parent_id})" if parent_id else "") + "; resuming (resume=False measures again)",
               file=sys.stderr)
@@ -195,6 +204,13 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
 
         for index, (p, key) in enumerate(todo):
             label = point_label(p)
+            if index in skip:
+                rec = {"index": index, "label": label, "point": p, **p, **predicted[index], "source": "simulated",
+                       "predicted": predicted[index], "key": key, "resumed": False}
+                records.append(rec)
+                if on_point is not None:
+                    on_point(rec)
+                continue
             if key in reuse:
                 rec = dict(reuse[key], index=index, label=label)
                 records.append(rec)
@@ -232,7 +248,8 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
             agg["delta_ppl"] = ppl - base_ppl if ppl is not None and base_ppl is not None else None
             agg["repeats"] = repeats
             rec = {"index": index, "label": label, "point": p, **p, **agg, "runs": runs, "settings": settings_now,
-                   "run_id": child_id, "key": key, "configure_s": configure_s, "resumed": False}
+                   "run_id": child_id, "key": key, "configure_s": configure_s, "resumed": False, "source": "measured",
+                   "predicted": predicted.get(index)}
             records.append(rec)
             safe_finish(log, child_id, "completed", metrics={k: v for k, v in rec.items() if k not in (
                 "index", "label", "point", "settings", "run_id", "key", "configure_s", "resumed", *p)},
@@ -274,6 +291,37 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
             "baseline_ppl": result.baseline_ppl, **prices})
         _LAST[0] = result
     return result
+
+
+# Settings the simulator models (the scheduler's); a point changing any other is always measured.
+SIMULATED_SETTINGS = frozenset({"batching", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "prefix_caching"})
+PREDICTED_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cost_per_mtok",
+                  "joules_per_token", "kv_usage_peak", "preemptions")
+
+
+def _predict(engine, simulate_first, w, original: dict, points: list[dict]) -> dict[int, dict]:
+    """The simulator's prediction of each point it can model (index -> headline metrics)."""
+    from ..sim import Simulator
+
+    sim = simulate_first if isinstance(simulate_first, Simulator) else Simulator.calibrate(engine)
+    out = {}
+    for i, p in enumerate(points):
+        if set(p) <= SIMULATED_SETTINGS:
+            summary = sim.run(w, {**original, **p}, record=False).summary()
+            out[i] = {k: summary.get(k) for k in PREDICTED_KEYS}
+    return out
+
+
+def _off_the_predicted_front(predicted: dict[int, dict], n: int) -> set[int]:
+    """Predicted points that another predicted point dominates (throughput vs p99 TTFT and ITL)."""
+    from .pareto import pareto_front
+
+    if len(predicted) < 2:
+        return set()
+    order = sorted(predicted)
+    objectives = [("output_tok_s", "max"), ("ttft_p99_ms", "min"), ("itl_p99_ms", "min")]
+    front = {order[i] for i in pareto_front([predicted[k] for k in order], objectives)}
+    return {k for k in order if k not in front}
 
 
 async def asweep(engine, grid: dict[str, Sequence[Any]], workload=None, **kwargs) -> SweepResult:
