@@ -315,3 +315,26 @@ def test_runs_compare_sets_a_prediction_next_to_its_measurement(tiny_llama, tmp_
 
     assert main(["runs", "compare", str(res.run_id), "--db", str(log.path)]) == 0
     assert f"simulation #{res.run_id} predicts run #{measured}: output_tok_s" in capsys.readouterr().out
+
+
+def test_speculative_decoding_and_quantisation_change_the_step_costs():
+    sim = Simulator("l4")
+    wl = {"num_requests": 8, "arrival": "all", "seed": 6, "output_len": (40, 60)}
+    off = sim.run(wl, record=False)
+    sure = sim.run(wl, {"speculative": "ngram", "num_speculative_tokens": 4}, spec_acceptance=1.0, record=False)
+    never = sim.run(wl, {"speculative": "ngram", "num_speculative_tokens": 4}, spec_acceptance=0.0, record=False)
+    tokens = off.summary()["output_tokens"]
+    assert sure.summary()["output_tokens"] == never.summary()["output_tokens"] == tokens
+    assert all(len(r.token_times) == r.max_tokens for r in sure.requests)  # never past the output length
+    assert sure.summary()["engine_steps"] < off.summary()["engine_steps"] / 3  # five tokens per verify
+    assert never.summary()["output_tok_s"] < off.summary()["output_tok_s"]  # verifying costs, nothing gained
+    verifies = [e for s in sure.timeline.steps for e in s.batch if e.kind == "verify"]
+    assert verifies and max(e.num_tokens for e in verifies) == 5
+    int4 = sim.run(wl, {"quantization": "int4"}, record=False).summary()
+    assert int4["itl_p50_ms"] < off.summary()["itl_p50_ms"]  # fewer weight bytes per decode step
+    fitted = Simulator(None, cost=Fixed())
+    fitted.calibration = {"quantization": "none"}
+    with pytest.raises(ValueError, match="needs a calibration at 'int8'"):
+        fitted.run(wl, {"quantization": "int8"}, record=False)
+    with pytest.raises(ValueError, match="spec_acceptance must be a probability"):
+        sim.run(wl, {"speculative": "ngram"}, spec_acceptance=1.5, record=False)

@@ -64,6 +64,9 @@ def sweep_parser() -> MagicArgumentParser:
     p.add_argument("--price", type=float, default=None, help="machine price per hour (USD)")
     p.add_argument("--watts", type=float, default=None, help="machine power draw (W)")
     p.add_argument("--no-resume", action="store_true", help="measure every point again")
+    p.add_argument("--simulate-first", action="store_true",
+                   help="predict every point with the simulator (calibrated on the engine) and measure only the "
+                        "predicted Pareto front")
     p.add_argument("--no-record", action="store_true", help="do not write the run log")
     p.add_argument("--no-plot", action="store_true", help="show the table only")
     p.add_argument("-o", "--output", dest="var", default="_sweep", metavar="VAR", help="store the records in VAR")
@@ -121,7 +124,7 @@ def prepare(shell, line: str, cell: str | None) -> tuple[Any, dict[str, Any], ar
                                       ("arrival", args.arrival), ("rate", args.rate)) if v is not None}
     kwargs = dict(grid=grid, workload=workload, repeats=args.repeats, warmup=args.warmup,
                   resume=not args.no_resume, price_per_hour=args.price, watts=args.watts,
-                  max_tokens=args.max_tokens, record=not args.no_record)
+                  max_tokens=args.max_tokens, record=not args.no_record, simulate_first=args.simulate_first)
     return engine, kwargs, args
 
 

@@ -69,6 +69,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser, *, calibrate_help: str) -
     p.add_argument("--slo-itl-ms", type=float, default=None, help="SLO: mean time per output token, ms")
     p.add_argument("--replicas-for", action="store_true",
                    help="report the smallest replica count whose SLO attainment reaches 99%% at this rate")
+    p.add_argument("--spec-acceptance", type=float, default=None, metavar="P",
+                   help="with --speculative: chance each draft token is accepted (default: measured at "
+                        "calibration, else 0.6)")
     p.add_argument("--price-per-hour", type=float, default=None, help="USD per replica-hour (default by device)")
     p.add_argument("--watts", type=float, default=None, help="watts per replica (default by device)")
 
@@ -104,7 +107,7 @@ def simulate_from_args(args: argparse.Namespace, settings: dict[str, Any], engin
         sim = Simulator(args.profile, args.model, settings=settings)
     res = sim.run(workload, settings, replicas=args.replicas, router=args.router,
                   disaggregated=args.disaggregated, kv_transfer_gbs=args.kv_transfer_gbs, slo=slo,
-                  price_per_hour=args.price_per_hour, watts=args.watts)
+                  spec_acceptance=args.spec_acceptance, price_per_hour=args.price_per_hour, watts=args.watts)
     report = {"mode": "simulate", "workload": workload, "simulator": sim.describe(), "config": {
         k: res.config[k] for k in ("replicas", "router", "disaggregated", "slo", "num_kv_blocks", "settings")},
         "results": {"simulated": res.summary()}, "roofline": sim.describe().get("cost", {}), "run_id": res.run_id}

@@ -13,7 +13,10 @@ the batch exactly as in the engine, the cost model gives its duration, every seq
 reached its end gets a token (`update_from_output`, so blocks fill and are registered for the
 prefix cache as in the engine), a request that reached its output length is removed, and the
 step goes on the replica's timeline (`Scheduler.record_step`, the engine's own). Requests arrive
-between steps, as in the engine. Output lengths are the workload's (greedy, ignore_eos), so a
+between steps, as in the engine. With `speculative` on, decoding sequences get draft tokens as the
+engine's proposer attaches them, the scheduler runs verify steps, and each draft token is accepted
+with a given probability (`update_after_verify` keeps the accepted ones). A roofline follows the
+weights' quantisation; a fit holds for the layout it was measured at. Output lengths are the workload's (greedy, ignore_eos), so a
 simulated run and a measured one of the same workload see the same requests.
 
 Layouts: `replicas=N` colocated replicas behind `router` ("round_robin", "least_outstanding" (by
@@ -25,8 +28,10 @@ is twice as loaded as the least loaded one), or a function `(request, replicas) 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -48,6 +53,7 @@ ROUTERS = ("round_robin", "least_outstanding", "prefix_affinity")
 WORKLOAD_KEYS = ("num_requests", "seed", "prompt_len", "output_len", "arrival", "rate")
 DEFAULT_WORKLOAD = {"num_requests": 64, "arrival": "poisson", "rate": 4.0, "seed": 0}
 DEFAULT_NUM_KV_BLOCKS = 4096
+DEFAULT_SPEC_ACCEPTANCE = 0.6  # per draft token, when nothing was measured (an assumption)
 _TOKEN = 0  # the id a simulated step "samples" (no model: only counts and lengths matter)
 
 
@@ -80,8 +86,11 @@ class _TransferredKVScheduler(Scheduler):
 
 class _Replica:
     def __init__(self, index: int, settings: EngineSettings, num_blocks: int, cost, *, decode_only: bool = False,
-                 timeline_capacity: int = 20_000):
+                 timeline_capacity: int = 20_000, acceptance: float = 0.0, seed: int = 0):
         self.index = index
+        self.settings = settings
+        self.acceptance = acceptance  # chance that each draft token is accepted (speculative decoding)
+        self.rng = random.Random(seed + 7919 * index)
         self.t = 0.0
         self.cost = cost
         self.timeline = TimelineRecorder(timeline_capacity)
@@ -115,9 +124,36 @@ class _Replica:
         self.timeline.add_request(t, rid, "arrived", f"prompt_tokens={len(ids)}")
         self.scheduler.add(seq)
 
+    def _propose(self) -> int:
+        """Draft tokens for the decoding sequences, as the engine's proposer attaches them (their
+        values do not matter here; how many are accepted is drawn at verify)."""
+        s = self.settings
+        if s.speculative == "off" or not s.kv_cache:
+            return 0
+        proposed = 0
+        for seq in self.scheduler.running:
+            room = min(s.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+            if seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1:
+                continue
+            if self.scheduler.reserve(seq, len(seq) + room):
+                seq.spec_tokens = [_TOKEN] * room
+                proposed += room
+        return proposed
+
+    def _verify(self, seq: Sequence) -> list[int]:
+        """A verify's outcome: the leading draft tokens accepted (each with `acceptance`), plus one."""
+        accepted = 0
+        for _ in seq.spec_tokens:
+            if self.rng.random() >= self.acceptance:
+                break
+            accepted += 1
+        return [_TOKEN] * (accepted + 1)
+
     def step(self) -> list[tuple[_Request, Sequence]]:
         """One engine step at this replica's time; returns the requests it finished."""
+        proposed = self._propose()
         sched = self.scheduler.schedule()
+        sched.spec_proposed = proposed
         if not sched.scheduled:
             raise RuntimeError(f"replica {self.index} cannot schedule its waiting requests (KV cache too small)")
         prefill = decode = 0
@@ -132,22 +168,30 @@ class _Replica:
         self.t = end = start + self.cost(StepShape(prefill, decode, len(sched.scheduled), work))
         self.busy_s += end - start
         self.steps += 1
-        sampled = {i: _TOKEN for i, s in enumerate(sched.scheduled)
-                   if s.seq.num_computed_tokens + s.num_tokens >= len(s.seq.token_ids)}  # `samples` (no drafts here)
-        self.scheduler.update_from_output(sched, sampled, set())
+        verified = {i for i, s in enumerate(sched.scheduled) if s.kind == "verify"}
+        sampled = {i: _TOKEN for i, s in enumerate(sched.scheduled) if i not in verified
+                   and s.seq.num_computed_tokens + s.num_tokens >= len(s.seq.token_ids)}  # `samples`
+        self.scheduler.update_from_output(sched, sampled, verified)
+        emitted: dict[int, int] = dict.fromkeys(sampled, 1)
+        for i in verified:
+            seq = sched.scheduled[i].seq
+            tokens = self._verify(seq)
+            sched.spec_accepted += len(tokens) - 1
+            self.scheduler.update_after_verify(seq, len(seq), tokens)
+            emitted[i] = len(tokens)
         done = []
-        for i in sampled:
+        for i, n in emitted.items():
             seq = sched.scheduled[i].seq
             req = self.requests[seq.request_id]
             if not req.token_times:
                 self.timeline.add_request(end, seq.request_id, "first_token")
-            req.token_times.append(end)
-            self.outstanding -= 1
+            req.token_times.extend([end] * n)
+            self.outstanding -= n
             if seq.num_output_tokens >= seq.params.max_tokens:
                 done.append((req, seq))
         used, total = self.scheduler.kv_blocks
         self.kv_peak = max(self.kv_peak, used / total)
-        self.scheduler.record_step(sched, start, end, len(sampled))
+        self.scheduler.record_step(sched, start, end, sum(emitted.values()))
         for req, seq in done:
             req.preemptions += seq.metrics.num_preemptions
             req.prefix_hit_tokens += seq.metrics.prefix_hit_tokens
@@ -269,7 +313,10 @@ class Simulator:
                   num_kv_blocks=status.get("num_kv_blocks"), block_size=status.get("block_size") or 16,
                   tokenizer=tok, vocab_size=status.get("vocab_size"), device=str(status.get("device", "cpu")),
                   source="fitted")
-        sim.calibration = {"engine": status.get("model"), "device": status.get("device"), **cost.describe()}
+        metrics = eng.metrics()
+        sim.calibration = {"engine": status.get("model"), "device": status.get("device"),
+                           "quantization": settings.get("quantization", "none"),
+                           "spec_acceptance_rate": metrics.get("spec_acceptance_rate") or None, **cost.describe()}
         return sim
 
     calibration: dict[str, Any] | None = None
@@ -310,13 +357,16 @@ class Simulator:
 
     def run(self, workload=None, settings: dict[str, Any] | None = None, replicas: int = 1,
             router: str | Callable = "round_robin", *, disaggregated: tuple[int, int] | None = None,
-            kv_transfer_gbs: float = 25.0, slo: dict[str, float] | None = None,
+            kv_transfer_gbs: float = 25.0, slo: dict[str, float] | None = None, spec_acceptance: float | None = None,
             price_per_hour: float | None = None, watts: float | None = None,
             timeline_capacity: int = 20_000, record: bool = True, run_log=None,
             predicts: int | None = None) -> SimResult:
         """Simulate `workload` under `settings` (the engine's names; live ones only matter).
         `record`: write the run log (kind "simulation"; `run_log` a path or RunLog; `predicts`:
-        the id of the measured run this predicts, so `workbench runs compare` sets them side by side)."""
+        the id of the measured run this predicts, so `workbench runs compare` sets them side by side).
+        With `speculative` on, each draft token is accepted with `spec_acceptance` (default: the
+        calibrated engine's measured rate, else 0.6, an assumption); a draft model's own forward
+        time is not modelled (the n-gram proposer's is nil)."""
         t_wall = time.perf_counter()
         requests = self.workload(workload)
         s = _settings({**self.base_settings, **(settings or {})})
@@ -324,15 +374,17 @@ class Simulator:
         _check_router(router)
         slo = _check_slo(slo)
         reqs = [_Request(r.index, list(r.prompt_token_ids), r.max_tokens, r.arrival_s) for r in requests]
+        acceptance = self._acceptance(spec_acceptance)
+        cost = self._cost_for(s)
+        replica = functools.partial(_Replica, timeline_capacity=timeline_capacity, acceptance=acceptance)
         if disaggregated is not None:
-            pools = _disaggregated(disaggregated, s, blocks, self.cost, timeline_capacity)
+            pools = _disaggregated(disaggregated, s, blocks, cost, replica)
             all_replicas = pools[0] + pools[1]
-            _run_disaggregated(reqs, pools, router, self.cost, kv_transfer_gbs, self._kv_bytes_per_token())
+            _run_disaggregated(reqs, pools, router, cost, kv_transfer_gbs, self._kv_bytes_per_token())
         else:
             if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
                 raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
-            all_replicas = [_Replica(i, s, blocks, self.cost, timeline_capacity=timeline_capacity)
-                            for i in range(replicas)]
+            all_replicas = [replica(i, s, blocks, cost) for i in range(replicas)]
             _run_colocated(reqs, all_replicas, router, self.block_size)
         records = [RequestRecord(r.index, r.arrival, len(r.prompt), [_TOKEN] * len(r.token_times), r.token_times,
                                  r.finished) for r in reqs]
@@ -380,6 +432,29 @@ class Simulator:
             else:
                 lo = mid + 1
         return best
+
+    def _acceptance(self, given: float | None) -> float:
+        if given is not None:
+            if not isinstance(given, (int, float)) or isinstance(given, bool) or not 0 <= given <= 1:
+                raise ValueError(f"spec_acceptance must be a probability in [0, 1], got {given!r}")
+            return float(given)
+        measured = (self.calibration or {}).get("spec_acceptance_rate")
+        return float(measured) if measured else DEFAULT_SPEC_ACCEPTANCE
+
+    def _cost_for(self, settings: EngineSettings):
+        """The step cost under `settings`: a roofline follows the weights' quantisation (fewer bytes
+        to read); a fit holds only for the layout it was measured at."""
+        q = settings.quantization
+        if isinstance(self.cost, RooflineCost):
+            if q == "none":
+                return self.cost
+            config = _model_config(self.model_name)
+            return RooflineCost(self.cost.profile, ModelShape.of(config, quantization=q))
+        fitted_at = (self.calibration or {}).get("quantization")
+        if fitted_at is not None and q != fitted_at:
+            raise ValueError(f"this step-cost fit was measured at quantization={fitted_at!r}; simulating "
+                             f"quantization={q!r} needs a calibration at {q!r} (or a roofline profile)")
+        return self.cost
 
     def _kv_bytes_per_token(self) -> float:
         model = getattr(self.cost, "model", None)
@@ -457,13 +532,13 @@ def _run_colocated(reqs: list[_Request], replicas: list[_Replica], router, block
             return
 
 
-def _disaggregated(layout, settings, blocks, cost, capacity) -> tuple[list[_Replica], list[_Replica]]:
+def _disaggregated(layout, settings, blocks, cost, replica) -> tuple[list[_Replica], list[_Replica]]:
     if (not isinstance(layout, (tuple, list)) or len(layout) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in layout)):
         raise ValueError(f"disaggregated must be (prefill replicas, decode replicas), each >= 1; got {layout!r}")
     p, d = layout
-    prefill = [_Replica(i, settings, blocks, cost, timeline_capacity=capacity) for i in range(p)]
-    decode = [_Replica(p + i, settings, blocks, cost, decode_only=True, timeline_capacity=capacity) for i in range(d)]
+    prefill = [replica(i, settings, blocks, cost) for i in range(p)]
+    decode = [replica(p + i, settings, blocks, cost, decode_only=True) for i in range(d)]
     return prefill, decode
 
 
