@@ -338,3 +338,16 @@ def test_speculative_decoding_and_quantisation_change_the_step_costs():
         fitted.run(wl, {"quantization": "int8"}, record=False)
     with pytest.raises(ValueError, match="spec_acceptance must be a probability"):
         sim.run(wl, {"speculative": "ngram"}, spec_acceptance=1.5, record=False)
+
+
+def test_a_recorded_fit_comes_back_from_the_run_log(tiny_llama, tmp_path):
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=64)
+    sim = Simulator.calibrate(llm)
+    log = RunLog(tmp_path / "runs.sqlite")
+    assert Simulator.latest_fit(sim.calibration["engine"], run_log=log) is None  # nothing recorded yet
+    w = small(6, seed=2, arrival="poisson", rate=10.0)
+    first = sim.run(w, run_log=log)
+    again = Simulator.latest_fit(sim.calibration["engine"], run_log=log)
+    assert again is not None and again.source == f"fitted (run log #{first.run_id})"
+    assert again.run(w, record=False).summary()["output_tok_s"] == pytest.approx(first.summary()["output_tok_s"])
+    assert Simulator.latest_fit("some-other-model", run_log=log) is None

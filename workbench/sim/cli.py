@@ -49,7 +49,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser, *, calibrate_help: str) -
 
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", default="h200", choices=[*PROFILES, "cpu"],
-                     help="accelerator whose roofline gives the step costs (default h200; cpu: this host, measured)")
+                     help="accelerator whose roofline gives the step costs (default h200; cpu: this host: its newest "
+                          "recorded fit for the model, else its measured roofline)")
     src.add_argument("--calibrate", action="store_true", help=calibrate_help)
     src.add_argument("--engine", default=None, metavar="NAME",
                      help="fit the step costs from the running engine NAME (runs a short calibration on it)")
@@ -104,7 +105,9 @@ def simulate_from_args(args: argparse.Namespace, settings: dict[str, Any], engin
         cal = sim.calibration or {}
         _log(f"fitted on {cal.get('steps')} steps: mean error {cal.get('mape', 0) * 100:.1f}%, r2 {cal.get('r2', 0):.3f}")
     else:
-        sim = Simulator(args.profile, args.model, settings=settings)
+        # this host's own fit, once one is recorded, replaces its measured roofline
+        found = Simulator.latest_fit(args.model) if args.profile == "cpu" else None
+        sim = found if found is not None else Simulator(args.profile, args.model, settings=settings)
     res = sim.run(workload, settings, replicas=args.replicas, router=args.router,
                   disaggregated=args.disaggregated, kv_transfer_gbs=args.kv_transfer_gbs, slo=slo,
                   spec_acceptance=args.spec_acceptance, price_per_hour=args.price_per_hour, watts=args.watts)

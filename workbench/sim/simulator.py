@@ -321,6 +321,51 @@ class Simulator:
 
     calibration: dict[str, Any] | None = None
 
+    @classmethod
+    def from_calibration(cls, calibration: dict[str, Any], *, settings: dict[str, Any] | None = None,
+                         num_kv_blocks: int | None = None, block_size: int = 16, model=None) -> Simulator:
+        """A simulator with a recorded fit (`sim.calibration`, as the run log keeps it)."""
+        names = list(calibration["coefficients"])
+        from .cost import FEATURES
+
+        if names != list(FEATURES):
+            raise ValueError(f"this calibration has the features {names}; this version fits {list(FEATURES)}")
+        threshold = calibration.get("threshold_tokens") or (1 << 30)
+        cost = FittedCost([float(calibration["coefficients"][k]) for k in FEATURES], threshold, dict(calibration))
+        sim = cls(None, model if model is not None else calibration.get("engine"), cost=cost, settings=settings,
+                  num_kv_blocks=num_kv_blocks, block_size=block_size, device=str(calibration.get("device") or "cpu"),
+                  source="fitted")
+        sim.calibration = dict(calibration)
+        return sim
+
+    @classmethod
+    def latest_fit(cls, model: str | None = None, *, run_log=None) -> Simulator | None:
+        """The newest fit recorded on this host (for `model`; None: the embedded default), as a
+        simulator; None when there is none. How a measured fit replaces the "cpu" roofline."""
+        import socket
+
+        from ..runs import open_log, recording_enabled
+
+        if run_log is None and not recording_enabled():
+            return None
+        name = model or "smollm2-135m"
+        try:
+            rows = open_log(run_log).list(kind="simulation", status="completed", limit=200)
+        except Exception:
+            return None
+        for row in rows:
+            sim = (row.get("extra") or {}).get("simulator") or {}
+            cal = sim.get("calibration")
+            if cal and row.get("host") == socket.gethostname() and (cal.get("engine") or row.get("model")) == name:
+                try:
+                    found = cls.from_calibration(cal, settings=row.get("settings"),
+                                                 num_kv_blocks=(row.get("extra") or {}).get("num_kv_blocks"))
+                except (ValueError, KeyError, TypeError):
+                    continue
+                found.source = f"fitted (run log #{row['id']})"
+                return found
+        return None
+
     def describe(self) -> dict[str, Any]:
         d = {"source": self.source, "model": self.model_name, "device": self.device,
              "cost": self.cost.describe() if hasattr(self.cost, "describe") else repr(self.cost)}
