@@ -48,6 +48,11 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
         common.update(overrides)
         cfg = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        common.update(head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0, attention_bias=False)
+        common.update(overrides)
+        cfg = transformers.Qwen3Config(**common)
+        model = transformers.Qwen3ForCausalLM(cfg)
     elif arch == "mistral":
         common.update(tie_word_embeddings=False, sliding_window=None)
         common.update(overrides)
@@ -69,6 +74,13 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     model = make_tiny_model(path, "llama")
+    return path, model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    model = make_tiny_model(path, "qwen3", seed=3)
     return path, model
 
 

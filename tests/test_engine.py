@@ -17,11 +17,11 @@ def ragged_prompts(seed=0, lengths=(1, 5, 15, 16, 17, 31, 33, 64, 90), vocab=256
 
 
 @pytest.fixture(scope="module")
-def references(tiny_llama, tiny_qwen2):
+def references(tiny_llama, tiny_qwen2, tiny_qwen3):
     prompts = ragged_prompts()
     return {
         name: (path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts])
-        for name, (path, model) in (("llama", tiny_llama), ("qwen2", tiny_qwen2))
+        for name, (path, model) in (("llama", tiny_llama), ("qwen2", tiny_qwen2), ("qwen3", tiny_qwen3))
     }
 
 
@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_transformers(references, arch, case):
     path, prompts, expected = references[arch]
@@ -53,6 +53,27 @@ def test_greedy_matches_transformers(references, arch, case):
     if case == "preemption":
         assert llm.metrics()["total_preemptions"] > 0
     llm.engine.scheduler.block_manager.check_idle()
+
+
+def test_qwen3_with_shared_prefixes_and_speculation(tiny_qwen3):
+    """Qwen3's per-head q/k norm through the prefix cache (shared prompt blocks) and n-gram
+    speculation (verify steps), token for token with transformers."""
+    path, model = tiny_qwen3
+    base = ragged_prompts(seed=8, lengths=(40,))[0]
+    prompts = [base + [5, 6, 7] * 4, base + [9, 10], base[:33]]
+    expected = [hf_greedy(model, p, 16) for p in prompts]
+    params = SamplingParams(max_tokens=16, temperature=0)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8, speculative="ngram",
+              num_speculative_tokens=3)
+    first = llm.generate(prompt_token_ids=prompts[:1], params=params)
+    rest = llm.generate(prompt_token_ids=prompts[1:], params=params)
+    assert [o.token_ids for o in first + rest] == expected
+    assert llm.metrics()["total_prefix_hit_tokens"] > 0 and llm.metrics()["total_spec_verifies"] > 0
+    st = llm.status()
+    assert st["kernel_variant"] == "torch"  # fp32; and in bf16 the C kernels say why they do not apply:
+    bf16 = LLM(str(path), dtype="bfloat16", num_kv_blocks=32)
+    if bf16.status()["kernel_variant"] == "torch":
+        assert "q/k norm" in bf16.status()["kernel_variant_reason"] or "C kernels" in bf16.status()["kernel_variant_reason"]
 
 
 def test_mistral_style_untied(tmp_path):
@@ -328,3 +349,50 @@ def test_draw_samples_the_distribution_and_never_a_filtered_token():
     assert counts[4] == 0 and counts[5] == 0
     a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]
+
+
+def test_qwen3_from_a_gguf_file(tiny_qwen3, tmp_path):
+    """A Qwen3 GGUF (llama.cpp's names, attn_q_norm / attn_k_norm, no q/k permutation for qwen
+    architectures) loads into the same weights and generates what transformers does."""
+    import gguf
+
+    path, model = tiny_qwen3
+    cfg = model.config
+    w = gguf.GGUFWriter(str(tmp_path / "tiny-qwen3.gguf"), "qwen3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(1000000.0)  # the fixture's (transformers 5 keeps it in rope_parameters)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    for name, t in model.state_dict().items():
+        if name in glob:
+            out = glob[name]
+        else:
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            out = f"blk.{i}.{layer[rest]}"
+        w.add_tensor(out, t.float().numpy().copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    prompts = ragged_prompts(seed=5, lengths=(9, 30))
+    llm = LLM(str(tmp_path / "tiny-qwen3.gguf"), dtype="float32", num_kv_blocks=32)
+    assert llm.engine.model_config.architecture == "qwen3" and llm.engine.model_config.qk_norm
+    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]

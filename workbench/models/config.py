@@ -1,7 +1,7 @@
 """What a model is, whatever its format: `ModelConfig`, `LoadedModel`, the supported
 architectures, the expected weight names and shapes, and the weights' checksum.
 
-Weights use Hugging Face Llama names:
+Weights use Hugging Face Llama names (Qwen3 adds `self_attn.{q,k}_norm.weight`, one per head dim):
 
     model.embed_tokens.weight
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   (+ q/k/v .bias when attention_bias)
@@ -29,6 +29,7 @@ from ..tokenizer import Tokenizer
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
 _HF_CLASS = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -42,7 +43,7 @@ def _supported_text() -> str:
 # ----------------------------------------------------------------------------------- config
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "mistral"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -64,6 +65,7 @@ class ModelConfig:
     # Block size of the quantised checkpoint these weights came from (GGUF Q4_1: 32), so int4
     # re-quantisation can line its groups up with the original grid instead of smearing it.
     source_quant_block: int | None = None
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen3)
 
     @classmethod
     def from_hf_config(
@@ -117,6 +119,9 @@ class ModelConfig:
         if arch == "qwen2":
             attention_bias = True  # Qwen2 always has q/k/v biases (no o bias)
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        elif arch == "qwen3":
+            attention_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             attention_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if arch == "mistral" else None
@@ -145,6 +150,7 @@ class ModelConfig:
             path=str(path),
             sliding_window=None if sliding is None else int(sliding),
             source_quant_block=cfg.get("workbench_source_quant_block"),
+            qk_norm=arch == "qwen3",
         )
 
     def to_hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -185,7 +191,7 @@ class ModelConfig:
             out["workbench_source_quant_block"] = self.source_quant_block
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
-            if self.architecture == "qwen2":
+            if self.architecture in ("qwen2", "qwen3"):
                 out["use_sliding_window"] = True
         return out
 
@@ -222,6 +228,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, H)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, H)
         shapes[p + "self_attn.o_proj.weight"] = (H, q_out)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)

@@ -31,13 +31,15 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 
 # llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> how the original tokenizer splits text.
 _GPT2_PRE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"}
@@ -218,6 +220,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         eos_token_ids=[] if eos is None else [int(eos)],
         name=path.stem,
         path=str(path),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
     )
     if config.vocab_size == 0:
         config.vocab_size = int(
@@ -247,7 +250,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         if not arr.flags.writeable:  # unquantised tensors are views of the memory-mapped file
             arr = arr.copy()
         w = torch.from_numpy(arr)
-        # The HF->GGUF converter permutes q/k rows for llama (not qwen2); undo it.
+        # The HF->GGUF converter permutes q/k rows for llama (not qwen2/qwen3); undo it.
         if config.architecture in ("llama", "mistral"):
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 w = _unpermute_qk(w, heads)

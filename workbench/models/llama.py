@@ -1,4 +1,4 @@
-"""The transformer: Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a flat token batch.
+"""The transformer: Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat token batch.
 
 No padding anywhere: a step's tokens from every sequence are concatenated, and attention finds
 each sequence's context in the paged KV cache through `AttnMetadata`. Q/K/V and gate/up are
@@ -105,6 +105,9 @@ class DecoderLayer:
         self.down = Linear(weights[p + "mlp.down_proj.weight"])
         self.ln1 = weights[p + "input_layernorm.weight"]
         self.ln2 = weights[p + "post_attention_layernorm.weight"]
+        # Qwen3: RMSNorm over each head's query and key (before RoPE)
+        self.q_norm = weights.get(a + "q_norm.weight") if config.qk_norm else None
+        self.k_norm = weights.get(a + "k_norm.weight") if config.qk_norm else None
         self.eps = config.rms_norm_eps
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.index = i
@@ -119,6 +122,8 @@ class DecoderLayer:
         q = q.view(-1, self.nq, self.d)
         k = k.view(-1, self.nkv, self.d)
         v = v.view(-1, self.nkv, self.d)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = rope(positions, q, k)
         o = attention(q, k, v, self.index, meta)
         x = x + self.o(o.reshape(-1, self.nq * self.d))
