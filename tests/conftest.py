@@ -53,6 +53,18 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
         common.update(overrides)
         cfg = transformers.Qwen3Config(**common)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "mixtral":
+        common.update(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+        common.update(overrides)
+        cfg = transformers.MixtralConfig(**common)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif arch == "qwen3_moe":
+        common.update(head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+                      norm_topk_prob=False)
+        common.update(overrides)
+        cfg = transformers.Qwen3MoeConfig(**common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     elif arch == "mistral":
         common.update(tie_word_embeddings=False, sliding_window=None)
         common.update(overrides)

@@ -50,6 +50,9 @@ class EngineSettings(HasTraits):
     attention_backend = Enum(["auto", "torch", "triton"], default_value="auto").tag(
         kind=LIVE, doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference"
     )
+    moe_top_k = Int(None, allow_none=True, min=1, max=1024).tag(
+        kind=LIVE, doc="experts per token on mixture-of-experts models (None: the checkpoint's); changes outputs"
+    )
     cpu_kernels = Bool(True).tag(
         kind=LIVE, doc="bf16 on a CPU: our C kernels (built for this CPU's instruction set) for decode GEMVs, "
         "attention and fused layer ops, large steps in the faster GEMM dtype (False: torch's ops only)"

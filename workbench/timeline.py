@@ -40,6 +40,8 @@ class StepEvent(msgspec.Struct, omit_defaults=True):
     num_waiting: int = 0
     num_running: int = 0
     output_tokens: int = 0  # tokens emitted by this step
+    # MoE models: per MoE layer, how many tokens each expert received in this step
+    expert_counts: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class RequestEvent(msgspec.Struct, omit_defaults=True):

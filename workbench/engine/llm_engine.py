@@ -67,6 +67,9 @@ class LLMEngine:
             cpu_kernels=s.cpu_kernels,
         )
         self._weights = weights
+        if s.moe_top_k is not None:
+            self._check_moe_top_k(s.moe_top_k)
+            self.runner.model.set_moe_top_k(s.moe_top_k)
         if s.quantization != "none":
             self._check_quantization(s.quantization)
             self.runner.model.quantize(s.quantization, s.quant_group_size)
@@ -227,7 +230,8 @@ class LLMEngine:
 
     def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks) -> None:
         self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
-        self.scheduler.record_step(sched, start, end, sum(len(c.token_ids_delta) for c in chunks))
+        self.scheduler.record_step(sched, start, end, sum(len(c.token_ids_delta) for c in chunks),
+                                   expert_counts=self.runner.model.expert_counts())
 
     # -- settings -------------------------------------------------------------------------------
     def configure(self, **changes: Any) -> dict[str, Any]:
@@ -243,6 +247,8 @@ class LLMEngine:
         merged = {**self.settings.as_dict(), **applied}
         if "quantization" in applied:
             self._check_quantization(applied["quantization"])
+        if applied.get("moe_top_k") is not None:
+            self._check_moe_top_k(applied["moe_top_k"])
         if "attention_backend" in applied:
             backend_ops(applied["attention_backend"], self.device)
         new_draft = None
@@ -267,6 +273,8 @@ class LLMEngine:
             self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
         if {"quantization", "quant_group_size"} & applied.keys():
             self.runner.model.quantize(merged["quantization"], merged["quant_group_size"])
+        if "moe_top_k" in applied:
+            self.runner.model.set_moe_top_k(applied["moe_top_k"])
         for name, value in applied.items():
             setattr(self.settings, name, value)
         if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
@@ -281,6 +289,15 @@ class LLMEngine:
         if applied:
             self._emit_event("settings", {"changes": applied, "settings": self.settings.as_dict()})
         return self.settings.as_dict()
+
+    def _check_moe_top_k(self, value: int) -> None:
+        c = self.model_config
+        if not c.num_experts:
+            raise ValueError(f"invalid value {value!r} for setting 'moe_top_k': {self.model_name} is not a "
+                             "mixture-of-experts model; allowed: None")
+        if not 1 <= value <= c.num_experts:
+            raise ValueError(f"invalid value {value!r} for setting 'moe_top_k': allowed None or 1..{c.num_experts} "
+                             f"(this model has {c.num_experts} experts, {c.num_experts_per_tok} per token by default)")
 
     def _check_quantization(self, mode: str) -> None:
         if mode == "fp8" and not fp8_supported(self.device):

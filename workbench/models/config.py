@@ -30,6 +30,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "MistralForCausalLM": "mistral",
 }
 _HF_CLASS = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -43,7 +45,7 @@ def _supported_text() -> str:
 # ----------------------------------------------------------------------------------- config
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mistral" | "mixtral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -66,6 +68,13 @@ class ModelConfig:
     # re-quantisation can line its groups up with the original grid instead of smearing it.
     source_quant_block: int | None = None
     qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen3)
+    # Mixture of experts: each MoE layer routes every token to `num_experts_per_tok` of
+    # `num_experts` SwiGLU experts (softmax router, top-k; weights renormalised when norm_topk_prob).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf_config(
@@ -119,7 +128,7 @@ class ModelConfig:
         if arch == "qwen2":
             attention_bias = True  # Qwen2 always has q/k/v biases (no o bias)
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        elif arch == "qwen3":
+        elif arch in ("qwen3", "qwen3_moe"):
             attention_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
@@ -129,6 +138,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         bos = cfg.get("bos_token_id")
+        moe = _moe_fields(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -150,7 +160,8 @@ class ModelConfig:
             path=str(path),
             sliding_window=None if sliding is None else int(sliding),
             source_quant_block=cfg.get("workbench_source_quant_block"),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            **moe,
         )
 
     def to_hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -235,9 +246,17 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, H)
-        shapes[p + "mlp.up_proj.weight"] = (inter, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, inter)
+        if i in config.moe_layers:
+            e_inter = config.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (config.num_experts, H)
+            for e in range(config.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (e_inter, H)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (e_inter, H)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (H, e_inter)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (inter, H)
+            shapes[p + "mlp.up_proj.weight"] = (inter, H)
+            shapes[p + "mlp.down_proj.weight"] = (H, inter)
         shapes[p + "input_layernorm.weight"] = (H,)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
     return shapes
@@ -249,6 +268,32 @@ _OPTIONAL_BIAS = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.(ga
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a config.json: Mixtral (every layer sparse, renormalised top-k) or
+    Qwen3-MoE (`decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`)."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "mixtral":
+        return {"num_experts": int(cfg["num_local_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
+                "moe_layers": list(range(layers))}
+    if arch == "qwen3_moe":
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 4 / 5
+        moe_layers = [i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0]
+        return {"num_experts": experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+                "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": moe_layers}
+    return {}
+
+
+# Mixtral's names for the router and experts -> the names used here (Qwen3-MoE's).
+_MIXTRAL_NAMES = [(re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+                  (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+                  (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+                  (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj.")]
+
+
 def select_weights(
     raw: dict[str, torch.Tensor], config: ModelConfig, where: str, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -256,6 +301,13 @@ def select_weights(
     if "model.embed_tokens.weight" not in raw and "embed_tokens.weight" in raw:
         # saved from the bare LlamaModel: no "model." prefix
         raw = {(k if k.startswith("lm_head.") else "model." + k): v for k, v in raw.items()}
+    if config.architecture == "mixtral":
+        def rename(k: str) -> str:
+            for pattern, repl in _MIXTRAL_NAMES:
+                k = pattern.sub(repl, k)
+            return k
+
+        raw = {rename(k): v for k, v in raw.items()}
     expected = expected_weight_shapes(config)
     missing = [k for k in expected if k not in raw]
     if missing:

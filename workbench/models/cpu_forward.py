@@ -28,6 +28,8 @@ def why_not(model, on: bool) -> str | None:
         return f"the C kernels serve bf16 models; this one runs in {str(dt).removeprefix('torch.')}"
     if not cpu.available():
         return f"no C kernels: {cpu.unavailable_reason()}"
+    if c.moe_layers:
+        return "the C kernels serve dense models; mixture-of-experts layers run in torch's ops"
     if c.qk_norm:
         return "the C kernels do not apply the per-head q/k norm of this architecture (Qwen3) yet: torch's ops"
     if not cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads):

@@ -101,8 +101,10 @@ class DecoderLayer:
             bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
         self.qkv = Linear(qkv, bias)
         self.o = Linear(weights[a + "o_proj.weight"])
-        self.gate_up = Linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
-        self.down = Linear(weights[p + "mlp.down_proj.weight"])
+        self.moe = MoE(config, weights, p + "mlp.") if i in config.moe_layers else None
+        if self.moe is None:
+            self.gate_up = Linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+            self.down = Linear(weights[p + "mlp.down_proj.weight"])
         self.ln1 = weights[p + "input_layernorm.weight"]
         self.ln2 = weights[p + "post_attention_layernorm.weight"]
         # Qwen3: RMSNorm over each head's query and key (before RoPE)
@@ -113,6 +115,8 @@ class DecoderLayer:
         self.index = i
 
     def linears(self) -> list[Linear]:
+        if self.moe is not None:
+            return [self.qkv, self.o, *self.moe.linears()]
         return [self.qkv, self.o, self.gate_up, self.down]
 
     def __call__(self, x, positions, rope, attention, meta):
@@ -128,8 +132,50 @@ class DecoderLayer:
         o = attention(q, k, v, self.index, meta)
         x = x + self.o(o.reshape(-1, self.nq * self.d))
         h = rms_norm(x, self.ln2, self.eps)
+        if self.moe is not None:
+            return x + self.moe(h)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+
+class MoE:
+    """A sparse mixture-of-experts MLP: a softmax router picks each token's top-k experts (their
+    weights renormalised to sum to 1 where the checkpoint says so), and only those experts run,
+    each on the tokens routed to it. `top_k` can be overridden live (`moe_top_k`); `counts` holds
+    how many tokens each expert received in the last forward."""
+
+    def __init__(self, config, weights: dict[str, torch.Tensor], prefix: str):
+        self.router = Linear(weights[prefix + "gate.weight"])
+        self.experts = [
+            (Linear(torch.cat([weights[prefix + f"experts.{e}.gate_proj.weight"],
+                               weights[prefix + f"experts.{e}.up_proj.weight"]])),
+             Linear(weights[prefix + f"experts.{e}.down_proj.weight"]))
+            for e in range(config.num_experts)]
+        self.default_top_k = config.num_experts_per_tok
+        self.top_k = config.num_experts_per_tok
+        self.normalize = config.norm_topk_prob
+        self.counts: list[int] = [0] * config.num_experts
+
+    def linears(self) -> list[Linear]:
+        """The experts' linears (quantised with the rest); the small router stays in full precision,
+        since a quantised router would reroute tokens."""
+        return [lin for pair in self.experts for lin in pair]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(h), dim=-1, dtype=torch.float32)
+        weight, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weight = weight / weight.sum(dim=-1, keepdim=True)
+        weight = weight.to(h.dtype)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts))
+        self.counts = counts.tolist()
+        out = torch.zeros_like(h)
+        for e in torch.nonzero(counts).flatten().tolist():
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            gate_up, down = self.experts[e]
+            g, u = gate_up(h[rows]).chunk(2, dim=-1)
+            out.index_add_(0, rows, down(F.silu(g) * u) * weight[rows, slot, None])
+        return out
 
 
 class Transformer:
@@ -173,6 +219,19 @@ class Transformer:
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [layer.moe for layer in self.layers if layer.moe is not None]
+
+    def set_moe_top_k(self, top_k: int | None) -> None:
+        """Experts per token on every MoE layer (None: the checkpoint's)."""
+        for moe in self.moe_layers:
+            moe.top_k = moe.default_top_k if top_k is None else top_k
+
+    def expert_counts(self) -> list[list[int]]:
+        """Tokens each expert received in the last forward, per MoE layer (empty: a dense model)."""
+        return [list(moe.counts) for moe in self.moe_layers]
 
     def quantize(self, mode: str, group_size: int | str) -> None:
         if group_size == "auto":

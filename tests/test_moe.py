@@ -1,0 +1,78 @@
+"""Mixture-of-experts models (Mixtral: top-2 of 4, renormalised; Qwen3-MoE: top-2 of 8, not
+renormalised, with a dense layer and per-head q/k norm) against transformers on the same weights,
+the per-step expert counts, and the live `moe_top_k` override."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, make_tiny_model
+from test_engine import ragged_prompts
+
+from workbench import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+CASES = {
+    "continuous": {},
+    "chunked-odd": {"max_num_batched_tokens": 19},
+    "static": {"batching": "static", "max_num_seqs": 3},
+    "preemption": {"num_kv_blocks": 9, "block_size": 8, "max_num_batched_tokens": 32},
+    "ngram-speculation": {"speculative": "ngram", "num_speculative_tokens": 3},
+}
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def moe_model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = make_tiny_model(path, request.param, seed=11)
+    prompts = ragged_prompts(seed=12, lengths=(3, 17, 33, 50))
+    return request.param, path, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_greedy_matches_transformers(moe_model, case):
+    arch, path, prompts, expected = moe_model
+    settings = {"dtype": "float32", "num_kv_blocks": 64, **CASES[case]}
+    llm = LLM(str(path), **settings)
+    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    if case == "preemption":
+        assert llm.metrics()["total_preemptions"] > 0
+
+
+def test_expert_counts_sum_to_tokens_times_top_k(moe_model):
+    arch, path, prompts, _ = moe_model
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    cfg = llm.engine.model_config
+    steps = llm.timeline().steps
+    assert steps and all(len(s.expert_counts) == len(cfg.moe_layers) for s in steps)
+    for s in steps:
+        tokens = sum(e.num_tokens for e in s.batch)
+        assert all(sum(layer) == tokens * cfg.num_experts_per_tok for layer in s.expert_counts), s
+        assert all(len(layer) == cfg.num_experts for layer in s.expert_counts)
+    assert llm.status()["kernel_variant"] == "torch"
+
+
+def test_moe_top_k_is_live_changes_outputs_and_is_validated(moe_model):
+    arch, path, prompts, expected = moe_model
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    cfg = llm.engine.model_config
+    default_scores = llm.score(prompts[3])
+    llm.configure(moe_top_k=1)
+    llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert all(sum(layer) == sum(e.num_tokens for e in s.batch) for s in llm.timeline().steps[-3:]
+               for layer in s.expert_counts)
+    assert llm.score(prompts[3]) != pytest.approx(default_scores)  # fewer experts per token: other outputs
+    llm.configure(moe_top_k=None)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=GREEDY)] == expected
+    with pytest.raises(ValueError, match=rf"moe_top_k.*allowed None or 1\.\.{cfg.num_experts}"):
+        llm.configure(moe_top_k=cfg.num_experts + 1)
+    with pytest.raises(ValueError, match="moe_top_k"):
+        llm.configure(moe_top_k=0)
+
+
+def test_a_dense_model_refuses_moe_top_k(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="not a mixture-of-experts model; allowed: None"):
+        llm.configure(moe_top_k=2)
+    assert llm.settings()["moe_top_k"] is None
