@@ -46,7 +46,7 @@ def control_for(entry: dict[str, Any]):
         return w.Dropdown(options=options, value=value, **common)
     if entry["type"] == "bool":
         return w.Checkbox(value=bool(default), indent=False, **{**common, "style": {}})
-    if entry["type"] == "int":
+    if entry["type"] == "int" and not entry.get("allow_none"):
         lo = entry.get("min")
         hi = entry.get("max")
         return w.BoundedIntText(value=int(default if default is not None else (lo or 0)),
@@ -64,10 +64,17 @@ def _to_widget(control, value):
     return value
 
 
-def _from_widget(control, value):
+def _from_widget(control, value, name: str | None = None):
     import ipywidgets as w
 
     if isinstance(control, w.Text):
+        if name is not None:  # typed as `%engine set` types it ("None", "4", ...)
+            from ..settings import parse_value
+
+            try:
+                return parse_value(name, value.strip() or "None")
+            except ValueError:
+                return value.strip() or None  # configure names what is wrong and what is allowed
         return value.strip() or None
     return value
 
@@ -286,7 +293,7 @@ class Dashboard:
             return
         control = change["owner"]
         name = next(k for k, c in self.controls.items() if c is control)
-        value = _from_widget(control, change["new"])
+        value = _from_widget(control, change["new"], name)
         if self._settings.get(name) == value:
             return
         self._pending[name] = value
