@@ -65,6 +65,12 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
         common.update(overrides)
         cfg = transformers.Qwen3MoeConfig(**common)
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "olmoe":
+        common.update(tie_word_embeddings=False, num_experts=16, num_experts_per_tok=4, intermediate_size=32,
+                      norm_topk_prob=False, clip_qkv=None)
+        common.update(overrides)
+        cfg = transformers.OlmoeConfig(**common)
+        model = transformers.OlmoeForCausalLM(cfg)
     elif arch == "mistral":
         common.update(tie_word_embeddings=False, sliding_window=None)
         common.update(overrides)

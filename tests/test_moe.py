@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Mixtral: top-2 of 4, renormalised; Qwen3-MoE: top-2 of 8, not
-renormalised, with a dense layer and per-head q/k norm) against transformers on the same weights,
-the per-step expert counts, and the live `moe_top_k` override."""
+renormalised, with a dense layer and per-head q/k norm; OLMoE: many small experts, top-4 of 16,
+q/k norm over all heads) against transformers on the same weights, the per-step expert counts,
+and the live `moe_top_k` override."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe"])
 def moe_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model = make_tiny_model(path, request.param, seed=11)

@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
     "MistralForCausalLM": "mistral",
 }
 _HF_CLASS = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -45,7 +46,7 @@ def _supported_text() -> str:
 # ----------------------------------------------------------------------------------- config
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mistral" | "mixtral"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "mistral" | "mixtral" | "olmoe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -67,7 +68,8 @@ class ModelConfig:
     # Block size of the quantised checkpoint these weights came from (GGUF Q4_1: 32), so int4
     # re-quantisation can line its groups up with the original grid instead of smearing it.
     source_quant_block: int | None = None
-    qk_norm: bool = False  # an RMSNorm over each head's q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # an RMSNorm over q and k before RoPE: per head (Qwen3) or over all heads (OLMoE)
+    qk_norm_per_head: bool = True
     # Mixture of experts: each MoE layer routes every token to `num_experts_per_tok` of
     # `num_experts` SwiGLU experts (softmax router, top-k; weights renormalised when norm_topk_prob).
     num_experts: int = 0
@@ -160,7 +162,8 @@ class ModelConfig:
             path=str(path),
             sliding_window=None if sliding is None else int(sliding),
             source_quant_block=cfg.get("workbench_source_quant_block"),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_per_head=arch != "olmoe",
             **moe,
         )
 
@@ -240,8 +243,8 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, H)
         shapes[p + "self_attn.o_proj.weight"] = (H, q_out)
         if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,) if config.qk_norm_per_head else (q_out,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,) if config.qk_norm_per_head else (kv_out,)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
@@ -276,6 +279,10 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"num_experts": int(cfg["num_local_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
                 "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
                 "moe_layers": list(range(layers))}
+    if arch == "olmoe":
+        return {"num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+                "moe_intermediate_size": int(cfg["intermediate_size"]),
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": list(range(layers))}
     if arch == "qwen3_moe":
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or [])

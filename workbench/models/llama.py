@@ -107,9 +107,10 @@ class DecoderLayer:
             self.down = Linear(weights[p + "mlp.down_proj.weight"])
         self.ln1 = weights[p + "input_layernorm.weight"]
         self.ln2 = weights[p + "post_attention_layernorm.weight"]
-        # Qwen3: RMSNorm over each head's query and key (before RoPE)
+        # Qwen3: RMSNorm over each head's query and key; OLMoE: over all heads at once (before RoPE)
         self.q_norm = weights.get(a + "q_norm.weight") if config.qk_norm else None
         self.k_norm = weights.get(a + "k_norm.weight") if config.qk_norm else None
+        self.qk_norm_per_head = config.qk_norm_per_head
         self.eps = config.rms_norm_eps
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.index = i
@@ -123,10 +124,12 @@ class DecoderLayer:
         h = rms_norm(x, self.ln1, self.eps)
         qkv = self.qkv(h)
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = q.view(-1, self.nq, self.d)
         k = k.view(-1, self.nkv, self.d)
         v = v.view(-1, self.nkv, self.d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q, k = rope(positions, q, k)
         o = attention(q, k, v, self.index, meta)
