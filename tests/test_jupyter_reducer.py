@@ -245,3 +245,39 @@ def test_accepts_dicts_and_is_pure():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# -- expert routing ---------------------------------------------------------------------------------
+def test_expert_load_over_a_window_and_each_layers_imbalance():
+    from workbench.jupyter.reducer import ExpertLoad, imbalance, routing_text
+
+    steps = [{"seq": i + 1, "start": i, "end": i + 0.5, "phase": "decode",
+              "expert_counts": [[4, 0, 0, 0], [1, 1, 1, 1]]} for i in range(3)]
+    load = ExpertLoad(window=2)
+    assert load.add({"steps": steps}) and not load.add({"steps": steps})  # seen already: nothing new
+    cols = load.columns()
+    assert cols["layer"] == [0] * 4 + [1] * 4 and cols["expert"] == [0, 1, 2, 3] * 2
+    assert cols["tokens"] == [8, 0, 0, 0, 2, 2, 2, 2]  # the newest 2 steps only
+    assert cols["share"][:4] == [1.0, 0.0, 0.0, 0.0]
+    assert load.imbalance_by_layer() == [4.0, 1.0]
+    assert imbalance([3, 1]) == 1.5 and imbalance([0, 0]) != imbalance([0, 0])  # nan when idle
+    assert routing_text([[4, 0, 0, 0], [1, 1, 1, 1]]) == "L0 e0:4 (4.0x) · L1 e0:1 (1.0x)"
+    assert routing_text([]) == "-"
+    assert not ExpertLoad().add({"steps": [{"seq": 1, "start": 0, "end": 1, "phase": "decode"}]})  # dense
+
+
+def test_the_step_tooltip_and_the_heatmap_show_the_routing():
+    from workbench.jupyter.reducer import ExpertLoad, TimelineReducer
+    from workbench.jupyter.views import ExpertHeatmap
+
+    red = TimelineReducer()
+    red.add({"steps": [{"seq": 1, "start": 0.0, "end": 0.1, "phase": "decode", "batch": [["r", 1, "decode"]],
+                        "expert_counts": [[0, 2], [1, 1]]}], "requests": []})
+    assert red.drain()["steps"]["routing"] == ["L0 e1:2 (2.0x) · L1 e0:1 (1.0x)"]
+    load = ExpertLoad()
+    load.add({"steps": [{"seq": 1, "start": 0.0, "end": 0.1, "phase": "decode", "expert_counts": [[0, 2], [1, 1]]}]})
+    view = ExpertHeatmap()
+    view.update(load.columns(), load.imbalance_by_layer())
+    assert view.source.data["tokens"] == [0, 2, 1, 1]
+    assert "worst imbalance 2.00x (layer 0" in view.figure.title.text
+    assert (view.figure.y_range.start, view.figure.y_range.end) == (-0.5, 1.5)

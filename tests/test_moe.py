@@ -77,3 +77,28 @@ def test_a_dense_model_refuses_moe_top_k(tiny_llama):
     with pytest.raises(ValueError, match="not a mixture-of-experts model; allowed: None"):
         llm.configure(moe_top_k=2)
     assert llm.settings()["moe_top_k"] is None
+
+
+def test_the_dashboard_shows_live_expert_routing(tmp_path_factory):
+    """An engine process serving a MoE model: the dashboard gets the per-step counts with the
+    timeline events and draws the routing heatmap; the step tooltip column carries the routing."""
+    from jupyter_helpers import private_runtime_dir, stop_engine, wait_for
+
+    from workbench.ipc.launch import start_engine
+    from workbench.jupyter.dashboard import Dashboard
+
+    path = tmp_path_factory.mktemp("dash-mixtral")
+    make_tiny_model(path, "mixtral", seed=11)
+    with private_runtime_dir(tmp_path_factory.mktemp("rt-moe")):
+        eng = start_engine(str(path), name="moe", dtype="float32", num_kv_blocks=64, timeout=120)
+        try:
+            dash = Dashboard(client=eng, start=False, history_s=None)
+            eng.generate(prompt_token_ids=ragged_prompts(seed=1, lengths=(12, 20)), params=GREEDY)
+            wait_for(lambda: (dash.pump(), dash.heatmap is not None)[1], 20, "the routing heatmap")
+            cols = dash.heatmap.source.data
+            assert set(cols["layer"]) == {0, 1} and len(cols["expert"]) == 8 and sum(cols["tokens"]) > 0
+            assert "worst imbalance" in dash.heatmap.figure.title.text
+            assert dash.heatmap.widget() in dash.widget.children
+            dash.close()
+        finally:
+            stop_engine(eng)

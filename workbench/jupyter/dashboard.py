@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..ipc.protocol import EVENT_KINDS
-from .reducer import TimelineReducer
+from .reducer import ExpertLoad, TimelineReducer
 from .session import EngineSession, _local_name, get_session
 from .views import TimelineView
 
@@ -132,6 +132,9 @@ class Dashboard:
         self.metrics_line = w.HTML(value="")
         grid = w.GridBox(list(self.controls.values()),
                          layout=w.Layout(grid_template_columns="repeat(auto-fill, 340px)", grid_gap="2px 8px"))
+        self.experts = ExpertLoad()
+        self._routing_pending = False
+        self.heatmap = None  # an ExpertHeatmap once the engine reports expert routing (MoE models)
         self.widget = w.VBox([self.header, self.kernels, grid, self.status, self.metrics_line, self.view.widget()])
         self._attach(self.client, history_s)
         _OPEN.append(self)
@@ -159,8 +162,10 @@ class Dashboard:
             tl.steps = [s for s in tl.steps if s.end >= cutoff]
             tl.requests = [r for r in tl.requests if r.time >= cutoff]
             self.reducer.add(tl)
+            self._routing_pending = self.experts.add(tl)
         else:
             self.reducer.cursor = client.timeline(since=1 << 62).cursor
+            self.experts.cursor = self.reducer.cursor
         self._sub = client.on_event(self._events.append, kinds=EVENT_KINDS)
         self._gone_since = None
 
@@ -249,10 +254,12 @@ class Dashboard:
             except IndexError:
                 break
         last_metrics = None
+        routed, self._routing_pending = self._routing_pending, False
         for ev in events:
             if ev.kind == "timeline":
                 self.reducer.add(ev.data)
                 self.costs.add(ev.data)
+                routed = self.experts.add(ev.data) or routed
             elif ev.kind == "settings":
                 self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}))
             elif ev.kind == "relayout":
@@ -263,9 +270,19 @@ class Dashboard:
                 self._set_status(f"Engine {self.name!r} is stopping.", "error")
         if last_metrics is not None:
             self._show_metrics(last_metrics)
+        if routed:
+            self._show_routing()
         self.reducer.tick(now)
         drained = self.reducer.drain()
         return self.view.push(drained, self.reducer.num_lanes) if drained else 0
+
+    def _show_routing(self) -> None:
+        if self.heatmap is None:
+            from .views import ExpertHeatmap
+
+            self.heatmap = ExpertHeatmap()
+            self.widget.children = (*self.widget.children, self.heatmap.widget())
+        self.heatmap.update(self.experts.columns(), self.experts.imbalance_by_layer())
 
     # -- settings ---------------------------------------------------------------------------------
     def _apply_settings(self, settings: dict[str, Any], source: dict[str, Any] | None) -> None:

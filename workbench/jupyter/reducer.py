@@ -43,7 +43,8 @@ OTHER_COLOR = "#999999"
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": ("left", "right", "bottom", "top", "seq", "phase", "color", "duration_ms", "batch_size",
-              "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests"),
+              "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests",
+              "routing"),
     "lanes": ("left", "right", "bottom", "top", "lane", "request", "state", "color", "tokens"),
     "series": ("t", "tok_s", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
                "waiting", "running"),
@@ -265,7 +266,7 @@ class TimelineReducer:
                    batch_size=len(entries), prefill_tokens=prefill_tok, decode_tokens=decode_tok,
                    prefix_hit_tokens=hits, spec=f"{accepted}/{proposed}" if proposed else "-",
                    kv=f"{kv_used}/{kv_total}", composition=self._composition(entries),
-                   requests=self._listing(entries))
+                   requests=self._listing(entries), routing=routing_text(_field(s, "expert_counts", None) or []))
         for rid, ntok, kind in entries:
             if not self._wanted(rid):
                 continue
@@ -338,3 +339,77 @@ class TimelineReducer:
         nan = float("nan")
         self._emit("series", t=(index + 1) * self.bin_s, tok_s=0.0, itl_ms=nan, kv_used=nan, kv_total=nan,
                    kv_frac=nan, prefix_hit_rate=nan, spec_accept_rate=nan, waiting=0, running=0)
+
+
+# -- expert routing (mixture-of-experts models) -----------------------------------------------------
+def imbalance(counts: list[int]) -> float:
+    """Max over mean tokens per expert (1: perfectly even; what expert-parallel serving cares about)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else float("nan")
+
+
+def routing_text(expert_counts: list[list[int]], shown: int = 4) -> str:
+    """A step's routing for its tooltip: per MoE layer, the busiest expert and the imbalance."""
+    if not expert_counts:
+        return "-"
+    parts = []
+    for i, counts in enumerate(expert_counts[:shown]):
+        if sum(counts):
+            top = max(range(len(counts)), key=counts.__getitem__)
+            parts.append(f"L{i} e{top}:{counts[top]} ({imbalance(counts):.1f}x)")
+    more = len(expert_counts) - shown
+    return " · ".join(parts) + (f" +{more} layers" if more > 0 else "")
+
+
+class ExpertLoad:
+    """Tokens per (MoE layer, expert) over the newest `window` steps, for the routing heatmap, and
+    each layer's imbalance. Pure: fed timelines (or steps) like `TimelineReducer`."""
+
+    COLUMNS = ("layer", "expert", "tokens", "share")
+
+    def __init__(self, window: int = 200):
+        from collections import deque
+
+        self.window = int(window)
+        self._steps: deque = deque(maxlen=self.window)
+        self.cursor = 0
+
+    def add(self, timeline: Any) -> bool:
+        """Take the steps newer than the cursor; True when any carried expert counts."""
+        changed = False
+        for s in _field(timeline, "steps", None) or []:
+            seq = int(_field(s, "seq", 0))
+            if seq and seq <= self.cursor:
+                continue
+            self.cursor = max(self.cursor, seq)
+            counts = _field(s, "expert_counts", None)
+            if counts:
+                self._steps.append(counts)
+                changed = True
+        return changed
+
+    def totals(self) -> list[list[int]]:
+        out: list[list[int]] = []
+        for counts in self._steps:
+            for i, layer in enumerate(counts):
+                if i == len(out):
+                    out.append([0] * len(layer))
+                row = out[i]
+                for e, n in enumerate(layer):
+                    row[e] += n
+        return out
+
+    def columns(self) -> dict[str, list]:
+        """One row per (layer, expert): tokens routed to it in the window and its share of the layer's."""
+        cols: dict[str, list] = {c: [] for c in self.COLUMNS}
+        for layer, row in enumerate(self.totals()):
+            total = sum(row) or 1
+            for e, n in enumerate(row):
+                cols["layer"].append(layer)
+                cols["expert"].append(e)
+                cols["tokens"].append(n)
+                cols["share"].append(n / total)
+        return cols
+
+    def imbalance_by_layer(self) -> list[float]:
+        return [imbalance(row) for row in self.totals()]

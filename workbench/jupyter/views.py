@@ -111,6 +111,7 @@ class TimelineView:
             ("step", "@seq (@phase)"), ("time", "@duration_ms{0.0} ms"), ("batch", "@batch_size: @composition"),
             ("requests", "@requests"), ("tokens", "@prefill_tokens prefill, @decode_tokens decode"),
             ("prefix hits", "@prefix_hit_tokens tok"), ("spec accepted", "@spec"), ("KV blocks", "@kv"),
+            ("expert routing", "@routing"),
         ]))
         tl.add_tools(HoverTool(renderers=[lanes], tooltips=[
             ("request", "@request (lane @lane)"), ("state", "@state"), ("tokens", "@tokens"),
@@ -190,3 +191,45 @@ def to_columns(reducer: Any) -> dict[str, dict[str, list]]:
     out = reducer.empty()
     merge(out, reducer.drain())
     return out
+
+
+class ExpertHeatmap:
+    """The routing heatmap of a mixture-of-experts model: tokens per (layer, expert) over the recent
+    steps (`reducer.ExpertLoad`), shaded by each expert's share of its layer; the title gives the
+    worst layer's imbalance (max / mean tokens per expert)."""
+
+    def __init__(self, width: int = 900):
+        from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper
+        from bokeh.plotting import figure
+
+        from .reducer import ExpertLoad
+
+        self.source = ColumnDataSource({c: [] for c in ExpertLoad.COLUMNS})
+        self.mapper = LinearColorMapper(palette="Viridis256", low=0.0, high=0.5)
+        self.figure = figure(title="Expert routing (recent steps)", height=220, width=width, tools="hover,save",
+                             x_axis_label="expert", y_axis_label="MoE layer", y_range=(-0.5, 0.5))
+        self.figure.rect(x="expert", y="layer", width=0.95, height=0.95, source=self.source,
+                         fill_color={"field": "share", "transform": self.mapper}, line_color=None)
+        self.figure.select_one(HoverTool).tooltips = [("layer", "@layer"), ("expert", "@expert"),
+                                                      ("tokens", "@tokens"), ("share", "@share{0.0%}")]
+        self._model = None
+
+    def update(self, columns: dict[str, list], imbalances: list[float]) -> None:
+        self.source.data = columns
+        layers = max(columns["layer"], default=0) + 1
+        self.figure.y_range.start, self.figure.y_range.end = -0.5, layers - 0.5
+        self.figure.height = int(min(520, 80 + 14 * layers))
+        shares = columns["share"]
+        self.mapper.high = max(max(shares, default=0.0), 1e-6)
+        worst = max(((v, i) for i, v in enumerate(imbalances) if v == v), default=None)
+        if worst is not None:
+            self.figure.title.text = (f"Expert routing over the recent steps · worst imbalance {worst[0]:.2f}x "
+                                      f"(layer {worst[1]}; 1.0x is even)")
+
+    def widget(self):
+        if self._model is None:
+            from jupyter_bokeh import BokehModel
+
+            ensure_bokehjs()
+            self._model = BokehModel(self.figure)
+        return self._model
