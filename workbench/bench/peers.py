@@ -27,7 +27,7 @@ def load_hf_model(path: str, dtype: torch.dtype, device="cpu", quantization_conf
     try:
         import transformers
 
-        with _quiet_torchao():
+        with quiet_torchao():
             import transformers.modeling_utils  # noqa: F401 - imports torchao where it is installed
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise RuntimeError("the hf_* peers need transformers: pip install transformers") from e
@@ -52,7 +52,7 @@ TORCHAO_NOTE = ("int8: Int8WeightOnlyConfig (per-channel int8, activations in th
 
 
 @contextlib.contextmanager
-def _quiet_torchao():
+def quiet_torchao():
     """Imports of torchao (transformers imports it too, when installed) without its warnings: one
     per CUDA extension a CPU machine cannot load, and torch's deprecation notes on its enums."""
     import logging
@@ -73,14 +73,14 @@ def torchao_config(mode: str, group_size: int = 128, device="cpu"):
     Raises (ImportError, ValueError, ...) where torchao or the mode is not available."""
     import transformers
 
-    with _quiet_torchao():
+    with quiet_torchao():
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
 
     if mode == "int8":
         quant = Int8WeightOnlyConfig()
     elif mode == "int4":
         if torch.device(device).type == "cpu":
-            with _quiet_torchao():
+            with quiet_torchao():
                 from torchao.prototype.quantization.int4.inference_workflow import (
                     PrototypeInt4WeightOnlyConfig,
                 )
