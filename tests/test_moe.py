@@ -52,6 +52,9 @@ def test_expert_counts_sum_to_tokens_times_top_k(moe_model):
         assert all(sum(layer) == tokens * cfg.num_experts_per_tok for layer in s.expert_counts), s
         assert all(len(layer) == cfg.num_experts for layer in s.expert_counts)
     assert llm.status()["kernel_variant"] == "torch"
+    m = llm.metrics()  # the recent window's load, with the other metrics
+    assert len(m["expert_load"]) == len(cfg.moe_layers) and m["moe_imbalance"] >= 1.0
+    assert sum(m["expert_load"][0]) == sum(sum(e.num_tokens for e in s.batch) for s in steps) * cfg.num_experts_per_tok
 
 
 def test_moe_top_k_is_live_changes_outputs_and_is_validated(moe_model):

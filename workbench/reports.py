@@ -35,6 +35,10 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    # MoE models, over the same window: tokens per expert of each MoE layer, and the worst layer's
+    # imbalance (busiest expert's load / the mean; None on dense models or when idle)
+    expert_load: list[list[int]] = msgspec.field(default_factory=list)
+    moe_imbalance: float | None = None
     total_prompt_tokens: int = 0
     total_prefix_hit_tokens: int = 0
     total_output_tokens: int = 0

@@ -372,6 +372,13 @@ class LLMEngine:
         itl = [x for o in self.outputs.recent for x in o.metrics.itl]
         t = self.totals
         used, total = self.scheduler.kv_blocks
+        load: list[list[int]] = []
+        for st in recent_steps:
+            for i, layer in enumerate(st.expert_counts):
+                if i == len(load):
+                    load.append([0] * len(layer))
+                load[i] = [a + b for a, b in zip(load[i], layer)]
+        worst = max((max(row) * len(row) / sum(row) for row in load if sum(row)), default=None)
         return as_dict(EngineMetrics(
             output_tok_s=out_tokens / span if span > 0 else 0.0,
             num_waiting=len(self.scheduler.waiting),
@@ -384,5 +391,6 @@ class LLMEngine:
             spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
             ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
             itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
+            expert_load=load, moe_imbalance=worst,
             **{f"total_{k}": v for k, v in t.items()},
         ))
