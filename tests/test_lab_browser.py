@@ -338,3 +338,39 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
     if not lab["magics"]:
         pytest.xfail("workbench.jupyter.magics is missing: ran the notebook's requests from plain Python "
                      "instead of %%generate")
+
+
+def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tmp_path_factory):
+    """The panel on a mixture-of-experts engine: a heatmap cell per (MoE layer, expert) from the
+    engine's `expert_load`, titled with the worst imbalance; on the dense engine, none."""
+    from conftest import make_tiny_model
+
+    from workbench import SamplingParams
+    from workbench.ipc.launch import start_engine
+
+    path = tmp_path_factory.mktemp("moe-e2e")
+    make_tiny_model(path, "mixtral", seed=11)  # 2 layers, 4 experts
+    moe = start_engine(str(path), name="moe-e2e", dtype="float32", num_kv_blocks=64, timeout=120)
+    page = browser.new_page(viewport={"width": 1500, "height": 950})
+    page.set_default_timeout(30_000)
+    try:
+        page.goto(f"{lab['url']}/lab?token={lab['token']}&reset", wait_until="domcontentloaded")
+        tab = page.locator('.jp-SideBar li[data-id="serving-workbench-panel"]')
+        tab.wait_for(timeout=60_000)
+        tab.click()
+        page.wait_for_selector('#serving-workbench-panel[data-state="ready"]')
+        panel = page.locator("#serving-workbench-panel")
+        assert panel.locator(".wb-Experts").is_hidden()  # the dense engine: no routing view
+        picker = panel.locator(".wb-EnginePicker")
+        _wait_for(lambda: "moe-e2e" in picker.inner_text(), 30, "the MoE engine in the picker")
+        picker.select_option("moe-e2e")
+        page.wait_for_selector('#serving-workbench-panel[data-engine="moe-e2e"][data-state="ready"]')
+        moe.generate(prompt_token_ids=[[5, 6, 7, 8], [9, 10, 11]], params=SamplingParams(max_tokens=8, temperature=0))
+        page.wait_for_selector("#serving-workbench-panel .wb-Experts:not([hidden]) .wb-ExpertCell", timeout=30_000)
+        assert panel.locator(".wb-ExpertRow").count() == 2 and panel.locator(".wb-ExpertCell").count() == 8
+        assert "worst imbalance" in panel.locator(".wb-Experts").inner_text()
+        assert "tokens" in panel.locator(".wb-ExpertCell").first.get_attribute("title")
+        page.screenshot(path=str(ARTIFACTS / "lab-moe-routing.png"))
+    finally:
+        page.close()
+        stop_engine(moe)

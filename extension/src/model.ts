@@ -507,6 +507,50 @@ export function liveNumbers(metrics: Dict): ILiveNumbers {
   };
 }
 
+/** One MoE layer of the routing heatmap: each expert's tokens, share of the layer's and colour. */
+export interface IExpertRow {
+  layer: number;
+  imbalance: number | null;
+  cells: Array<{ expert: number; tokens: number; share: number; color: string }>;
+}
+
+/**
+ * The routing heatmap of a mixture-of-experts engine from its metrics (`expert_load`: tokens per
+ * expert of each MoE layer over the recent window, computed by the engine); null on dense models.
+ * Cells shade from white to the prefill blue by share of the busiest cell.
+ */
+export function expertHeatmap(metrics: Dict): { rows: IExpertRow[]; worst: number | null } | null {
+  const load = metrics.expert_load;
+  if (!Array.isArray(load) || !load.length) {
+    return null;
+  }
+  const shares: number[][] = load.map((row: number[]) => {
+    const total = row.reduce((a, b) => a + b, 0);
+    return row.map(n => (total ? n / total : 0));
+  });
+  const top = Math.max(1e-9, ...shares.flat());
+  const shade = (f: number): string => {
+    const mix = (a: number, b: number) => Math.round(a + (b - a) * f);
+    return `rgb(${mix(245, 76)}, ${mix(245, 114)}, ${mix(245, 176)})`; // #f5f5f5 -> #4C72B0
+  };
+  const rows = load.map((row: number[], layer: number) => {
+    const total = row.reduce((a, b) => a + b, 0);
+    const imbalance = total ? (Math.max(...row) * row.length) / total : null;
+    return {
+      layer,
+      imbalance,
+      cells: row.map((tokens, expert) => ({
+        expert,
+        tokens,
+        share: shares[layer][expert],
+        color: shade(shares[layer][expert] / top)
+      }))
+    };
+  });
+  const worst = typeof metrics.moe_imbalance === 'number' ? metrics.moe_imbalance : null;
+  return { rows, worst };
+}
+
 /** "1h 02m", "3m 07s", "12s". */
 export function formatUptime(seconds: number | null | undefined): string {
   if (typeof seconds !== 'number' || !isFinite(seconds) || seconds < 0) {

@@ -6,7 +6,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { EngineConnection, ISettingSchema, WorkbenchAPI, WorkbenchError } from './api';
-import { formatUptime, IChange, liveNumbers } from './model';
+import { expertHeatmap, formatUptime, IChange, liveNumbers } from './model';
 import { TimelineView } from './timeline';
 
 const KIND_TITLES: Record<string, string> = {
@@ -95,6 +95,7 @@ export class WorkbenchPanel extends Widget {
   private _message!: HTMLElement;
   private _info!: HTMLElement;
   private _numbers = new Map<string, HTMLElement>();
+  private _experts!: HTMLElement;
   private _settingsBox!: HTMLElement;
   private _timeline!: TimelineView;
   private _stopButton!: HTMLButtonElement;
@@ -154,6 +155,11 @@ export class WorkbenchPanel extends Widget {
       this._numbers.set(key, value);
     }
     root.appendChild(numbers);
+
+    // MoE engines only: tokens per expert of each layer over the recent window, and the imbalance
+    this._experts = el('div', 'wb-Experts');
+    this._experts.hidden = true;
+    root.appendChild(this._experts);
 
     this._settingsBox = el('div', 'wb-Settings');
     root.appendChild(this._settingsBox);
@@ -271,12 +277,37 @@ export class WorkbenchPanel extends Widget {
       if (kv && kv.parentElement) {
         kv.parentElement.title = `KV cache blocks in use${nums.kvBlocks ? `: ${nums.kvBlocks}` : ''}`;
       }
+      this._renderExperts(st.metrics);
     }
     if (change.settingsChanged.length) {
       this._syncControls(change.settingsChanged, change.snapshot ? [] : change.settingsChanged);
     }
     if (change.error) {
       this._say(change.error, true);
+    }
+  }
+
+  private _renderExperts(metrics: Record<string, any>): void {
+    const heat = expertHeatmap(metrics);
+    this._experts.hidden = heat === null;
+    if (heat === null) {
+      this._experts.innerHTML = '';
+      return;
+    }
+    this._experts.innerHTML = '';
+    const worst = heat.worst === null ? '' : ` · worst imbalance ${heat.worst.toFixed(2)}x`;
+    this._experts.appendChild(el('div', 'wb-Section', `Expert routing (recent)${worst}`));
+    for (const row of heat.rows) {
+      const line = el('div', 'wb-ExpertRow');
+      line.title = `MoE layer ${row.layer}: busiest / mean ${row.imbalance === null ? '–' : row.imbalance.toFixed(2)}x`;
+      line.appendChild(el('span', 'wb-ExpertLayer', `L${row.layer}`));
+      for (const c of row.cells) {
+        const cell = el('span', 'wb-ExpertCell');
+        cell.style.background = c.color;
+        cell.title = `layer ${row.layer}, expert ${c.expert}: ${c.tokens} tokens (${(c.share * 100).toFixed(1)}%)`;
+        line.appendChild(cell);
+      }
+      this._experts.appendChild(line);
     }
   }
 

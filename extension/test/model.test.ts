@@ -4,6 +4,7 @@ import {
   IRequestEvent,
   ISnapshotMessage,
   IStepEvent,
+  expertHeatmap,
   formatUptime,
   liveNumbers,
   requestColumns,
@@ -179,6 +180,24 @@ describe('drawn columns: the Python reducer\'s', () => {
     st.apply(snap);
     st.apply(delta);
     expect(st.columns.steps.seq).toEqual([6, 8]);
+  });
+});
+
+describe('expert routing heatmap', () => {
+  it('draws the engine\'s expert_load, one row per MoE layer', () => {
+    const heat = expertHeatmap({ expert_load: [[6, 2, 0, 0], [2, 2, 2, 2]], moe_imbalance: 3 })!;
+    expect(heat.rows.map(r => r.layer)).toEqual([0, 1]);
+    expect(heat.rows[0].cells.map(c => c.tokens)).toEqual([6, 2, 0, 0]);
+    expect(heat.rows[0].cells[0].share).toBeCloseTo(0.75);
+    expect(heat.rows[0].imbalance).toBeCloseTo(3);
+    expect(heat.rows[1].imbalance).toBeCloseTo(1);
+    expect(heat.rows[0].cells[0].color).toBe('rgb(76, 114, 176)'); // the busiest cell: full colour
+    expect(heat.rows[0].cells[2].color).toBe('rgb(245, 245, 245)');
+    expect(heat.worst).toBe(3);
+  });
+  it('is absent on dense models', () => {
+    expect(expertHeatmap({ output_tok_s: 5 })).toBeNull();
+    expect(expertHeatmap({ expert_load: [] })).toBeNull();
   });
 });
 
