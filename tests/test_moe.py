@@ -105,3 +105,20 @@ def test_the_dashboard_shows_live_expert_routing(tmp_path_factory):
             dash.close()
         finally:
             stop_engine(eng)
+
+
+def test_moe_with_shared_prefixes_from_the_cache(moe_model):
+    """Prompts that share their first blocks: the second call reuses the cached KV and still
+    matches transformers token for token."""
+    arch, path, _, _ = moe_model
+    import transformers
+
+    model = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+             "olmoe": transformers.OlmoeForCausalLM}[arch].from_pretrained(path).eval()
+    base = ragged_prompts(seed=21, lengths=(40,))[0]
+    prompts = [base + [5, 6], base + [9, 10, 11], base[:34]]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8)
+    first = llm.generate(prompt_token_ids=prompts[:1], params=GREEDY)
+    rest = llm.generate(prompt_token_ids=prompts[1:], params=GREEDY)
+    assert [o.token_ids for o in first + rest] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    assert llm.metrics()["total_prefix_hit_tokens"] > 0
