@@ -184,6 +184,16 @@ def browser():
             b.close()
 
 
+def _open_panel(page, lab):
+    """A fresh lab page with the workbench side panel open and attached (the panel's locator)."""
+    page.goto(f"{lab['url']}/lab?token={lab['token']}&reset", wait_until="domcontentloaded")
+    tab = page.locator('.jp-SideBar li[data-id="serving-workbench-panel"]')
+    tab.wait_for(timeout=60_000)
+    tab.click()
+    page.wait_for_selector('#serving-workbench-panel[data-state="ready"]')
+    return page.locator("#serving-workbench-panel")
+
+
 def _counts(page, scope: str) -> dict[str, int]:
     data = page.eval_on_selector(f"{scope} .wb-Timeline-chart", "el => ({...el.dataset})")
     return {k: int(v) for k, v in data.items() if k.startswith(("steps", "spans")) and v.isdigit()}
@@ -197,12 +207,7 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
     page.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
     page.set_default_timeout(30_000)
     try:
-        page.goto(f"{lab['url']}/lab?token={lab['token']}&reset", wait_until="domcontentloaded")
-        tab = page.locator('.jp-SideBar li[data-id="serving-workbench-panel"]')
-        tab.wait_for(timeout=60_000)
-        tab.click()
-        panel = page.locator("#serving-workbench-panel")
-        page.wait_for_selector('#serving-workbench-panel[data-state="ready"]')
+        panel = _open_panel(page, lab)
         assert panel.get_attribute("data-engine") == "e2e"
         page.wait_for_function(
             "() => document.querySelector('#serving-workbench-panel .wb-Info-model')?.textContent.length > 1")
@@ -256,7 +261,7 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         # restored (the workspace may restore the sidebar collapsed: open it again if so)
         page.wait_for_selector('#serving-workbench-panel[data-state="ready"]', state="attached", timeout=60_000)
         if not panel.is_visible():
-            tab.click()
+            page.locator('.jp-SideBar li[data-id="serving-workbench-panel"]').click()
         page.wait_for_selector('#serving-workbench-panel[data-state="ready"]', timeout=60_000)
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
         # the kernel must be connected, or Shift+Enter runs nothing
@@ -354,12 +359,7 @@ def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tm
     page = browser.new_page(viewport={"width": 1500, "height": 950})
     page.set_default_timeout(30_000)
     try:
-        page.goto(f"{lab['url']}/lab?token={lab['token']}&reset", wait_until="domcontentloaded")
-        tab = page.locator('.jp-SideBar li[data-id="serving-workbench-panel"]')
-        tab.wait_for(timeout=60_000)
-        tab.click()
-        page.wait_for_selector('#serving-workbench-panel[data-state="ready"]')
-        panel = page.locator("#serving-workbench-panel")
+        panel = _open_panel(page, lab)
         assert panel.locator(".wb-Experts").is_hidden()  # the dense engine: no routing view
         picker = panel.locator(".wb-EnginePicker")
         _wait_for(lambda: "moe-e2e" in picker.inner_text(), 30, "the MoE engine in the picker")
