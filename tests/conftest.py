@@ -109,6 +109,85 @@ def tiny_qwen2(tmp_path_factory):
     return path, model
 
 
+def _permute_like_llama_cpp(w, n_head: int):
+    """llama.cpp's HF->GGUF reordering of q/k rows for llama-arch files (RoPE layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model, arch: str, folder):
+    """A transformers model as a GGUF file with llama.cpp's tensor names and metadata (float32
+    tensors): `arch` "llama" (q/k rows permuted; with experts: how llama.cpp files Mixtral),
+    "qwen3", "qwen3moe" or "olmoe". Stacks each MoE layer's experts as llama.cpp does. The tensors
+    are read from the model's saved `folder` (per-expert names, as checkpoints store them)."""
+    from pathlib import Path
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cfg = model.config
+    sd = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        sd.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or getattr(cfg, "rope_theta", 10000.0)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(rope))
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+             "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
+    expert = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
+              "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, a in sd.items():
+        if name in glob:
+            w.add_tensor(glob[name], a.copy())
+            continue
+        i, rest = name.removeprefix("model.layers.").split(".", 1)
+        if ".experts." in rest:  # ...experts.{e}.{proj}.weight
+            e, proj = rest.split(".experts.", 1)[1].split(".")[:2]
+            stacks.setdefault(f"blk.{i}.{expert[proj]}.weight", {})[int(e)] = a
+            continue
+        if arch == "llama" and rest == "self_attn.q_proj.weight":
+            a = _permute_like_llama_cpp(a, heads)
+        elif arch == "llama" and rest == "self_attn.k_proj.weight":
+            a = _permute_like_llama_cpp(a, kv_heads)
+        w.add_tensor(f"blk.{i}.{layer[rest]}", a.copy())
+    for name, by_expert in stacks.items():
+        w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def hf_greedy(model, prompt_ids, max_new_tokens):
     """Reference continuation from transformers, one prompt at a time (no padding effects)."""
     import torch

@@ -354,45 +354,12 @@ def test_draw_samples_the_distribution_and_never_a_filtered_token():
 def test_qwen3_from_a_gguf_file(tiny_qwen3, tmp_path):
     """A Qwen3 GGUF (llama.cpp's names, attn_q_norm / attn_k_norm, no q/k permutation for qwen
     architectures) loads into the same weights and generates what transformers does."""
-    import gguf
+    from conftest import write_gguf
 
     path, model = tiny_qwen3
-    cfg = model.config
-    w = gguf.GGUFWriter(str(tmp_path / "tiny-qwen3.gguf"), "qwen3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(1000000.0)  # the fixture's (transformers 5 keeps it in rope_parameters)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
-    for name, t in model.state_dict().items():
-        if name in glob:
-            out = glob[name]
-        else:
-            i, rest = name.removeprefix("model.layers.").split(".", 1)
-            out = f"blk.{i}.{layer[rest]}"
-        w.add_tensor(out, t.float().numpy().copy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    file = write_gguf(tmp_path / "tiny-qwen3.gguf", model, "qwen3", path)
     prompts = ragged_prompts(seed=5, lengths=(9, 30))
-    llm = LLM(str(tmp_path / "tiny-qwen3.gguf"), dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(file), dtype="float32", num_kv_blocks=32)
     assert llm.engine.model_config.architecture == "qwen3" and llm.engine.model_config.qk_norm
     outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]

@@ -122,3 +122,23 @@ def test_moe_with_shared_prefixes_from_the_cache(moe_model):
     rest = llm.generate(prompt_token_ids=prompts[1:], params=GREEDY)
     assert [o.token_ids for o in first + rest] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     assert llm.metrics()["total_prefix_hit_tokens"] > 0
+
+
+def test_moe_from_a_gguf_file(moe_model, tmp_path):
+    """llama.cpp's layout: Mixtral filed as a llama-arch GGUF (expert_count, q/k rows permuted),
+    Qwen3-MoE and OLMoE as their own; each MoE layer's experts stacked in one tensor per
+    projection (ffn_{gate,up,down}_exps) beside the router (ffn_gate_inp)."""
+    import transformers
+    from conftest import write_gguf
+
+    arch, path, prompts, expected = moe_model
+    cls = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "olmoe": transformers.OlmoeForCausalLM}[arch]
+    model = cls.from_pretrained(path).eval()
+    file = write_gguf(tmp_path / f"{arch}.gguf", model, {"mixtral": "llama", "qwen3_moe": "qwen3moe",
+                                                         "olmoe": "olmoe"}[arch], path)
+    llm = LLM(str(file), dtype="float32", num_kv_blocks=64)
+    cfg = llm.engine.model_config
+    assert cfg.architecture == arch and cfg.num_experts_per_tok == model.config.num_experts_per_tok
+    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.token_ids for o in outs] == expected

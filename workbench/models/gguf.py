@@ -31,15 +31,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3, olmoe
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # the MoE router
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen3moe": "qwen3_moe",
+               "olmoe": "olmoe"}
+# Mixture-of-experts tensors: the router, and each expert projection stacked over the experts.
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                      "ffn_down_exps.weight": "down_proj"}
 
 # llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> how the original tokenizer splits text.
 _GPT2_PRE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"}
@@ -201,8 +206,11 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         )
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    experts = int(meta("expert_count", 0) or 0)
+    architecture = "mixtral" if arch == "llama" and experts else _GGUF_ARCHS[arch]  # llama.cpp files Mixtral as llama
+    moe_layers = sorted(int(n.split(".")[1]) for n in names if n.endswith("ffn_gate_inp.weight"))
     config = ModelConfig(
-        architecture=_GGUF_ARCHS[arch],
+        architecture=architecture,
         vocab_size=int(meta("vocab_size", len(tokens) if tokens else 0)),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -221,6 +229,12 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         name=path.stem,
         path=str(path),
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm_per_head=architecture != "olmoe",
+        num_experts=experts,
+        num_experts_per_tok=int(meta("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(meta("expert_feed_forward_length", 0) or meta("feed_forward_length")) if experts else 0,
+        norm_topk_prob=architecture == "mixtral" or bool(meta("expert_weights_norm", False)),
+        moe_layers=moe_layers,
     )
     if config.vocab_size == 0:
         config.vocab_size = int(
@@ -236,9 +250,12 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
             continue
         else:
             m = layer_re.match(t.name)
-            if not m or m.group(2) not in _GGUF_LAYER_NAMES:
+            if m and m.group(2) in _GGUF_EXPERT_NAMES:
+                hf = f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERT_NAMES[m.group(2)]}.weight"
+            elif not m or m.group(2) not in _GGUF_LAYER_NAMES:
                 raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r} for architecture {arch!r}")
-            hf = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+            else:
+                hf = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
         block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
         if block > 1 and len(t.shape) == 2:
             # K-quants keep 32-wide sub-blocks inside 256-wide super-blocks.
@@ -250,8 +267,12 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         if not arr.flags.writeable:  # unquantised tensors are views of the memory-mapped file
             arr = arr.copy()
         w = torch.from_numpy(arr)
+        if "{}" in hf:  # [experts, out, in]: one matrix per expert
+            for e in range(w.shape[0]):
+                weights[hf.format(e)] = w[e].contiguous()
+            continue
         # The HF->GGUF converter permutes q/k rows for llama (not qwen2/qwen3); undo it.
-        if config.architecture in ("llama", "mistral"):
+        if config.architecture in ("llama", "mistral", "mixtral"):
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 w = _unpermute_qk(w, heads)
             elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
