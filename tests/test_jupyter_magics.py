@@ -132,6 +132,18 @@ def test_engine_status_set_and_errors(shell, client):
     assert "already running" in shown(cap)
     assert client.settings()["prefix_caching"] is False
     shell.run_line_magic("engine", "set prefix_caching=true")
+    # a setting already at its value is said to be unchanged, not reported as a change
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "set prefix_caching=true")
+    assert "Nothing to apply: already prefix_caching=True (no change)" in shown(cap)
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "set prefix_caching=true max_num_seqs=32")
+    assert "max_num_seqs: 64 → 32" in shown(cap) and "already prefix_caching=True (no change)" in shown(cap)
+    shell.run_line_magic("engine", "set max_num_seqs=64")
+    # --model while an engine runs: a warning that it was not started on that model
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "start --model /some/other/model")
+    assert "NOT started on --model /some/other/model" in shown(cap) and "#a35a00" in str(cap.outputs[0].data)
 
 
 def test_timeline_magics_render_bokeh(shell):
@@ -229,3 +241,20 @@ def test_engine_restart_dashboard_reconnects(shell, client):
     wait_for(lambda: (dash.pump(), any("Reconnected" in m for m in dash.messages))[1], 30, "the reconnect")
     assert dash.controls["max_num_seqs"].value == 16 and not dash.controls["batching"].disabled
     dash.close()
+
+
+def test_help_prints_once_and_is_not_an_error():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_line_magic("load_ext", "workbench")
+        for cell in ("%%generate --help\nhello", "%sweep --help", "%simulate --help", "%timeline --help"):
+            with capture_output() as cap:
+                result = shell.run_cell(cell)
+            assert result.error_in_exec is None and cap.stdout.count("usage:") == 1 and not cap.stderr, cell
+        with capture_output() as cap:
+            shell.run_cell("%%generate --help\nhello")
+        assert "sampling seed: the same seed gives the same text" in cap.stdout  # every option has help
+    finally:
+        InteractiveShell.clear_instance()

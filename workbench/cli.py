@@ -326,7 +326,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "lab", help="start an engine on the embedded default model and JupyterLab on the tutorial notebooks",
         description="Start (or attach to) the engine named 'default' and open JupyterLab on notebooks/ with "
-                    "00-quickstart.ipynb; notebooks attach with %%load_ext workbench. The engine stops when "
+                    "00-quickstart.ipynb; notebooks attach with %load_ext workbench. The engine stops when "
                     "JupyterLab exits.",
     )
     add_lab_arguments(p)

@@ -144,9 +144,10 @@ def _generate_parser() -> MagicArgumentParser:
                             "prompt its own max_tokens, temperature, top_p, top_k, seed or ignore_eos).")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens per completion (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches P (default 1.0: all)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the K likeliest tokens (default -1: all)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same text")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--chat", dest="chat", action="store_true", default=False,
@@ -168,6 +169,8 @@ def _prepare_generate(shell, line: str, cell: str):
     from .generate import GenerateRun, parse_prompts
 
     args = _generate_parser().parse_args(shlex.split(line))
+    if args is None:  # --help
+        return None, {}
     if args.var is not None and not args.var.isidentifier():
         raise UsageError(f"-o needs a Python variable name, got {args.var!r}")
     try:
@@ -211,7 +214,7 @@ def _finish_generate(shell, run, outputs, opts, client, cursor) -> None:
 def _show_message(text: str, level: str = "info") -> None:
     from IPython.display import display
 
-    color = {"error": "#b00020", "ok": "#2a7a2a"}.get(level, "inherit")
+    color = {"error": "#b00020", "ok": "#2a7a2a", "warning": "#a35a00"}.get(level, "inherit")
     display({"text/plain": text, "text/html": f'<div style="color: {color};">{html.escape(text)}</div>'}, raw=True)
 
 
@@ -289,8 +292,11 @@ class WorkbenchMagics(Magics):
             current = session.client(reconnect=False)
             client = current if current is not None and current.name == name else session.connect(name)
             msg = f"Engine {name!r} is already running (pid {client.pid}, {client.engine_info.get('model')}): attached to it."
+            level = "ok"
             if opts.get("model"):
-                msg += " (--model ignored: `%engine stop` first to start another model.)"
+                msg += (f" It was NOT started on --model {opts['model']}: it keeps serving its own model. "
+                        "`%engine stop` first to start another model.")
+                level = "warning"
             fixed = {k: v for k, v in settings.items() if setting_kind(k) == "restart"}
             current = client.settings()
             differ = {k: v for k, v in fixed.items() if current.get(k) != v}
@@ -301,7 +307,7 @@ class WorkbenchMagics(Magics):
             if live:
                 client.configure(**live)
                 msg += f" Applied {', '.join(f'{k}={v!r}' for k, v in live.items())}."
-            _show_message(msg, "ok")
+            _show_message(msg, "warning" if differ else level)
             return None
         validate(settings)
         t0 = time.monotonic()
@@ -365,8 +371,14 @@ class WorkbenchMagics(Magics):
         except (ValueError, TypeError) as e:
             raise UsageError(f"%engine set: {e}") from None
         took = time.monotonic() - t0
-        parts = [f"{k}: {before.get(k)!r} → {after.get(k)!r}" for k in changes]
-        _show_message(f"Applied in {took * 1e3:.0f} ms: " + "; ".join(parts), "ok")
+        changed = [k for k in changes if before.get(k) != after.get(k)]
+        same = [k for k in changes if k not in changed]
+        parts = [f"{k}: {before.get(k)!r} → {after.get(k)!r}" for k in changed]
+        unchanged = f"already {', '.join(f'{k}={after.get(k)!r}' for k in same)} (no change)" if same else ""
+        if not changed:
+            _show_message(f"Nothing to apply: {unchanged}.", "info")
+            return
+        _show_message(f"Applied in {took * 1e3:.0f} ms: " + "; ".join(parts) + (f"; {unchanged}" if same else ""), "ok")
 
     def _engine_settings(self, words: list[str]):
         from IPython.display import display
@@ -412,6 +424,8 @@ class WorkbenchMagics(Magics):
         p = MagicArgumentParser(prog="%timeline", description="Show recent engine activity as a timeline.")
         p.add_argument("--last", type=float, default=60.0, metavar="N", help="seconds to show (default 60)")
         args = p.parse_args(shlex.split(line))
+        if args is None:  # --help
+            return
         show_timeline(engine_for_magics(), last_s=args.last, title=f"Engine timeline, last {args.last:g} s")
 
     # %dashboard
@@ -429,6 +443,8 @@ class WorkbenchMagics(Magics):
         p.add_argument("--keep", action="store_true",
                        help="keep the dashboard this magic opened before (default: close it, one feed per kernel)")
         args = p.parse_args(shlex.split(line))
+        if args is None:  # --help
+            return None
         previous = self.shell.user_ns.get("_dashboard")
         if not args.keep and isinstance(previous, Dashboard):
             previous.close()

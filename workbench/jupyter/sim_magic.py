@@ -39,6 +39,8 @@ class SimulateMagics(Magics):
         from ..sim.cli import format_report, simulate_from_args
 
         args = simulate_parser().parse_args(shlex.split(line))
+        if args is None:  # --help
+            return
         engine = None
         if args.calibrate:
             from .magics import engine_for_magics

@@ -91,13 +91,15 @@ def parse_grid(entries: list[str]) -> dict[str, list[Any]]:
     return grid
 
 
-def prepare(shell, line: str, cell: str | None) -> tuple[Any, dict[str, Any], argparse.Namespace]:
+def prepare(shell, line: str, cell: str | None) -> tuple[Any, dict[str, Any], argparse.Namespace] | None:
     """(engine, sweep kwargs, parsed args) for a `%sweep` line / `%%sweep` cell."""
     try:
         words = shlex.split(line)
     except ValueError as e:
         raise UsageError(f"%sweep: {e}") from None
     args = sweep_parser().parse_args(words)
+    if args is None:  # --help
+        return None
     if not args.var.isidentifier():
         raise UsageError(f"-o needs a Python variable name, got {args.var!r}")
     grid = parse_grid(args.grid)
@@ -186,7 +188,10 @@ async def sweep_cell_async(line: str, cell: str | None = None) -> None:
     from ..tuning.sweep import asweep
 
     shell = get_ipython()
-    engine, kwargs, args = prepare(shell, line, cell)
+    prepared = prepare(shell, line, cell)
+    if prepared is None:  # --help
+        return
+    engine, kwargs, args = prepared
     try:
         progress: Any = _WidgetProgress(asyncio.get_running_loop())
     except ImportError:
@@ -207,7 +212,10 @@ class SweepMagics(Magics):
         """Sweep a settings grid on the engine: `%sweep --help`."""
         from ..tuning.sweep import sweep as run_sweep
 
-        engine, kwargs, args = prepare(self.shell, line, cell)
+        prepared = prepare(self.shell, line, cell)
+        if prepared is None:  # --help
+            return None
+        engine, kwargs, args = prepared
         result = run_sweep(engine, **kwargs)
         finish(self.shell, result, args)
         return None
