@@ -371,6 +371,20 @@ def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tm
         assert "worst imbalance" in panel.locator(".wb-Experts").inner_text()
         assert "tokens" in panel.locator(".wb-ExpertCell").first.get_attribute("title")
         page.screenshot(path=str(ARTIFACTS / "lab-moe-routing.png"))
+
+        # Stop asks first, saying how many clients would lose the engine; Cancel keeps it
+        panel.locator(".wb-StopButton").click()
+        dialog = page.locator(".jp-Dialog")
+        dialog.wait_for()
+        assert "Stop engine moe-e2e?" in dialog.inner_text()
+        clients = moe.status()["num_clients"]
+        assert f"{clients} client" in dialog.inner_text()
+        dialog.locator("button", has_text="Cancel").click()
+        dialog.wait_for(state="detached")
+        assert moe.alive and moe.status()["pid"] == moe.pid
+        panel.locator(".wb-StopButton").click()
+        page.locator(".jp-Dialog button", has_text="Stop engine").click()
+        _wait_for(lambda: moe.process.poll() is not None, 30, "the engine to stop after the confirmation")
     finally:
         page.close()
         stop_engine(moe)

@@ -3,6 +3,7 @@
  * for every setting that can change without a restart (built from the server's settings schema,
  * validated by the engine) and a compact live timeline.
  */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
 import { EngineConnection, ISettingSchema, WorkbenchAPI, WorkbenchError } from './api';
@@ -512,6 +513,20 @@ export class WorkbenchPanel extends Widget {
   private async _stop(): Promise<void> {
     const name = this._engine;
     if (!name) {
+      return;
+    }
+    // A shared engine: say who loses it before stopping it (this lab's server is one client).
+    const clients = this._conn?.state.status.num_clients;
+    const who =
+      typeof clients === 'number'
+        ? `${clients} client${clients === 1 ? '' : 's'} attached (this JupyterLab counts as one); `
+        : '';
+    const answer = await showDialog({
+      title: `Stop engine ${name}?`,
+      body: `${who}every notebook using it loses its engine, and running requests are aborted.`,
+      buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Stop engine' })]
+    });
+    if (!answer.button.accept) {
       return;
     }
     this._stopButton.disabled = true;
