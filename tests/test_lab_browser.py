@@ -382,6 +382,19 @@ def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tm
         dialog.locator("button", has_text="Cancel").click()
         dialog.wait_for(state="detached")
         assert moe.alive and moe.status()["pid"] == moe.pid
+        assert panel.get_attribute("data-live") == "1"
+        # the engine dies under the panel: it says so, clears its numbers and disables its controls
+        moe.process.kill()
+        page.wait_for_selector('#serving-workbench-panel[data-live="0"]', timeout=30_000)
+        assert panel.locator('.wb-Setting[data-setting="max_num_seqs"] .wb-Setting-input').is_disabled()
+        assert "no engine to control" in panel.locator(".wb-Message").inner_text() or \
+            panel.get_attribute("data-engine") != "moe-e2e"
+        # a confirmed Stop stops it
+        moe = start_engine(str(path), name="moe-e2e", dtype="float32", num_kv_blocks=64, timeout=120)
+        panel.locator(".wb-Refresh").click()
+        _wait_for(lambda: "moe-e2e" in picker.inner_text(), 30, "the new MoE engine in the picker")
+        picker.select_option("moe-e2e")
+        page.wait_for_selector('#serving-workbench-panel[data-engine="moe-e2e"][data-live="1"]', timeout=30_000)
         panel.locator(".wb-StopButton").click()
         page.locator(".jp-Dialog button", has_text="Stop engine").click()
         _wait_for(lambda: moe.process.poll() is not None, 30, "the engine to stop after the confirmation")

@@ -97,6 +97,8 @@ export class WorkbenchPanel extends Widget {
   private _info!: HTMLElement;
   private _numbers = new Map<string, HTMLElement>();
   private _experts!: HTMLElement;
+  /** Whether an engine is attached and ready: controls only work then. */
+  private _live = false;
   private _settingsBox!: HTMLElement;
   private _timeline!: TimelineView;
   private _stopButton!: HTMLButtonElement;
@@ -120,7 +122,7 @@ export class WorkbenchPanel extends Widget {
     this._picker = el('select', 'wb-EnginePicker jp-mod-styled');
     this._picker.title = 'running engines';
     this._picker.onchange = () => this.selectEngine(this._picker.value || null);
-    const refresh = el('button', 'wb-Button jp-mod-styled', '↻');
+    const refresh = el('button', 'wb-Button wb-Refresh jp-mod-styled', '↻');
     refresh.title = 'refresh the engine list';
     refresh.onclick = () => void this.refresh();
     this._stopButton = el('button', 'wb-Button wb-StopButton jp-mod-styled jp-mod-warn', 'Stop');
@@ -238,7 +240,8 @@ export class WorkbenchPanel extends Widget {
   }
 
   selectEngine(name: string | null): void {
-    if (name === this._engine && this._conn && !this._conn.isDisposed) {
+    const gone = this._conn?.state.state === 'stopped' || this._conn?.state.state === 'dead';
+    if (name === this._engine && this._conn && !this._conn.isDisposed && !gone) {
       return;
     }
     if (this._conn) {
@@ -257,6 +260,7 @@ export class WorkbenchPanel extends Widget {
     }
     this._timeline.setEngine(name, this._conn);
     this._renderInfo();
+    this._setLive(false, name ? `connecting to ${name}…` : 'no engine: start one above, or pick one when it runs');
   }
 
   private _onChange(conn: EngineConnection, change: IChange): void {
@@ -265,6 +269,8 @@ export class WorkbenchPanel extends Widget {
     }
     const st = conn.state;
     if (change.snapshot || change.stateChanged) {
+      const reason = st.stateReason ? `: ${st.stateReason}` : '';
+      this._setLive(st.state === 'ready', `engine ${this._engine} is ${st.state}${reason}: no engine to control`);
       this._uptimeBase =
         typeof st.status.uptime_s === 'number' ? { value: st.status.uptime_s, at: Date.now() } : null;
       this._renderInfo();
@@ -285,6 +291,26 @@ export class WorkbenchPanel extends Widget {
     }
     if (change.error) {
       this._say(change.error, true);
+    }
+  }
+
+  /** With no engine ready: say so, clear the numbers and disable the controls (changing one
+   * would reach nothing); with one, enable them again. */
+  private _setLive(live: boolean, why: string): void {
+    const was = this._live;
+    this._live = live;
+    this.node.dataset.live = live ? '1' : '0';
+    for (const c of this._controls.values()) {
+      c.input.disabled = !live || c.input.dataset.fixed === '1';
+    }
+    if (!live) {
+      for (const node of this._numbers.values()) {
+        node.textContent = '–';
+      }
+      this._renderExperts({});
+      this._say(why);
+    } else if (!was) {
+      this._say('');
     }
   }
 
@@ -417,7 +443,10 @@ export class WorkbenchPanel extends Widget {
       }
     }
     input.name = spec.name;
-    input.disabled = readOnly;
+    input.disabled = readOnly || !this._live;
+    if (readOnly) {
+      input.dataset.fixed = '1'; // stays disabled whatever the engine's state
+    }
     const error = el('div', 'wb-Setting-error');
     if (!readOnly) {
       input.addEventListener('change', () => void this._apply(spec, input, error));
