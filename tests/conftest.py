@@ -109,10 +109,19 @@ def tiny_qwen2(tmp_path_factory):
     return path, model
 
 
-def _permute_like_llama_cpp(w, n_head: int):
-    """llama.cpp's HF->GGUF reordering of q/k rows for llama-arch files (RoPE layout)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def permute_like_llama_cpp(w, n_head: int):
+    """The HF->GGUF converter's q/k row order for llama-arch files (written independently of the
+    loader's inverse, for the tests)."""
+    import numpy as np
+
+    d = w.shape[0] // n_head
+    out = np.empty_like(w)
+    for h in range(n_head):
+        rows = w[h * d : (h + 1) * d]
+        first, second = rows[: d // 2], rows[d // 2 :]
+        out[h * d : (h + 1) * d][0::2] = first
+        out[h * d : (h + 1) * d][1::2] = second
+    return out
 
 
 def write_gguf(path, model, arch: str, folder):
@@ -175,9 +184,9 @@ def write_gguf(path, model, arch: str, folder):
             stacks.setdefault(f"blk.{i}.{expert[proj]}.weight", {})[int(e)] = a
             continue
         if arch == "llama" and rest == "self_attn.q_proj.weight":
-            a = _permute_like_llama_cpp(a, heads)
+            a = permute_like_llama_cpp(a, heads)
         elif arch == "llama" and rest == "self_attn.k_proj.weight":
-            a = _permute_like_llama_cpp(a, kv_heads)
+            a = permute_like_llama_cpp(a, kv_heads)
         w.add_tensor(f"blk.{i}.{layer[rest]}", a.copy())
     for name, by_expert in stacks.items():
         w.add_tensor(name, np.stack([by_expert[e] for e in sorted(by_expert)]))

@@ -8,9 +8,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from conftest import permute_like_llama_cpp
 
 from workbench.models import embedded, loader
 from workbench.models import gguf as gguf_format
@@ -186,18 +186,6 @@ def test_sharded_missing_shard(tmp_path):
 
 
 # ----------------------------------------------------------------------------- tiny GGUF files
-def _permute_like_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
-    """The HF->GGUF converter's q/k row order (written independently, for the test)."""
-    d = w.shape[0] // n_head
-    out = np.empty_like(w)
-    for h in range(n_head):
-        rows = w[h * d : (h + 1) * d]
-        first, second = rows[: d // 2], rows[d // 2 :]
-        out[h * d : (h + 1) * d][0::2] = first
-        out[h * d : (h + 1) * d][1::2] = second
-    return out
-
-
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _MERGES = ["Ġ t", "h e", "Ġt he"]
 _TEMPLATE = (
@@ -261,9 +249,9 @@ def _write_tiny_gguf(path: Path, ref: dict[str, torch.Tensor], n_head: int, n_kv
             name = f"blk.{i}.{layer[rest]}"
         a = t.float().numpy().copy()
         if hf.endswith("q_proj.weight"):
-            a = _permute_like_llama_cpp(a, n_head)
+            a = permute_like_llama_cpp(a, n_head)
         elif hf.endswith("k_proj.weight"):
-            a = _permute_like_llama_cpp(a, n_kv)
+            a = permute_like_llama_cpp(a, n_kv)
         w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -300,7 +288,7 @@ def test_gguf_load_unpermutes_and_maps_names(tiny_gguf):
 
 def test_unpermute_inverts_permute():
     w = torch.arange(6 * 16 * 3, dtype=torch.float32).reshape(6 * 16, 3)
-    permuted = torch.from_numpy(_permute_like_llama_cpp(w.numpy(), 6))
+    permuted = torch.from_numpy(permute_like_llama_cpp(w.numpy(), 6))
     assert not torch.equal(permuted, w)
     assert torch.equal(gguf_format._unpermute_qk(permuted, 6), w)
 

@@ -18,10 +18,8 @@ from typing import Any
 from .engine.llm_engine import LLMEngine
 from .events import EventSubscription
 from .interface import Engine, request_ids
-from .ipc.protocol import Event
+from .ipc.protocol import METRICS_EVERY_S, Event
 from .outputs import StreamChunk
-
-METRICS_EVERY_S = 1.0  # "metrics" events, as often as the engine process publishes them
 
 
 class LLM(Engine):

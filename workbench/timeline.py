@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
+from collections.abc import Iterable
 
 import msgspec
 
@@ -50,6 +51,24 @@ class RequestEvent(msgspec.Struct, omit_defaults=True):
     request_id: str
     kind: str  # one of REQUEST_EVENTS
     detail: str | None = None
+
+
+def expert_totals(per_step: Iterable[list[list[int]]]) -> list[list[int]]:
+    """Tokens per expert of each MoE layer, summed over steps' `expert_counts`."""
+    out: list[list[int]] = []
+    for counts in per_step:
+        for i, layer in enumerate(counts):
+            if i == len(out):
+                out.append([0] * len(layer))
+            out[i] = [a + b for a, b in zip(out[i], layer)]
+    return out
+
+
+def imbalance(counts: list[int]) -> float:
+    """Max over mean tokens per expert (1: perfectly even; what expert-parallel serving cares
+    about); NaN when no token was routed."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else float("nan")
 
 
 class TimelineRecorder:

@@ -29,7 +29,7 @@ from ..outputs import StreamChunk
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
-from ..timeline import TimelineRecorder
+from ..timeline import TimelineRecorder, expert_totals, imbalance
 from . import sampler
 from .attention import KVCache, backend_ops
 from .model_runner import ModelRunner
@@ -372,13 +372,8 @@ class LLMEngine:
         itl = [x for o in self.outputs.recent for x in o.metrics.itl]
         t = self.totals
         used, total = self.scheduler.kv_blocks
-        load: list[list[int]] = []
-        for st in recent_steps:
-            for i, layer in enumerate(st.expert_counts):
-                if i == len(load):
-                    load.append([0] * len(layer))
-                load[i] = [a + b for a, b in zip(load[i], layer)]
-        worst = max((max(row) * len(row) / sum(row) for row in load if sum(row)), default=None)
+        load = expert_totals(st.expert_counts for st in recent_steps)
+        worst = max((imbalance(row) for row in load if sum(row)), default=None)
         return as_dict(EngineMetrics(
             output_tok_s=out_tokens / span if span > 0 else 0.0,
             num_waiting=len(self.scheduler.waiting),

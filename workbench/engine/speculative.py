@@ -142,6 +142,23 @@ def check_same_vocabulary(target_config, target_tok, draft_config, draft_tok, na
             raise ValueError(f"draft_model {name!r} uses a different tokenizer from the target (e.g. {differ})")
 
 
+def ready_for_drafts(scheduler: Scheduler, k: int, max_model_len: int) -> list[tuple[Sequence, int]]:
+    """The running sequences that can take draft tokens this step, each with how many (at most k,
+    within its output length and the context), KV blocks reserved for them. The engine's proposer
+    and the simulator both attach drafts to exactly these."""
+    ready = []
+    for seq in scheduler.running:
+        remaining = seq.params.max_tokens - seq.num_output_tokens
+        room = min(k, remaining - 1, max_model_len - len(seq) - 1)
+        # Penalties depend on every earlier token, which verification would change mid-window.
+        if (seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1
+                or seq.params.repetition_penalty != 1.0):
+            continue
+        if scheduler.reserve(seq, len(seq) + room):
+            ready.append((seq, room))
+    return ready
+
+
 class SpeculativeDecoder:
     """Draft tokens in (`propose`), verified tokens out (`verify`), for the engine's settings."""
 
@@ -157,17 +174,7 @@ class SpeculativeDecoder:
     def propose(self) -> int:
         """Attach draft tokens to running sequences that are decoding. Returns tokens proposed."""
         s = self.settings
-        k = s.num_speculative_tokens
-        ready = []
-        for seq in self.scheduler.running:
-            remaining = seq.params.max_tokens - seq.num_output_tokens
-            room = min(k, remaining - 1, self.max_model_len - len(seq) - 1)
-            # Penalties depend on every earlier token, which verification would change mid-window.
-            if (seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1
-                    or seq.params.repetition_penalty != 1.0):
-                continue
-            if self.scheduler.reserve(seq, len(seq) + room):
-                ready.append((seq, room))
+        ready = ready_for_drafts(self.scheduler, s.num_speculative_tokens, self.max_model_len)
         if not ready:
             return 0
         if s.speculative == "ngram":

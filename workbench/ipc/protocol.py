@@ -38,6 +38,7 @@ DEFAULT_MAX_MESSAGE_MB = 16
 DEFAULT_MAX_QUEUED_CHARS = 64 << 20  # prompt text waiting for the tokenizer
 DEFAULT_MAX_QUEUED_TOKENS = 1 << 22  # prompt tokens of requests admitted but not yet running
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, how long running requests may finish
+METRICS_EVERY_S = 1.0  # how often every engine (process, in-process, remote client) publishes "metrics"
 START_FAILED = "ENGINE START FAILED:"  # the log line start_engine quotes when the engine cannot start
 
 

@@ -57,6 +57,7 @@ from .protocol import (
     DEFAULT_MAX_QUEUED_CHARS,
     DEFAULT_MAX_QUEUED_TOKENS,
     HEADER,
+    METRICS_EVERY_S,
     PROTOCOL_VERSION,
     Abort,
     Bye,
@@ -84,7 +85,6 @@ log = logging.getLogger("workbench.engine")
 
 INLINE_TOKENIZE_CHARS = 4096  # prompt characters (or ids) of a submit tokenized on the step loop itself
 TIMELINE_FLUSH_S = 0.05  # publish step/request events at most 20 times a second
-METRICS_EVERY_S = 1.0
 
 
 class EngineServer:

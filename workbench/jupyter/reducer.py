@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from ..timeline import expert_totals, imbalance
+
 PHASE_COLORS = {
     "prefill": "#4C72B0",
     "decode": "#55A868",
@@ -342,12 +344,6 @@ class TimelineReducer:
 
 
 # -- expert routing (mixture-of-experts models) -----------------------------------------------------
-def imbalance(counts: list[int]) -> float:
-    """Max over mean tokens per expert (1: perfectly even; what expert-parallel serving cares about)."""
-    total = sum(counts)
-    return max(counts) * len(counts) / total if total else float("nan")
-
-
 def routing_text(expert_counts: list[list[int]], shown: int = 4) -> str:
     """A step's routing for its tooltip: per MoE layer, the busiest expert and the imbalance."""
     if not expert_counts:
@@ -389,15 +385,7 @@ class ExpertLoad:
         return changed
 
     def totals(self) -> list[list[int]]:
-        out: list[list[int]] = []
-        for counts in self._steps:
-            for i, layer in enumerate(counts):
-                if i == len(out):
-                    out.append([0] * len(layer))
-                row = out[i]
-                for e, n in enumerate(layer):
-                    row[e] += n
-        return out
+        return expert_totals(self._steps)
 
     def columns(self) -> dict[str, list]:
         """One row per (layer, expert): tokens routed to it in the window and its share of the layer's."""

@@ -188,6 +188,7 @@ class Transformer:
         self.config = config
         self.embed = weights["model.embed_tokens.weight"]
         self.layers = [DecoderLayer(config, weights, i) for i in range(config.num_hidden_layers)]
+        self.moe_layers = [layer.moe for layer in self.layers if layer.moe is not None]  # read every step
         self.norm = weights["model.norm.weight"]
         head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         self.lm_head = Linear(head)
@@ -222,10 +223,6 @@ class Transformer:
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
-
-    @property
-    def moe_layers(self) -> list[MoE]:
-        return [layer.moe for layer in self.layers if layer.moe is not None]
 
     def set_moe_top_k(self, top_k: int | None) -> None:
         """Experts per token on every MoE layer (None: the checkpoint's)."""

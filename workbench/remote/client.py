@@ -25,7 +25,7 @@ import httpx
 
 from ..events import EventSubscription
 from ..interface import Engine, closed_at_exit, deliver, request_ids
-from ..ipc.protocol import EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
+from ..ipc.protocol import METRICS_EVERY_S, EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..timeline import Timeline, TimelineRecorder
@@ -551,7 +551,7 @@ class RemoteEngineClient(Engine):
                 ev = Event("timeline", now, tl)
                 for s in subs:
                     s._deliver(ev)
-            if now - last_metrics >= 1.0:
+            if now - last_metrics >= METRICS_EVERY_S:
                 last_metrics = now
                 try:
                     m = await self._ametrics()

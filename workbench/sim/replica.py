@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
+from ..engine.speculative import ready_for_drafts
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings
 from ..timeline import TimelineRecorder
@@ -91,15 +92,10 @@ class Replica:
         s = self.settings
         if s.speculative == "off" or not s.kv_cache:
             return 0
-        proposed = 0
-        for seq in self.scheduler.running:
-            room = min(s.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
-            if seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1:
-                continue
-            if self.scheduler.reserve(seq, len(seq) + room):
-                seq.spec_tokens = [TOKEN] * room
-                proposed += room
-        return proposed
+        ready = ready_for_drafts(self.scheduler, s.num_speculative_tokens, 1 << 30)  # no context bound here
+        for seq, room in ready:
+            seq.spec_tokens = [TOKEN] * room
+        return sum(room for _, room in ready)
 
     def _verify(self, seq: Sequence) -> list[int]:
         """A verify's outcome: the leading draft tokens accepted (each with `acceptance`), plus one."""

@@ -146,7 +146,7 @@ class Simulator:
             self.profile = prof
             device = device or prof.device
         else:
-            self.profile = get_profile(profile) if isinstance(profile, (str, Profile)) and cost is None else None
+            self.profile = None  # a given cost model: no profile behind it
         self.cost = cost
         self.device = device or "cpu"
         self.source = source or ("roofline" if isinstance(cost, RooflineCost) else "fitted")
