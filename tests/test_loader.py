@@ -275,6 +275,11 @@ def test_gguf_load_unpermutes_and_maps_names(tiny_gguf):
     assert c.max_position_embeddings == 128 and c.vocab_size == len(_tiny_vocab())
     assert c.bos_token_id == 1 and c.eos_token_ids == [2]
     _assert_weights_equal(m.weights, ref, tied=True)
+    from workbench.models.gguf import read_gguf_config
+
+    meta_only = read_gguf_config(path)  # what the simulator reads: the same shape, no weights loaded
+    assert (meta_only.architecture, meta_only.num_hidden_layers, meta_only.head_dim, meta_only.vocab_size) == \
+        (c.architecture, c.num_hidden_layers, c.head_dim, c.vocab_size)
 
     tok = m.tokenizer
     assert tok is not None and tok.vocab_size == len(_tiny_vocab())

@@ -165,14 +165,17 @@ def gguf_tokenizer(reader) -> Tokenizer | None:
     )
 
 
-def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
-    """Parse a GGUF file: config, dequantised float32 weights in HF names, tokenizer."""
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """A GGUF file's config from its metadata alone (the tensors stay on disk, memory-mapped)."""
     import gguf
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    reader = gguf.GGUFReader(str(path))
+    return _gguf_config(gguf.GGUFReader(str(path)), path)
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(
@@ -240,7 +243,20 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         config.vocab_size = int(
             reader.tensors[[t.name for t in reader.tensors].index("token_embd.weight")].shape[1]
         )
+    return config
 
+
+def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+    """Parse a GGUF file: config, dequantised float32 weights in HF names, tokenizer."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    reader = gguf.GGUFReader(str(path))
+    config = _gguf_config(reader, path)
+    arch = _field(reader, "general.architecture")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     weights: dict[str, torch.Tensor] = {}
     layer_re = re.compile(r"^blk\.(\d+)\.(.+)$")
     for t in reader.tensors:

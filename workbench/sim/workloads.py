@@ -84,9 +84,9 @@ def model_config(model):
     else:
         path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
-        from ..models.gguf import read_gguf
+        from ..models.gguf import read_gguf_config
 
-        return read_gguf(path)[0]
+        return read_gguf_config(path)  # the metadata only: its weights are not needed here
     cfg = path / "config.json"
     if not cfg.is_file():
         raise FileNotFoundError(f"{path}: no config.json (the simulator needs the model's shape, not its weights)")
