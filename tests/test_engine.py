@@ -292,6 +292,23 @@ def test_bad_settings(tiny_llama, settings, exc, words):
     with pytest.raises(exc, match=words):
         llm.configure(**{"max_num_seqs": 7, **settings})
     assert llm.settings() == before  # all or nothing
+    assert llm.timeline().changes == []  # and nothing is marked on the timeline
+
+
+def test_each_accepted_change_is_on_the_timeline(tiny_llama):
+    """Old -> new, who asked and how long applying it took; a no-op or a rejected call marks nothing."""
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=16)
+    llm.configure(max_num_seqs=7, quantization="int8")
+    llm.configure(max_num_seqs=7)  # no change
+    with pytest.raises(ValueError):
+        llm.configure(max_num_seqs=0)
+    llm.configure(quantization="none")
+    first, second = llm.timeline().changes
+    assert first.changes == {"max_num_seqs": [64, 7], "quantization": ["none", "int8"]}
+    assert first.relayout and first.end >= first.start and first.by.startswith("in-process (pid ")
+    assert second.changes == {"quantization": ["int8", "none"]} and second.seq > first.seq
+    assert llm.timeline(since=first.seq).changes == [second]
 
 
 def test_restart_settings_refused_live(tiny_llama):

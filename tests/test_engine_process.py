@@ -266,6 +266,8 @@ def test_outputs_go_only_to_the_requester(engine):
 def test_configure_mid_stream(engine, reference, name, value, default):
     """Another client changes a live setting while two streams run: they continue, stay
     correct (greedy), and every client sees the change event."""
+    from workbench.ipc.client import _default_client_name
+
     prompts = [PROMPTS[0], PROMPTS[2]]
     with EngineClient.connect("shared", timeout=10) as a, EngineClient.connect("shared", timeout=10) as b:
         try:
@@ -282,8 +284,12 @@ def test_configure_mid_stream(engine, reference, name, value, default):
                 pytest.fail("the change never landed while the streams ran")
             for evs in events:  # one list per client, each ending with the change
                 assert evs[-1].data["changes"] == {name: value} and evs[-1].data["settings"][name] == value
+                assert evs[-1].data["by"] == f"{_default_client_name()} (pid {os.getpid()})"
                 if name == "kv_cache_dtype":
                     assert [e.data["state"] for e in evs if e.kind == "relayout"] == ["started", "done"]
+            # on the timeline too: old -> new, and who made it
+            mark = [c for c in a.timeline().changes if name in c.changes][-1]
+            assert mark.changes == {name: [default, value]} and mark.by == events[0][-1].data["by"]
             expected = reference(prompts, max_tokens)
             for chunks, exp in zip(results, expected):
                 out = chunks[-1].output

@@ -40,7 +40,8 @@ if browser_skip_reason():
 CELLS = [
     "%load_ext workbench\n%engine connect dash",
     "%dashboard",
-    "%%generate --max-tokens 12 --ignore-eos\nOnce upon a time\n---\nThe capital of France is\n---\nRed, green,",
+    "%%generate --max-tokens 12 --ignore-eos\nOnce upon a time\n---\nThe capital of France is\n---\nRed, green,"
+    "\n---\nWhy is the sky blue?",
 ]
 
 
@@ -113,6 +114,19 @@ def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):
             page.wait_for_function("() => window.Bokeh !== undefined")
             # the third cell's requests show up in the dashboard's plots
             page.locator(".jp-Notebook .jp-Cell").nth(2).locator("text=finish: length").first.wait_for(timeout=180_000)
+            # four prompts, four lanes, each named by its prompt (the lanes source of the dashboard)
+            lanes_js = """() => {
+                for (const d of window.Bokeh.documents) for (const m of d.all_models)
+                    if (m.type === 'ColumnDataSource' && m.data.lane && m.data.label && m.data.tokens) {
+                        const out = {};
+                        m.data.label.forEach((l, i) => { (out[l] = out[l] || new Set()).add(m.data.lane[i]); });
+                        return Object.fromEntries(Object.entries(out).map(([k, v]) => [k, [...v]]));
+                    }
+                return null; }"""
+            prompts = ["Once upon a time", "The capital of France is", "Red, green,", "Why is the sky blue?"]
+            lanes = wait_for(lambda: (lambda got: got if got and all(p in got for p in prompts) else None)(
+                page.evaluate(lanes_js)), 30, "a lane per prompt in the dashboard")
+            assert sorted(lanes[p][0] for p in prompts) == [0, 1, 2, 3] and all(len(lanes[p]) == 1 for p in prompts)
             page.wait_for_timeout(1500)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             # pick "static" in the batching dropdown, as a user would
@@ -121,6 +135,14 @@ def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):
             assert options == ["continuous", "static", "off"], options
             select.select_option("static")
             wait_for(lambda: eng.settings()["batching"] == "static", 20, "the dropdown to reach the engine")
+            # the change is a marker on the dashboard's timeline: what changed and who changed it
+            marks_js = """() => {
+                for (const d of window.Bokeh.documents) for (const m of d.all_models)
+                    if (m.type === 'ColumnDataSource' && m.data.apply_ms) return [m.data.label, m.data.by];
+                return null; }"""
+            marks = wait_for(lambda: (lambda got: got if got and got[0] else None)(page.evaluate(marks_js)), 20,
+                             "the change marker on the dashboard")
+            assert marks[0][-1] == "batching: 'continuous' → 'static'" and marks[1][-1].startswith("notebook kernel")
             eng.configure(batching="continuous")
             page.wait_for_function("el => el.value !== undefined && el.selectedIndex === 0",
                                    arg=select.element_handle(), timeout=20_000)  # and back, from the engine

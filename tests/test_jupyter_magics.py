@@ -7,6 +7,7 @@ end whatever happens; the runtime dir is private to the module.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -167,9 +168,13 @@ def test_dashboard_controls_bound_to_engine(shell, client):
     assert any("application/vnd.jupyter.widget-view+json" in o.data for o in cap.outputs)
     d1 = shell.user_ns["_dashboard"]
     d2 = Dashboard(wb_session.get_session(), start=False)  # a second "notebook" on the same engine
-    live = [e["name"] for e in schema() if e["kind"] == "live"]
+    headline = [e["name"] for e in schema() if e["headline"]]
+    live = [e["name"] for e in schema() if e["kind"] == "live" and not e["headline"]]
     changeable = [e["name"] for e in schema() if e["kind"] != "restart"]
-    assert sorted(d1.controls) == sorted(changeable) and list(d1.controls)[:len(live)] == live
+    assert sorted(d1.controls) == sorted(changeable)
+    assert list(d1.controls)[:len(headline) + len(live)] == headline + live  # the headline toggles first
+    assert d1.controls["prefix_caching"].description == "Prefix caching"  # a label for people
+    assert "prefix_caching" in d1.controls["prefix_caching"].tooltip  # the name for code
     for name in ("batching", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "prefix_caching", "quantization",
                  "kv_cache_dtype", "speculative", "num_speculative_tokens", "attention_backend"):
         assert name in d1.controls
@@ -194,7 +199,13 @@ def test_dashboard_controls_bound_to_engine(shell, client):
         other.configure(max_num_seqs=5)
         for d in (d1, d2):
             wait_for(lambda d=d: (d.pump(), d.controls["max_num_seqs"].value == 5)[1], 20, "max_num_seqs to show")
-        assert any("another client" in m for m in d2.messages)
+        # who changed it is named; a dashboard never reports its own change as someone else's
+        from workbench.ipc.client import _default_client_name
+
+        by = f"Changed by {_default_client_name()} (pid {os.getpid()}): max_num_seqs=5"
+        assert any(m.startswith(by) for m in d2.messages), d2.messages
+        d1.pump()
+        assert not any(m.startswith("Changed by") and "batching" in m for m in d1.messages), d1.messages
     finally:
         other.configure(max_num_seqs=64, batching="continuous")
         other.close()

@@ -281,3 +281,48 @@ def test_the_step_tooltip_and_the_heatmap_show_the_routing():
     assert view.source.data["tokens"] == [0, 2, 1, 1]
     assert "worst imbalance 2.00x (layer 0" in view.figure.title.text
     assert (view.figure.y_range.start, view.figure.y_range.end) == (-0.5, 1.5)
+
+
+def test_lanes_are_named_by_prompt_and_changes_are_markers():
+    """A lane carries its request's prompt start (also on the step that follows its "finished"
+    event, as the engine records them); each settings change is one marker row: what changed,
+    who asked, how long applying it stalled the engine."""
+    from workbench.timeline import ChangeEvent
+
+    f = two_requests()
+    f.requests[0].label = "Once upon a time"  # A's "arrived"; B has no text: its id names it
+    f.seq += 1
+    change = ChangeEvent(f.seq, 10.5, 10.9, {"quantization": ["none", "int8"], "max_num_seqs": [4, 8]},
+                         by="notebook kernel (pid 7)", relayout=True)
+    tl = f.timeline()
+    tl.changes = [change]
+    r = TimelineReducer()
+    r.add(tl)
+    d = r.drain()
+    lanes = d["lanes"]
+    a_rows = [label for label, req in zip(lanes["label"], lanes["request"]) if req == "aaaaaa"]
+    assert a_rows and set(a_rows) == {"Once upon a time"}  # every rect, the one after "finished" too
+    assert {label for label, req in zip(lanes["label"], lanes["request"]) if req == "bbbbbb"} == {"bbbbbb"}
+    assert r.lane_labels == {0: "Once upon a time", 1: "bbbbbb"}
+    ch = d["changes"]
+    assert ch["label"] == ["quantization: 'none' → 'int8', max_num_seqs: 4 → 8"]
+    assert ch["by"] == ["notebook kernel (pid 7)"] and ch["relayout"] == [True]
+    assert ch["t"][0] == pytest.approx(0.5) and ch["end"][0] == pytest.approx(0.9)
+    assert ch["apply_ms"][0] == pytest.approx(400.0)
+    # re-reading overlapping history adds nothing twice
+    r.add(tl)
+    assert "changes" not in r.drain()
+
+
+def test_chrome_trace_marks_each_change():
+    from workbench.timeline import ChangeEvent
+
+    tl = two_requests().timeline()
+    tl.changes = [ChangeEvent(99, 10.5, 10.9, {"kv_cache_dtype": ["auto", "int8"]}, by="cli", relayout=True),
+                  ChangeEvent(100, 11.0, 11.0, {"max_num_seqs": [4, 8]}, by="cli")]
+    events = [e for e in tl.to_chrome_trace()["traceEvents"] if e.get("cat") == "settings"]
+    marks = [e for e in events if e["ph"] == "i"]
+    assert [m["name"] for m in marks] == ["kv_cache_dtype: 'auto' → 'int8'", "max_num_seqs: 4 → 8"]
+    assert all(m["s"] == "g" for m in marks) and marks[0]["ts"] == pytest.approx(10.5e6)
+    stalls = [e for e in events if e["ph"] == "X"]
+    assert len(stalls) == 1 and stalls[0]["dur"] == pytest.approx(0.4e6)  # only the re-layout stalls

@@ -224,6 +224,19 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
             ctl = panel.locator(f'.wb-Setting[data-setting="{spec["name"]}"] .wb-Setting-input')
             assert ctl.count() == 1, spec["name"]
             assert ctl.is_disabled() == (spec["kind"] == "restart"), spec["name"]
+        # the headline toggles come first, open, whatever their kind; labels are for people and
+        # never cut off, the setting's name is in the tooltip
+        headline = panel.locator(".wb-group-headline")
+        assert headline.get_attribute("open") is not None
+        assert [r.get_attribute("data-setting") for r in headline.locator(".wb-Setting").all()] == \
+            [s["name"] for s in schema() if s["headline"]] == \
+            ["batching", "kv_cache", "prefix_caching", "quantization", "speculative"]
+        for spec in schema():
+            row = panel.locator(f'.wb-Setting[data-setting="{spec["name"]}"]')
+            label = row.locator(".wb-Setting-label")
+            assert label.text_content() == spec["label"]
+            assert spec["name"] in row.get_attribute("title")
+            assert label.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), f"{spec['label']!r} is cut off"
 
         # change a live setting in the panel -> the engine's setting changes
         box = panel.locator('.wb-Setting[data-setting="max_num_seqs"] input')
@@ -343,6 +356,74 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
     if not lab["magics"]:
         pytest.xfail("workbench.jupyter.magics is missing: ran the notebook's requests from plain Python "
                      "instead of %%generate")
+
+
+def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
+    """The main-area timeline: every settings change is a marker (what, who, how long) on it and on
+    the panel's; the axis follows the latest activity until the user pans; lanes are named by
+    their prompts."""
+    from workbench.sampling_params import SamplingParams
+
+    page = browser.new_page(viewport={"width": 1500, "height": 950})
+    page.set_default_timeout(30_000)
+    chart = ".wb-TimelineWidget .wb-Timeline-chart"
+    try:
+        panel = _open_panel(page, lab)
+        panel.locator(".wb-OpenTimeline").click()
+        page.wait_for_selector(f"{chart}[data-cursor]")
+        page.wait_for_selector(".wb-TimelineWidget canvas", state="attached")
+        before = int(page.get_attribute(chart, "data-changes") or 0)
+        # one palette: the legend's swatches are the Python reducer's colours
+        from workbench.jupyter.reducer import PHASE_COLORS, STATE_COLORS
+
+        def rgb(hex_color: str) -> str:
+            return "rgb({}, {}, {})".format(*(int(hex_color[i:i + 2], 16) for i in (1, 3, 5)))
+        swatches = page.locator(".wb-TimelineWidget .wb-Legend-item").evaluate_all(
+            "items => items.map(i => [i.textContent, i.firstChild.style.background])")
+        expected = {**STATE_COLORS, "mixed": PHASE_COLORS["mixed"], "relayout": PHASE_COLORS["relayout"]}
+        assert {name: color for name, color in swatches if color} == {k: rgb(v) for k, v in expected.items()}
+        assert swatches[-1][0].endswith("settings change")
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        engine.generate(["Marker test: the quick brown fox jumps over"], params=params)
+        engine.configure(quantization="int8")
+        engine.generate(["After int8: tell me a story"], params=params)
+        engine.configure(quantization="none")
+        for scope in (chart, "#serving-workbench-panel .wb-Timeline-chart"):
+            _wait_for(lambda s=scope: int(page.get_attribute(s, "data-changes") or 0) >= before + 2, 30,
+                      f"two more change markers on {scope}")
+        changes = [c for c in engine.timeline().changes if "quantization" in c.changes][-2:]
+        assert [c.changes["quantization"] for c in changes] == [["none", "int8"], ["int8", "none"]]
+        assert changes[0].relayout and changes[0].by.endswith(f"(pid {os.getpid()})")  # this test's client
+        # the marker's hover text is the reducer's label, and the relayout stall is drawn
+        labels = page.evaluate("""() => {
+            for (const d of window.Bokeh.documents) for (const m of d.all_models)
+                if (m.type === 'ColumnDataSource' && m.data.label && m.data.apply_ms) return m.data.label;
+            return null; }""")
+        assert "quantization: 'none' → 'int8'" in labels and "quantization: 'int8' → 'none'" in labels
+        # lanes named by prompt start (24 characters in the main area)
+        def lane_names():
+            names = json.loads(page.get_attribute(chart, "data-lane-labels"))
+            return names if any(v.startswith("After int8") for v in names.values()) else ValueError(names)
+        _wait_for(lane_names, 30, "a lane named after its prompt")
+        # following: the axis spans the latest burst of activity, not the whole history
+        page.wait_for_function(f"() => document.querySelector('{chart}').dataset.follow === 'true'")
+        x0, x1 = (float(page.get_attribute(chart, a)) for a in ("data-x-start", "data-x-end"))
+        assert 0 < x1 - x0 <= 60
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(ARTIFACTS / "lab-timeline-markers.png"))
+        # a pan stops following; the checkbox brings it back
+        box = page.locator(f"{chart} canvas").last.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] / 2 - 200, box["y"] + box["height"] / 2, steps=8)
+        page.mouse.up()
+        page.wait_for_function(f"() => document.querySelector('{chart}').dataset.follow === 'false'")
+        follow = page.locator(".wb-TimelineWidget .wb-Timeline-follow input")
+        assert not follow.is_checked()
+        follow.check()
+        page.wait_for_function(f"() => document.querySelector('{chart}').dataset.follow === 'true'")
+    finally:
+        page.close()
 
 
 def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tmp_path_factory):

@@ -20,7 +20,7 @@ from workbench.jupyter_server.coalesce import (
     history_window,
     trim_timeline,
 )
-from workbench.timeline import BatchEntry, RequestEvent, StepEvent, Timeline
+from workbench.timeline import BatchEntry, ChangeEvent, RequestEvent, StepEvent, Timeline
 
 
 def tl(steps=(), requests=(), cursor=None) -> dict:
@@ -193,7 +193,8 @@ def _reducer_messages(with_sources: bool = False):
                          batch=[BatchEntry(*b) for b in batch], **kw)
 
     first = Timeline(steps=[step(3, 10.0, "prefill", [("aaaaaa1", 5, "prefill")], num_prefill_tokens=5)],
-                     requests=[RequestEvent(seq=1, time=9.9, request_id="aaaaaa1", kind="arrived"),
+                     requests=[RequestEvent(seq=1, time=9.9, request_id="aaaaaa1", kind="arrived",
+                                            label="Once upon a time"),
                                RequestEvent(seq=2, time=10.0, request_id="aaaaaa1", kind="scheduled")], cursor=3)
     second = Timeline(
         steps=[step(6, 10.1, "mixed", [("aaaaaa1", 1, "decode"), ("bbbbbb2", 4, "prefill")], num_prefill_tokens=4,
@@ -203,7 +204,9 @@ def _reducer_messages(with_sources: bool = False):
                   RequestEvent(seq=5, time=10.1, request_id="bbbbbb2", kind="scheduled"),
                   RequestEvent(seq=7, time=10.15, request_id="aaaaaa1", kind="first_token"),
                   RequestEvent(seq=9, time=10.25, request_id="aaaaaa1", kind="finished", detail="length")],
-        cursor=9)
+        changes=[ChangeEvent(seq=10, start=10.21, end=10.24, changes={"quantization": ["none", "int8"]},
+                             by="notebook kernel (pid 1)", relayout=True)],
+        cursor=10)
     c = EventCoalescer(rate_hz=10)
     messages = [snap(c, msgspec.to_builtins(first), now=10.06)]
     c.add("timeline", msgspec.to_builtins(second), time=10.25)
@@ -229,6 +232,13 @@ def test_messages_carry_the_notebook_reducers_columns_and_palette():
     assert delta["columns"]["steps"]["phase"] == ["mixed", "decode"]
     assert delta["columns"]["steps"]["color"] == [PHASE_COLORS["mixed"], PHASE_COLORS["decode"]]
     assert all("batch" not in s for s in snapshot["timeline"]["steps"] + delta["timeline"]["steps"])  # sent once
+    # lanes are named by their prompt's start (else the request id); a settings change is a marker
+    assert snapshot["columns"]["lanes"]["label"][0] == "Once upon a time"
+    assert delta["columns"]["lanes"]["label"][-1] == "bbbbbb"
+    changes = delta["columns"]["changes"]
+    assert changes["label"] == ["quantization: 'none' → 'int8'"] and changes["by"] == ["notebook kernel (pid 1)"]
+    assert changes["t"] == [round(10.21 - 9.9, 6)] and changes["relayout"] == [True]
+    assert changes["apply_ms"][0] == pytest.approx(30.0)
 
 
 def test_the_browsers_fixture_is_what_the_coalescer_sends():

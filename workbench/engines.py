@@ -19,7 +19,7 @@ def connect(target: str | os.PathLike | Engine | None = None, *, timeout: float 
     """An `Engine` for `target`: an Engine is returned as is; an http(s):// URL, or an engine name
     given to one with `workbench.remote.register_remote`, attaches to that OpenAI-compatible
     server; anything else is an engine process's name or connection file (None: "default").
-    `kwargs` go to the client (`reconnect=`, `check_pid=` for engine processes; `api_key=`,
+    `kwargs` go to the client (`reconnect=`, `check_pid=`, `client_name=` for engine processes; `api_key=`,
     `model=` for servers)."""
     if isinstance(target, Engine):
         return target
@@ -28,6 +28,7 @@ def connect(target: str | os.PathLike | Engine | None = None, *, timeout: float 
     remote = ({"url": target} if isinstance(target, str) and target.startswith(("http://", "https://"))
               else registered_remote(target or "default"))
     if remote is not None:
+        kwargs.pop("client_name", None)  # an HTTP server does not know its clients by name
         return RemoteEngineClient.connect(timeout=timeout, **{**remote, **kwargs})
     from .ipc.client import EngineClient
 

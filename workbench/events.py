@@ -23,8 +23,8 @@ _CLOSED = object()
 class EventSubscription:
     """Events from the engine: iterate (blocking), `get(timeout)`, or give a callback.
 
-    ``kinds`` filters: "timeline" (new steps and request events, data is a `Timeline`),
-    "settings" ({"changes", "settings"}), "relayout" ({"setting", "value", "state"}),
+    ``kinds`` filters: "timeline" (new steps, request events and settings changes, data is a
+    `Timeline`), "settings" ({"changes", "settings", "by"}), "relayout" ({"setting", "value", "state"}),
     "metrics" (the metrics dict, once a second) and "engine" ({"state": "ready"|"stopped"}).
     A slow consumer loses the oldest events (counted in ``dropped``), never blocks the engine.
     """

@@ -22,52 +22,83 @@ LIVE, RELAYOUT, RELOAD, RESTART = "live", "relayout", "reload", "restart"
 
 class EngineSettings(HasTraits):
     batching = Enum(["continuous", "static", "off"], default_value="continuous").tag(
-        kind=LIVE, doc="continuous: admit every step; static: run a batch to completion; off: one at a time"
+        label="Batching", headline=True, kind=LIVE,
+        doc="continuous: admit every step; static: run a batch to completion; off: one at a time",
     )
-    max_num_seqs = Int(64, min=1, max=4096).tag(kind=LIVE, doc="most sequences in one batch")
+    max_num_seqs = Int(64, min=1, max=4096).tag(
+        label="Max sequences per batch", kind=LIVE,
+        doc="most sequences in one batch",
+    )
     max_num_batched_tokens = Int(512, min=16, max=1 << 20).tag(
-        kind=LIVE, doc="token budget per step (chunked-prefill size)"
+        label="Token budget per step", kind=LIVE,
+        doc="token budget per step (chunked-prefill size)",
     )
-    kv_cache = Bool(True).tag(kind=LIVE, doc="False recomputes the whole context every step")
-    prefix_caching = Bool(True).tag(kind=LIVE, doc="reuse KV blocks of identical prompt prefixes")
+    kv_cache = Bool(True).tag(
+        label="KV cache", headline=True, kind=LIVE,
+        doc="False recomputes the whole context every step",
+    )
+    prefix_caching = Bool(True).tag(
+        label="Prefix caching", headline=True, kind=LIVE,
+        doc="reuse KV blocks of identical prompt prefixes",
+    )
     kv_cache_dtype = Enum(["auto", "int8", "fp8"], default_value="auto").tag(
-        kind=RELAYOUT, doc="KV cache storage type"
+        label="KV cache dtype", kind=RELAYOUT,
+        doc="KV cache storage type",
     )
     quantization = Enum(["none", "int8", "int4", "fp8"], default_value="none").tag(
-        kind=RELAYOUT, doc="weight-only quantisation of the linear layers"
+        label="Quantisation", headline=True, kind=RELAYOUT,
+        doc="weight-only quantisation of the linear layers",
     )
     quant_group_size = Enum(["auto", 32, 64, 128], default_value="auto").tag(
-        kind=RELAYOUT, doc="int4 group size (auto: the source checkpoint's quantisation block, else 128)"
+        label="int4 group size", kind=RELAYOUT,
+        doc="int4 group size (auto: the source checkpoint's quantisation block, else 128)",
     )
     speculative = Enum(["off", "ngram", "draft"], default_value="off").tag(
-        kind=LIVE, doc="speculative decoding proposer"
+        label="Speculative decoding", headline=True, kind=LIVE,
+        doc="speculative decoding proposer",
     )
-    num_speculative_tokens = Int(4, min=1, max=16).tag(kind=LIVE, doc="tokens proposed per step")
-    ngram_size = Int(3, min=1, max=8).tag(kind=LIVE, doc="n-gram length matched by the ngram proposer")
+    num_speculative_tokens = Int(4, min=1, max=16).tag(
+        label="Draft tokens per step", kind=LIVE,
+        doc="tokens proposed per step",
+    )
+    ngram_size = Int(3, min=1, max=8).tag(
+        label="n-gram length", kind=LIVE,
+        doc="n-gram length matched by the ngram proposer",
+    )
     draft_model = Unicode(None, allow_none=True).tag(
-        kind=RELOAD, doc="draft model for speculative=draft (None: the target's own int4 copy)"
+        label="Draft model", kind=RELOAD,
+        doc="draft model for speculative=draft (None: the target's own int4 copy)",
     )
     attention_backend = Enum(["auto", "torch", "triton"], default_value="auto").tag(
-        kind=LIVE, doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference"
+        label="Attention backend", kind=LIVE,
+        doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference",
     )
     moe_top_k = Int(None, allow_none=True, min=1, max=1024).tag(
-        kind=LIVE, doc="experts per token on mixture-of-experts models (None: the checkpoint's); changes outputs"
+        label="Experts per token", kind=LIVE,
+        doc="experts per token on mixture-of-experts models (None: the checkpoint's); changes outputs",
     )
     cpu_kernels = Bool(True).tag(
-        kind=LIVE, doc="bf16 on a CPU: our C kernels (built for this CPU's instruction set) for decode GEMVs, "
-        "attention and fused layer ops, large steps in the faster GEMM dtype (False: torch's ops only)"
+        label="CPU kernels", kind=LIVE,
+        doc="bf16 on a CPU: our C kernels (built for this CPU's instruction set) for decode GEMVs, "
+        "attention and fused layer ops, large steps in the faster GEMM dtype (False: torch's ops only)",
     )
     dtype = Enum(["auto", "bfloat16", "float16", "float32"], default_value="auto").tag(
-        kind=RESTART, doc="compute dtype (auto: bfloat16)"
+        label="Compute dtype", kind=RESTART,
+        doc="compute dtype (auto: bfloat16)",
     )
-    device = Unicode("auto").tag(kind=RESTART, doc="auto, cpu, cuda, cuda:N")
-    block_size = Int(16, min=1, max=256).tag(kind=RESTART, doc="tokens per KV block")
+    device = Unicode("auto").tag(label="Device", kind=RESTART, doc="auto, cpu, cuda, cuda:N")
+    block_size = Int(16, min=1, max=256).tag(label="KV block size", kind=RESTART, doc="tokens per KV block")
     num_kv_blocks = Int(None, allow_none=True, min=1).tag(
-        kind=RESTART, doc="KV cache capacity in blocks (None: from kv_cache_memory_mb)"
+        label="KV blocks", kind=RESTART,
+        doc="KV cache capacity in blocks (None: from kv_cache_memory_mb)",
     )
-    kv_cache_memory_mb = Int(512, min=1).tag(kind=RESTART, doc="KV cache budget when num_kv_blocks is None")
+    kv_cache_memory_mb = Int(512, min=1).tag(
+        label="KV cache memory (MB)", kind=RESTART,
+        doc="KV cache budget when num_kv_blocks is None",
+    )
     max_model_len = Int(None, allow_none=True, min=1).tag(
-        kind=RESTART, doc="longest prompt+output (None: the model's context length)"
+        label="Max context length", kind=RESTART,
+        doc="longest prompt+output (None: the model's context length)",
     )
 
     def as_dict(self) -> dict[str, Any]:
@@ -107,6 +138,8 @@ def schema() -> list[dict[str, Any]]:
             "default": getattr(defaults, name),
             "type": type(trait).__name__.lower(),
             "allow_none": bool(trait.allow_none),
+            "label": trait.metadata["label"],  # for people; `name` is for code
+            "headline": bool(trait.metadata.get("headline")),  # the serving ideas a front end shows first
         }
         if isinstance(trait, Enum):
             entry["values"] = list(trait.values)

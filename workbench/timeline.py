@@ -51,6 +51,39 @@ class RequestEvent(msgspec.Struct, omit_defaults=True):
     request_id: str
     kind: str  # one of REQUEST_EVENTS
     detail: str | None = None
+    label: str | None = None  # "arrived": the prompt's start, to name the request's lane by
+
+
+def prompt_label(text: str | None, width: int = 32) -> str | None:
+    """The start of a prompt on one line, at most `width` characters (a lane's name)."""
+    if not text:
+        return None
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[:width - 1].rstrip() + "…"
+
+
+class ChangeEvent(msgspec.Struct, omit_defaults=True):
+    """One accepted `configure` call: what changed, who asked, and how long applying it took
+    (`end - start`: a re-layout, e.g. re-quantising the weights, stalls the engine that long)."""
+
+    seq: int
+    start: float
+    end: float
+    changes: dict[str, list]  # name -> [old, new]
+    by: str = ""  # the client that asked ("notebook kernel (pid 4242)", "JupyterLab panel (pid ...)")
+    relayout: bool = False  # a change that re-lays out weights or the KV cache
+
+    def label(self) -> str:
+        return change_label(self.changes)
+
+
+def change_label(changes: dict[str, list]) -> str:
+    """"quantization: 'none' → 'int8', max_num_seqs: 8 → 16" (strings quoted, as in Python)."""
+    return ", ".join(f"{k}: {_show(old)} → {_show(new)}" for k, (old, new) in changes.items())
+
+
+def _show(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 def expert_totals(per_step: Iterable[list[list[int]]]) -> list[list[int]]:
@@ -77,6 +110,7 @@ class TimelineRecorder:
     def __init__(self, capacity: int = 20_000):
         self.steps: deque[StepEvent] = deque(maxlen=capacity)
         self.requests: deque[RequestEvent] = deque(maxlen=capacity * 4)
+        self.changes: deque[ChangeEvent] = deque(maxlen=1000)
         self.cursor = 0
 
     def next_seq(self) -> int:
@@ -88,9 +122,16 @@ class TimelineRecorder:
         self.steps.append(ev)
         return ev
 
-    def add_request(self, time: float, request_id: str, kind: str, detail: str | None = None) -> RequestEvent:
-        ev = RequestEvent(seq=self.next_seq(), time=time, request_id=request_id, kind=kind, detail=detail)
+    def add_request(self, time: float, request_id: str, kind: str, detail: str | None = None,
+                    label: str | None = None) -> RequestEvent:
+        ev = RequestEvent(seq=self.next_seq(), time=time, request_id=request_id, kind=kind, detail=detail, label=label)
         self.requests.append(ev)
+        return ev
+
+    def add_change(self, start: float, end: float, changes: dict[str, list], by: str = "",
+                   relayout: bool = False) -> ChangeEvent:
+        ev = ChangeEvent(seq=self.next_seq(), start=start, end=end, changes=changes, by=by, relayout=relayout)
+        self.changes.append(ev)
         return ev
 
     def read(self, since: int | None = None) -> Timeline:
@@ -99,6 +140,7 @@ class TimelineRecorder:
             steps=[s for s in self.steps if s.seq > since],
             requests=[r for r in self.requests if r.seq > since],
             cursor=self.cursor,
+            changes=[c for c in self.changes if c.seq > since],
         )
 
 
@@ -106,10 +148,12 @@ class Timeline(msgspec.Struct):
     steps: list[StepEvent]
     requests: list[RequestEvent]
     cursor: int  # pass as `since` to read only what came after
+    changes: list[ChangeEvent] = msgspec.field(default_factory=list)  # settings changes, in order
 
     def extend(self, other: Timeline) -> None:
         self.steps.extend(other.steps)
         self.requests.extend(other.requests)
+        self.changes.extend(other.changes)
         self.cursor = max(self.cursor, other.cursor)
 
     def request_spans(self) -> dict[str, dict[str, float]]:
@@ -120,7 +164,8 @@ class Timeline(msgspec.Struct):
         return spans
 
     def to_chrome_trace(self, path: str | os.PathLike | None = None) -> dict:
-        """Chrome trace-event JSON: engine steps on one track, each request on its own track."""
+        """Chrome trace-event JSON: engine steps on one track, each request on its own track, and
+        every settings change as a global marker (with its re-layout as a slice on the steps track)."""
         events: list[dict] = [
             {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "engine"}},
             {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "steps"}},
@@ -160,6 +205,14 @@ class Timeline(msgspec.Struct):
                         {"name": name, "cat": "request", "ph": "X", "pid": 2, "tid": tid,
                          "ts": a * 1e6, "dur": max(b - a, 0.0) * 1e6}
                     )
+        for c in self.changes:
+            # A global instant event: Perfetto and chrome://tracing draw it as a line across every track.
+            args = {"by": c.by, "changes": c.changes, "apply_ms": (c.end - c.start) * 1e3}
+            events.append({"name": c.label(), "cat": "settings", "ph": "i", "s": "g", "pid": 1, "tid": 0,
+                           "ts": c.start * 1e6, "args": args})
+            if c.relayout:
+                events.append({"name": "relayout", "cat": "settings", "ph": "X", "pid": 1, "tid": 0,
+                               "ts": c.start * 1e6, "dur": max(c.end - c.start, 0.0) * 1e6, "args": args})
         events.insert(0, {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "requests"}})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if path is not None:

@@ -28,6 +28,8 @@ export interface ISettingSchema {
   min?: number | null;
   max?: number | null;
   read_only?: boolean; // a remote server's setting: shown, not changeable
+  label?: string; // for people ("Prefix caching"); `name` is for code
+  headline?: boolean; // one of the serving ideas shown first
 }
 
 /** An error answered by the server extension (the engine's own message when it refused). */

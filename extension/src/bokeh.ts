@@ -4,7 +4,18 @@
  * notebook dashboard, which embeds the same version). Nothing is bundled or fetched from a CDN.
  */
 import { bokehScriptUrl } from './url';
-import { Columns, EngineState, PHASES, requestColumns, spanCounts, stepColumns } from './model';
+import {
+  changeMarkers,
+  Columns,
+  EngineState,
+  IChangeMarker,
+  laneLabels,
+  latestActivity,
+  PHASES,
+  requestColumns,
+  spanCounts,
+  stepColumns
+} from './model';
 
 // BokehJS has no typings on the page; the little we use is typed loosely here.
 type BokehNS = any;
@@ -59,16 +70,25 @@ export interface IChartOptions {
   /** Height of the steps track and of the request lanes, in px. */
   stepsHeight?: number;
   lanesHeight?: number;
-  /** Seconds of history shown while following the live end. */
+  /** The widest x range shown while following the latest activity (s). */
   window?: number;
   /** Steps kept in the chart's data source. */
   rollover?: number;
   toolbar?: boolean;
+  /** Characters of a lane's name (its request's prompt start) on the y axis. */
+  laneLabelChars?: number;
 }
+
+// The steps track: one row per phase, and on top a row of settings-change markers.
+const STEP_ROWS = [...PHASES].reverse().concat(['settings']);
+const MARKER_COLOR = '#C44E52'; // CHANGE_COLOR in workbench/jupyter/reducer.py
 
 /**
  * Engine steps by phase (one row per phase) above request lanes (queued / prefill / decode / verify),
- * sharing a time axis that follows the live end.
+ * sharing a time axis. While following (the default), the axis fits the latest burst of
+ * activity; panning or zooming stops following until `setFollow(true)`. Every settings change
+ * is a dashed line across both plots, a marker on top (hover: what changed, who, how long it took)
+ * and, for a re-layout, a hatched bar in the "relayout" row for as long as it stalled the engine.
  */
 export class TimelineChart {
   constructor(
@@ -77,16 +97,45 @@ export class TimelineChart {
     readonly options: IChartOptions = {}
   ) {}
 
+  /** Called when following turns on or off (by the user's pan/zoom or `setFollow`). */
+  onFollowChanged: ((follow: boolean) => void) | null = null;
+
   private _bk: BokehNS = null;
   private _steps: any = null;
   private _spans: any = null;
+  private _changes: any = null;
+  private _figures: any[] = [];
+  private _lanesFigure: any = null;
+  private _lines: any[] = [];
   private _xRange: any = null;
+  private _follow = true;
+  private _fitting = false;
   private _views: any[] = [];
   private _ready: Promise<void> | null = null;
   private _disposed = false;
 
   get ready(): boolean {
     return this._bk !== null && this._steps !== null;
+  }
+
+  get follow(): boolean {
+    return this._follow;
+  }
+
+  /** Follow the latest activity (and fit to it now), or hold the range the user chose. */
+  setFollow(follow: boolean): void {
+    if (follow === this._follow) {
+      if (follow) {
+        this._fit();
+      }
+      return;
+    }
+    this._follow = follow;
+    this.host.dataset.follow = String(follow);
+    if (follow) {
+      this._fit();
+    }
+    this.onFollowChanged?.(follow);
   }
 
   /** Build the figures (loads BokehJS first). */
@@ -107,21 +156,26 @@ export class TimelineChart {
     const { figure, gridplot, show } = Bokeh.Plotting;
     this._steps = new Bokeh.ColumnDataSource({ data: stepColumns(undefined) });
     this._spans = new Bokeh.ColumnDataSource({ data: requestColumns(undefined) });
-    this._xRange = new Bokeh.DataRange1d({
-      follow: 'end',
-      follow_interval: opts.window ?? 30,
-      range_padding: 0.02
+    this._changes = new Bokeh.ColumnDataSource({ data: this._changeData([]) });
+    this._xRange = new Bokeh.Range1d({ start: 0, end: 1 });
+    // A range change this chart did not make is the user's pan or zoom: stop following.
+    this._xRange.properties.start.change.connect(() => {
+      if (!this._fitting && this._follow) {
+        this.setFollow(false);
+      }
     });
-    const tools = opts.toolbar === false ? '' : 'xpan,xwheel_zoom,box_zoom,reset,save';
+    this.host.dataset.follow = String(this._follow);
+    const tools = opts.toolbar === false ? '' : 'xpan,xwheel_zoom,box_zoom,save';
+    const border = Math.max(60, 6 * (opts.laneLabelChars ?? 10));
     const steps = figure({
       height: opts.stepsHeight ?? 140,
       sizing_mode: 'stretch_width',
       x_range: this._xRange,
-      y_range: new Bokeh.FactorRange({ factors: [...PHASES].reverse() }),
+      y_range: new Bokeh.FactorRange({ factors: STEP_ROWS }),
       tools,
       toolbar_location: opts.toolbar === false ? null : 'above',
       title: 'engine steps by phase',
-      min_border_left: 60
+      min_border_left: border
     });
     const stepBars = steps.hbar({
       y: { field: 'phase' },
@@ -136,11 +190,41 @@ export class TimelineChart {
       new Bokeh.HoverTool({
         renderers: [stepBars],
         tooltips: [
-          ['step', '@seq'],
-          ['phase', '@phase'],
+          ['step', '@seq (@phase)'],
+          ['batch', '@batch: @composition'],
           ['tokens', '@tokens'],
-          ['batch', '@composition'],
-          ['ms', '@ms']
+          ['took', '@ms{0.0} ms']
+        ]
+      })
+    );
+    steps.hbar({
+      y: { value: 'relayout' },
+      left: { field: 't' },
+      right: { field: 'end' },
+      height: 0.8,
+      fill_color: this.state.palette.phase.relayout ?? '#8C8C8C',
+      hatch_pattern: '/',
+      hatch_color: 'white',
+      line_color: null,
+      source: this._changes
+    });
+    const marks = steps.scatter({
+      x: { field: 't' },
+      y: { value: 'settings' },
+      marker: 'inverted_triangle',
+      size: 11,
+      fill_color: MARKER_COLOR,
+      line_color: MARKER_COLOR,
+      source: this._changes
+    });
+    steps.add_tools(
+      new Bokeh.HoverTool({
+        renderers: [marks],
+        tooltips: [
+          ['changed', '@label'],
+          ['by', '@by'],
+          ['applied in', '@apply_ms{0.0} ms'],
+          ['at', '@t_ms{0,0.0} ms']
         ]
       })
     );
@@ -152,9 +236,9 @@ export class TimelineChart {
       y_range: new Bokeh.DataRange1d({ flipped: true, range_padding: 0.05 }),
       tools,
       toolbar_location: opts.toolbar === false ? null : 'above',
-      title: 'requests (queued / prefill / decode / verify)',
+      title: 'requests by prompt (queued / prefill / decode / verify)',
       x_axis_label: 'engine time (s)',
-      min_border_left: 60
+      min_border_left: border
     });
     const spanBars = lanes.hbar({
       y: { field: 'lane' },
@@ -169,15 +253,18 @@ export class TimelineChart {
       new Bokeh.HoverTool({
         renderers: [spanBars],
         tooltips: [
-          ['request', '@request_id'],
-          ['span', '@kind'],
-          ['ms', '@ms']
+          ['request', '@label'],
+          ['id', '@request_id (lane @lane)'],
+          ['state', '@kind for @ms{0,0.0} ms'],
+          ['from', '@start_ms{0,0.0} ms']
         ]
       })
     );
-    lanes.yaxis.axis_label = 'lane';
     lanes.yaxis.ticker = new Bokeh.BasicTicker({ min_interval: 1, num_minor_ticks: 0 });
+    lanes.yaxis.major_label_text_font_size = '8pt';
     lanes.ygrid.visible = false;
+    this._figures = [steps, lanes];
+    this._lanesFigure = lanes;
     const grid = gridplot([[steps], [lanes]], {
       sizing_mode: 'stretch_width',
       toolbar_location: opts.toolbar === false ? null : 'right',
@@ -199,7 +286,8 @@ export class TimelineChart {
     }
     this._steps.data = stepColumns(this.state.columns.steps);
     this._spans.data = requestColumns(this.state.columns.lanes);
-    this._publishCounts();
+    this._drawChanges();
+    this._afterData();
   }
 
   /** Append the reducer's new rows (streamed; older ones roll over). */
@@ -213,7 +301,79 @@ export class TimelineChart {
     if (columns.lanes) {
       this._spans.stream(requestColumns(columns.lanes), this.state.maxLaneRows);
     }
+    if (columns.changes) {
+      this._drawChanges();
+    }
+    this._afterData();
+  }
+
+  private _afterData(): void {
+    const names = laneLabels(this.state.columns.lanes, this.options.laneLabelChars ?? 10);
+    this.host.dataset.laneLabels = JSON.stringify(names);
+    this._lanesFigure.yaxis.major_label_overrides = new Map(
+      Object.entries(names).map(([lane, name]) => [Number(lane), name])
+    );
+    if (this._follow) {
+      this._fit();
+    }
     this._publishCounts();
+  }
+
+  private _fit(): void {
+    if (!this.ready) {
+      return;
+    }
+    const range = latestActivity(this.state.columns.steps, this.options.window ?? 30);
+    if (!range) {
+      return;
+    }
+    this._fitting = true;
+    try {
+      this._xRange.setv(range);
+    } finally {
+      this._fitting = false;
+    }
+    this.host.dataset.xStart = range.start.toFixed(3);
+    this.host.dataset.xEnd = range.end.toFixed(3);
+  }
+
+  private _changeData(markers: IChangeMarker[]): Record<string, any[]> {
+    return {
+      t: markers.map(m => m.t),
+      end: markers.map(m => m.end),
+      label: markers.map(m => m.label),
+      by: markers.map(m => m.by),
+      apply_ms: markers.map(m => m.applyMs),
+      t_ms: markers.map(m => m.t * 1e3)
+    };
+  }
+
+  /** The change markers, and one dashed line per change across both plots (few: at most 1000). */
+  private _drawChanges(): void {
+    const Bokeh = this._bk;
+    const markers = changeMarkers(this.state.columns.changes);
+    this._changes.data = this._changeData(markers);
+    for (const line of this._lines) {
+      for (const fig of this._figures) {
+        fig.center = fig.center.filter((r: any) => r !== line);
+      }
+    }
+    this._lines = [];
+    for (const m of markers) {
+      for (const fig of this._figures) {
+        const line = new Bokeh.Span({
+          location: m.t,
+          dimension: 'height',
+          line_color: MARKER_COLOR,
+          line_dash: 'dashed',
+          line_width: 1.5,
+          line_alpha: 0.8
+        });
+        fig.add_layout(line);
+        this._lines.push(line);
+      }
+    }
+    this.host.dataset.changes = String(markers.length);
   }
 
   /** Counts exposed as data attributes (read by the browser tests and handy when debugging). */

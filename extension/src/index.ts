@@ -66,7 +66,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
           picker: true,
           stepsHeight: 170,
           lanesHeight: 320,
-          window: 60
+          window: 60,
+          laneLabelChars: 24
         });
         const widget = new MainAreaWidget({ content });
         widget.id = `serving-workbench-timeline-${Date.now()}`;

@@ -50,9 +50,20 @@ export interface IRequestEvent {
   detail?: string | null;
 }
 
+/** A `workbench.timeline.ChangeEvent` as JSON: one accepted settings change. */
+export interface IChangeEvent {
+  seq: number;
+  start: number;
+  end: number;
+  changes: Record<string, [any, any]>;
+  by?: string;
+  relayout?: boolean;
+}
+
 export interface ITimelinePart {
   steps: IStepEvent[];
   requests: IRequestEvent[];
+  changes?: IChangeEvent[];
   cursor: number;
 }
 
@@ -159,7 +170,7 @@ export class EngineState {
   steps: IStepEvent[] = [];
   requests = new Map<string, IRequestInfo>();
   /** What the chart draws: the reducer's rows, newest kept. */
-  columns: Record<string, Columns> = { steps: {}, lanes: {} };
+  columns: Record<string, Columns> = { steps: {}, lanes: {}, changes: {} };
   palette: IPalette = { phase: {}, state: {} };
   relayout: Dict[] = [];
   dropped = 0;
@@ -262,7 +273,7 @@ export class EngineState {
   private _reset(): void {
     this.steps = [];
     this.requests = new Map();
-    this.columns = { steps: {}, lanes: {} };
+    this.columns = { steps: {}, lanes: {}, changes: {} };
     this._order = 0;
     this.cursor = 0;
     this.dropped = 0;
@@ -313,7 +324,7 @@ export class EngineState {
     if (!columns) {
       return;
     }
-    const caps: Record<string, number> = { steps: this.maxSteps, lanes: this.maxLaneRows };
+    const caps: Record<string, number> = { steps: this.maxSteps, lanes: this.maxLaneRows, changes: 1000 };
     for (const [name, cols] of Object.entries(columns)) {
       const names = Object.keys(cols);
       if (!names.length || !cols[names[0]].length) {
@@ -431,7 +442,9 @@ export interface ISpanColumns {
   kind: string[];
   color: string[];
   request_id: string[];
+  label: string[];
   ms: number[];
+  start_ms: number[];
 }
 
 /** The chart's request lanes from the reducer's "lanes" rows (one per request and state). */
@@ -447,8 +460,74 @@ export function requestColumns(rows: Columns | undefined): ISpanColumns {
     kind: col('state'),
     color: col('color'),
     request_id: col('request'),
-    ms: left.map((l: number, i: number) => Math.round((right[i] - l) * 1e5) / 100)
+    label: col('label'),
+    ms: left.map((l: number, i: number) => Math.round((right[i] - l) * 1e5) / 100),
+    start_ms: left.map((l: number) => Math.round(l * 1e5) / 100)
   };
+}
+
+/** Each lane's name (y tick label): the label of the request that used it last, shortened. */
+export function laneLabels(rows: Columns | undefined, maxChars: number): Record<number, string> {
+  const lanes = rows?.lane ?? [];
+  const labels = rows?.label ?? rows?.request ?? [];
+  const out: Record<number, string> = {};
+  lanes.forEach((lane: number, i: number) => {
+    const text = String(labels[i] ?? '');
+    out[lane] = text.length > maxChars ? `${text.slice(0, Math.max(1, maxChars - 1))}…` : text;
+  });
+  return out;
+}
+
+/**
+ * The x range to show when following: the latest burst of activity (steps after the last idle
+ * gap of more than `gap` seconds), at most `window` seconds wide, with a little padding; null
+ * with nothing drawn. A 3 s run after a minute of idling fills the axis instead of being a
+ * sliver at its edge.
+ */
+export function latestActivity(
+  steps: Columns | undefined,
+  window: number,
+  gap = 5
+): { start: number; end: number } | null {
+  const left: number[] = steps?.left ?? [];
+  const right: number[] = steps?.right ?? [];
+  if (!left.length) {
+    return null;
+  }
+  const order = left.map((_, i) => i).sort((a, b) => left[a] - left[b]);
+  const end = Math.max(...right);
+  let start = left[order[order.length - 1]];
+  for (let k = order.length - 2; k >= 0; k--) {
+    const i = order[k];
+    if (start - right[i] > gap || end - left[i] > window) {
+      break;
+    }
+    start = left[i];
+  }
+  const pad = Math.max(0.02 * (end - start), 0.01);
+  return { start: start - pad, end: end + pad };
+}
+
+/** Settings-change markers as the chart draws them (the reducer's "changes" rows). */
+export interface IChangeMarker {
+  t: number;
+  end: number;
+  label: string;
+  by: string;
+  applyMs: number;
+  relayout: boolean;
+}
+
+export function changeMarkers(rows: Columns | undefined): IChangeMarker[] {
+  const r = rows ?? {};
+  return (r.t ?? []).map((t: number, i: number) => ({
+    t,
+    end: r.end?.[i] ?? t,
+    label: String(r.label?.[i] ?? ''),
+    by: String(r.by?.[i] ?? ''),
+    applyMs: Number(r.apply_ms?.[i] ?? 0),
+    relayout: !!r.relayout?.[i]
+  }));
 }
 
 /** How many step bars per phase and lane rectangles per state are kept (tests and badges). */

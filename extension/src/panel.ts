@@ -11,6 +11,7 @@ import { expertHeatmap, formatUptime, IChange, liveNumbers } from './model';
 import { TimelineView } from './timeline';
 
 const KIND_TITLES: Record<string, string> = {
+  headline: 'Serving ideas',
   live: 'Live settings (next step)',
   relayout: 'Re-layout (no restart)',
   reload: 'Reload (no restart)',
@@ -175,11 +176,12 @@ export class WorkbenchPanel extends Widget {
     root.appendChild(tlHead);
     this._timeline = new TimelineView(this.api, null, {
       rate: 5,
-      stepsHeight: 110,
-      lanesHeight: 150,
+      stepsHeight: 150,
+      lanesHeight: 190,
       window: 30,
       toolbar: false,
-      rollover: 2000
+      rollover: 2000,
+      laneLabelChars: 8
     });
     this._timeline.addClass('wb-Panel-timeline');
     root.appendChild(this._timeline.node);
@@ -393,15 +395,21 @@ export class WorkbenchPanel extends Widget {
     const box = this._settingsBox;
     box.innerHTML = '';
     this._controls.clear();
+    // The headline toggles (batching, KV cache, prefix caching, quantisation, speculative
+    // decoding) first and open, whatever their kind; then the rest by kind.
+    const groups: Array<[string, ISettingSchema[]]> = [['headline', this._schema.filter(s => s.headline)]];
     for (const kind of ['live', 'relayout', 'reload', 'restart', 'read-only']) {
-      const specs = this._schema.filter(s => s.kind === kind);
+      groups.push([kind, this._schema.filter(s => s.kind === kind && !s.headline)]);
+    }
+    for (const [group, specs] of groups) {
       if (!specs.length) {
         continue;
       }
-      const section = el('details', `wb-SettingsGroup wb-kind-${kind}`);
-      section.open = kind === 'live';
-      section.appendChild(el('summary', 'wb-Section', KIND_TITLES[kind] ?? kind));
+      const section = el('details', `wb-SettingsGroup wb-group-${group}`);
+      section.open = group === 'headline' || group === 'live';
+      section.appendChild(el('summary', 'wb-Section', KIND_TITLES[group] ?? group));
       for (const spec of specs) {
+        const kind = spec.kind;
         section.appendChild(this._control(spec, kind === 'restart' || kind === 'read-only' || spec.read_only === true));
       }
       box.appendChild(section);
@@ -411,8 +419,9 @@ export class WorkbenchPanel extends Widget {
   private _control(spec: ISettingSchema, readOnly: boolean): HTMLElement {
     const row = el('div', 'wb-Setting');
     row.dataset.setting = spec.name;
-    row.title = spec.help;
-    const label = el('label', 'wb-Setting-label', spec.name);
+    const pause = spec.kind === 'relayout' ? ' Re-lays out weights or cache: the engine pauses while it does.' : '';
+    row.title = `${spec.name}: ${spec.help}.${pause}`;
+    const label = el('label', 'wb-Setting-label', spec.label ?? spec.name);
     let input: HTMLInputElement | HTMLSelectElement;
     if (spec.type === 'bool') {
       input = el('input', 'wb-Setting-input');

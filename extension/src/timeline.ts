@@ -44,7 +44,20 @@ export class TimelineView extends Widget {
     this._earlier.hidden = true;
     this._earlier.onclick = () => this._conn?.requestEarlier();
     bar.appendChild(this._earlier);
+    // Follow: fit the axis to the latest activity; a pan or zoom turns it off, this turns it back on.
+    const follow = document.createElement('label');
+    follow.className = 'wb-Timeline-follow';
+    follow.title = 'fit the time axis to the latest activity (panning or zooming stops following)';
+    this._follow = document.createElement('input');
+    this._follow.type = 'checkbox';
+    this._follow.checked = true;
+    this._follow.onchange = () => this._chart?.setFollow(this._follow.checked);
+    follow.append(this._follow, ' follow');
+    bar.appendChild(follow);
     this.node.appendChild(bar);
+    this._legend = document.createElement('div');
+    this._legend.className = 'wb-Timeline-legend';
+    this.node.appendChild(this._legend);
     this._host = document.createElement('div');
     this._host.className = 'wb-Timeline-chart';
     this.node.appendChild(this._host);
@@ -60,6 +73,8 @@ export class TimelineView extends Widget {
   private _host: HTMLElement;
   private _status: HTMLElement;
   private _earlier: HTMLButtonElement;
+  private _follow: HTMLInputElement;
+  private _legend: HTMLElement;
   private _picker: HTMLSelectElement | null = null;
   private _owned = true;
 
@@ -120,6 +135,10 @@ export class TimelineView extends Widget {
     const conn = shared ?? new EngineConnection(this.api, engine, this.options.rate ?? 10);
     this._owned = !shared;
     const chart = new TimelineChart(this._host, conn.state, this.options);
+    chart.onFollowChanged = on => {
+      this._follow.checked = on;
+    };
+    this._follow.checked = chart.follow;
     this._conn = conn;
     this._chart = chart;
     conn.changed.connect(this._onChange, this);
@@ -143,10 +162,39 @@ export class TimelineView extends Widget {
     }
     if (change.snapshot) {
       chart.reset();
+      this._drawLegend();
     } else {
       chart.add(change.newColumns);
     }
     this._updateStatus();
+  }
+
+  /** Swatches in the reducer's palette (the one every view uses), and the change marker. */
+  private _drawLegend(): void {
+    const palette = this._conn?.state.palette;
+    if (!palette) {
+      return;
+    }
+    const entries: Array<[string, string]> = Object.entries(palette.state);
+    for (const phase of ['mixed', 'relayout']) {
+      if (palette.phase[phase]) {
+        entries.push([phase, palette.phase[phase]]);
+      }
+    }
+    this._legend.innerHTML = '';
+    for (const [name, color] of entries) {
+      const item = document.createElement('span');
+      item.className = 'wb-Legend-item';
+      const swatch = document.createElement('span');
+      swatch.className = 'wb-Legend-swatch';
+      swatch.style.background = color;
+      item.append(swatch, name);
+      this._legend.appendChild(item);
+    }
+    const change = document.createElement('span');
+    change.className = 'wb-Legend-item';
+    change.innerHTML = '<span class="wb-Legend-marker">▼</span>settings change';
+    this._legend.appendChild(change);
   }
 
   private _updateStatus(): void {

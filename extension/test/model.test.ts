@@ -4,8 +4,11 @@ import {
   IRequestEvent,
   ISnapshotMessage,
   IStepEvent,
+  changeMarkers,
   expertHeatmap,
   formatUptime,
+  laneLabels,
+  latestActivity,
   liveNumbers,
   requestColumns,
   spanCounts,
@@ -180,6 +183,48 @@ describe('drawn columns: the Python reducer\'s', () => {
     st.apply(snap);
     st.apply(delta);
     expect(st.columns.steps.seq).toEqual([6, 8]);
+  });
+});
+
+describe('markers and lanes', () => {
+  it('keeps the settings changes as markers', () => {
+    const st = new EngineState();
+    const [snap, delta] = reducerMessages;
+    st.apply(snap);
+    st.apply(delta);
+    const [m] = changeMarkers(st.columns.changes);
+    expect(m.label).toBe("quantization: 'none' → 'int8'");
+    expect(m.by).toBe('notebook kernel (pid 1)');
+    expect(m.relayout).toBe(true);
+    expect(m.applyMs).toBeCloseTo(30);
+    expect(m.end - m.t).toBeCloseTo(0.03);
+    expect(st.cursor).toBe(10);
+  });
+
+  it('names each lane after the request that used it last', () => {
+    const st = new EngineState();
+    const [snap, delta] = reducerMessages;
+    st.apply(snap);
+    expect(laneLabels(st.columns.lanes, 24)).toEqual({ 0: 'Once upon a time' });
+    expect(laneLabels(st.columns.lanes, 6)).toEqual({ 0: 'Once …' });
+    st.apply(delta);
+    const names = laneLabels(st.columns.lanes, 24);
+    expect(Object.values(names)).toContain('bbbbbb');
+    expect(requestColumns(st.columns.lanes).label[0]).toBe('Once upon a time');
+  });
+
+  it('fits the axis to the latest burst of activity', () => {
+    // a minute of idling between two runs: follow shows the second run, not a sliver of it
+    const steps = { left: [0, 0.1, 60, 61, 62.9], right: [0.05, 0.2, 60.5, 61.5, 63] };
+    const r = latestActivity(steps, 60)!;
+    expect(r.start).toBeLessThan(60);
+    expect(r.start).toBeGreaterThan(59.8);
+    expect(r.end).toBeGreaterThan(63);
+    expect(r.end).toBeLessThan(63.2);
+    // a long run is capped at the window
+    const long = { left: [0, 10, 20, 30], right: [9, 19, 29, 39] };
+    expect(latestActivity(long, 25)!.start).toBeGreaterThan(19);
+    expect(latestActivity({ left: [], right: [] }, 30)).toBeNull();
   });
 });
 

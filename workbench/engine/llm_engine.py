@@ -29,7 +29,7 @@ from ..outputs import StreamChunk
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
-from ..timeline import TimelineRecorder, expert_totals, imbalance
+from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label
 from . import sampler
 from .attention import KVCache, backend_ops
 from .model_runner import ModelRunner
@@ -110,8 +110,16 @@ class LLMEngine:
         self.outputs.add(seq, prompt)
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(ids)
-        self.timeline.add_request(seq.metrics.arrival, request_id, "arrived", f"prompt_tokens={len(ids)}")
+        self.timeline.add_request(seq.metrics.arrival, request_id, "arrived", f"prompt_tokens={len(ids)}",
+                                  label=self._prompt_label(prompt, ids))
         return request_id
+
+    def _prompt_label(self, prompt, ids: list[int]) -> str | None:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # chat: the last message
+            prompt = prompt[-1].get("content")
+        if not isinstance(prompt, str) and self.tokenizer is not None:
+            prompt = self.tokenizer.decode(ids[:16])
+        return prompt_label(prompt if isinstance(prompt, str) else None)
 
     def encode_prompt(self, prompt, prompt_token_ids, chat: bool) -> list[int]:
         """Token ids for a request; prompt_token_ids win (prompt is then only a label)."""
@@ -235,16 +243,22 @@ class LLMEngine:
 
     # -- settings -------------------------------------------------------------------------------
     def configure(self, **changes: Any) -> dict[str, Any]:
+        return self.apply_settings(changes, by=f"in-process (pid {os.getpid()})")
+
+    def apply_settings(self, changes: dict[str, Any], by: str) -> dict[str, Any]:
         """Validate all changes, then apply them (between steps). Returns the effective settings.
 
         Anything that can fail (validation, an unsupported mode, loading a draft model) runs
-        before the first change is applied, so a rejected call changes nothing."""
+        before the first change is applied, so a rejected call changes nothing. An accepted
+        change is recorded on the timeline (old -> new, `by` whom, how long applying it took)."""
+        started = time.monotonic()
         changes = validate(changes, self.settings)
         for name in changes:
             if setting_kind(name) == RESTART and changes[name] != getattr(self.settings, name):
                 raise ValueError(f"setting {name!r} is fixed when the engine starts; restart the engine to change it")
         applied = {k: v for k, v in changes.items() if getattr(self.settings, k) != v}
-        merged = {**self.settings.as_dict(), **applied}
+        before = self.settings.as_dict()
+        merged = {**before, **applied}
         if "quantization" in applied:
             self._check_quantization(applied["quantization"])
         if applied.get("moe_top_k") is not None:
@@ -287,7 +301,10 @@ class LLMEngine:
             if setting_kind(name) == RELAYOUT:
                 self._emit_event("relayout", {"setting": name, "value": value, "state": "done"})
         if applied:
-            self._emit_event("settings", {"changes": applied, "settings": self.settings.as_dict()})
+            relayout = new_draft is not None or any(setting_kind(n) == RELAYOUT for n in applied)
+            self.timeline.add_change(started, time.monotonic(), {k: [before[k], v] for k, v in applied.items()},
+                                     by=by, relayout=relayout)
+            self._emit_event("settings", {"changes": applied, "settings": self.settings.as_dict(), "by": by})
         return self.settings.as_dict()
 
     def _check_moe_top_k(self, value: int) -> None:

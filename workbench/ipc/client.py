@@ -179,7 +179,7 @@ class EngineClient(Engine):
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def connect(cls, name_or_connection_file: str | os.PathLike | None = None, *, timeout: float = 10.0,
-                check_pid: bool = True, reconnect: bool = False) -> EngineClient:
+                check_pid: bool = True, reconnect: bool = False, client_name: str | None = None) -> EngineClient:
         """Attach to a running engine process by name (looked up in the runtime dir) or connection
         file (`workbench.connect` also takes http(s):// URLs). With reconnect=True the client follows the name: when the engine dies and another
         starts under the same name, the next call (or `alive`) attaches to it."""
@@ -187,7 +187,7 @@ class EngineClient(Engine):
         info = conn.read_connection_file(path)
         if check_pid and not info.engine_alive():
             raise EngineDeadError(f"engine {info.name!r} (pid {info.pid}) is not running; {path} is stale")
-        return cls(info, timeout=timeout, check_pid=check_pid, reconnect=reconnect)
+        return cls(info, timeout=timeout, check_pid=check_pid, reconnect=reconnect, client_name=client_name)
 
     def __repr__(self) -> str:
         state = "dead" if self._dead else "connected"
@@ -608,7 +608,17 @@ class EngineClient(Engine):
 
 # -- helpers ------------------------------------------------------------------------------------
 def _default_client_name() -> str:
-    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    """How the engine names this client (in its log, and as `by` on the settings changes it makes)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if getattr(shell, "kernel", None) is not None:
+        return "notebook kernel"
+    if not sys.argv or not sys.argv[0] or sys.argv[0] == "-c":
+        return "python"
+    script = os.path.basename(sys.argv[0])
+    if script == "__main__.py":  # python -m package: the package's name
+        script = os.path.basename(os.path.dirname(sys.argv[0]))
+    return script
 
 
 def _apply_curve(sock: zmq.Socket, info: conn.ConnectionInfo) -> None:

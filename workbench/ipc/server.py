@@ -141,7 +141,7 @@ class EngineServer:
         self.info: conn.ConnectionInfo | None = None
         self._methods = {
             "hello": self._hello,
-            "configure": lambda **changes: self.engine.configure(**changes),
+            "configure": self._configure,
             "settings": lambda: self.engine.settings.as_dict(),
             "metrics": lambda **kw: self.engine.metrics(**kw),
             "status": self.status,
@@ -541,7 +541,7 @@ class EngineServer:
         try:
             if fn is None:
                 raise ValueError(f"unknown method {call.method!r}; known: {', '.join(sorted(self._methods))}")
-            if call.method == "hello":
+            if call.method in ("hello", "configure"):  # these need to know who asks
                 value = fn(ident, **call.kwargs)
             else:
                 value = fn(**call.kwargs)
@@ -604,13 +604,14 @@ class EngineServer:
         rec = self.engine.timeline
         if rec.cursor == self._tl_cursor:
             return
-        steps, reqs = _newer(rec.steps, self._tl_cursor), _newer(rec.requests, self._tl_cursor)
+        since = self._tl_cursor
+        steps, reqs, changes = _newer(rec.steps, since), _newer(rec.requests, since), _newer(rec.changes, since)
         self._tl_cursor = rec.cursor
-        self.publish("timeline", Timeline(steps=steps, requests=reqs, cursor=rec.cursor))
+        self.publish("timeline", Timeline(steps=steps, requests=reqs, cursor=rec.cursor, changes=changes))
 
     def _on_engine_event(self, kind: str, payload: dict) -> None:
         if kind == "settings":
-            log.info("settings changed: %s", payload.get("changes"))
+            log.info("settings changed by %s: %s", payload.get("by"), payload.get("changes"))
         self._flush_timeline(time.monotonic())
         self.publish(kind, payload)
 
@@ -624,6 +625,9 @@ class EngineServer:
         log.info("client %s connected", self._client_names[ident])
         return {**self.status(), "settings": self.engine.settings.as_dict(), "heartbeat_s": self.heartbeat_s,
                 "client_timeout_s": self.client_timeout_s}
+
+    def _configure(self, ident: bytes, **changes) -> dict:
+        return self.engine.apply_settings(changes, by=self._client_names.get(ident, "client"))
 
     def status(self) -> dict:
         engine = as_dict(self.engine.status_report())

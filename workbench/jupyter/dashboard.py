@@ -35,10 +35,10 @@ def control_for(entry: dict[str, Any]):
     import ipywidgets as w
 
     name, kind = entry["name"], entry["kind"]
-    tip = f"{entry.get('help', '')} [{kind}]"
+    tip = f"{name}: {entry.get('help', '')} [{kind}]"
     style = {"description_width": "170px"}
     layout = w.Layout(width="330px")
-    common = dict(description=name, tooltip=tip, style=style, layout=layout)
+    common = dict(description=entry.get("label", name), tooltip=tip, style=style, layout=layout)
     default = entry.get("default")
     if entry.get("values"):
         options = [(str(v), v) for v in entry["values"]]
@@ -95,7 +95,8 @@ class Dashboard:
         self._lock = threading.Lock()
         self._syncing = False
         self._settings: dict[str, Any] = {}
-        self._pending: dict[str, Any] = {}
+        self._pending: dict[str, Any] = {}  # sent, not yet answered: the control stays disabled
+        self._requested: dict[str, Any] = {}  # sent by this dashboard, until its settings event is seen
         self._relayouts: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="workbench-configure")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -117,7 +118,9 @@ class Dashboard:
         def kind(e):  # a remote's entries are kind "read-only", with the engine's kind beside it
             return e.get("engine_kind", e["kind"])
 
-        self.schema = sorted((e for e in self.client.schema() if kind(e) in order), key=lambda e: order[kind(e)])
+        # the headline toggles first (batching, KV cache, prefix caching, quantisation, speculative)
+        self.schema = sorted((e for e in self.client.schema() if kind(e) in order),
+                             key=lambda e: -1 if e.get("headline") else order[kind(e)])
         self.controls: dict[str, Any] = {}
         # A remote server reports settings it cannot change: shown, never editable.
         self._read_only = {e["name"] for e in self.schema if e.get("read_only")}
@@ -261,7 +264,8 @@ class Dashboard:
                 self.costs.add(ev.data)
                 routed = self.experts.add(ev.data) or routed
             elif ev.kind == "settings":
-                self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}))
+                self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}),
+                                     by=ev.data.get("by", ""))
             elif ev.kind == "relayout":
                 self._on_relayout(ev.data)
             elif ev.kind == "metrics":
@@ -274,7 +278,7 @@ class Dashboard:
             self._show_routing()
         self.reducer.tick(now)
         drained = self.reducer.drain()
-        return self.view.push(drained, self.reducer.num_lanes) if drained else 0
+        return self.view.push(drained, self.reducer.num_lanes, self.reducer.lane_labels) if drained else 0
 
     def _show_routing(self) -> None:
         if self.heatmap is None:
@@ -285,7 +289,7 @@ class Dashboard:
         self.heatmap.update(self.experts.columns(), self.experts.imbalance_by_layer())
 
     # -- settings ---------------------------------------------------------------------------------
-    def _apply_settings(self, settings: dict[str, Any], source: dict[str, Any] | None) -> None:
+    def _apply_settings(self, settings: dict[str, Any], source: dict[str, Any] | None, by: str = "") -> None:
         """Show the engine's settings in the controls (without sending them back)."""
         self._settings.update(settings)
         self._syncing = True
@@ -300,10 +304,14 @@ class Dashboard:
         if source and {"cpu_kernels", "attention_backend"} & source.keys():
             self._refresh_kernels()
         if source:
-            mine = all(self._pending.get(k, object()) == v for k, v in source.items())
+            # The event can come after the call's answer: what this dashboard asked for is
+            # remembered until then, so its own change is never reported as someone else's.
+            mine = all(self._requested.get(k, object()) == v for k, v in source.items())
             if not mine:
                 text = ", ".join(f"{k}={v!r}" for k, v in source.items())
-                self._set_status(f"Changed by another client: {text}", "info")
+                self._set_status(f"Changed by {by or 'another client'}: {text}", "info")
+            for k in source:
+                self._requested.pop(k, None)
 
     def _on_control(self, change: dict[str, Any]) -> None:
         if self._syncing or self.closed:
@@ -314,6 +322,7 @@ class Dashboard:
         if self._settings.get(name) == value:
             return
         self._pending[name] = value
+        self._requested[name] = value
         control.disabled = True
         self._set_status(f"Applying {name}={value!r}…", "info")
         self.configure_calls.append({name: value})
@@ -353,6 +362,7 @@ class Dashboard:
         try:
             took, settings = fut.result()
         except Exception as e:
+            self._requested.pop(name, None)
             self._syncing = True
             try:
                 control.value = _to_widget(control, self._settings.get(name))

@@ -232,6 +232,7 @@ def show_timeline(client, *, since: int | None = None, only=None, last_s: float 
         cutoff = time.monotonic() - last_s
         tl.steps = [s for s in tl.steps if s.end >= cutoff]
         tl.requests = [r for r in tl.requests if r.time >= cutoff]
+        tl.changes = [c for c in tl.changes if c.end >= cutoff]
     red = TimelineReducer(only=only)
     red.add(tl)
     red.tick(float("inf"), grace=0)
@@ -244,7 +245,8 @@ def show_timeline(client, *, since: int | None = None, only=None, last_s: float 
     wall = (max(data["steps"]["right"]) - min(data["steps"]["left"])) if steps else 0.0
     tokens = sum(s.output_tokens for s in tl.steps if only is None or any(b.request_id in set(only) for b in s.batch))
     summary = f"{steps} steps, {requests} requests, {tokens} output tokens over {wall:.2f} s"
-    view = static_timeline(data, red.num_lanes, title=(title or "Engine timeline") + f" — {summary}")
+    view = static_timeline(data, red.num_lanes, lane_labels=red.lane_labels,
+                           title=(title or "Engine timeline") + f" — {summary}")
     display({"text/plain": f"[timeline: {summary}]"}, raw=True)
     display(view.widget())
     return view

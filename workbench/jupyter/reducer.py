@@ -9,11 +9,16 @@ Sources and their columns:
 - ``steps``: one rectangle per engine step on the top row (y = 0), coloured by phase; hover
   text describes the batch composition.
 - ``lanes``: one rectangle per request and state (queued / prefill / decode / verify) in the
-  request's lane (y = 1, 2, ...). Lanes are reused: a request takes the lowest lane free when it
-  arrives and frees it when it finishes, so the plot stays as tall as the concurrency.
+  request's lane (y = 1, 2, ...), with the request's ``label`` (its prompt's start, else its id).
+  Lanes are reused: a request takes the lowest lane free when it arrives and frees it when it
+  finishes, so the plot stays as tall as the concurrency; ``lane_labels`` names each lane after
+  the request that took it last.
 - ``series``: one row per time bin (``bin_s`` seconds): output tokens/s, mean inter-token
   latency, KV blocks used, prefix hit rate, speculative acceptance, queue length.
 - ``ttft``: one point per request at its first token: time to first token.
+- ``changes``: one row per accepted settings change (a `ChangeEvent`): when (``t``), until when
+  it stalled the engine (``end``; a re-layout), ``label`` ("quantization: 'none' → 'int8'") and
+  who made it (``by``). Views draw it as a marker across every plot, so before/after is visible.
 
 Times (``t``, ``left``, ``right``) are seconds since ``t0`` (the first event seen unless given).
 Rates with nothing to measure in a bin are NaN (a gap in the line).
@@ -26,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from ..timeline import expert_totals, imbalance
+from ..timeline import change_label, expert_totals, imbalance
 
 PHASE_COLORS = {
     "prefill": "#4C72B0",
@@ -47,14 +52,16 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": ("left", "right", "bottom", "top", "seq", "phase", "color", "duration_ms", "batch_size",
               "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests",
               "routing"),
-    "lanes": ("left", "right", "bottom", "top", "lane", "request", "state", "color", "tokens"),
+    "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens"),
     "series": ("t", "tok_s", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
                "waiting", "running"),
     "ttft": ("t", "ttft_ms", "request", "lane"),
+    "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
 }
-ROLLOVER = {"steps": 5_000, "lanes": 20_000, "series": 2_000, "ttft": 5_000}
+ROLLOVER = {"steps": 5_000, "lanes": 20_000, "series": 2_000, "ttft": 5_000, "changes": 1_000}
+CHANGE_COLOR = "#C44E52"  # markers: a colour no phase uses
 
-_HALF = 0.4  # half the height of a rectangle in its row
+ROW_HALF = 0.4  # half the height of a rectangle in its row
 
 
 def short_id(request_id: str) -> str:
@@ -118,6 +125,8 @@ class TimelineReducer:
         self._arrived: dict[str, float] = {}
         self._queued_since: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
+        self._label: dict[str, str] = {}  # request -> its lane's name (forgotten with its lane)
+        self.lane_labels: dict[int, str] = {}  # lane -> the label of the request that took it last
         self._bin: _Bin | None = None
         self._last_emitted_bin: int | None = None
         self.cursor = 0  # highest seq applied
@@ -125,17 +134,15 @@ class TimelineReducer:
 
     # -- input --------------------------------------------------------------------------------
     def add(self, timeline: Any) -> None:
-        steps = list(_field(timeline, "steps", None) or [])
-        requests = list(_field(timeline, "requests", None) or [])
-        events = [(int(_field(s, "seq", 0)), 1, s) for s in steps] + [(int(_field(r, "seq", 0)), 0, r) for r in requests]
+        handlers = {"requests": self._request, "steps": self._step, "changes": self._change}
+        events = [(int(_field(ev, "seq", 0)), order, ev, handler)
+                  for order, (field, handler) in enumerate(handlers.items())
+                  for ev in _field(timeline, field, None) or []]
         events.sort(key=lambda e: (e[0], e[1]))
-        for seq, is_step, ev in events:
+        for seq, _, ev, handler in events:
             if seq and seq <= self.cursor:
                 continue  # already applied (overlapping reads)
-            if is_step:
-                self._step(ev)
-            else:
-                self._request(ev)
+            handler(ev)
             self.cursor = max(self.cursor, seq)
 
     def add_steps(self, steps: Iterable[Any]) -> None:
@@ -197,6 +204,7 @@ class TimelineReducer:
             if old in self._active:  # never forget a live request: put it back at the end
                 self._lane_of[old] = old_lane
                 break
+            self._label.pop(old, None)
         self.num_lanes = max(self.num_lanes, lane + 1)
         return lane
 
@@ -213,8 +221,8 @@ class TimelineReducer:
     def _lane_rect(self, rid: str, left: float, right: float, state: str, tokens: int) -> None:
         lane = self._lane(rid)
         y = lane + 1
-        self._emit("lanes", left=left, right=right, bottom=y - _HALF, top=y + _HALF, lane=lane,
-                   request=short_id(rid), state=state, color=STATE_COLORS.get(state, OTHER_COLOR), tokens=tokens)
+        self._emit("lanes", left=left, right=right, bottom=y - ROW_HALF, top=y + ROW_HALF, lane=lane,
+                   request=short_id(rid), label=self._label.get(rid, short_id(rid)), state=state, color=STATE_COLORS.get(state, OTHER_COLOR), tokens=tokens)
 
     def _request(self, ev: Any) -> None:
         rid = _field(ev, "request_id")
@@ -224,7 +232,11 @@ class TimelineReducer:
             return
         rel = self._rel(t)
         if kind == "arrived":
-            self._lane(rid)
+            label = _field(ev, "label", None) or short_id(rid)
+            self._label[rid] = label
+            lane = self._lane(rid)
+            if lane < self.max_lanes:
+                self.lane_labels[lane] = label
             self._arrived[rid] = t
             self._queued_since[rid] = rel
         elif kind in ("scheduled", "resumed"):
@@ -245,6 +257,12 @@ class TimelineReducer:
                 self._lane_rect(rid, since, rel, "queued", 0)
             self._release(rid)
 
+    def _change(self, c: Any) -> None:
+        start, end = float(_field(c, "start")), float(_field(c, "end"))
+        label = change_label(_field(c, "changes", None) or {})
+        self._emit("changes", t=self._rel(start), end=self._rel(end), label=label, by=_field(c, "by", "") or "?",
+                   apply_ms=(end - start) * 1e3, relayout=bool(_field(c, "relayout", False)), color=CHANGE_COLOR)
+
     def _step(self, s: Any) -> None:
         batch = list(_field(s, "batch", None) or [])
         entries = [(_field(b, "request_id") if not isinstance(b, (list, tuple)) else b[0],
@@ -263,7 +281,7 @@ class TimelineReducer:
         accepted = int(_field(s, "spec_accepted", 0) or 0)
         kv_used = int(_field(s, "kv_blocks_used", 0) or 0)
         kv_total = int(_field(s, "kv_blocks_total", 0) or 0)
-        self._emit("steps", left=left, right=right, bottom=-_HALF, top=_HALF, seq=int(_field(s, "seq", 0)),
+        self._emit("steps", left=left, right=right, bottom=-ROW_HALF, top=ROW_HALF, seq=int(_field(s, "seq", 0)),
                    phase=phase, color=PHASE_COLORS.get(phase, OTHER_COLOR), duration_ms=(end - start) * 1e3,
                    batch_size=len(entries), prefill_tokens=prefill_tok, decode_tokens=decode_tok,
                    prefix_hit_tokens=hits, spec=f"{accepted}/{proposed}" if proposed else "-",

@@ -61,5 +61,5 @@ class SimulateMagics(Magics):
             red = TimelineReducer()
             red.add(res.timeline)
             red.tick(float("inf"), grace=0)
-            display(static_timeline(to_columns(red), red.num_lanes,
+            display(static_timeline(to_columns(red), red.num_lanes, lane_labels=red.lane_labels,
                                     title="Simulated timeline (replica 0)").widget())

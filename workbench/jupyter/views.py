@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .reducer import COLUMNS, PHASE_COLORS, ROLLOVER, STATE_COLORS
+from .reducer import CHANGE_COLOR, COLUMNS, PHASE_COLORS, ROLLOVER, ROW_HALF, STATE_COLORS
 
 _BOKEHJS_LOADED = False
 
@@ -54,8 +54,10 @@ class TimelineView:
         self.pushes = 0
 
     # -- data -------------------------------------------------------------------------------------
-    def push(self, drained: dict[str, dict[str, list]], num_lanes: int | None = None) -> int:
-        """Stream new rows into the sources; returns how many sources changed."""
+    def push(self, drained: dict[str, dict[str, list]], num_lanes: int | None = None,
+             lane_labels: dict[int, str] | None = None) -> int:
+        """Stream new rows into the sources; returns how many sources changed. `lane_labels`
+        (the reducer's) name the lanes on the y axis."""
         n = 0
         for name, cols in drained.items():
             if cols and cols[COLUMNS[name][0]]:
@@ -63,15 +65,19 @@ class TimelineView:
                 n += 1
         if num_lanes is not None and num_lanes + 1 != self._lanes_shown:
             self._set_lanes(num_lanes)
+        if lane_labels:
+            self._label_lanes(lane_labels)
         self.pushes += n
         return n
 
-    def load(self, data: dict[str, dict[str, list]], num_lanes: int | None = None) -> None:
+    def load(self, data: dict[str, dict[str, list]], num_lanes: int | None = None,
+             lane_labels: dict[int, str] | None = None) -> None:
         """Replace all rows (a static view, or a reset after the engine restarted)."""
         for name, cols in COLUMNS.items():
             self.sources[name].data = {c: list(data.get(name, {}).get(c, [])) for c in cols}
         if num_lanes is not None:
             self._set_lanes(num_lanes)
+        self._label_lanes(lane_labels or {})
 
     # -- widget -----------------------------------------------------------------------------------
     def widget(self):
@@ -114,12 +120,29 @@ class TimelineView:
             ("expert routing", "@routing"),
         ]))
         tl.add_tools(HoverTool(renderers=[lanes], tooltips=[
-            ("request", "@request (lane @lane)"), ("state", "@state"), ("tokens", "@tokens"),
+            ("request", "@label"), ("id", "@request (lane @lane)"), ("state", "@state"),
+            ("span", "@left{0.000} → @right{0.000} s"), ("tokens", "@tokens"),
         ]))
+        tl.yaxis.major_label_text_font_size = "8pt"
+        changes = self.sources["changes"]
+        # A settings change: a dashed line across every plot, a marker on top (hover: what, who,
+        # how long), and its re-layout stall hatched in the steps row (zero width for live changes).
+        tl.quad(left="t", right="end", bottom=-ROW_HALF, top=ROW_HALF, source=changes, fill_color=PHASE_COLORS["relayout"],
+                hatch_pattern="/", hatch_color="white", line_color=None)
+        self._change_lines(tl)
+        marks = tl.scatter(x="t", y=-0.5, marker="inverted_triangle", size=11, color="color", source=changes)
+        tl.add_tools(HoverTool(renderers=[marks], tooltips=[
+            ("changed", "@label"), ("by", "@by"), ("applied in", "@apply_ms{0.0} ms"), ("at", "@t{0.000} s"),
+        ]))
+        # Legend swatches: glyphs of one NaN row each (never drawn on the plot; BokehJS draws no
+        # swatch for a glyph without rows).
+        nan = [float("nan")]
         legend_items = []
         for state, color in {**{"queued": STATE_COLORS["queued"]}, **PHASE_COLORS}.items():
-            r = tl.quad(left=[], right=[], bottom=[], top=[], color=color)  # legend swatch only
+            r = tl.quad(left=nan, right=nan, bottom=nan, top=nan, color=color)
             legend_items.append(LegendItem(label=state, renderers=[r]))
+        swatch = tl.scatter(x=nan, y=nan, marker="inverted_triangle", size=9, color=CHANGE_COLOR)
+        legend_items.append(LegendItem(label="settings change", renderers=[swatch]))
         tl.add_layout(Legend(items=legend_items, orientation="horizontal", location="top_left",
                              label_text_font_size="8pt", glyph_height=10, glyph_width=10, spacing=4,
                              padding=2, margin=2, background_fill_alpha=0.6), "above")
@@ -133,13 +156,15 @@ class TimelineView:
 
         series = self.sources["series"]
         tput = small("Output tokens/s", "tok/s")
-        tput.line("t", "tok_s", source=series, line_width=2, color=PHASE_COLORS["decode"])
+        tput_line = tput.line("t", "tok_s", source=series, line_width=2, color=PHASE_COLORS["decode"])
+        tput.y_range = DataRange1d(renderers=[tput_line], start=0)
         tput.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("tok/s", "@tok_s{0.0}"),
                                            ("running", "@running"), ("waiting", "@waiting")], mode="vline"))
         lat = small("Latency: TTFT (dots) and inter-token (line)", "ms")
-        lat.scatter("t", "ttft_ms", source=self.sources["ttft"], size=6, color=PHASE_COLORS["prefill"],
-                    legend_label="TTFT")
-        lat.line("t", "itl_ms", source=series, line_width=2, color=PHASE_COLORS["verify"], legend_label="ITL")
+        ttft = lat.scatter("t", "ttft_ms", source=self.sources["ttft"], size=6, color=PHASE_COLORS["prefill"],
+                           legend_label="TTFT")
+        itl = lat.line("t", "itl_ms", source=series, line_width=2, color=PHASE_COLORS["verify"], legend_label="ITL")
+        lat.y_range = DataRange1d(renderers=[ttft, itl])
         lat.legend.location = "top_left"
         lat.legend.label_text_font_size = "8pt"
         lat.add_tools(HoverTool(tooltips=[("request", "@request"), ("TTFT", "@ttft_ms{0} ms")]))
@@ -158,9 +183,16 @@ class TimelineView:
         rates.scatter("t", "spec_accept_rate", source=series, size=4, color=PHASE_COLORS["verify"])
         rates.legend.location = "bottom_left"
         rates.legend.label_text_font_size = "8pt"
+        for f in (tput, lat, kv, rates):
+            self._change_lines(f)
         self.figures = {"timeline": tl, "throughput": tput, "latency": lat, "kv": kv, "rates": rates}
         grid = gridplot([[tput, lat], [kv, rates]], sizing_mode="stretch_width", toolbar_location=None)
         return column(tl, grid, sizing_mode="stretch_width")
+
+    def _change_lines(self, fig) -> None:
+        """Settings changes as vertical lines (past any y range; each plot's range ignores them)."""
+        fig.segment(x0="t", x1="t", y0=-1e9, y1=1e9, source=self.sources["changes"], color="color",
+                    line_dash="dashed", line_width=1.5, alpha=0.8)
 
     def _set_lanes(self, num_lanes: int) -> None:
         lanes = max(1, num_lanes)
@@ -169,11 +201,20 @@ class TimelineView:
         self._y_range.end = -0.6
         self.timeline_figure.height = int(min(620, 90 + 22 * (lanes + 1)))
 
+    def _label_lanes(self, lane_labels: dict[int, str]) -> None:
+        """Name each lane (y = lane + 1) after the request that took it last."""
+        overrides = {0: "steps", **{lane + 1: text for lane, text in lane_labels.items()}}
+        axis = self.timeline_figure.yaxis[0]
+        if axis.major_label_overrides != overrides:
+            axis.ticker = sorted(overrides)
+            axis.major_label_overrides = overrides
 
-def static_timeline(data: dict[str, dict[str, list]], num_lanes: int, *, title: str | None = None):
+
+def static_timeline(data: dict[str, dict[str, list]], num_lanes: int, *, title: str | None = None,
+                    lane_labels: dict[int, str] | None = None):
     """A finished timeline (for `%timeline` and `%%generate --timeline`) as a BokehModel."""
     view = TimelineView(live=False, title=title)
-    view.load(data, num_lanes)
+    view.load(data, num_lanes, lane_labels)
     return view
 
 

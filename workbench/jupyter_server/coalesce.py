@@ -20,7 +20,7 @@ Messages (JSON-ready dicts):
   gets a fresh snapshot of that many steps.
 - ``{"type": "delta", "seq", "time", ["timeline", "columns"], ["settings", "changes"], ["metrics"],
   ["relayout"], ["engine"], ["dropped"]}`` — only what changed since the previous message:
-  new step and request events (``seq`` above the last cursor sent, in order), the latest
+  new step, request and settings-change events (``seq`` above the last cursor sent, in order), the latest
   effective settings (with the union of the changed names), the latest metrics, relayout
   progress, and the engine's state ("ready" / "stopped" / "dead").
 
@@ -38,7 +38,8 @@ from ..jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
 DRAWN = {
     "steps": ("left", "right", "seq", "phase", "color", "duration_ms", "batch_size", "prefill_tokens",
               "decode_tokens", "composition"),
-    "lanes": ("left", "right", "lane", "request", "state", "color"),
+    "lanes": ("left", "right", "lane", "request", "label", "state", "color"),
+    "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
 }
 
 MIN_RATE_HZ = 0.2
@@ -93,7 +94,9 @@ def trim_timeline(timeline: dict[str, Any], max_steps: int, max_requests: int,
     steps = steps[len(steps) - keep:]
     if len(requests) > max_requests:
         requests = requests[len(requests) - max_requests:]
-    return {"steps": steps, "requests": requests, "cursor": int(timeline.get("cursor") or 0)}, cut
+    # Settings changes are few (the engine keeps the last 1000) and each is a marker: all are kept.
+    return {"steps": steps, "requests": requests, "changes": list(timeline.get("changes") or []),
+            "cursor": int(timeline.get("cursor") or 0)}, cut
 
 
 class EventCoalescer:
@@ -115,6 +118,7 @@ class EventCoalescer:
     def _reset_pending(self) -> None:
         self._steps: list[dict[str, Any]] = []
         self._requests: list[dict[str, Any]] = []
+        self._change_events: list[dict[str, Any]] = []  # timeline ChangeEvents (markers)
         self._pending_cursor = 0
         self._settings: dict[str, Any] | None = None
         self._changes: dict[str, Any] = {}
@@ -159,6 +163,7 @@ class EventCoalescer:
         requests = [r for r in data.get("requests") or [] if r.get("seq", 0) > floor]
         self._steps.extend(steps)
         self._requests.extend(requests)
+        self._change_events.extend(c for c in data.get("changes") or [] if c.get("seq", 0) > floor)
         self._pending_cursor = max(self._pending_cursor, int(data.get("cursor") or 0))
         if len(self._steps) > self.max_steps:
             cut = len(self._steps) - self.max_steps
@@ -184,6 +189,7 @@ class EventCoalescer:
         self.cursor = tl["cursor"]
         self._steps = [s for s in self._steps if s.get("seq", 0) > self.cursor]
         self._requests = [r for r in self._requests if r.get("seq", 0) > self.cursor]
+        self._change_events = [c for c in self._change_events if c.get("seq", 0) > self.cursor]
         if self._pending_cursor <= self.cursor:
             self._pending_cursor = 0
         self._metrics = None  # the snapshot carries fresh metrics
@@ -198,7 +204,7 @@ class EventCoalescer:
                 "rate": self.rate_hz, "window": window, "older": bool(older or cut)}
 
     def pending(self) -> bool:
-        return bool(self._steps or self._requests or self._settings is not None or self._changes
+        return bool(self._steps or self._requests or self._change_events or self._settings is not None or self._changes
                     or self._metrics is not None or self._relayout or self._engine is not None
                     or self._dropped)
 
@@ -224,10 +230,11 @@ class EventCoalescer:
         if not force and not self.due(now):
             return None
         msg: dict[str, Any] = {"type": "delta", "seq": self.messages_sent, "time": self.engine_time}
-        if self._steps or self._requests or self._pending_cursor > self.cursor:
-            cursor = max(self.cursor, self._pending_cursor,
-                         *(s.get("seq", 0) for s in self._steps), *(r.get("seq", 0) for r in self._requests))
-            part = {"steps": self._steps, "requests": self._requests, "cursor": cursor}
+        if self._steps or self._requests or self._change_events or self._pending_cursor > self.cursor:
+            events = (*self._steps, *self._requests, *self._change_events)
+            cursor = max(self.cursor, self._pending_cursor, *(e.get("seq", 0) for e in events))
+            part = {"steps": self._steps, "requests": self._requests, "changes": self._change_events,
+                    "cursor": cursor}
             self.reducer.add(part)
             msg["timeline"] = _without_batches(part)
             msg["columns"] = self._columns()

@@ -67,7 +67,7 @@ class EngineHub:
             self._clients.pop(name, None)
         if client is not None:
             _quiet_close(client)
-        client = connect(name, timeout=self.connect_timeout)
+        client = connect(name, timeout=self.connect_timeout, client_name="JupyterLab panel")
         with self._lock:
             other = self._clients.get(name)
             if other is not None and other.alive:

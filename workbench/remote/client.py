@@ -28,7 +28,7 @@ from ..interface import Engine, closed_at_exit, deliver, request_ids
 from ..ipc.protocol import METRICS_EVERY_S, EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
-from ..timeline import Timeline, TimelineRecorder
+from ..timeline import Timeline, TimelineRecorder, prompt_label
 from .prometheus import parse_prometheus, server_metrics
 from .wire import (
     EXTRA_FIELDS,
@@ -378,9 +378,9 @@ class RemoteEngineClient(Engine):
         return await asyncio.to_thread(getattr(self, method), **kwargs)
 
     # -- requests -------------------------------------------------------------------------------
-    def _record(self, t: float, rid: str, kind: str, detail: str | None = None) -> None:
+    def _record(self, t: float, rid: str, kind: str, detail: str | None = None, label: str | None = None) -> None:
         with self._lock:
-            self._recorder.add_request(t, rid, kind, detail)
+            self._recorder.add_request(t, rid, kind, detail, label)
 
     def _body(self, prompt: str | None, ids: list[int] | None, sp: SamplingParams, chat: bool) -> tuple[str, dict]:
         def dropped(name: str) -> None:  # once per field and client
@@ -401,7 +401,8 @@ class RemoteEngineClient(Engine):
             if pend is None:
                 pend = self._pending[rid] = _Pending(None, arrival)
             pend.arrival = arrival
-        self._record(arrival, rid, "arrived", f"prompt_tokens={len(ids)}" if ids is not None else None)
+        self._record(arrival, rid, "arrived", f"prompt_tokens={len(ids)}" if ids is not None else None,
+                     prompt_label(prompt if isinstance(prompt, str) else None))
         text_parts: list[str] = []
         token_ids: list[int] = []
         token_times: list[float] = []
