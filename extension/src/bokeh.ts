@@ -26,7 +26,9 @@ declare global {
   }
 }
 
-const FILES = ['bokeh.min.js', 'bokeh-api.min.js'];
+// The widgets and tables bundles too: a notebook's Bokeh output (a Div, a DataTable) renders
+// through whichever BokehJS is on the page first, and that may be this one.
+const FILES = ['bokeh.min.js', 'bokeh-widgets.min.js', 'bokeh-tables.min.js', 'bokeh-api.min.js'];
 let loading: Promise<BokehNS> | null = null;
 
 function addScript(src: string): Promise<void> {
@@ -49,10 +51,12 @@ export function loadBokeh(baseUrl: string): Promise<BokehNS> {
   if (!loading) {
     loading = (async () => {
       if (!window.Bokeh) {
-        await addScript(bokehScriptUrl(baseUrl, FILES[0]));
+        for (const file of FILES.slice(0, 3)) {
+          await addScript(bokehScriptUrl(baseUrl, file));
+        }
       }
       if (!window.Bokeh.Plotting) {
-        await addScript(bokehScriptUrl(baseUrl, FILES[1]));
+        await addScript(bokehScriptUrl(baseUrl, FILES[3]));
       }
       if (!window.Bokeh || !window.Bokeh.Plotting) {
         throw new Error('BokehJS loaded without its plotting API');
@@ -104,9 +108,7 @@ export class TimelineChart {
   private _steps: any = null;
   private _spans: any = null;
   private _changes: any = null;
-  private _figures: any[] = [];
   private _lanesFigure: any = null;
-  private _lines: any[] = [];
   private _xRange: any = null;
   private _follow = true;
   private _fitting = false;
@@ -229,6 +231,7 @@ export class TimelineChart {
       })
     );
     steps.xaxis.visible = false;
+    this._changeLines(steps);
     const lanes = figure({
       height: opts.lanesHeight ?? 200,
       sizing_mode: 'stretch_width',
@@ -260,10 +263,10 @@ export class TimelineChart {
         ]
       })
     );
+    this._changeLines(lanes);
     lanes.yaxis.ticker = new Bokeh.BasicTicker({ min_interval: 1, num_minor_ticks: 0 });
     lanes.yaxis.major_label_text_font_size = '8pt';
     lanes.ygrid.visible = false;
-    this._figures = [steps, lanes];
     this._lanesFigure = lanes;
     const grid = gridplot([[steps], [lanes]], {
       sizing_mode: 'stretch_width',
@@ -348,31 +351,21 @@ export class TimelineChart {
     };
   }
 
-  /** The change markers, and one dashed line per change across both plots (few: at most 1000). */
+  /** A dashed line across the figure's full height at each change (a vspan glyph: no y extent). */
+  private _changeLines(fig: any): void {
+    fig.vspan({ field: 't' }, {
+      line_color: MARKER_COLOR,
+      line_dash: 'dashed',
+      line_width: 1.5,
+      line_alpha: 0.8,
+      source: this._changes
+    });
+  }
+
+  /** The change markers (few: the engine keeps at most 1000), redrawn whole. */
   private _drawChanges(): void {
-    const Bokeh = this._bk;
     const markers = changeMarkers(this.state.columns.changes);
     this._changes.data = this._changeData(markers);
-    for (const line of this._lines) {
-      for (const fig of this._figures) {
-        fig.center = fig.center.filter((r: any) => r !== line);
-      }
-    }
-    this._lines = [];
-    for (const m of markers) {
-      for (const fig of this._figures) {
-        const line = new Bokeh.Span({
-          location: m.t,
-          dimension: 'height',
-          line_color: MARKER_COLOR,
-          line_dash: 'dashed',
-          line_width: 1.5,
-          line_alpha: 0.8
-        });
-        fig.add_layout(line);
-        this._lines.push(line);
-      }
-    }
     this.host.dataset.changes = String(markers.length);
   }
 

@@ -373,7 +373,7 @@ class InfoHandler(BaseHandler):
         from .. import __version__
 
         self.reply({"version": __version__, "bokeh": bokeh_version(),
-                    "bokeh_files": ["bokeh.min.js", "bokeh-api.min.js"]})
+                    "bokeh_files": ["bokeh.min.js", "bokeh-widgets.min.js", "bokeh-tables.min.js", "bokeh-api.min.js"]})
 
 
 def route_patterns(base_url: str) -> list[tuple]:

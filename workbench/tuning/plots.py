@@ -134,6 +134,9 @@ def widget(records, engine=None):
     try:
         from jupyter_bokeh.widgets import BokehModel
 
+        from ..jupyter.views import ensure_bokehjs
+
+        ensure_bokehjs()  # all of BokehJS, widget models (the Div) included, from the installed bokeh
         plot_widget = BokehModel(layout)
     except ImportError:
         from bokeh.io import output_notebook
