@@ -22,6 +22,58 @@ DEDICATED = {"07-tuning.ipynb": "test_notebook_tuning.py", "08-capacity-planning
 NOTEBOOKS = [p for p in ALL_NOTEBOOKS if p.name not in DEDICATED]
 CELL_TIMEOUT = 300
 
+# What each tutorial claims, checked in its kernel after its last cell, on the numbers it printed.
+CLAIMS = {
+    "02-chunked-prefill.ipynb": """
+from workbench.jupyter.magics import engine_for_magics
+assert all(o.metrics.prefix_hit_tokens == 0 for o in whole + chunked), "02 must not reuse cached prompts"
+(s1, s2, long_whole), (c1, c2, long_chunked) = ([o.metrics.ttft for o in outs] for outs in (whole, chunked))
+assert c1 * 2 < s1 and c2 * 2 < s2, ("chunking cuts the short requests' TTFT several-fold", s1, s2, c1, c2)
+assert 0.5 < long_chunked / long_whole < 2, ("the long prompt's TTFT changes little", long_whole, long_chunked)
+rid = chunked[2].request_id
+steps = [s for s in engine_for_magics().timeline().steps if any(b.request_id == rid for b in s.batch)]
+mixed = [s for s in steps if s.phase == "mixed"]
+assert len(mixed) >= 5, ("the long prefill is spread over mixed steps", [s.phase for s in steps])
+assert max(s.num_prefill_tokens + s.num_decode_tokens for s in steps) <= 32, "every step within the budget"
+""",
+    "06-cost-controls.ipynb": """
+baseline, capped, cached, quantised = rows
+assert capped["output tokens"] * 4 == baseline["output tokens"] == 8 * 64, "the cap is exact"
+assert capped["seconds"] < baseline["seconds"], ("fewer decode steps cost less time", baseline, capped)
+assert cached["prompt tokens computed"] < capped["prompt tokens computed"] / 3, ("the shared prompt is cached", cached)
+assert capped["prompt tokens computed"] == baseline["prompt tokens computed"], "no cache before caching is on"
+assert all(r["$ per 1k requests"] > 0 and r["J per request"] > 0 for r in rows)
+""",
+    "03-prefix-caching.ipynb": """
+from workbench.jupyter.magics import engine_for_magics
+block = engine_for_magics().settings()["block_size"]
+ids = [o.prompt_token_ids for o in again]
+common = next(i for i, toks in enumerate(zip(*ids)) if len(set(toks)) > 1)
+shared = common // block * block  # the preamble's full blocks
+hits = {name: [o.metrics.prefix_hit_tokens for o in outs] for name, outs in
+        (("off", off), ("cold", first), ("warm", again))}
+assert hits["off"] == [0, 0, 0], hits
+assert hits["cold"][0] == 0 and all(h in (0, shared) for h in hits["cold"]), (hits, shared)
+assert hits["warm"] == [shared] * 3 and shared >= 200, (hits, shared)
+assert all(w.metrics.ttft < c.metrics.ttft for w, c in zip(again, off)), "a warm cache lowers TTFT"
+""",
+    "04-quantisation.ipynb": """
+assert eng.status()["weights_checksum"] == checksum, "quantising leaves the original weights untouched"
+assert same_prefix(ref, q8[0].token_ids) >= 4, "int8 weights keep the greedy output's start"
+assert same_prefix(ref, kv8[0].token_ids) >= 2, "an int8 KV cache keeps the greedy output's start"
+for outs in (q8, q4, kv8):
+    assert len(outs[0].token_ids) == len(ref) == 16
+""",
+    "05-speculative-decoding.ipynb": """
+for outs in (ngram, draft):
+    assert outs[0].token_ids == plain[0].token_ids, "greedy speculative decoding changes no token"
+m = ngram[0].metrics
+assert m.spec_proposed and m.spec_accepted / m.spec_proposed >= 0.5, "the repeating days are easy to guess"
+assert per_token["ngram"] < per_token["off"], ("ngram speculation makes tokens cheaper here", per_token)
+assert set(per_token) == {"off", "ngram", "draft"}
+""",
+}
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
@@ -35,7 +87,8 @@ def test_the_tutorials_are_there_and_every_notebook_is_run():
         if name in names:
             assert (REPO / "tests" / test).exists(), f"{name} is left to {test}, which is missing"
     for required in ("00-quickstart.ipynb", "01-batching.ipynb", "02-chunked-prefill.ipynb",
-                     "03-prefix-caching.ipynb", "04-quantisation.ipynb", "05-speculative-decoding.ipynb"):
+                     "03-prefix-caching.ipynb", "04-quantisation.ipynb", "05-speculative-decoding.ipynb",
+                     "06-cost-controls.ipynb", "07-tuning.ipynb", "08-capacity-planning.ipynb"):
         assert required in names
 
 
@@ -45,6 +98,8 @@ def test_notebook_runs_clean(engine, path):
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
+    if path.name in CLAIMS:
+        nb.cells.append(nbformat.v4.new_code_cell(CLAIMS[path.name], metadata={"tags": ["claims-check"]}))
     client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     t0 = time.monotonic()
@@ -68,5 +123,9 @@ def test_notebook_runs_clean(engine, path):
     assert not problems, "\n".join(problems)
     settings = engine.settings()
     assert settings["batching"] == "continuous" and settings["speculative"] == "off", \
+        f"{path.name} left the shared engine changed: {settings}"
+    assert settings["prefix_caching"] and settings["max_num_batched_tokens"] == 512, \
+        f"{path.name} left the shared engine changed: {settings}"
+    assert settings["quantization"] == "none" and settings["kv_cache_dtype"] == "auto", \
         f"{path.name} left the shared engine changed: {settings}"
     print(f"{path.name}: {took:.1f} s")
