@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 QUICKSTART = "00-quickstart.ipynb"
@@ -47,27 +50,101 @@ def notebook_dir(given: str | None) -> Path:
     return Path.cwd().resolve()
 
 
-def jupyter_command(args: argparse.Namespace, nb_dir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={nb_dir}"]
-    if args.port is not None:
-        cmd.append(f"--port={args.port}")
+# What `jupyter lab` would otherwise print on every start, and why each is safe to quiet here:
+QUIET = [
+    # INFO lines (extensions linked and loaded, language servers not installed): the URL below
+    # says what a person needs; warnings and errors still show.
+    "--ServerApp.log_level=WARN",
+    "--LabApp.log_level=WARN",
+    # jupyter_server's websocket ping timeout defaults to 3x the interval, which tornado refuses
+    # (and says so) and clamps to the interval: ask for what it ends up using.
+    "--ServerApp.tornado_settings=ws_ping_timeout=30000",
+]
+
+
+TOKEN_OPTIONS = ("--IdentityProvider.token", "--ServerApp.token", "--NotebookApp.token")
+
+
+def ipc_kernels_fit() -> bool:
+    """Whether kernels can talk over IPC sockets (this machine only) rather than plain TCP on
+    localhost: nothing readable on the network, and no "running over TCP without encryption"
+    warning per kernel. Their socket files live in Jupyter's runtime dir, and a Unix socket's path
+    is limited to 107 bytes ("kernel-<uuid>-ipc-N" takes 50 of them)."""
+    try:
+        from jupyter_core.paths import jupyter_runtime_dir
+    except ImportError:  # pragma: no cover - jupyter_core comes with JupyterLab
+        return False
+    return sys.platform != "win32" and len(os.fsencode(jupyter_runtime_dir())) + 52 <= 107
+
+
+def free_port(start: int = 8888, tries: int = 50) -> int:
+    """The first port from `start` nothing listens on (as Jupyter would pick it, but known here)."""
+    for port in range(start, start + tries):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}..{start + tries - 1}; pass --port")
+
+
+def jupyter_command(args: argparse.Namespace, nb_dir: Path, port: int, token: str | None) -> list[str]:
+    """`jupyter lab` on `nb_dir`; `token`: the one this command chose (None when the user passed
+    their own, or asked for none, after --)."""
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={nb_dir}", f"--port={port}",
+           "--ServerApp.port_retries=0"]
     if args.ip:
         cmd.append(f"--ip={args.ip}")
     if args.no_browser:
         cmd.append("--no-browser")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")  # containers and CI run as root; JupyterLab refuses it otherwise
-    extra = list(args.jupyter_args or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+    extra = jupyter_extra(args)
+    quiet = QUIET + (["--KernelManager.transport=ipc"] if ipc_kernels_fit() else [])
+    cmd += [q for q in quiet if q.split("=")[0] not in {e.split("=")[0] for e in extra}]
+    if token is not None:
+        cmd.append(f"--IdentityProvider.token={token}")
     cmd += extra
-    if args.open_notebook:
-        nb = nb_dir / args.open_notebook
-        if nb.exists():
-            cmd.append(str(nb))
-        else:
-            print(f"workbench lab: {nb} does not exist; opening the folder instead", file=sys.stderr)
+    if args.open_notebook and (nb_dir / args.open_notebook).exists():
+        cmd.append(str(nb_dir / args.open_notebook))  # the browser Jupyter opens shows it
     return cmd
+
+
+def jupyter_extra(args: argparse.Namespace) -> list[str]:
+    extra = list(args.jupyter_args or [])
+    return extra[1:] if extra[:1] == ["--"] else extra
+
+
+def lab_url(args: argparse.Namespace, nb_dir: Path, port: int, token: str | None) -> str:
+    """Where to point a browser: the notebook to open (00-quickstart by default), not the Launcher."""
+    host = args.ip if args.ip and args.ip not in ("0.0.0.0", "::", "*") else "localhost"
+    url = f"http://{host}:{port}/lab"
+    if args.open_notebook:
+        if (nb_dir / args.open_notebook).exists():
+            url += "/tree/" + urllib.parse.quote(args.open_notebook)
+        else:
+            print(f"workbench lab: {nb_dir / args.open_notebook} does not exist; opening the folder instead",
+                  file=sys.stderr)
+    return url + (f"?token={token}" if token else "")
+
+
+def sign_tutorials(nb_dir: Path) -> None:
+    """Trust the tutorials this command opens (Jupyter warns "Notebook ... is not trusted" for
+    every unsigned one); a notebook the user changes is signed again by Jupyter when saved."""
+    try:
+        import nbformat
+        from nbformat.sign import NotebookNotary
+    except ImportError:  # pragma: no cover - nbformat comes with JupyterLab
+        return
+    notary = NotebookNotary()
+    for path in sorted(nb_dir.glob("[0-9][0-9]-*.ipynb")):
+        try:
+            nb = nbformat.read(path, as_version=4)
+            if not notary.check_signature(nb):
+                notary.sign(nb)
+        except Exception:  # noqa: BLE001 - an unreadable notebook is Jupyter's to report
+            continue
 
 
 def run_lab(args: argparse.Namespace, settings: dict) -> int:
@@ -99,8 +176,15 @@ def run_lab(args: argparse.Namespace, settings: dict) -> int:
     env = dict(os.environ)
     env["WORKBENCH_ENGINE"] = name
     env[conn.ENV_RUNTIME_DIR] = str(conn.runtime_dir())
-    cmd = jupyter_command(args, nb_dir)
-    print(f"workbench lab: JupyterLab on {nb_dir}", file=sys.stderr, flush=True)
+    given = [e.split("=", 1)[1] for e in jupyter_extra(args) if "=" in e and e.split("=", 1)[0] in TOKEN_OPTIONS]
+    token = None if given else secrets.token_hex(24)
+    port = args.port if args.port is not None else free_port()
+    cmd = jupyter_command(args, nb_dir, port, token)
+    sign_tutorials(nb_dir)
+    url = lab_url(args, nb_dir, port, given[-1] if given else token)
+    print(f"workbench lab: JupyterLab on {nb_dir}; Ctrl-C twice stops it (and the engine it started)",
+          file=sys.stderr, flush=True)
+    print(f"workbench lab: open {url}", file=sys.stderr, flush=True)
     proc = None
     previous = {}
 
