@@ -326,3 +326,22 @@ def test_chrome_trace_marks_each_change():
     assert all(m["s"] == "g" for m in marks) and marks[0]["ts"] == pytest.approx(10.5e6)
     stalls = [e for e in events if e["ph"] == "X"]
     assert len(stalls) == 1 and stalls[0]["dur"] == pytest.approx(0.4e6)  # only the re-layout stalls
+
+
+def test_tokens_per_second_is_averaged_over_a_window():
+    """Steady decode at 4 steps/s into 0.5 s bins catches 2 or 3 steps per bin: the per-bin rate
+    zig-zags, the 2 s average does not."""
+    f = Fake()
+    f.req(0.0, "aaaaaaaa", "arrived")
+    t = 0.0
+    for _ in range(40):  # 10 s of one decode step every 0.26 s
+        f.step(t, t + 0.01, "decode", [("aaaaaaaa", 1, "decode")], output_tokens=1)
+        t += 0.26
+    r = TimelineReducer(bin_s=0.5, smooth_s=2.0)
+    r.add(f.timeline())
+    r.tick(1e9)
+    series = r.drain()["series"]
+    raw, avg = series["tok_s"][4:-1], series["tok_s_avg"][4:-1]  # past the first window, before the last bin
+    assert max(raw) - min(raw) >= 2.0  # 1 or 2 (or 3) steps per bin: 2-6 tok/s
+    assert max(avg) - min(avg) <= 0.6 and all(abs(a - 1 / 0.26) < 0.5 for a in avg)
+    assert series["tok_s_avg"][0] == series["tok_s"][0]  # the first bin is its own average

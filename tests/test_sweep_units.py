@@ -174,5 +174,7 @@ def test_live_costs_window_for_the_dashboard():
     assert c["decode_tok_s"] == pytest.approx(4.5)  # 9 output tokens over 2 s of decode
     assert c["cost_per_mtok"] == pytest.approx(250.0)
     text = live.html({"output_tok_s": 4.0})
-    assert "prefill $10/M tok" in text and "$3.6/h" in text and "100 W" in text
-    assert "cost –" in costs.LiveCosts().html({"output_tok_s": 0.0})
+    assert text == ("cost $250 per million output tokens, 25 J each (prefill $10/M prompt tok; decode "
+                    "$222/M output tok) at $3.6/h and 100 W")
+    idle = costs.LiveCosts(window_s=10.0, price_per_hour=0.2, watts=100.0).html({"output_tok_s": 0.0})
+    assert idle == "cost: nothing generated in the last 10 s (at $0.2/h and 100 W)"  # words, not dashes

@@ -126,6 +126,18 @@ _CSS = ("font-family: var(--jp-code-font-family, monospace); font-size: var(--jp
         "white-space: pre-wrap; margin: 0;")
 
 
+
+class GenerateInterrupted(KeyboardInterrupt):
+    """The user interrupted a `%%generate` cell and its requests were aborted: a KeyboardInterrupt
+    (a run-all stops there), shown as one line, not as a traceback through the magic's code."""
+
+
+def show_interrupted(shell, etype, value, tb, tb_offset=None) -> list[str]:
+    """IPython's custom handler for `GenerateInterrupted` (`shell.set_custom_exc`)."""
+    stb = [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {value}"]
+    shell._showtraceback(KeyboardInterrupt, value, stb)
+    return stb
+
 class GenerateRun:
     """One `%%generate` cell: its requests, their streams, and the display they update."""
 
@@ -376,7 +388,7 @@ def _run_in_thread(make_coro: Callable[[], Any]) -> Any:
                 except RuntimeError:
                     pass
     if interrupted:
-        raise KeyboardInterrupt("%%generate interrupted: its requests were aborted in the engine")
+        raise GenerateInterrupted("%%generate interrupted: its requests were aborted in the engine")
     if "error" in box:
         raise box["error"]
     return box.get("result")

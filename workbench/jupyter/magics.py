@@ -70,6 +70,10 @@ def load_ipython_extension(ipython) -> None:
     if ipython not in _LOADED_SHELLS:
         _LOADED_SHELLS.append(ipython)
     _install_async_generate(ipython)
+    if not ipython.custom_exceptions:  # never replace a handler the user set
+        from .generate import GenerateInterrupted, show_interrupted
+
+        ipython.set_custom_exc((GenerateInterrupted,), show_interrupted)
 
 
 def unload_ipython_extension(ipython) -> None:
@@ -78,6 +82,10 @@ def unload_ipython_extension(ipython) -> None:
         transforms.remove(_async_generate)
     if ipython in _LOADED_SHELLS:
         _LOADED_SHELLS.remove(ipython)
+    from .generate import GenerateInterrupted
+
+    if ipython.custom_exceptions == (GenerateInterrupted,):
+        ipython.set_custom_exc((), None)
 
 
 # -- %%generate as top-level await ----------------------------------------------------------------
@@ -132,7 +140,9 @@ async def generate_cell_async(line: str, cell: str) -> None:
     except BaseException:
         if not run.interrupted:
             raise
-        raise KeyboardInterrupt(run.summary()) from None
+        from .generate import GenerateInterrupted
+
+        raise GenerateInterrupted(run.summary()) from None
     _finish_generate(get_ipython(), run, outputs, opts, client, cursor)
 
 

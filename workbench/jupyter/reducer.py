@@ -13,8 +13,10 @@ Sources and their columns:
   Lanes are reused: a request takes the lowest lane free when it arrives and frees it when it
   finishes, so the plot stays as tall as the concurrency; ``lane_labels`` names each lane after
   the request that took it last.
-- ``series``: one row per time bin (``bin_s`` seconds): output tokens/s, mean inter-token
-  latency, KV blocks used, prefix hit rate, speculative acceptance, queue length.
+- ``series``: one row per time bin (``bin_s`` seconds): output tokens/s in the bin and averaged
+  over the last ``smooth_s`` seconds (a bin catches a whole number of steps, so the per-bin rate
+  zig-zags during steady decode), mean inter-token latency, KV blocks used, prefix hit rate,
+  speculative acceptance, queue length.
 - ``ttft``: one point per request at its first token: time to first token.
 - ``changes``: one row per accepted settings change (a `ChangeEvent`): when (``t``), until when
   it stalled the engine (``end``; a re-layout), ``label`` ("quantization: 'none' → 'int8'") and
@@ -27,7 +29,7 @@ Rates with nothing to measure in a bin are NaN (a gap in the line).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,13 +55,15 @@ COLUMNS: dict[str, tuple[str, ...]] = {
               "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests",
               "routing"),
     "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens"),
-    "series": ("t", "tok_s", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
+    "series": ("t", "tok_s", "tok_s_avg", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
                "waiting", "running"),
     "ttft": ("t", "ttft_ms", "request", "lane"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
 }
 ROLLOVER = {"steps": 5_000, "lanes": 20_000, "series": 2_000, "ttft": 5_000, "changes": 1_000}
 CHANGE_COLOR = "#C44E52"  # markers: a colour no phase uses
+BIN_S = 0.5  # the series' time bins
+SMOOTH_S = 2.0  # the window of the averaged tokens/s
 
 ROW_HALF = 0.4  # half the height of a rectangle in its row
 
@@ -108,11 +112,15 @@ class TimelineReducer:
     are kept (the per-cell timeline of `%%generate --timeline`).
     """
 
-    def __init__(self, *, bin_s: float = 0.5, t0: float | None = None, max_lanes: int = 48,
+    def __init__(self, *, bin_s: float = BIN_S, smooth_s: float = SMOOTH_S, t0: float | None = None, max_lanes: int = 48,
                  only: Iterable[str] | None = None, max_listed: int = 8):
         if bin_s <= 0:
             raise ValueError("bin_s must be > 0")
         self.bin_s = float(bin_s)
+        self.smooth_bins = max(1, round(smooth_s / self.bin_s))
+        self.smooth_s = self.smooth_bins * self.bin_s
+        self._recent_tokens: deque[tuple[int, int]] = deque()  # (bin index, output tokens) in the window
+        self._first_bin: int | None = None
         self.t0 = t0
         self.max_lanes = int(max_lanes)
         self.only = None if only is None else frozenset(only)
@@ -347,6 +355,7 @@ class TimelineReducer:
         nan = float("nan")
         self._emit(
             "series", t=(b.index + 1) * self.bin_s, tok_s=b.out_tokens / self.bin_s,
+            tok_s_avg=self._windowed(b.index, b.out_tokens),
             itl_ms=b.itl_sum / b.itl_n * 1e3 if b.itl_n else nan,
             kv_used=b.kv_used, kv_total=b.kv_total, kv_frac=b.kv_used / b.kv_total if b.kv_total else nan,
             prefix_hit_rate=b.hits / (b.hits + b.prefill) if (b.hits + b.prefill) else nan,
@@ -355,9 +364,19 @@ class TimelineReducer:
         )
         self._last_emitted_bin = b.index
 
+    def _windowed(self, index: int, tokens: int) -> float:
+        """Output tokens/s over the `smooth_bins` bins ending with bin `index` (fewer at the start)."""
+        if self._first_bin is None:
+            self._first_bin = index
+        self._recent_tokens.append((index, tokens))
+        while self._recent_tokens[0][0] <= index - self.smooth_bins:
+            self._recent_tokens.popleft()
+        bins = min(self.smooth_bins, index - self._first_bin + 1)
+        return sum(n for _, n in self._recent_tokens) / (bins * self.bin_s)
+
     def _emit_idle(self, index: int) -> None:
         nan = float("nan")
-        self._emit("series", t=(index + 1) * self.bin_s, tok_s=0.0, itl_ms=nan, kv_used=nan, kv_total=nan,
+        self._emit("series", t=(index + 1) * self.bin_s, tok_s=0.0, tok_s_avg=self._windowed(index, 0), itl_ms=nan, kv_used=nan, kv_total=nan,
                    kv_frac=nan, prefix_hit_rate=nan, spec_accept_rate=nan, waiting=0, running=0)
 
 

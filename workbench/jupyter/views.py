@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .reducer import CHANGE_COLOR, COLUMNS, PHASE_COLORS, ROLLOVER, ROW_HALF, STATE_COLORS
+from .reducer import BIN_S, CHANGE_COLOR, COLUMNS, PHASE_COLORS, ROLLOVER, ROW_HALF, SMOOTH_S, STATE_COLORS
 
 _BOKEHJS_LOADED = False
 
@@ -42,14 +42,15 @@ class TimelineView:
 
     ``live=True`` makes the x range follow the newest data over ``window_s`` seconds."""
 
-    def __init__(self, *, live: bool = True, window_s: float = 60.0, width: int = 900, title: str | None = None):
+    def __init__(self, *, live: bool = True, window_s: float = 60.0, width: int = 900, title: str | None = None,
+                 bin_s: float = BIN_S, smooth_s: float = SMOOTH_S):
         from bokeh.models import ColumnDataSource
 
         self.live = live
         self.window_s = window_s
         self.width = width
         self.sources = {name: ColumnDataSource({c: [] for c in cols}) for name, cols in COLUMNS.items()}
-        self.layout = self._build(title)
+        self.layout = self._build(title, bin_s, smooth_s)
         self._model = None
         self.pushes = 0
 
@@ -90,7 +91,7 @@ class TimelineView:
         return self._model
 
     # -- layout -----------------------------------------------------------------------------------
-    def _build(self, title: str | None):
+    def _build(self, title: str | None, bin_s: float, smooth_s: float):
         from bokeh.layouts import column, gridplot
         from bokeh.models import DataRange1d, HoverTool, Legend, LegendItem, Range1d
 
@@ -155,11 +156,14 @@ class TimelineView:
             return f
 
         series = self.sources["series"]
-        tput = small("Output tokens/s", "tok/s")
-        tput_line = tput.line("t", "tok_s", source=series, line_width=2, color=PHASE_COLORS["decode"])
-        tput.y_range = DataRange1d(renderers=[tput_line], start=0)
-        tput.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("tok/s", "@tok_s{0.0}"),
-                                           ("running", "@running"), ("waiting", "@waiting")], mode="vline"))
+        tput = small(f"Output tokens/s ({smooth_s:g} s average; dots: each {bin_s:g} s)", "tok/s")
+        tput_line = tput.line("t", "tok_s_avg", source=series, line_width=2, color=PHASE_COLORS["decode"])
+        tput_dots = tput.scatter("t", "tok_s", source=series, size=3, color=PHASE_COLORS["decode"], alpha=0.35)
+        tput.y_range = DataRange1d(renderers=[tput_line, tput_dots], start=0)
+        tput.add_tools(HoverTool(renderers=[tput_line], tooltips=[
+            ("t", "@t{0.0} s"), (f"tok/s, {smooth_s:g} s average", "@tok_s_avg{0.0}"),
+            (f"tok/s in this {bin_s:g} s", "@tok_s{0.0}"), ("running", "@running"), ("waiting", "@waiting")],
+            mode="vline"))
         lat = small("Latency: TTFT (dots) and inter-token (line)", "ms")
         ttft = lat.scatter("t", "ttft_ms", source=self.sources["ttft"], size=6, color=PHASE_COLORS["prefill"],
                            legend_label="TTFT")

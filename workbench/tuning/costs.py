@@ -164,14 +164,14 @@ class LiveCosts:
                          phase_split(self._steps) if self._steps else None)
 
     def html(self, metrics: dict) -> str:
+        """One line: end-to-end cost and energy per output token at the current rate, then each
+        phase that ran in the window; an idle engine says so instead of printing dashes."""
         c = self.costs(metrics)
-
-        def pair(cost, joules) -> str:
-            if cost is None:
-                return "–"
-            return f"${cost:.3g}/M tok · {joules:.3g} J/tok"
-
-        return (f"cost {pair(c['cost_per_mtok'], c['joules_per_token'])} (prefill "
-                f"{pair(c.get('prefill_cost_per_mtok'), c.get('prefill_joules_per_token'))}, decode "
-                f"{pair(c.get('decode_cost_per_mtok'), c.get('decode_joules_per_token'))}) at "
-                f"${self.prices['price_per_hour']:g}/h, {self.prices['watts']:g} W")
+        machine = f"at ${self.prices['price_per_hour']:g}/h and {self.prices['watts']:g} W"
+        if c["cost_per_mtok"] is None:
+            return f"cost: nothing generated in the last {self.window_s:g} s ({machine})"
+        parts = [f"prefill ${c['prefill_cost_per_mtok']:.3g}/M prompt tok" if c.get("prefill_cost_per_mtok") else None,
+                 f"decode ${c['decode_cost_per_mtok']:.3g}/M output tok" if c.get("decode_cost_per_mtok") else None]
+        phases = "; ".join(p for p in parts if p)
+        return (f"cost ${c['cost_per_mtok']:.3g} per million output tokens, {c['joules_per_token']:.3g} J each"
+                + (f" ({phases})" if phases else "") + f" {machine}")
