@@ -127,6 +127,19 @@ def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):
             lanes = wait_for(lambda: (lambda got: got if got and all(p in got for p in prompts) else None)(
                 page.evaluate(lanes_js)), 30, "a lane per prompt in the dashboard")
             assert sorted(lanes[p][0] for p in prompts) == [0, 1, 2, 3] and all(len(lanes[p]) == 1 for p in prompts)
+            # and the plot shows all four: its (flipped) y range reaches past the fourth lane
+            y_start = page.evaluate("""() => {
+                for (const d of window.Bokeh.documents) for (const m of d.all_models)
+                    if (m.type === 'Range1d' && m.end === -0.6) return m.start;
+                return null; }""")
+            assert y_start is not None and y_start >= 4.5, y_start
+            # the host plot next to the timeline fills from the engine's metrics, once a second
+            host_js = """() => {
+                for (const d of window.Bokeh.documents) for (const m of d.all_models)
+                    if (m.type === 'ColumnDataSource' && m.data.host_mem_pct)
+                        return m.data.host_mem_pct.filter(v => v > 0).length;
+                return 0; }"""
+            wait_for(lambda: page.evaluate(host_js) >= 2, 30, "host memory rows on the dashboard")
             page.wait_for_timeout(1500)
             page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
             # pick "static" in the batching dropdown, as a user would

@@ -401,6 +401,11 @@ def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
             names = json.loads(page.get_attribute(chart, "data-lane-labels"))
             return names if any(v.startswith("After int8") for v in names.values()) else ValueError(names)
         _wait_for(lane_names, 30, "a lane named after its prompt")
+        # what serving costs the machine, next to the timeline: a host row per metrics sample
+        _wait_for(lambda: int(page.get_attribute(chart, "data-host-rows") or 0) >= 2, 30, "host plot rows")
+        assert page.locator(".wb-TimelineWidget .bk-Canvas, .wb-TimelineWidget canvas").count() >= 1
+        cpu = panel.locator(".wb-Number", has_text="CPU cores").locator(".wb-Number-value")
+        _wait_for(lambda: cpu.text_content() not in ("", "–"), 30, "the engine's CPU on the panel")
         # following: the axis spans the latest burst of activity, not the whole history
         page.wait_for_function(f"() => document.querySelector('{chart}').dataset.follow === 'true'")
         x0, x1 = (float(page.get_attribute(chart, a)) for a in ("data-x-start", "data-x-end"))
@@ -408,7 +413,7 @@ def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
         page.wait_for_timeout(500)
         page.screenshot(path=str(ARTIFACTS / "lab-timeline-markers.png"))
         # a pan stops following; the checkbox brings it back
-        box = page.locator(f"{chart} canvas").last.bounding_box()
+        box = page.locator(f"{chart} canvas").nth(1).bounding_box()  # the request lanes
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         page.mouse.down()
         page.mouse.move(box["x"] + box["width"] / 2 - 200, box["y"] + box["height"] / 2, steps=8)

@@ -248,3 +248,19 @@ def test_the_browsers_fixture_is_what_the_coalescer_sends():
     if os.environ.get("WORKBENCH_WRITE_FIXTURES"):
         FIXTURE.write_text(json.dumps(messages, indent=1) + "\n")
     assert json.loads(FIXTURE.read_text()) == messages
+
+
+def test_metrics_samples_become_the_host_plots_rows():
+    """Each metrics event after the snapshot is a row of the host plot (x on the timeline's axis);
+    a figure the engine did not measure is null (JSON has no NaN), a gap in the line."""
+    c = EventCoalescer(rate_hz=10)
+    snap(c, {"steps": [], "requests": [{"seq": 1, "time": 100.0, "request_id": "a", "kind": "arrived"}],
+             "cursor": 1}, now=100.0)
+    c.add("metrics", {"process_cpu_cores": 1.0, "host_cpus": 4, "host_cpu_percent": 50.0, "host_mem_percent": 20.0,
+                      "kv_usage": 0.25, "process_rss_mb": 900.0}, time=101.5)
+    c.add("metrics", {"kv_usage": 0.5}, time=102.5)  # a remote server: no host figures
+    msg = c.flush(now=103.0)
+    host = msg["columns"]["host"]
+    assert host["t"] == [1.5, 2.5] and host["engine_cpu_pct"] == [25.0, None]
+    assert host["host_cpu_pct"] == [50.0, None] and host["kv_pct"] == [25.0, 50.0]
+    json.dumps(msg, allow_nan=False)  # what the websocket sends is valid JSON

@@ -39,6 +39,13 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     # imbalance (busiest expert's load / the mean; None on dense models or when idle)
     expert_load: list[list[int]] = msgspec.field(default_factory=list)
     moe_imbalance: float | None = None
+    # What serving costs the machine (`workbench.hostload`; None where not measured, e.g. a remote
+    # server): the engine process's CPU in cores and memory, and the whole host's
+    process_cpu_cores: float | None = None
+    host_cpu_percent: float | None = None
+    host_cpus: int | None = None
+    process_rss_mb: float | None = None
+    host_mem_percent: float | None = None
     total_prompt_tokens: int = 0
     total_prefix_hit_tokens: int = 0
     total_output_tokens: int = 0

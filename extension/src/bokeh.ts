@@ -8,6 +8,7 @@ import {
   changeMarkers,
   Columns,
   EngineState,
+  hostColumns,
   IChangeMarker,
   laneLabels,
   latestActivity,
@@ -81,6 +82,8 @@ export interface IChartOptions {
   toolbar?: boolean;
   /** Characters of a lane's name (its request's prompt start) on the y axis. */
   laneLabelChars?: number;
+  /** Height of the host plot (CPU, memory, KV cache) under the lanes; 0 or absent: none. */
+  hostHeight?: number;
 }
 
 // The steps track: one row per phase, and on top a row of settings-change markers.
@@ -108,6 +111,7 @@ export class TimelineChart {
   private _steps: any = null;
   private _spans: any = null;
   private _changes: any = null;
+  private _host: any = null;
   private _lanesFigure: any = null;
   private _xRange: any = null;
   private _follow = true;
@@ -268,7 +272,11 @@ export class TimelineChart {
     lanes.yaxis.major_label_text_font_size = '8pt';
     lanes.ygrid.visible = false;
     this._lanesFigure = lanes;
-    const grid = gridplot([[steps], [lanes]], {
+    const rows: any[][] = [[steps], [lanes]];
+    if (opts.hostHeight) {
+      rows.push([this._hostFigure(Bokeh, figure, tools, border)]);
+    }
+    const grid = gridplot(rows, {
       sizing_mode: 'stretch_width',
       toolbar_location: opts.toolbar === false ? null : 'right',
       merge_tools: true
@@ -282,6 +290,55 @@ export class TimelineChart {
     this.reset();
   }
 
+  /** What serving costs the machine, on the timeline's axis: CPU (engine, host), memory, KV cache. */
+  private _hostFigure(Bokeh: BokehNS, figure: any, tools: string, border: number): any {
+    this._host = new Bokeh.ColumnDataSource({ data: hostColumns(undefined) });
+    const host = figure({
+      height: this.options.hostHeight,
+      sizing_mode: 'stretch_width',
+      x_range: this._xRange,
+      y_range: new Bokeh.Range1d({ start: -2, end: 102 }),
+      tools,
+      toolbar_location: null,
+      title: 'host: CPU, memory and KV cache in use (% of the host)',
+      min_border_left: border
+    });
+    const palette = this.state.palette.phase;
+    const lines: Array<[string, string, string]> = [
+      ['engine_cpu_pct', 'engine CPU', palette.prefill ?? '#4C72B0'],
+      ['host_cpu_pct', 'host CPU', palette.mixed ?? '#8172B3'],
+      ['host_mem_pct', 'host memory', palette.relayout ?? '#8C8C8C'],
+      ['kv_pct', 'KV cache', palette.decode ?? '#55A868']
+    ];
+    for (const [field, label, color] of lines) {
+      host.line({
+        x: { field: 't' },
+        y: { field },
+        line_width: 2,
+        line_color: color,
+        legend_label: label,
+        source: this._host
+      });
+    }
+    host.legend.location = 'top_left';
+    host.legend.orientation = 'horizontal';
+    host.legend.label_text_font_size = '8pt';
+    host.add_tools(
+      new Bokeh.HoverTool({
+        mode: 'vline',
+        tooltips: [
+          ['engine CPU', '@engine_cpu_pct{0.0} %'],
+          ['host CPU', '@host_cpu_pct{0.0} %'],
+          ['host memory', '@host_mem_pct{0.0} %'],
+          ['engine memory', '@engine_rss_mb{0,0} MiB'],
+          ['KV cache', '@kv_pct{0.0} %']
+        ]
+      })
+    );
+    this._changeLines(host);
+    return host;
+  }
+
   /** Redraw everything from the state (after a snapshot, or once the figures exist). */
   reset(): void {
     if (!this.ready) {
@@ -289,6 +346,9 @@ export class TimelineChart {
     }
     this._steps.data = stepColumns(this.state.columns.steps);
     this._spans.data = requestColumns(this.state.columns.lanes);
+    if (this._host) {
+      this._host.data = hostColumns(this.state.columns.host);
+    }
     this._drawChanges();
     this._afterData();
   }
@@ -306,6 +366,10 @@ export class TimelineChart {
     }
     if (columns.changes) {
       this._drawChanges();
+    }
+    if (columns.host && this._host) {
+      this._host.stream(hostColumns(columns.host), 3600);
+      this.host.dataset.hostRows = String(this._host.data.t.length);
     }
     this._afterData();
   }

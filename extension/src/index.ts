@@ -67,7 +67,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
           stepsHeight: 170,
           lanesHeight: 320,
           window: 60,
-          laneLabelChars: 24
+          laneLabelChars: 24,
+          hostHeight: 150
         });
         const widget = new MainAreaWidget({ content });
         widget.id = `serving-workbench-timeline-${Date.now()}`;

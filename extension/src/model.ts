@@ -170,7 +170,7 @@ export class EngineState {
   steps: IStepEvent[] = [];
   requests = new Map<string, IRequestInfo>();
   /** What the chart draws: the reducer's rows, newest kept. */
-  columns: Record<string, Columns> = { steps: {}, lanes: {}, changes: {} };
+  columns: Record<string, Columns> = { steps: {}, lanes: {}, changes: {}, host: {} };
   palette: IPalette = { phase: {}, state: {} };
   relayout: Dict[] = [];
   dropped = 0;
@@ -273,7 +273,7 @@ export class EngineState {
   private _reset(): void {
     this.steps = [];
     this.requests = new Map();
-    this.columns = { steps: {}, lanes: {}, changes: {} };
+    this.columns = { steps: {}, lanes: {}, changes: {}, host: {} };
     this._order = 0;
     this.cursor = 0;
     this.dropped = 0;
@@ -324,7 +324,12 @@ export class EngineState {
     if (!columns) {
       return;
     }
-    const caps: Record<string, number> = { steps: this.maxSteps, lanes: this.maxLaneRows, changes: 1000 };
+    const caps: Record<string, number> = {
+      steps: this.maxSteps,
+      lanes: this.maxLaneRows,
+      changes: 1000,
+      host: 3600
+    };
     for (const [name, cols] of Object.entries(columns)) {
       const names = Object.keys(cols);
       if (!names.length || !cols[names[0]].length) {
@@ -559,6 +564,8 @@ export interface ILiveNumbers {
   acceptance: string;
   ttft: string;
   itl: string;
+  cpu: string;
+  memory: string;
 }
 
 export function liveNumbers(metrics: Dict): ILiveNumbers {
@@ -582,8 +589,19 @@ export function liveNumbers(metrics: Dict): ILiveNumbers {
     hitRate: pct(metrics.prefix_hit_rate),
     acceptance: pct(metrics.spec_acceptance_rate),
     ttft: fixed(metrics.ttft_p50_ms, 0),
-    itl: fixed(metrics.itl_p50_ms, 1)
+    itl: fixed(metrics.itl_p50_ms, 1),
+    cpu: fixed(metrics.process_cpu_cores, 1),
+    memory: fixed(num(metrics.process_rss_mb) === null ? null : metrics.process_rss_mb / 1024, 2)
   };
+}
+
+/** The host plot's rows (the reducer's "host" source), nulls (not measured) as NaN: gaps. */
+export function hostColumns(rows: Columns | undefined): Record<string, number[]> {
+  const out: Record<string, number[]> = {};
+  for (const name of ['t', 'engine_cpu_pct', 'host_cpu_pct', 'host_mem_pct', 'kv_pct', 'engine_rss_mb']) {
+    out[name] = (rows?.[name] ?? []).map((v: any) => (typeof v === 'number' ? v : NaN));
+  }
+  return out;
 }
 
 /** One MoE layer of the routing heatmap: each expert's tokens, share of the layer's and colour. */

@@ -27,7 +27,9 @@ const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks'>,
   ['hitRate', 'prefix hit', 'prompt tokens served from the prefix cache'],
   ['acceptance', 'spec accept', 'speculative tokens accepted'],
   ['ttft', 'TTFT ms', 'time to first token (ms), median of recent requests'],
-  ['itl', 'ITL ms', 'inter-token latency (ms), median of recent requests']
+  ['itl', 'ITL ms', 'inter-token latency (ms), median of recent requests'],
+  ['cpu', 'CPU cores', "CPU the engine process uses, in cores' worth (the host plot is in the main-area timeline)"],
+  ['memory', 'memory GiB', 'resident memory of the engine process']
 ];
 
 function el<K extends keyof HTMLElementTagNameMap>(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..bench.stats import percentile
+from ..hostload import HostSampler
 from ..models.linear import fp8_supported
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
@@ -74,6 +75,7 @@ class LLMEngine:
             self._check_quantization(s.quantization)
             self.runner.model.quantize(s.quantization, s.quant_group_size)
         self.timeline = TimelineRecorder()
+        self.host = HostSampler()
         self.scheduler = Scheduler(s, num_blocks, self.timeline)
         self.event_hooks: list[Callable[[str, dict], None]] = []
         self.started = time.monotonic()
@@ -403,6 +405,6 @@ class LLMEngine:
             spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
             ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
             itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
-            expert_load=load, moe_imbalance=worst,
+            expert_load=load, moe_imbalance=worst, **self.host.sample(),
             **{f"total_{k}": v for k, v in t.items()},
         ))

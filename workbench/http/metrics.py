@@ -61,6 +61,10 @@ _GAUGES = (
     ("prefix_cache_hit_rate", "prefix_hit_rate", "Prompt tokens served from the prefix cache, since start."),
     ("spec_decode_draft_acceptance_rate", "spec_acceptance_rate", "Accepted / proposed draft tokens, since start."),
     ("avg_generation_throughput_toks_per_s", "output_tok_s", "Output tokens per second over the last seconds."),
+    ("process_cpu_cores", "process_cpu_cores", "CPU the engine process used, in cores (since the last sample)."),
+    ("host_cpu_usage_perc", "host_cpu_percent", "CPU use of the whole host, percent of all cores."),
+    ("process_resident_memory_mb", "process_rss_mb", "Resident memory of the engine process, MiB."),
+    ("host_memory_usage_perc", "host_mem_percent", "Memory use of the whole host, percent."),
 )
 
 

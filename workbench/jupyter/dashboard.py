@@ -270,6 +270,7 @@ class Dashboard:
                 self._on_relayout(ev.data)
             elif ev.kind == "metrics":
                 last_metrics = ev.data
+                self.reducer.add_metrics(ev.data, ev.time)
             elif ev.kind == "engine" and ev.data.get("state") == "stopped":
                 self._set_status(f"Engine {self.name!r} is stopping.", "error")
         if last_metrics is not None:

@@ -18,6 +18,9 @@ Sources and their columns:
   zig-zags during steady decode), mean inter-token latency, KV blocks used, prefix hit rate,
   speculative acceptance, queue length.
 - ``ttft``: one point per request at its first token: time to first token.
+- ``host``: one row per engine `metrics()` sample (about one a second): the engine process's CPU
+  and the host's, in percent of all the host's cores, the host's memory and the KV cache in use,
+  in percent (what serving costs the machine, next to what it served).
 - ``changes``: one row per accepted settings change (a `ChangeEvent`): when (``t``), until when
   it stalled the engine (``end``; a re-layout), ``label`` ("quantization: 'none' → 'int8'") and
   who made it (``by``). Views draw it as a marker across every plot, so before/after is visible.
@@ -59,8 +62,9 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                "waiting", "running"),
     "ttft": ("t", "ttft_ms", "request", "lane"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
+    "host": ("t", "engine_cpu_pct", "host_cpu_pct", "host_mem_pct", "kv_pct", "engine_rss_mb"),
 }
-ROLLOVER = {"steps": 5_000, "lanes": 20_000, "series": 2_000, "ttft": 5_000, "changes": 1_000}
+ROLLOVER = {"steps": 5_000, "lanes": 20_000, "series": 2_000, "ttft": 5_000, "changes": 1_000, "host": 3_600}
 CHANGE_COLOR = "#C44E52"  # markers: a colour no phase uses
 BIN_S = 0.5  # the series' time bins
 SMOOTH_S = 2.0  # the window of the averaged tokens/s
@@ -158,6 +162,19 @@ class TimelineReducer:
 
     def add_requests(self, requests: Iterable[Any]) -> None:
         self.add({"steps": [], "requests": list(requests)})
+
+    def add_metrics(self, metrics: dict[str, Any], time: float) -> None:
+        """One engine `metrics()` sample taken at `time` (engine clock): a row of ``host``."""
+        nan = float("nan")
+
+        def pct(v: Any) -> float:
+            return float(v) if isinstance(v, (int, float)) else nan
+
+        cores, cpus = metrics.get("process_cpu_cores"), metrics.get("host_cpus")
+        self._emit("host", t=self._rel(time),
+                   engine_cpu_pct=100.0 * cores / cpus if isinstance(cores, (int, float)) and cpus else nan,
+                   host_cpu_pct=pct(metrics.get("host_cpu_percent")), host_mem_pct=pct(metrics.get("host_mem_percent")),
+                   kv_pct=100.0 * pct(metrics.get("kv_usage")), engine_rss_mb=pct(metrics.get("process_rss_mb")))
 
     def tick(self, now: float, grace: float = 0.25) -> None:
         """Close the open time bin if it ended more than `grace` seconds before `now` (engine

@@ -187,10 +187,25 @@ class TimelineView:
         rates.scatter("t", "spec_accept_rate", source=series, size=4, color=PHASE_COLORS["verify"])
         rates.legend.location = "bottom_left"
         rates.legend.label_text_font_size = "8pt"
-        for f in (tput, lat, kv, rates):
+        host = small("Host: CPU, memory and KV cache in use", "% of the host")
+        host.y_range = Range1d(-2, 102)
+        hs = self.sources["host"]
+        for col, label, color in (("engine_cpu_pct", "engine CPU", PHASE_COLORS["prefill"]),
+                                  ("host_cpu_pct", "host CPU", PHASE_COLORS["mixed"]),
+                                  ("host_mem_pct", "host memory", PHASE_COLORS["relayout"]),
+                                  ("kv_pct", "KV cache", PHASE_COLORS["decode"])):
+            host.line("t", col, source=hs, line_width=2, color=color, legend_label=label)
+        host.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("engine CPU", "@engine_cpu_pct{0.0} % of the host"),
+                                           ("host CPU", "@host_cpu_pct{0.0} %"), ("host memory", "@host_mem_pct{0.0} %"),
+                                           ("engine memory", "@engine_rss_mb{0,0} MiB"), ("KV cache", "@kv_pct{0.0} %")],
+                                 mode="vline"))
+        host.legend.location = "top_left"
+        host.legend.label_text_font_size = "8pt"
+        host.legend.orientation = "horizontal"
+        for f in (tput, lat, kv, rates, host):
             self._change_lines(f)
-        self.figures = {"timeline": tl, "throughput": tput, "latency": lat, "kv": kv, "rates": rates}
-        grid = gridplot([[tput, lat], [kv, rates]], sizing_mode="stretch_width", toolbar_location=None)
+        self.figures = {"timeline": tl, "throughput": tput, "latency": lat, "kv": kv, "rates": rates, "host": host}
+        grid = gridplot([[tput, lat], [kv, rates], [host, None]], sizing_mode="stretch_width", toolbar_location=None)
         return column(tl, grid, sizing_mode="stretch_width")
 
     def _change_lines(self, fig) -> None:

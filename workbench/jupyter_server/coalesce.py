@@ -40,6 +40,7 @@ DRAWN = {
               "decode_tokens", "composition"),
     "lanes": ("left", "right", "lane", "request", "label", "state", "color"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
+    "host": ("t", "engine_cpu_pct", "host_cpu_pct", "host_mem_pct", "kv_pct", "engine_rss_mb"),
 }
 
 MIN_RATE_HZ = 0.2
@@ -151,6 +152,8 @@ class EventCoalescer:
                 self._changes.update(data["changes"])
         elif kind == "metrics":
             self._metrics = dict(data or {})
+            if self.snapshot_sent and time is not None:
+                self.reducer.add_metrics(self._metrics, time)  # a row of the host plot
         elif kind == "relayout":
             self._relayout.append(dict(data or {}))
         elif kind == "engine":
@@ -237,8 +240,10 @@ class EventCoalescer:
                     "cursor": cursor}
             self.reducer.add(part)
             msg["timeline"] = _without_batches(part)
-            msg["columns"] = self._columns()
             self.cursor = cursor
+        columns = self._columns()
+        if any(next(iter(cols.values()), None) for cols in columns.values()):
+            msg["columns"] = columns
         if self._settings is not None or self._changes:
             if self._settings is not None:
                 msg["settings"] = self._settings
@@ -261,11 +266,13 @@ class EventCoalescer:
 
 
 def browser_columns(drained: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
-    """The drawn sources' columns of a reducer `drain()` (empty when no rows), times to the us."""
+    """The drawn sources' columns of a reducer `drain()` (empty when no rows), times to the us;
+    NaN (a gap in a line) as null, since JSON has no NaN."""
     out = {}
     for name, columns in DRAWN.items():
         rows = drained.get(name) or {}
-        out[name] = {c: [round(v, 6) if isinstance(v, float) else v for v in rows.get(c, [])] for c in columns}
+        out[name] = {c: [(None if v != v else round(v, 6)) if isinstance(v, float) else v for v in rows.get(c, [])]
+                     for c in columns}
     return out
 
 
