@@ -151,7 +151,8 @@ def lab(tmp_path_factory, runtime_dir, engine):
     cells = NOTEBOOK_CELLS if _have_magics() else FALLBACK_CELLS
     (root / "e2e.ipynb").write_text(json.dumps(notebook(cells)))
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(cfg), IPYTHONDIR=str(ipy), JUPYTER_RUNTIME_DIR=str(base / "jrt"),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", WORKBENCH_RUNS_DB=str(base / "runs.sqlite"))  # the lab's and its kernels'
+
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(base / "lab.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser"], cwd=root, env=env,
@@ -164,7 +165,8 @@ def lab(tmp_path_factory, runtime_dir, engine):
             with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
                 return r.status == 200
         _wait_for(up, 90, "jupyter lab to answer")
-        yield {"url": url, "token": token, "root": root, "log": base / "lab.log", "magics": cells is NOTEBOOK_CELLS}
+        yield {"url": url, "token": token, "root": root, "log": base / "lab.log", "magics": cells is NOTEBOOK_CELLS,
+               "runs_db": base / "runs.sqlite"}
     finally:
         stop_process_group(proc)
         log.close()
@@ -488,6 +490,41 @@ def test_sweep_pareto_plot_renders_in_lab(lab, engine, browser):
         raise
     finally:
         (ARTIFACTS / "lab-pareto-console.txt").write_text("\n".join(problems))
+        page.close()
+
+
+def test_run_log_compares_runs_side_by_side(lab, browser):
+    """The run log in the main area: tick two runs, see their throughput and latency side by side
+    and the settings that differ (what `workbench.runs.plot` draws in a notebook)."""
+    from workbench.runs import RunLog
+
+    log = RunLog(lab["runs_db"])
+    a = log.start("bench", label="static batching", settings={"batching": "static", "max_num_seqs": 8},
+                  workload={"n": 16})
+    log.finish(a, metrics={"results": {"workbench": {"output_tok_s": 120.0, "ttft_p50_ms": 300.0,
+                                                     "itl_p50_ms": 12.0, "ttft_p99_ms": float("nan")}}})
+    b = log.start("bench", label="continuous batching", settings={"batching": "continuous", "max_num_seqs": 8},
+                  workload={"n": 16})
+    log.finish(b, metrics={"results": {"workbench": {"output_tok_s": 200.0, "ttft_p50_ms": 150.0, "itl_p50_ms": 14.0}}})
+    page, problems = _new_page(browser, 1000)
+    try:
+        panel = _open_panel(page, lab)
+        panel.locator(".wb-OpenRuns").click()
+        view = page.locator(".wb-Runs")
+        for run in (a, b):
+            view.locator(f'tr[data-run="{run}"] input').check()
+        view.locator(".wb-Runs-compare").click()
+        page.wait_for_selector(f'.wb-Runs[data-compared="{a},{b}"]')
+        page.wait_for_selector(".wb-Runs-chart canvas", state="attached")
+        # tok/s, TTFT p50 and ITL p50 for each run; TTFT p99 was measured by neither (NaN): no bars
+        assert int(page.get_attribute(".wb-Runs-chart", "data-bars")) == 3 * 2
+        row = view.locator('.wb-Runs-settings tr[data-setting="batching"]')
+        assert row.locator("td").all_text_contents() == ["batching", "static", "continuous"]
+        assert view.locator('.wb-Runs-settings tr[data-setting="max_num_seqs"]').count() == 0  # the same in both
+        page.wait_for_timeout(500)
+        page.screenshot(path=str(ARTIFACTS / "lab-run-log.png"))
+        assert not [p for p in problems if "pageerror" in p], problems
+    finally:
         page.close()
 
 

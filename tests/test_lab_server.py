@@ -184,6 +184,33 @@ async def test_bad_requests(jp_fetch, hub, engine):
 
 
 @aio
+async def test_run_log_routes(jp_fetch, hub, tmp_path, monkeypatch):
+    """The run log for the lab's view: the newest runs with their headline metrics, and two or more
+    side by side; bad ids are refused saying what is allowed; NaN is sent as null (valid JSON)."""
+    from workbench.runs import RunLog
+
+    db = tmp_path / "runs.sqlite"
+    monkeypatch.setenv("WORKBENCH_RUNS_DB", str(db))
+    log = RunLog(db)
+    a = log.start("sweep_point", label="a", settings={"max_num_seqs": 4})
+    log.finish(a, metrics={"output_tok_s": 10.0, "ttft_p50_ms": float("nan")})
+    b = log.start("sweep_point", label="b", settings={"max_num_seqs": 8})
+    log.finish(b, metrics={"output_tok_s": 30.0, "ttft_p50_ms": 5.0})
+    runs = (await fetch_json(jp_fetch, "runs"))["runs"]
+    assert [r["id"] for r in runs] == [b, a] and runs[1]["headline"]["output_tok_s"] == 10.0
+    r = await jp_fetch("workbench", "api", "runs", "compare", params={"ids": f"{a},{b}"})
+    comp = json.loads(r.body)  # strict JSON: a NaN would not parse in a browser
+    assert "NaN" not in r.body.decode()
+    assert comp["throughput"]["value"] == [10.0, 30.0] and comp["latency"]["value"] == [None, 5.0]
+    assert comp["settings"] == [{"setting": "max_num_seqs", "values": ["4", "8"]}]
+    for ids, words in (("x,1", "separated by commas"), (str(a), "two or more")):
+        code, body = await fetch_error(jp_fetch, "runs", "compare", params={"ids": ids})
+        assert code == 400 and words in body["message"]
+    code, body = await fetch_error(jp_fetch, "runs", params={"limit": "0"})
+    assert code == 400 and "1..1000" in body["message"]
+
+
+@aio
 async def test_timeline_route(jp_fetch, hub, engine):
     first = await fetch_json(jp_fetch, "engines", "lab", "timeline")
     await generate(engine, 6)
@@ -353,6 +380,8 @@ ROUTES = [
     ("POST", "workbench/api/engines/lab/settings", {"max_num_seqs": 3}),
     ("GET", "workbench/api/engines/lab/timeline", None),
     ("GET", "workbench/static/bokeh/bokeh.min.js", None),
+    ("GET", "workbench/api/runs", None),
+    ("GET", "workbench/api/runs/compare", None),
 ]
 
 

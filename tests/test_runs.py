@@ -71,6 +71,39 @@ def test_compare_and_export(log, tmp_path):
         log.export(fmt="xml")
 
 
+def test_runs_side_by_side_as_plot_columns(log):
+    """What the notebook's `workbench.runs.plot` and the lab's run-log view draw: one bar per
+    metric and run, in the run's colour, and the settings that differ."""
+    from workbench.runs.plots import comparison, plot, settings_html
+
+    a = log.start("bench", label="static", settings={"batching": "static", "max_num_seqs": 4}, workload={"n": 8})
+    log.finish(a, metrics={"results": {"workbench": {"output_tok_s": 10.0, "ttft_p99_ms": 3.0, "itl_p50_ms": 1.5},
+                                       "hf_static": {"output_tok_s": 4.0}}})
+    b = log.start("sweep_point", label="continuous", settings={"batching": "continuous", "max_num_seqs": 4},
+                  workload={"n": 16})
+    log.finish(b, metrics={"output_tok_s": 20.0, "ttft_p99_ms": 2.0, "itl_p50_ms": float("nan")})
+    comp = comparison(log.compare([a, b]))
+    assert comp["runs"] == [f"#{a} static", f"#{b} continuous"]
+    tput = comp["throughput"]
+    assert set(zip(tput["metric"], tput["run"], tput["value"])) == {
+        ("workbench output tok/s", f"#{a} static", 10.0), ("workbench output tok/s", f"#{b} continuous", None),
+        ("hf_static output tok/s", f"#{a} static", 4.0), ("hf_static output tok/s", f"#{b} continuous", None),
+        ("output tok/s", f"#{a} static", None), ("output tok/s", f"#{b} continuous", 20.0)}
+    assert tput["color"][:2] == comp["colors"] and comp["colors"][0] != comp["colors"][1]
+    lat = comp["latency"]
+    assert "ITL p50" not in lat["metric"]  # measured by no run (NaN): no bars at all
+    assert ("workbench ITL p50", f"#{b} continuous", None) in set(zip(lat["metric"], lat["run"], lat["value"]))
+    assert comp["settings"] == [{"setting": "batching", "values": ["static", "continuous"]}]
+    text = settings_html(comp)
+    assert "<code>batching</code>" in text and "different workloads" in text  # said, not hidden
+    assert "different weights" not in text
+    with pytest.raises(ValueError, match="two or more"):
+        plot([a], db=log)
+    assert comp["same_weights"] is None  # no checksum recorded: not known to differ, no caveat
+    layout = plot([a, b], db=log)  # outside a kernel: the Bokeh layout itself
+    assert len(layout.children) == 2
+
+
 def test_cli_runs_subcommands(log, tmp_path, capsys):
     sid = log.start("sweep", label="sweep batching[2]", model="tiny", device="cpu")
     p1 = log.start("sweep_point", parent_id=sid, label="batching=static", settings={"batching": "static"})

@@ -32,6 +32,36 @@ export interface ISettingSchema {
   headline?: boolean; // one of the serving ideas shown first
 }
 
+/** A run of the run log, as `GET workbench/api/runs` lists it. */
+export interface IRunInfo {
+  id: number;
+  kind: string;
+  status: string;
+  label: string | null;
+  started_at: string;
+  model: string | null;
+  device: string | null;
+  headline: Record<string, number | null>;
+}
+
+/** Bars of one part of a comparison: one per (metric, run). */
+export interface IRunBars {
+  metric: string[];
+  run: string[];
+  value: Array<number | null>;
+  color: string[];
+}
+
+export interface IRunComparison {
+  runs: string[];
+  colors: string[];
+  throughput: IRunBars;
+  latency: IRunBars;
+  settings: Array<{ setting: string; values: string[] }>;
+  same_weights: boolean | null;
+  same_workload: boolean | null;
+}
+
 /** An error answered by the server extension (the engine's own message when it refused). */
 export class WorkbenchError extends Error {
   constructor(
@@ -74,6 +104,17 @@ export class WorkbenchAPI {
   async schema(): Promise<ISettingSchema[]> {
     const data = await this.request<{ settings: ISettingSchema[] }>(apiUrl(this.baseUrl, 'schema'));
     return data.settings;
+  }
+
+  /** The run log's newest runs (bench, sweeps and their points, simulations), newest first. */
+  async listRuns(limit = 50): Promise<IRunInfo[]> {
+    const data = await this.request<{ runs: IRunInfo[] }>(`${apiUrl(this.baseUrl, 'runs')}?limit=${limit}`);
+    return data.runs;
+  }
+
+  /** Runs side by side, as `workbench.runs.plots.comparison` draws them. */
+  compareRuns(ids: number[]): Promise<IRunComparison> {
+    return this.request(`${apiUrl(this.baseUrl, 'runs', 'compare')}?ids=${ids.join(',')}`);
   }
 
   engine(name: string): Promise<{ status: any; settings: any; metrics: any }> {

@@ -71,6 +71,18 @@ export function loadBokeh(baseUrl: string): Promise<BokehNS> {
   return loading;
 }
 
+/** Remove rendered Bokeh views from the page; returns the empty list to keep. */
+export function removeViews(views: any[]): any[] {
+  for (const v of views) {
+    try {
+      v.remove();
+    } catch {
+      // already gone
+    }
+  }
+  return [];
+}
+
 export interface IChartOptions {
   /** Height of the steps track and of the request lanes, in px. */
   stepsHeight?: number;
@@ -448,14 +460,7 @@ export class TimelineChart {
   }
 
   private _removeViews(): void {
-    for (const v of this._views) {
-      try {
-        v.remove();
-      } catch {
-        // already gone
-      }
-    }
-    this._views = [];
+    this._views = removeViews(this._views);
   }
 
   dispose(): void {

@@ -9,6 +9,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 
 import { WorkbenchAPI } from './api';
 import { WorkbenchPanel } from './panel';
+import { RunsView } from './runs';
 import { TimelineView } from './timeline';
 
 const PLUGIN_ID = 'serving-workbench:plugin';
@@ -17,6 +18,7 @@ const CATEGORY = 'Serving Workbench';
 export namespace CommandIDs {
   export const openTimeline = 'serving-workbench:open-timeline';
   export const showPanel = 'serving-workbench:show-panel';
+  export const openRuns = 'serving-workbench:open-runs';
 }
 
 const SVG = `<svg xmlns="http://www.w3.org/2000/svg" width="16" viewBox="0 0 24 24">
@@ -44,9 +46,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
     const api = new WorkbenchAPI(app.serviceManager.serverSettings);
     const tracker = new WidgetTracker<MainAreaWidget<TimelineView>>({ namespace: 'serving-workbench-timeline' });
 
-    const panel = new WorkbenchPanel(api, engine => {
-      void app.commands.execute(CommandIDs.openTimeline, engine ? { engine } : {});
-    });
+    const panel = new WorkbenchPanel(
+      api,
+      engine => void app.commands.execute(CommandIDs.openTimeline, engine ? { engine } : {}),
+      () => void app.commands.execute(CommandIDs.openRuns)
+    );
     panel.title.icon = workbenchIcon;
     app.shell.add(panel, 'left', { rank: 600 });
 
@@ -89,6 +93,28 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     });
 
+    let runs: MainAreaWidget<RunsView> | null = null;
+    app.commands.addCommand(CommandIDs.openRuns, {
+      label: 'Open the Run Log',
+      caption: 'Runs of the run log side by side: throughput, latency and the settings that differ',
+      execute: () => {
+        if (runs && !runs.isDisposed) {
+          void runs.content.refresh();
+          app.shell.activateById(runs.id);
+          return runs;
+        }
+        runs = new MainAreaWidget({ content: new RunsView(api) });
+        runs.id = 'serving-workbench-runs-area';
+        runs.title.label = 'Run log';
+        runs.title.icon = workbenchIcon;
+        runs.title.closable = true;
+        runs.addClass('wb-RunsWidget');
+        app.shell.add(runs, 'main');
+        app.shell.activateById(runs.id);
+        return runs;
+      }
+    });
+
     app.commands.addCommand(CommandIDs.showPanel, {
       label: 'Show Serving Workbench Panel',
       execute: () => app.shell.activateById(panel.id)
@@ -97,6 +123,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     if (palette) {
       palette.addItem({ command: CommandIDs.openTimeline, category: CATEGORY, args: { isPalette: true } });
       palette.addItem({ command: CommandIDs.showPanel, category: CATEGORY });
+      palette.addItem({ command: CommandIDs.openRuns, category: CATEGORY });
     }
     if (launcher) {
       launcher.add({ command: CommandIDs.openTimeline, category: 'Other', rank: 50, args: { isLauncher: true } });

@@ -7,6 +7,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
 import { EngineConnection, ISettingSchema, WorkbenchAPI, WorkbenchError } from './api';
+import { el } from './dom';
 import { expertHeatmap, formatUptime, IChange, liveNumbers } from './model';
 import { TimelineView } from './timeline';
 
@@ -32,20 +33,6 @@ const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks'>,
   ['memory', 'memory GiB', 'resident memory of the engine process']
 ];
 
-function el<K extends keyof HTMLElementTagNameMap>(
-  tag: K,
-  cls?: string,
-  text?: string
-): HTMLElementTagNameMap[K] {
-  const node = document.createElement(tag);
-  if (cls) {
-    node.className = cls;
-  }
-  if (text !== undefined) {
-    node.textContent = text;
-  }
-  return node;
-}
 
 /** Turn a control's value into the setting's type (the engine still validates it). */
 export function controlValue(spec: ISettingSchema, input: HTMLInputElement | HTMLSelectElement): any {
@@ -69,7 +56,8 @@ export function controlValue(spec: ISettingSchema, input: HTMLInputElement | HTM
 export class WorkbenchPanel extends Widget {
   constructor(
     readonly api: WorkbenchAPI,
-    readonly openTimeline: (engine: string | null) => void
+    readonly openTimeline: (engine: string | null) => void,
+    readonly openRuns: () => void = () => undefined
   ) {
     super();
     this.id = 'serving-workbench-panel';
@@ -175,6 +163,10 @@ export class WorkbenchPanel extends Widget {
     const open = el('button', 'wb-Button wb-OpenTimeline jp-mod-styled', 'Open in main area');
     open.onclick = () => this.openTimeline(this._engine);
     tlHead.appendChild(open);
+    const runLog = el('button', 'wb-Button wb-OpenRuns jp-mod-styled', 'Runs');
+    runLog.title = 'runs of the run log side by side: throughput, latency and the settings that differ';
+    runLog.onclick = () => this.openRuns();
+    tlHead.appendChild(runLog);
     root.appendChild(tlHead);
     this._timeline = new TimelineView(this.api, null, {
       rate: 5,

@@ -11,6 +11,8 @@ All routes live under ``<base_url>workbench/`` and need an authenticated Jupyter
     PATCH  api/engines/<name>/settings     configure: {"max_num_seqs": 8, ...}; engine errors -> 400
     GET    api/engines/<name>/timeline     ?since=<cursor>
     WS     api/engines/<name>/events       ?rate=<Hz>: a snapshot, then coalesced deltas
+    GET    api/runs                        the run log's newest runs (?limit=N), with their headline metrics
+    GET    api/runs/compare                ?ids=1,2,...: runs side by side (`workbench.runs.plots.comparison`)
     GET    static/bokeh/<file>             BokehJS from the installed bokeh package
 
 Errors are JSON ``{"message", "type"}`` with the engine's message passed through unchanged.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -376,6 +379,56 @@ class InfoHandler(BaseHandler):
                     "bokeh_files": ["bokeh.min.js", "bokeh-widgets.min.js", "bokeh-tables.min.js", "bokeh-api.min.js"]})
 
 
+def _finite_or_none(value: Any) -> Any:
+    """NaN and infinities as null, all the way down (JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+class RunsHandler(BaseHandler):
+    """The run log (`workbench.runs`): the newest runs, for the lab's run-log view."""
+
+    @tornado.web.authenticated
+    async def get(self):
+        from ..runs import headline, list_runs
+
+        try:
+            limit = int(self.get_argument("limit", "50"))
+            if not 1 <= limit <= 1000:
+                raise ValueError(f"limit must be 1..1000, got {limit}")
+            runs = await asyncio.to_thread(list_runs, limit=limit)
+            self.reply({"runs": _finite_or_none([
+                {**{k: r.get(k) for k in ("id", "kind", "status", "label", "started_at", "model", "device")},
+                 "headline": headline(r)} for r in runs])})
+        except Exception as e:
+            self.fail(e)
+
+
+class RunsCompareHandler(BaseHandler):
+    @tornado.web.authenticated
+    async def get(self):
+        from ..runs import compare
+        from ..runs.plots import comparison
+
+        try:
+            text = self.get_argument("ids", "")
+            try:
+                ids = [int(x) for x in text.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"ids must be run ids separated by commas, got {text!r}") from None
+            result = await asyncio.to_thread(compare, ids)
+            if len(result["runs"]) < 2:
+                raise ValueError(f"compare needs two or more runs (or a sweep with two or more points), got {ids}")
+            self.reply(_finite_or_none(comparison(result)))
+        except Exception as e:
+            self.fail(e)
+
+
 def route_patterns(base_url: str) -> list[tuple]:
     def u(path: str) -> str:
         return url_path_join(base_url, "workbench", path)
@@ -388,6 +441,8 @@ def route_patterns(base_url: str) -> list[tuple]:
         (u(f"api/engines/{NAME}/settings"), SettingsHandler),
         (u(f"api/engines/{NAME}/timeline"), TimelineHandler),
         (u(f"api/engines/{NAME}/events"), EventsSocket),
+        (u("api/runs"), RunsHandler),
+        (u("api/runs/compare"), RunsCompareHandler),
         (u("static/bokeh/(.*)"), BokehFileHandler, {"path": bokeh_static_dir()}),
     ]
 

@@ -55,7 +55,7 @@ from .log import (
 from .record import bench_fields, record_bench, record_scenarios, safe_finish, safe_start, scenario_fields
 
 __all__ = ["HEADLINE", "KINDS", "STATUSES", "RunLog", "bench_fields", "compare", "default_path", "export", "export_row",
-           "flatten", "get_run", "headline", "list_runs", "machine_facts", "package_versions", "ratios_text",
+           "flatten", "get_run", "headline", "list_runs", "machine_facts", "package_versions", "plot", "ratios_text",
            "record_bench", "record_scenarios", "recording_enabled", "safe_finish", "safe_start", "scenario_fields",
            "table"]
 
@@ -76,6 +76,13 @@ def compare(ids: Iterable[int], *, db=None) -> dict[str, Any]:
 def export(path: str | os.PathLike | None = None, *, ids: Iterable[int] | None = None, fmt: str | None = None,
            kind: str | None = None, db=None) -> str:
     return open_log(db).export(path, ids=ids, fmt=fmt, kind=kind)
+
+
+def plot(ids: Iterable[int], *, db=None):
+    """Runs side by side as plots: throughput, latency percentiles and the settings that differ."""
+    from .plots import plot as _plot
+
+    return _plot(ids, db=db)
 
 
 def table(runs: list[dict[str, Any]]):
