@@ -186,6 +186,12 @@ def test_status_and_private_files(engine, runtime_dir, reference):
     assert info["transport"] == "ipc" and info["request_address"].startswith("ipc://") and info["curve"] is None
     assert engine.settings()["num_kv_blocks"] == 64
     assert engine.weights_checksum() == st["weights_checksum"]
+    # a re-layout does not restart the clock: uptime is the process's
+    engine.configure(quantization="int8")
+    try:
+        assert engine.status()["uptime_s"] >= st["uptime_s"]
+    finally:
+        engine.configure(quantization="none")
     ids = [1, 5, 6, 7, 8]
     assert engine.score(ids) == pytest.approx(reference.llm.engine.score(ids), abs=1e-4)
     with EngineClient.connect("shared", timeout=10) as other:  # closes, does not stop the engine
