@@ -35,7 +35,7 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr,
-    bt_ptr, seq_lens_ptr, qk_scale,
+    bt_ptr, seq_lens_ptr, qk_scale, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt,
     s_cb, s_co, s_ch, ss_b, ss_o, ss_h,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
@@ -46,12 +46,15 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    lo = seq_len * 0  # a sliding window (window > 0) sees only the last `window` positions
+    if window > 0:
+        lo = tl.maximum(seq_len - window, 0)
     if NUM_SPLITS == 1:
-        start = 0
+        start = lo
         end = seq_len
     else:
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * chunk
+        chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
         end = tl.minimum(start + chunk, seq_len)
 
     g = tl.arange(0, G_PAD)
@@ -165,12 +168,13 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: in
 
 
 def decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None,
+    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None, window=0,
     *, num_splits: int | None = None, max_seq_len: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its cache, batched: q [B, Hq, D] -> [B, Hq, D].
 
+    window > 0: a sliding-window layer, each query sees its last `window` positions.
     num_splits: split-KV chunks per sequence (None: automatic; 1: no split). max_seq_len: an
     upper bound on seq_lens for the automatic choice (None: read seq_lens.max(), a host sync).
     block_n / num_warps / num_stages override the tuned launch configuration."""
@@ -195,6 +199,8 @@ def decode_attention(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
+        if window > 0:
+            max_seq_len = min(max_seq_len, int(window))
         num_splits = pick_num_splits(bsz, hkv, max_seq_len, bn, _num_sms(q.device))
     num_splits = max(1, min(int(num_splits), MAX_SPLITS))
     block_tables = as_int32_rows(block_tables)
@@ -211,7 +217,7 @@ def decode_attention(
     if num_splits == 1:
         _decode_kernel[grid](
             q, k_cache, v_cache, ks, vs, out, out,
-            block_tables, lens, float(sm_scale) * LOG2E,
+            block_tables, lens, float(sm_scale) * LOG2E, int(window),
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, block_tables.stride(0),
             *strides, **common,
         )
@@ -220,7 +226,7 @@ def decode_attention(
     lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[grid](
         q, k_cache, v_cache, ks, vs, part, lse,
-        block_tables, lens, float(sm_scale) * LOG2E,
+        block_tables, lens, float(sm_scale) * LOG2E, int(window),
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), block_tables.stride(0),
         *strides, **common,

@@ -37,10 +37,10 @@ LOG2E = 1.4426950408889634
 def _attend_tile(
     acc, l_i, m_i, q, pos,
     k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr,
-    start, kv_end, d, dmask, qk_scale,
+    start, kv_end, d, dmask, qk_scale, window,
     s_cb, s_co, ss_b, ss_o,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     n = start + tl.arange(0, BLOCK_N)
     n_mask = n < kv_end
@@ -54,6 +54,8 @@ def _attend_tile(
         s = s * qk_scale
     if CAUSAL:
         s = tl.where((n[None, :] <= pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    if WINDOWED:  # a sliding-window layer: keys older than `window` positions are out of sight
+        s = tl.where(n[None, :] > pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -70,12 +72,12 @@ def _attend_tile(
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr,
     bt_ptr, cu_q_ptr, seq_lens_ptr,
-    qk_scale, batch,
+    qk_scale, batch, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     s_cb, s_co, s_ch, ss_b, ss_o, ss_h,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    QUANT: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     slot_id = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -132,17 +134,20 @@ def _extend_kernel(
     last_tok = tl.minimum(tok0 + TOKENS, q_len) - 1
     kv_end = ctx + last_tok + 1  # one past the last position any row of the tile may see
     full_end = ((ctx + tok0 + 1) // BLOCK_N) * BLOCK_N  # keys below this are visible to every row
-    for start in range(0, full_end, BLOCK_N):
+    kv_lo = full_end * 0
+    if WINDOWED:  # no row sees keys before the first row's window
+        kv_lo = (tl.maximum(ctx + tok0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for start in range(kv_lo, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, k_head, v_head, ks_head, vs_head, bt_row_ptr,
-            start, kv_end, d, dmask, qk_scale, s_cb, s_co, ss_b, ss_o,
-            BLOCK_N, BLOCK_SIZE, QUANT, False, PRECISION,
+            start, kv_end, d, dmask, qk_scale, window, s_cb, s_co, ss_b, ss_o,
+            BLOCK_N, BLOCK_SIZE, QUANT, False, PRECISION, WINDOWED,
         )
-    for start in range(full_end, kv_end, BLOCK_N):
+    for start in range(tl.maximum(full_end, kv_lo), kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, k_head, v_head, ks_head, vs_head, bt_row_ptr,
-            start, kv_end, d, dmask, qk_scale, s_cb, s_co, ss_b, ss_o,
-            BLOCK_N, BLOCK_SIZE, QUANT, True, PRECISION,
+            start, kv_end, d, dmask, qk_scale, window, s_cb, s_co, ss_b, ss_o,
+            BLOCK_N, BLOCK_SIZE, QUANT, True, PRECISION, WINDOWED,
         )
 
     l_i = tl.where(l_i > 0.0, l_i, 1.0)
@@ -169,11 +174,12 @@ def extend_config(head_dim: int, dtype: torch.dtype) -> dict:
 
 
 def extend_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None, v_scale=None,
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None, v_scale=None, window=0,
     *, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens q [T, Hq, D] over its whole cached context.
+    """Causal attention of each sequence's new tokens q [T, Hq, D] over its whole cached context
+    (window > 0: a sliding-window layer, each token sees the `window` positions ending at its own).
 
     block_m (query rows per program: new tokens x query heads of a group; a power of two >= 16),
     block_n (keys per step, a power of two >= 16), num_warps and num_stages override the tuned
@@ -206,12 +212,12 @@ def extend_attention(
     _extend_kernel[grid](
         q, k_cache, v_cache, ks, vs, out,
         block_tables, cu, lens,
-        float(sm_scale) * LOG2E, batch,
+        float(sm_scale) * LOG2E, batch, int(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *k_cache.stride()[:3], *scale_strides(k_scale, kind),
         HEAD_DIM=d, D_PAD=max(16, next_pow2(d)), GROUP=group,
         BLOCK_M=bm, TOKENS=tokens, BLOCK_N=bn, BLOCK_SIZE=block_size,
-        QUANT=kind, PRECISION=dot_precision(q.dtype),
+        QUANT=kind, PRECISION=dot_precision(q.dtype), WINDOWED=window > 0,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return out

@@ -67,9 +67,10 @@ def gather_kv(cache, scale, block_table_row, length: int, dtype) -> torch.Tensor
 
 
 def extend_attention_ref(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None, v_scale=None
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None, v_scale=None, window=0
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context."""
+    """Causal attention of each sequence's new tokens over its whole cached context; with
+    `window` > 0 (a sliding-window layer) a token sees only the `window` positions ending at its own."""
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
     cu = cu_seqlens_q.tolist()
@@ -83,11 +84,14 @@ def extend_attention_ref(
         kb = gather_kv(k_cache, k_scale, block_tables[b], length, compute).transpose(0, 1)
         vb = gather_kv(v_cache, v_scale, block_tables[b], length, compute).transpose(0, 1)
         n = e - s
-        if n == length:
+        if n == length and not (0 < window < length):
             mask, causal = None, True
         else:
             qpos = torch.arange(length - n, length).unsqueeze(1)
-            mask, causal = torch.arange(length).unsqueeze(0) <= qpos, False
+            kpos = torch.arange(length).unsqueeze(0)
+            mask, causal = kpos <= qpos, False
+            if window > 0:
+                mask = mask & (kpos > qpos - window)
         ob = F.scaled_dot_product_attention(
             qb, kb, vb, attn_mask=mask, is_causal=causal, scale=sm_scale, enable_gqa=hq != hkv
         )
@@ -96,9 +100,10 @@ def extend_attention_ref(
 
 
 def decode_attention_ref(
-    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None
+    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None, window=0
 ) -> torch.Tensor:
-    """One query per sequence over its cache, batched: q [B, Hq, D] -> [B, Hq, D]."""
+    """One query per sequence over its cache, batched: q [B, Hq, D] -> [B, Hq, D]; with `window`
+    > 0 only the last `window` cached positions."""
     bsz, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     max_len = int(seq_lens.max())
@@ -113,7 +118,11 @@ def decode_attention_ref(
 
     k, v = load(k_cache, k_scale), load(v_cache, v_scale)
     mask = None
-    if bsz > 1 and bool((seq_lens != max_len).any()):
+    if window > 0 and max_len > window:
+        kpos = torch.arange(max_len, device=q.device)
+        lens = seq_lens.unsqueeze(1).long()
+        mask = ((kpos < lens) & (kpos >= lens - window))[:, None, None, :]
+    elif bsz > 1 and bool((seq_lens != max_len).any()):
         mask = (torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1).long())[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q.to(compute).unsqueeze(2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=hq != hkv

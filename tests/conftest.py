@@ -76,13 +76,25 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
         common.update(overrides)
         cfg = transformers.MistralConfig(**common)
         model = transformers.MistralForCausalLM(cfg)
+    elif arch == "gemma3":
+        # three layers: sliding, global, sliding; a window shorter than the tests' prompts
+        common.update(head_dim=16, tie_word_embeddings=True, num_hidden_layers=3, sliding_window=6,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                      query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", pad_token_id=0,
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+        common.update(overrides)
+        cfg = transformers.Gemma3TextConfig(**common)
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     # Random init puts tiny std on the weights; scale up so logits are decisive, not near-ties.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif arch == "gemma3" and "norm" in name:
+                p.normal_(0.0, 0.3)  # Gemma's norms scale by (1 + w) and start at w = 0: make w matter
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -229,6 +229,56 @@ def test_decode_attention(d, group, bs, dtype, kv, splits, block_n, strided):
     _check(out, ref.decode_attention_ref(q, kc, vc, bt, lens, scale, ks, vs), dtype)
 
 
+def _dense_windowed(q, kc, vc, bt, seq_lens, q_lens, scale, window):
+    """Sliding-window attention from first principles: every key position scored against every
+    query, masked to (pos - window, pos] — the reference the paged references must equal."""
+    out, row = [], 0
+    for b, (length, n) in enumerate(zip(seq_lens, q_lens)):
+        k = ref.gather_kv(kc, None, bt[b], length, torch.float32)
+        v = ref.gather_kv(vc, None, bt[b], length, torch.float32)
+        for t in range(n):
+            pos = length - n + t
+            keys = torch.arange(length)
+            seen = (keys <= pos) & (keys > pos - window)
+            qh = q[row].float()  # [Hq, D]
+            group = qh.shape[0] // k.shape[1]
+            kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [L, Hq, D]
+            scores = torch.einsum("hd,lhd->hl", qh, kk) * scale
+            scores[:, ~seen] = float("-inf")
+            out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), vv))
+            row += 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_attention(window):
+    """Sliding-window layers (Gemma 3, Mistral): prefill chunks, prefix hits and decodes see only
+    the last `window` positions, in the Triton kernels and in the torch references alike."""
+    gen = torch.Generator().manual_seed(window)
+    d, hkv, group, bs = 32, 2, 2, 16
+    seq_lens, q_lens = [37, 20, 9, 50], [37, 3, 9, 1]  # a prefill, a chunk, a short one, a decode-like row
+    num_blocks = sum(_cdiv(s, bs) for s in seq_lens) + 3
+    kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, F32, F32, gen)
+    bt = _block_tables(seq_lens, bs, num_blocks, gen)
+    q = _queries(sum(q_lens), hkv * group, d, F32, gen, False)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    expect = _dense_windowed(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), seq_lens, q_lens, scale, window)
+    _check(ref.extend_attention_ref(q, kc, vc, bt, cu, lens, scale, window=window).cpu(), expect, F32)
+    for bn in (16, 64):
+        out = extend_attention(q, kc, vc, bt, cu, lens, scale, window=window, block_m=16, block_n=bn)
+        _check(out.cpu(), expect, F32)
+    # decode: one query per sequence at its last position
+    last = torch.tensor(q_lens).cumsum(0) - 1
+    qd = q[last.to(DEVICE)].contiguous()
+    dense = _dense_windowed(qd.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), seq_lens, [1] * 4, scale, window)
+    _check(ref.decode_attention_ref(qd, kc, vc, bt, lens, scale, window=window).cpu(), dense, F32)
+    for splits in (1, 3):
+        out = decode_attention(qd, kc, vc, bt, lens, scale, window=window, num_splits=splits, block_n=16)
+        _check(out.cpu(), dense, F32)
+
+
 def test_pick_num_splits():
     # plenty of sequences x kv heads: no split
     assert pick_num_splits(128, 8, 4096, 64, num_sms=132) == 1

@@ -61,11 +61,16 @@ class AttnMetadata:
 
 
 class AttentionBackend:
-    def __init__(self, name: str, ops, kv: KVCache, head_dim: int):
+    """`scale`: the softmax scale (default 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar^-0.5).
+    `windows`: per layer, the sliding window (0: full attention)."""
+
+    def __init__(self, name: str, ops, kv: KVCache, head_dim: int, scale: float | None = None,
+                 windows: list[int] | None = None):
         self.name = name
         self.ops = ops
         self.kv = kv
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.windows = windows or [0] * len(kv.k)
 
     def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
         """Metadata this backend needs beyond the common part; `tables` holds each scheduled
@@ -79,19 +84,22 @@ class AttentionBackend:
     def attend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
         """Attention of q over the cache, whose new keys/values are already written."""
         k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
+        window = {"window": self.windows[layer]} if self.windows[layer] else {}
         nd = meta.num_decode
         if nd == q.shape[0]:
             return self.ops.decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale,
+                **window,
             )
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self.ops.decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale,
+                **window,
             )
         out[nd:] = self.ops.extend_attention(
             q[nd:], k_cache, v_cache, meta.ext_block_tables, meta.ext_cu_seqlens_q, meta.ext_seq_lens,
-            self.scale, k_scale, v_scale,
+            self.scale, k_scale, v_scale, **window,
         )
         return out
 
@@ -124,15 +132,22 @@ _TORCH_OPS = SimpleNamespace(
 def _cpu_ops():
     from workbench_kernels import cpu
 
-    return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=cpu.extend_attention,
-                           decode_attention=cpu.decode_attention)
+    # Our C attention kernels have no sliding window: those layers take the torch reference.
+    def extend(*args, window=0):
+        return (reference.extend_attention_ref(*args, window=window) if window else cpu.extend_attention(*args))
+
+    def decode(*args, window=0):
+        return (reference.decode_attention_ref(*args, window=window) if window else cpu.decode_attention(*args))
+
+    return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=extend, decode_attention=decode)
 
 
-def make_backend(name: str, device: torch.device, cpu_kernels: bool, kv: KVCache, head_dim: int) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, cpu_kernels: bool, kv: KVCache, head_dim: int,
+                 scale: float | None = None, windows: list[int] | None = None) -> AttentionBackend:
     """The backend `attention_backend=name` selects here (see `backend_ops`)."""
     resolved, ops = backend_ops(name, device, cpu_kernels)
     cls = CpuKernelAttention if resolved == "cpu" else AttentionBackend
-    return cls(resolved, ops, kv, head_dim)
+    return cls(resolved, ops, kv, head_dim, scale, windows)
 
 
 def backend_ops(name: str, device: torch.device, cpu_kernels: bool = False):

@@ -35,7 +35,8 @@ class ModelRunner:
                        c.head_dim, self.dtype, kv_cache_dtype, self.device)
 
     def set_backend(self, name: str) -> None:
-        self.backend = make_backend(name, self.device, self.model.cpu_kernels, self.kv, self.config.head_dim)
+        self.backend = make_backend(name, self.device, self.model.cpu_kernels, self.kv, self.config.head_dim,
+                                    scale=self.config.attention_scale, windows=self.model.windows)
         self.backend_name = name
 
     def set_cpu_kernels(self, on: bool) -> None:

@@ -34,8 +34,11 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type where it differs from ours
 _HF_CLASS = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+_HF_MODEL_TYPE = {v: k for k, v in _MODEL_TYPES.items()}
 
 
 def _supported_text() -> str:
@@ -64,7 +67,21 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
     path: str = ""
-    sliding_window: int | None = None  # informational; the engine may ignore it
+    sliding_window: int | None = None
+    # Per layer, its sliding attention window (0: the whole context). Gemma 3 interleaves
+    # sliding layers with global ones; Mistral slides on every layer.
+    layer_windows: list[int] = field(default_factory=list)
+    # Gemma 3: RMSNorm scales by (1 + w), embeddings are scaled by sqrt(hidden_size), each block
+    # has norms before and after both attention and the MLP ("sandwich"), the MLP is GELU-tanh
+    # gated, the softmax scale is query_pre_attn_scalar^-0.5, and sliding layers rotate with
+    # their own RoPE base.
+    norm_offset: float = 0.0
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    attention_scale: float | None = None  # None: 1/sqrt(head_dim)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    final_logit_softcapping: float | None = None
     # Block size of the quantised checkpoint these weights came from (GGUF Q4_1: 32), so int4
     # re-quantisation can line its groups up with the original grid instead of smearing it.
     source_quant_block: int | None = None
@@ -90,18 +107,21 @@ class ModelConfig:
             if a in SUPPORTED_ARCHITECTURES:
                 arch = SUPPORTED_ARCHITECTURES[a]
                 break
-        if arch is None and not archs and model_type in _HF_CLASS:
-            arch = model_type
+        if arch is None and not archs and _MODEL_TYPES.get(model_type, model_type) in _HF_CLASS:
+            arch = _MODEL_TYPES.get(model_type, model_type)
         if arch is None:
             found = ", ".join(map(str, archs)) if archs else f"model_type {model_type!r}"
             raise ValueError(
                 f"unsupported model architecture {found} in {path or 'config'}; supported: {_supported_text()}"
             )
-        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act not in ("silu", "swish"):
-            raise ValueError(
-                f"unsupported hidden_act {act!r} in {path or 'config'}; only silu (SwiGLU) is supported"
-            )
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        allowed = ("gelu_pytorch_tanh", "gelu_tanh") if arch == "gemma3" else ("silu", "swish")
+        if act not in allowed:
+            raise ValueError(f"unsupported hidden activation {act!r} for {arch} in {path or 'config'}; "
+                             f"supported: {', '.join(allowed)}")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError(f"attn_logit_softcapping in {path or 'config'} is not supported (Gemma 2 style); "
+                             "Gemma 3 checkpoints have none")
 
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -113,6 +133,11 @@ class ModelConfig:
         rope_params = cfg.get("rope_parameters")
         scaling = cfg.get("rope_scaling")
         theta = cfg.get("rope_theta")
+        local_theta = cfg.get("rope_local_base_freq")
+        if arch == "gemma3" and isinstance(rope_params, dict) and "full_attention" in rope_params:
+            # transformers 5: one rope_parameters dict per layer type
+            local_theta = (rope_params.get("sliding_attention") or {}).get("rope_theta", local_theta)
+            rope_params = rope_params.get("full_attention") or {}
         if isinstance(rope_params, dict):
             theta = rope_params.get("rope_theta", theta)
             if scaling is None:
@@ -135,7 +160,9 @@ class ModelConfig:
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         else:
             attention_bias = bool(cfg.get("attention_bias", False))
-            sliding = cfg.get("sliding_window") if arch == "mistral" else None
+            sliding = cfg.get("sliding_window") if arch in ("mistral", "gemma3") else None
+        windows = _layer_windows(arch, cfg, sliding)
+        gemma = arch == "gemma3"
 
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
@@ -161,8 +188,16 @@ class ModelConfig:
             name=name if name is not None else Path(path).name if path else "",
             path=str(path),
             sliding_window=None if sliding is None else int(sliding),
+            layer_windows=windows,
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=hidden**0.5 if gemma else None,
+            sandwich_norms=gemma,
+            activation="gelu_tanh" if gemma else "silu",
+            attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            rope_local_theta=float(local_theta if local_theta is not None else 10000.0) if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             source_quant_block=cfg.get("workbench_source_quant_block"),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
             qk_norm_per_head=arch != "olmoe",
             **moe,
         )
@@ -177,7 +212,7 @@ class ModelConfig:
             eos = eos[0]
         out: dict[str, Any] = {
             "architectures": [_HF_CLASS[self.architecture]],
-            "model_type": self.architecture,
+            "model_type": _HF_MODEL_TYPE.get(self.architecture, self.architecture),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -185,7 +220,7 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": "silu" if self.activation == "silu" else "gelu_pytorch_tanh",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
@@ -207,6 +242,14 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
             if self.architecture in ("qwen2", "qwen3"):
                 out["use_sliding_window"] = True
+        if self.architecture == "gemma3":
+            out["hidden_activation"] = "gelu_pytorch_tanh"
+            out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
+            out["rope_local_base_freq"] = self.rope_local_theta
+            out["query_pre_attn_scalar"] = round(self.attention_scale ** -2)
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+            out["rope_parameters"] = {"full_attention": rope_parameters,
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_theta}}
         return out
 
 
@@ -262,6 +305,9 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.down_proj.weight"] = (H, inter)
         shapes[p + "input_layernorm.weight"] = (H,)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if config.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (H,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (H,)
     return shapes
 
 
@@ -269,6 +315,24 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 # Llama also biases o_proj; mlp_bias=True biases the MLP). Kept when present.
 _OPTIONAL_BIAS = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.(gate|up|down)_proj)\.bias$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+
+def _layer_windows(arch: str, cfg: dict[str, Any], sliding: int | None) -> list[int]:
+    """Each layer's sliding window (0: full attention): from `layer_types` where the config lists
+    them (transformers 5), else Gemma 3's `sliding_window_pattern` (every Nth layer global),
+    else Mistral's window on every layer."""
+    layers = int(cfg["num_hidden_layers"])
+    if not sliding:
+        return [0] * layers
+    types = cfg.get("layer_types")
+    if not types and arch == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if not types:
+        types = ["sliding_attention"] * layers
+    if len(types) != layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, the config has {layers}")
+    return [int(sliding) if t == "sliding_attention" else 0 for t in types]
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -30,8 +30,14 @@ def why_not(model, on: bool) -> str | None:
         return f"no C kernels: {cpu.unavailable_reason()}"
     if c.moe_layers:
         return "the C kernels serve dense models; mixture-of-experts layers run in torch's ops"
+    if c.sandwich_norms or c.norm_offset or c.activation != "silu":
+        return (f"the C layer kernel is a Llama-style layer; {c.architecture}'s (1 + w) norms around attention "
+                "and the MLP and its GELU-tanh MLP run in torch's ops")
     if c.qk_norm:
         return "the C kernels do not apply the per-head q/k norm of this architecture (Qwen3) yet: torch's ops"
+    if any(model.windows):
+        return ("sliding-window layers: the C layer kernel attends over the whole context; torch's ops "
+                "(attention: the windowed reference)")
     if not cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads):
         return (f"the C kernels take head_dim % 16 == 0 (<= 256) and <= 16 query heads per KV head; "
                 f"this model has head_dim {c.head_dim}, {c.num_attention_heads}/{c.num_key_value_heads} heads")

@@ -1,4 +1,5 @@
-"""The transformer: Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat token batch.
+"""The transformer: Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, the MoE ones, Gemma 3)
+over a flat token batch.
 
 No padding anywhere: a step's tokens from every sequence are concatenated, and attention finds
 each sequence's context in the paged KV cache through `AttnMetadata`. Q/K/V and gate/up are
@@ -62,8 +63,13 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding:
-    def __init__(self, config, max_positions: int, device, dtype):
-        inv, mscale = rope_inv_freq(config)
+    def __init__(self, config, max_positions: int, device, dtype, theta: float | None = None):
+        """`theta`: another base without scaling (Gemma 3's sliding layers); None: the config's."""
+        if theta is None:
+            inv, mscale = rope_inv_freq(config)
+        else:
+            d = config.head_dim
+            inv, mscale = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -91,6 +97,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def offset_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: `scale` is (1 + w) in fp32, applied before the cast back (Llama casts first)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
+class Norm:
+    """An RMSNorm with its checkpoint weight: Llama's w, or Gemma's (1 + w) (`offset` 1)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
+        self.weight, self.eps = weight, eps
+        self.scale = weight.float() + offset if offset else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return rms_norm(x, self.weight, self.eps)
+        return offset_rms_norm(x, self.scale, self.eps)
+
+
 class DecoderLayer:
     def __init__(self, config, weights: dict[str, torch.Tensor], i: int):
         p = f"model.layers.{i}."
@@ -105,13 +130,25 @@ class DecoderLayer:
         if self.moe is None:
             self.gate_up = Linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
             self.down = Linear(weights[p + "mlp.down_proj.weight"])
+        eps, off = config.rms_norm_eps, config.norm_offset
         self.ln1 = weights[p + "input_layernorm.weight"]
         self.ln2 = weights[p + "post_attention_layernorm.weight"]
-        # Qwen3: RMSNorm over each head's query and key; OLMoE: over all heads at once (before RoPE)
+        self.input_norm = Norm(self.ln1, eps, off)
+        self.post_attn_norm = Norm(self.ln2, eps, off)
+        # Gemma 3: the attention output is normed before the residual add (post_attention_layernorm),
+        # and the MLP is wrapped the same way (pre/post_feedforward_layernorm)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_ff_norm = Norm(weights[p + "pre_feedforward_layernorm.weight"], eps, off)
+            self.post_ff_norm = Norm(weights[p + "post_feedforward_layernorm.weight"], eps, off)
+        self.gelu = config.activation == "gelu_tanh"
+        # Qwen3/Gemma 3: RMSNorm over each head's query and key; OLMoE: over all heads at once (before RoPE)
         self.q_norm = weights.get(a + "q_norm.weight") if config.qk_norm else None
         self.k_norm = weights.get(a + "k_norm.weight") if config.qk_norm else None
+        if self.q_norm is not None:
+            self.q_normed, self.k_normed = Norm(self.q_norm, eps, off), Norm(self.k_norm, eps, off)
         self.qk_norm_per_head = config.qk_norm_per_head
-        self.eps = config.rms_norm_eps
+        self.eps = eps
         self.nq, self.nkv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.index = i
 
@@ -121,24 +158,30 @@ class DecoderLayer:
         return [self.qkv, self.o, self.gate_up, self.down]
 
     def __call__(self, x, positions, rope, attention, meta):
-        h = rms_norm(x, self.ln1, self.eps)
+        h = self.input_norm(x)
         qkv = self.qkv(h)
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         if self.q_norm is not None and not self.qk_norm_per_head:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = self.q_normed(q), self.k_normed(k)
         q = q.view(-1, self.nq, self.d)
         k = k.view(-1, self.nkv, self.d)
         v = v.view(-1, self.nkv, self.d)
         if self.q_norm is not None and self.qk_norm_per_head:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = self.q_normed(q), self.k_normed(k)
         q, k = rope(positions, q, k)
-        o = attention(q, k, v, self.index, meta)
-        x = x + self.o(o.reshape(-1, self.nq * self.d))
-        h = rms_norm(x, self.ln2, self.eps)
+        o = self.o(attention(q, k, v, self.index, meta).reshape(-1, self.nq * self.d))
+        if self.sandwich:
+            x = x + self.post_attn_norm(o)
+            return x + self.post_ff_norm(self._mlp(self.pre_ff_norm(x)))
+        x = x + o
+        return x + self._mlp(self.post_attn_norm(x))
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
-            return x + self.moe(h)
+            return self.moe(h)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down(act * up)
 
 
 class MoE:
@@ -190,9 +233,21 @@ class Transformer:
         self.layers = [DecoderLayer(config, weights, i) for i in range(config.num_hidden_layers)]
         self.moe_layers = [layer.moe for layer in self.layers if layer.moe is not None]  # read every step
         self.norm = weights["model.norm.weight"]
+        self.final_norm = Norm(self.norm, config.rms_norm_eps, config.norm_offset)
         head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         self.lm_head = Linear(head)
         self.rope = RotaryEmbedding(config, max_positions, device, self.embed.dtype)
+        # a window at least as long as the context never binds: that layer attends globally
+        self.windows = [w if 0 < w < max_positions else 0 for w in (config.layer_windows or [0] * len(self.layers))]
+        local = config.rope_local_theta
+        self.ropes = [self.rope] * len(self.layers)
+        if local is not None:  # Gemma 3: sliding layers rotate with their own base
+            rope_local = RotaryEmbedding(config, max_positions, device, self.embed.dtype, theta=local)
+            self.ropes = [rope_local if w else self.rope for w in (config.layer_windows or [])]
+        # Gemma 3 scales the embeddings by sqrt(hidden_size), rounded to the model's dtype as its reference does
+        self.embed_scale = (None if config.embed_scale is None
+                            else torch.tensor(config.embed_scale, dtype=self.embed.dtype, device=self.embed.device))
+        self.softcap = config.final_logit_softcapping
         self.cpu_forward = None  # a CpuKernelForward while the C kernels serve this model
         self._why_not: str | None = "not set up yet"
 
@@ -243,11 +298,16 @@ class Transformer:
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         if self.cpu_forward is not None and attention.kv.k_scale is None:  # quantised KV: torch ops
             return self.cpu_forward(x, positions, attention, meta)
-        for layer in self.layers:
-            x = layer(x, positions, self.rope, attention, meta)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+        for layer, rope in zip(self.layers, self.ropes):
+            x = layer(x, positions, rope, attention, meta)
+        return self.final_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

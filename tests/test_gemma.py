@@ -1,0 +1,111 @@
+"""Gemma 3 against transformers on the same weights: (1 + w) RMSNorms (randomised, so they
+matter), norms around attention and the MLP, GELU-tanh, q/k norm, sqrt(hidden) embedding scale,
+query_pre_attn_scalar, and sliding-window layers (window 6, shorter than every prompt here)
+interleaved with a global one, each with its own RoPE base. Greedy tokens equal under every
+batching policy, chunked prefill at odd boundaries, preemption, prefix caching and speculative
+decoding; log-probabilities equal through the torch and the Triton backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, make_tiny_model
+from test_engine import ragged_prompts
+
+from workbench import LLM, SamplingParams
+from workbench.models.config import ModelConfig
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+CASES = {
+    "continuous": {},
+    "chunked-odd": {"max_num_batched_tokens": 19},
+    "static": {"batching": "static", "max_num_seqs": 3},
+    "off": {"batching": "off"},
+    "preemption": {"num_kv_blocks": 9, "block_size": 8, "max_num_batched_tokens": 32},
+    "ngram-speculation": {"speculative": "ngram", "num_speculative_tokens": 3},
+    "draft-speculation": {"speculative": "draft", "num_speculative_tokens": 2},
+    "no-kv-cache": {"kv_cache": False},
+}
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    model = make_tiny_model(path, "gemma3", seed=5)
+    prompts = ragged_prompts(seed=12, lengths=(3, 17, 33, 50))
+    return path, model, prompts, [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gemma3_greedy_matches_transformers(gemma, case):
+    path, _, prompts, expected = gemma
+    llm = LLM(str(path), **{"dtype": "float32", "num_kv_blocks": 64, **CASES[case]})
+    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    if case == "preemption":
+        assert llm.metrics()["total_preemptions"] > 0
+
+
+def test_gemma3_prefix_cache_hits_keep_outputs(gemma):
+    """A shared prefix longer than the window, served from the cache, changes no token."""
+    path, model, prompts, _ = gemma
+    shared = prompts[3][:32]
+    variants = [shared + tail for tail in ([7, 8, 9], [10, 11], [12, 13, 14, 15])]
+    expected = [hf_greedy(model, p, GREEDY.max_tokens) for p in variants]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8)
+    llm.generate(prompt_token_ids=[variants[0]], params=GREEDY)
+    outs = llm.generate(prompt_token_ids=variants, params=GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.metrics.prefix_hit_tokens >= 24 for o in outs)
+
+
+def _reference_logprobs(model, ids):
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gemma3_logprobs_match_and_the_window_matters(gemma, backend):
+    """Per-token log-probabilities over 40 tokens (past the window) equal transformers'; the same
+    engine with its windows switched off does not, so the window is what the test checks."""
+    path, model, _, _ = gemma
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, attention_backend=backend)
+    assert llm.engine.runner.backend.name == backend and llm.engine.runner.backend.windows == [6, 0, 6]
+    ref = _reference_logprobs(model, ids)
+    torch.testing.assert_close(torch.tensor(llm.score(ids)), ref, atol=1e-4, rtol=1e-4)
+    llm.engine.runner.backend.windows = [0, 0, 0]
+    assert (torch.tensor(llm.score(ids)) - ref).abs().max() > 0.05
+
+
+def test_gemma3_in_bf16_says_which_kernels_serve(gemma):
+    path, _, prompts, _ = gemma
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
+    st = llm.status()
+    assert st["kernel_variant"] == "torch" and "gemma3" in st["kernel_variant_reason"]
+    out = llm.generate(prompt_token_ids=prompts[:2], params=GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in out)
+
+
+def test_gemma3_config_reading():
+    base = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 512, "sliding_window_pattern": 3,
+            "rope_theta": 1e6, "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 16,
+            "hidden_activation": "gelu_pytorch_tanh"}
+    c = ModelConfig.from_hf_config(base)  # transformers 4's layout: the pattern, two rope bases
+    assert c.architecture == "gemma3" and c.layer_windows == [512, 512, 0, 512, 512, 0]
+    assert c.rope_theta == 1e6 and c.rope_local_theta == 1e4 and c.attention_scale == 0.25
+    assert c.norm_offset == 1.0 and c.embed_scale == 8.0 and c.sandwich_norms and c.activation == "gelu_tanh"
+    again = ModelConfig.from_hf_config(c.to_hf_config())
+    assert again.layer_windows == c.layer_windows and again.rope_local_theta == 1e4
+    assert again.attention_scale == c.attention_scale
+    with pytest.raises(ValueError, match="unsupported hidden activation 'silu' for gemma3"):
+        ModelConfig.from_hf_config({**base, "hidden_activation": "silu"})
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf_config({**base, "attn_logit_softcapping": 50.0})
+    with pytest.raises(ValueError, match="layer_types lists 2 layers, the config has 6"):
+        ModelConfig.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ValueError, match=r"unsupported model architecture Gemma2ForCausalLM.*Gemma3ForCausalLM"):
+        ModelConfig.from_hf_config({**base, "architectures": ["Gemma2ForCausalLM"]})
