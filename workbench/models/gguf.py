@@ -41,7 +41,16 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen3moe": "qwen3_moe",
-               "olmoe": "olmoe"}
+               "olmoe": "olmoe", "gemma3": "gemma3"}
+# Gemma 3 wraps attention and the MLP in norms: llama.cpp's ffn_norm is the pre-MLP one there.
+_GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES,
+                       "post_attention_norm.weight": "post_attention_layernorm.weight",
+                       "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# What llama.cpp fixes for Gemma 3 rather than storing: every 6th layer global, the sliding
+# layers' RoPE base.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Mixture-of-experts tensors: the router, and each expert projection stacked over the experts.
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                       "ffn_down_exps.weight": "down_proj"}
@@ -85,10 +94,11 @@ def gguf_tokenizer(reader) -> Tokenizer | None:
     kind = _field(reader, "tokenizer.ggml.model")
     if kind is None:
         return None
+    if kind == "llama":
+        return _sentencepiece_tokenizer(reader)
     if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE, tokenizer.ggml.model 'gpt2')"
-        )
+        raise ValueError(f"GGUF tokenizer type {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                         "'llama' (SentencePiece)")
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
@@ -163,6 +173,47 @@ def gguf_tokenizer(reader) -> Tokenizer | None:
         eos_token_ids=eos_ids,
         bos_token_id=None if bos_id is None else int(bos_id),
     )
+
+
+def _sentencepiece_tokenizer(reader) -> Tokenizer:
+    """A SentencePiece vocabulary (tokenizer.ggml.model 'llama': Gemma) as a `tokenizers` BPE,
+    converted by transformers (its merges are derived from the scores, which takes seconds for
+    a 262k vocabulary) and cached by the file's identity."""
+    import hashlib
+    import json
+
+    import platformdirs
+    from tokenizers import Tokenizer as HFTokenizer
+
+    src = Path(reader.data.filename)  # the reader memory-maps the file
+    st = src.stat()
+    key = hashlib.blake2b(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    cache = Path(platformdirs.user_cache_dir("serving-workbench", appauthor=False)) / "gguf-tokenizers"
+    cached = cache / f"{src.stem}-{key}.json"
+    if cached.exists():
+        tk = HFTokenizer.from_file(str(cached))
+    else:
+        try:
+            import transformers
+        except ImportError as e:
+            raise RuntimeError(f"{src}: its SentencePiece tokenizer is converted by transformers: "
+                               "pip install transformers") from e
+        hf = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tk = hf.backend_tokenizer
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tmp.write_text(json.dumps(json.loads(tk.to_str())))
+        tmp.replace(cached)
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos_ids = [int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
+               if v is not None]
+    if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos_ids:
+        eos_ids.append(tokens.index("<end_of_turn>"))  # Gemma's chat turns end there
+    return Tokenizer(tk, chat_template=_field(reader, "tokenizer.chat_template"),
+                     bos_token=None if bos_id is None else tokens[bos_id],
+                     eos_token=tokens[eos_ids[0]] if eos_ids else None, eos_token_ids=eos_ids,
+                     bos_token_id=None if bos_id is None else int(bos_id))
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
@@ -243,6 +294,16 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         config.vocab_size = int(
             reader.tensors[[t.name for t in reader.tensors].index("token_embd.weight")].shape[1]
         )
+    if architecture == "gemma3":
+        window = int(meta("attention.sliding_window", 0) or 0)
+        config.sliding_window = window or None
+        config.layer_windows = [0 if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else window
+                                for i in range(config.num_hidden_layers)]
+        config.rope_local_theta = GEMMA3_LOCAL_ROPE_BASE
+        config.norm_offset, config.embed_scale, config.sandwich_norms = 1.0, hidden**0.5, True
+        config.activation = "gelu_tanh"
+        config.attention_scale = head_dim**-0.5  # query_pre_attn_scalar = head_dim (270M to 12B)
+        config.final_logit_softcapping = meta("final_logit_softcapping")
     return config
 
 
@@ -258,6 +319,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     arch = _field(reader, "general.architecture")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     weights: dict[str, torch.Tensor] = {}
+    layer_names = _GEMMA3_LAYER_NAMES if config.architecture == "gemma3" else _GGUF_LAYER_NAMES
     layer_re = re.compile(r"^blk\.(\d+)\.(.+)$")
     for t in reader.tensors:
         if t.name in _GGUF_GLOBAL_NAMES:
@@ -268,10 +330,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
             m = layer_re.match(t.name)
             if m and m.group(2) in _GGUF_EXPERT_NAMES:
                 hf = f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_GGUF_EXPERT_NAMES[m.group(2)]}.weight"
-            elif not m or m.group(2) not in _GGUF_LAYER_NAMES:
+            elif not m or m.group(2) not in layer_names:
                 raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r} for architecture {arch!r}")
             else:
-                hf = f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+                hf = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
         block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
         if block > 1 and len(t.shape) == 2:
             # K-quants keep 32-wide sub-blocks inside 256-wide super-blocks.
@@ -293,6 +355,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
                 w = _unpermute_qk(w, heads)
             elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
                 w = _unpermute_qk(w, kv_heads)
+        if config.architecture == "gemma3" and hf.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scales; the checkpoint's w is what we keep
         weights[hf] = w
 
     tokenizer = gguf_tokenizer(reader)

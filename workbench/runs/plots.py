@@ -83,10 +83,10 @@ def plot(ids: Iterable[int], *, db=None):
     from bokeh.models import ColumnDataSource, Div, FactorRange, HoverTool
     from bokeh.plotting import figure
 
-    from . import compare
+    from .log import open_log
 
     ids = list(ids)
-    cmp = compare(ids, db=db)  # a sweep's id stands for its points
+    cmp = open_log(db).compare(ids)  # a sweep's id stands for its points
     if len(cmp["runs"]) < 2:
         raise ValueError(f"compare needs two or more runs (or a sweep with two or more points), got {ids}")
     comp = comparison(cmp)
