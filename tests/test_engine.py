@@ -72,8 +72,11 @@ def test_qwen3_with_shared_prefixes_and_speculation(tiny_qwen3):
     st = llm.status()
     assert st["kernel_variant"] == "torch"  # fp32; and in bf16 the C kernels say why they do not apply:
     bf16 = LLM(str(path), dtype="bfloat16", num_kv_blocks=32)
+    reason = bf16.status()["kernel_variant_reason"]
     if bf16.status()["kernel_variant"] == "torch":
-        assert "q/k norm" in bf16.status()["kernel_variant_reason"] or "C kernels" in bf16.status()["kernel_variant_reason"]
+        assert "C kernels" in reason, reason  # none for this CPU
+    else:  # our GEMVs and attention serve; the layer is composed around them, and it says why
+        assert "layers not fused" in reason and "q/k norm" in reason, reason
 
 
 def test_mistral_style_untied(tmp_path):

@@ -75,6 +75,39 @@ def test_moe_top_k_is_live_changes_outputs_and_is_validated(moe_model):
         llm.configure(moe_top_k=0)
 
 
+def test_moe_experts_run_on_the_c_gemvs_in_bf16(moe_model):
+    """bf16 on a CPU with a kernel variant: each chosen expert's matmuls go through our GEMV kernel
+    (every ISA variant), the routing stays in torch; greedy tokens equal the torch-only path's."""
+    from workbench_kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(f"no C kernel variant on this CPU: {cpu.unavailable_reason()}")
+    arch, path, prompts, _ = moe_model
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
+    st = llm.status()
+    assert st["cpu_kernels"] and st["kernel_variant"] == cpu.variant()
+    assert "mixture-of-experts layers: each chosen expert runs on our GEMVs" in st["kernel_variant_reason"]
+    experts = [lin for moe in llm.engine.runner.model.moe_layers for lin in moe.linears()]
+    assert experts and all(lin.native and lin._native is not None for lin in experts)
+    calls = {"n": 0}
+    first = experts[0]._native
+    real = first.__call__
+
+    class Counting:
+        def __call__(self, x):
+            calls["n"] += 1
+            return real(x)
+    experts[0]._native = Counting()
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
+    finally:
+        experts[0]._native = first
+    assert calls["n"] > 0  # that expert ran on the C GEMV
+    torch_only = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, cpu_kernels=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in torch_only.generate(prompt_token_ids=prompts,
+                                                                                    params=GREEDY)]
+
+
 def test_a_dense_model_refuses_moe_top_k(tiny_llama):
     llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=32)
     with pytest.raises(ValueError, match="not a mixture-of-experts model; allowed: None"):

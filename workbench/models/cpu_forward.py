@@ -17,7 +17,8 @@ from workbench_kernels import cpu
 
 
 def why_not(model, on: bool) -> str | None:
-    """Why the C kernels cannot serve `model` (None: they can)."""
+    """Why the C kernels cannot serve `model` at all (None: its linears run on our GEMVs and its
+    attention on our attention kernels; `why_not_fused` says whether whole layers can too)."""
     c = model.config
     dev, dt = model.embed.device, model.embed.dtype
     if not on:
@@ -28,19 +29,25 @@ def why_not(model, on: bool) -> str | None:
         return f"the C kernels serve bf16 models; this one runs in {str(dt).removeprefix('torch.')}"
     if not cpu.available():
         return f"no C kernels: {cpu.unavailable_reason()}"
-    if c.moe_layers:
-        return "the C kernels serve dense models; mixture-of-experts layers run in torch's ops"
-    if c.sandwich_norms or c.norm_offset or c.activation != "silu":
-        return (f"the C layer kernel is a Llama-style layer; {c.architecture}'s (1 + w) norms around attention "
-                "and the MLP and its GELU-tanh MLP run in torch's ops")
-    if c.qk_norm:
-        return "the C kernels do not apply the per-head q/k norm of this architecture (Qwen3) yet: torch's ops"
-    if any(model.windows):
-        return ("sliding-window layers: the C layer kernel attends over the whole context; torch's ops "
-                "(attention: the windowed reference)")
     if not cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads):
         return (f"the C kernels take head_dim % 16 == 0 (<= 256) and <= 16 query heads per KV head; "
                 f"this model has head_dim {c.head_dim}, {c.num_attention_heads}/{c.num_key_value_heads} heads")
+    return None
+
+
+def why_not_fused(model) -> str | None:
+    """Why the fused C layer (and stack) does not apply; the layer is then composed in torch ops
+    around our GEMV and attention kernels (each selected expert's GEMV, on MoE models)."""
+    c = model.config
+    if c.moe_layers:
+        return "mixture-of-experts layers: each chosen expert runs on our GEMVs, the routing in torch's ops"
+    if c.sandwich_norms or c.norm_offset or c.activation != "silu":
+        return (f"{c.architecture}'s (1 + w) norms around attention and the MLP and its GELU-tanh MLP are "
+                "composed in torch's ops around our GEMVs")
+    if c.qk_norm:
+        return "the per-head q/k norm of this architecture (Qwen3) is applied in torch's ops around our GEMVs"
+    if any(model.windows):
+        return "sliding-window layers: composed in torch's ops (attention: the windowed reference)"
     return None
 
 
@@ -58,9 +65,11 @@ class CpuKernelForward:
         for lin in model.linears():
             lin.native, lin.wide = on, wide
 
-    def report(self) -> dict:
+    @staticmethod
+    def report(unfused: str | None = None) -> dict:
         path, why, _ = cpu.gemm_path()
-        return {"kernel_variant": cpu.variant(), "kernel_variant_reason": cpu.variant_reason(),
+        reason = cpu.variant_reason() + (f"; layers not fused: {unfused}" if unfused else "")
+        return {"kernel_variant": cpu.variant(), "kernel_variant_reason": reason,
                 "compute_path": path, "compute_path_reason": why}
 
     def __call__(self, x, positions, attention, meta) -> torch.Tensor:

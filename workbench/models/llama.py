@@ -248,20 +248,25 @@ class Transformer:
         self.embed_scale = (None if config.embed_scale is None
                             else torch.tensor(config.embed_scale, dtype=self.embed.dtype, device=self.embed.device))
         self.softcap = config.final_logit_softcapping
-        self.cpu_forward = None  # a CpuKernelForward while the C kernels serve this model
-        self._why_not: str | None = "not set up yet"
+        self.cpu_forward = None  # a CpuKernelForward while fused C layers serve this model
+        self._why_not: str | None = "not set up yet"  # why no C kernel serves (None: they do)
+        self._unfused: str | None = None  # why the layers are not fused, when the C kernels serve
 
     @property
     def cpu_kernels(self) -> bool:
-        return self.cpu_forward is not None
+        return self._why_not is None
 
     def set_cpu_kernels(self, on: bool) -> bool:
-        """Use the C kernels where they apply (bf16 on a CPU that has a variant); returns whether they do."""
-        from .cpu_forward import CpuKernelForward, why_not
+        """Use the C kernels where they apply (bf16 on a CPU that has a variant): the linears on our
+        GEMVs, attention on our kernels, and whole layers fused where the architecture allows;
+        returns whether they serve."""
+        from .cpu_forward import CpuKernelForward, why_not, why_not_fused
 
         self._why_not = why_not(self, on)
-        self.cpu_forward = CpuKernelForward(self) if self._why_not is None else None
-        CpuKernelForward.bind_linears(self, self.cpu_forward is not None)
+        self._unfused = why_not_fused(self) if self._why_not is None else None
+        fused = self._why_not is None and self._unfused is None
+        self.cpu_forward = CpuKernelForward(self) if fused else None
+        CpuKernelForward.bind_linears(self, self._why_not is None)
         return self.cpu_kernels
 
     def kernel_report(self) -> dict:
@@ -271,10 +276,12 @@ class Transformer:
         if self.embed.device.type == "cuda":
             return {"kernel_variant": "cuda", "kernel_variant_reason": "a CUDA device: torch and our Triton kernels",
                     "compute_path": dt, "compute_path_reason": "torch's CUDA kernels in the model's dtype"}
-        if self.cpu_forward is None:
+        if self._why_not is not None:
             return {"kernel_variant": "torch", "kernel_variant_reason": self._why_not,
                     "compute_path": dt, "compute_path_reason": "torch's ops in the model's dtype"}
-        return self.cpu_forward.report()
+        from .cpu_forward import CpuKernelForward
+
+        return CpuKernelForward.report(self._unfused)
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
