@@ -128,3 +128,15 @@ def decode_attention_ref(
         q.to(compute).unsqueeze(2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=hq != hkv
     )
     return out.squeeze(2).to(q.dtype)
+
+
+def fused_moe_ref(h, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """The MoE MLP, expert by expert: each token's top-k experts' SwiGLU outputs, weighted and summed.
+    h [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_* [T, top_k]."""
+    out = torch.zeros(h.shape[0], w2.shape[1], dtype=torch.float32, device=h.device)
+    for e in torch.unique(topk_ids).tolist():
+        rows, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate, up = (h[rows].float() @ w13[e].float().t()).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2[e].float().t()
+        out.index_add_(0, rows, y * topk_weights[rows, slot, None].float())
+    return out.to(h.dtype)

@@ -16,8 +16,10 @@ if not torch.cuda.is_available():
 
 from .decode_attention import decode_attention, decode_config, pick_num_splits  # noqa: E402
 from .extend_attention import extend_attention, extend_config  # noqa: E402
+from .fused_moe import fused_moe  # noqa: E402
 from .kv_write import write_kv  # noqa: E402
 
 __all__ = [
     "write_kv", "extend_attention", "decode_attention", "extend_config", "decode_config", "pick_num_splits",
+    "fused_moe",
 ]

@@ -370,3 +370,36 @@ def test_int64_metadata_and_views():
     qd = q[: len(seq_lens)]
     out = decode_attention(qd, kc, vc, bt, lens, d**-0.5, ks, vs, num_splits=2)
     _check(out, ref.decode_attention_ref(qd, kc, vc, bt, lens, d**-0.5, ks, vs), dtype)
+
+
+# ----------------------------------------------------------------------------- fused MoE
+def test_moe_align_groups_pairs_by_expert():
+    from workbench_kernels.fused_moe import moe_align
+
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])  # pairs 0..5: experts 2,0,2,1,0,2
+    sorted_ids, block_expert = moe_align(ids, num_experts=4, block_m=2)
+    assert block_expert.tolist() == [0, 1, 2, 2]  # expert 0: one block; 1: one; 2: two; 3: none
+    s = sorted_ids.tolist()
+    assert s[0:2] == [1, 4] and s[2:4] == [3, 6] and s[4:8] == [0, 2, 5, 6]  # 6 = the padding sentinel
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, block_m", [
+    (1, 4, 2, 32, 48, None),      # a single decode token
+    (37, 8, 2, 64, 96, 16),       # ragged: several blocks per expert, padding, unused experts
+    (20, 16, 4, 48, 32, 32),      # many small experts (OLMoE-like), odd hidden size
+])
+def test_fused_moe_matches_reference(tokens, experts, top_k, hidden, inter, block_m):
+    from workbench_kernels.triton_ops import fused_moe
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    h = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE)
+    logits = torch.randn(tokens, experts, generator=gen)
+    if experts > 4:
+        logits[:, -1] = -1e9  # an expert no token picks
+    weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    out = fused_moe(h, w13, w2, weights.to(DEVICE), ids.to(DEVICE), block_m=block_m)
+    _check(out, ref.fused_moe_ref(h, w13, w2, weights.to(DEVICE), ids.to(DEVICE)), F32)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        fused_moe(h, w13, w2[:, :, :-1], weights, ids)

@@ -108,6 +108,23 @@ def test_moe_experts_run_on_the_c_gemvs_in_bf16(moe_model):
                                                                                     params=GREEDY)]
 
 
+def test_moe_through_the_triton_fused_kernel(moe_model):
+    """The triton backend runs MoE layers through the fused-MoE kernel (here in Triton's
+    interpreter): the same greedy tokens as transformers, and the same expert counts."""
+    arch, path, prompts, expected = moe_model
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, attention_backend="triton")
+    model = llm.engine.runner.model
+    assert model.moe_layers and all(m.fused for m in model.moe_layers)
+    outs = llm.generate(prompt_token_ids=prompts[:2], params=GREEDY)
+    assert [o.token_ids for o in outs] == expected[:2]
+    cfg = llm.engine.model_config
+    for step in llm.timeline().steps:
+        tokens = sum(e.num_tokens for e in step.batch)
+        assert all(sum(layer) == tokens * cfg.num_experts_per_tok for layer in step.expert_counts)
+    llm.configure(attention_backend="torch")
+    assert not any(m.fused for m in model.moe_layers)
+
+
 def test_a_dense_model_refuses_moe_top_k(tiny_llama):
     llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=32)
     with pytest.raises(ValueError, match="not a mixture-of-experts model; allowed: None"):

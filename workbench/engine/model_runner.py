@@ -38,6 +38,7 @@ class ModelRunner:
         self.backend = make_backend(name, self.device, self.model.cpu_kernels, self.kv, self.config.head_dim,
                                     scale=self.config.attention_scale, windows=self.model.windows)
         self.backend_name = name
+        self.model.set_moe_kernel(self.backend.name == "triton")
 
     def set_cpu_kernels(self, on: bool) -> None:
         self.model.set_cpu_kernels(on)

@@ -192,15 +192,24 @@ class MoE:
 
     def __init__(self, config, weights: dict[str, torch.Tensor], prefix: str):
         self.router = Linear(weights[prefix + "gate.weight"])
-        self.experts = [
-            (Linear(torch.cat([weights[prefix + f"experts.{e}.gate_proj.weight"],
-                               weights[prefix + f"experts.{e}.up_proj.weight"]])),
-             Linear(weights[prefix + f"experts.{e}.down_proj.weight"]))
-            for e in range(config.num_experts)]
+        n, inter = config.num_experts, config.moe_intermediate_size
+        # The experts' weights stacked ([E, 2I, H] gate and up, [E, H, I] down) for the fused kernel;
+        # each expert's Linear and the checkpoint's tensors are views into them (no second copy).
+        names = [[prefix + f"experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")] for e in range(n)]
+        self.w13 = torch.stack([torch.cat([weights[g], weights[u]]) for g, u, _ in names])
+        self.w2 = torch.stack([weights[d] for _, _, d in names])
+        for e, (g, u, d) in enumerate(names):
+            weights[g], weights[u], weights[d] = self.w13[e, :inter], self.w13[e, inter:], self.w2[e]
+        self.experts = [(Linear(self.w13[e]), Linear(self.w2[e])) for e in range(n)]
         self.default_top_k = config.num_experts_per_tok
         self.top_k = config.num_experts_per_tok
         self.normalize = config.norm_topk_prob
-        self.counts: list[int] = [0] * config.num_experts
+        self.fused = False  # the Triton fused-MoE kernel (the triton backend), while the experts are unquantised
+        self._counts = torch.zeros(n, dtype=torch.int64)
+
+    @property
+    def counts(self) -> list[int]:
+        return self._counts.tolist()
 
     def linears(self) -> list[Linear]:
         """The experts' linears (quantised with the rest); the small router stays in full precision,
@@ -214,7 +223,11 @@ class MoE:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         weight = weight.to(h.dtype)
         counts = torch.bincount(chosen.flatten(), minlength=len(self.experts))
-        self.counts = counts.tolist()
+        self._counts = counts  # read once per step, for all layers (`Transformer.expert_counts`)
+        if self.fused and all(lin.mode == "none" for pair in self.experts for lin in pair):
+            from workbench_kernels.triton_ops import fused_moe
+
+            return fused_moe(h.contiguous(), self.w13, self.w2, weight, chosen)
         out = torch.zeros_like(h)
         for e in torch.nonzero(counts).flatten().tolist():
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
@@ -292,8 +305,17 @@ class Transformer:
             moe.top_k = moe.default_top_k if top_k is None else top_k
 
     def expert_counts(self) -> list[list[int]]:
-        """Tokens each expert received in the last forward, per MoE layer (empty: a dense model)."""
-        return [list(moe.counts) for moe in self.moe_layers]
+        """Tokens each expert received in the last forward, per MoE layer (empty: a dense model);
+        one device-to-host copy for all layers."""
+        if not self.moe_layers:
+            return []
+        return torch.stack([moe._counts.to(self.embed.device) for moe in self.moe_layers]).tolist()
+
+    def set_moe_kernel(self, fused: bool) -> None:
+        """Route MoE layers through the Triton fused-MoE kernel (the triton backend) or the
+        expert-by-expert torch path."""
+        for moe in self.moe_layers:
+            moe.fused = fused
 
     def quantize(self, mode: str, group_size: int | str) -> None:
         if group_size == "auto":
