@@ -312,6 +312,23 @@ def test_engine_on_every_variant_and_compute_path(tmp_path_factory, native_varia
     assert_agree_up_to_near_ties(native, llm.generate(None, sp, prompt_token_ids=_prompts()))
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "gemma3"])
+def test_unfused_layers_on_every_variant(tmp_path_factory, native_variant, arch):
+    """MoE (each chosen expert's GEMV) and Gemma 3 (layers composed in torch around our GEMVs and
+    attention kernels) on each variant the CPU runs serve what torch's ops serve, up to near-ties."""
+    from workbench import LLM, SamplingParams
+
+    path = tmp_path_factory.mktemp(f"tiny-{arch}-variant")
+    make_tiny_model(path, arch, seed=3)
+    llm = LLM(str(path), dtype="bfloat16")
+    status = llm.status()
+    assert status["kernel_variant"] == native_variant and "layers not fused" in status["kernel_variant_reason"]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    native = llm.generate(None, sp, prompt_token_ids=_prompts())
+    llm.configure(cpu_kernels=False)
+    assert_agree_up_to_near_ties(native, llm.generate(None, sp, prompt_token_ids=_prompts()))
+
+
 def test_float32_models_say_why_they_run_torch(tmp_path):
     from workbench import LLM
 

@@ -18,6 +18,8 @@ CASES = {
     "static": {"batching": "static", "max_num_seqs": 3},
     "preemption": {"num_kv_blocks": 9, "block_size": 8, "max_num_batched_tokens": 32},
     "ngram-speculation": {"speculative": "ngram", "num_speculative_tokens": 3},
+    "draft-speculation": {"speculative": "draft", "num_speculative_tokens": 2},
+    "off": {"batching": "off"},
 }
 
 
