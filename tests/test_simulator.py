@@ -241,6 +241,35 @@ def test_routing_short_prompts_to_a_cheaper_pool():
         route(wl, [("short", small_gpu, lambda r: r.prompt_len < 10)])
 
 
+def test_each_route_counts_prompts_in_its_own_models_tokens():
+    """Routing between model families: a route whose model has another tokenizer sees the same text
+    in its own tokens (here a character-level one: longer prompts, so more prefill)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from workbench.sim import route
+    from workbench.sim.routes import route_requests
+    from workbench.tokenizer import Tokenizer
+
+    small = Simulator("l4")
+    wl = {"num_requests": 12, "arrival": "all", "seed": 8}
+    reqs = small.workload(wl)
+    words = small.text_tokenizer()
+    text = "".join(words.decode(r.prompt_token_ids) for r in reqs)
+    vocab = {c: i for i, c in enumerate(sorted(set(text)))}
+    chars = HFTokenizer(models.WordLevel(vocab, unk_token=next(iter(vocab))))
+    chars.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    other = Simulator("l4", tokenizer=Tokenizer(chars))
+    mine = route_requests(reqs, small, other)
+    assert [r.index for r in mine] == [r.index for r in reqs]
+    assert all(len(m.prompt_token_ids) == len(words.decode(r.prompt_token_ids)) for m, r in zip(mine, reqs))
+    assert route_requests(reqs, small, Simulator("h100")) == reqs  # the same tokenizer: the same requests
+    res = route(wl, [("words", small, lambda r: r.index % 2 == 0), ("chars", other, None)]).summary()
+    odd = [m for m in mine if m.index % 2 == 1]
+    assert res["routes"]["chars"]["requests"] == len(odd)
+    assert res["prompt_tokens"] == sum(r.prompt_len for r in reqs if r.index % 2 == 0) + sum(m.prompt_len for m in odd)
+
+
 def test_bursty_arrivals_keep_the_rate_and_clump():
     import statistics
 
@@ -332,10 +361,21 @@ def test_speculative_decoding_and_quantisation_change_the_step_costs():
     assert verifies and max(e.num_tokens for e in verifies) == 5
     int4 = sim.run(wl, {"quantization": "int4"}, record=False).summary()
     assert int4["itl_p50_ms"] < off.summary()["itl_p50_ms"]  # fewer weight bytes per decode step
+    # a fit measured at one layout is carried to another by this CPU's roofline ratio, and says so
     fitted = Simulator(None, cost=Fixed())
     fitted.calibration = {"quantization": "none"}
-    with pytest.raises(ValueError, match="needs a calibration at 'int8'"):
+    base = fitted.run(wl, record=False)
+    int8 = fitted.run(wl, {"quantization": "int8"}, record=False)
+    assert int8.config["cost"]["extrapolated"] == "quantization 'none' -> 'int8'"
+    assert int8.summary()["itl_p50_ms"] < base.summary()["itl_p50_ms"]  # half the weight bytes per decode
+    assert "extrapolated" not in base.config["cost"]
+    fitted.device = "cuda:0"
+    with pytest.raises(ValueError, match="measured on cuda:0.*needs a calibration at that layout"):
         fitted.run(wl, {"quantization": "int8"}, record=False)
+    # a draft model's forward is paid per proposing round: slower than free n-gram proposals
+    ngram = sim.run(wl, {"speculative": "ngram"}, spec_acceptance=0.5, record=False).summary()
+    draft = sim.run(wl, {"speculative": "draft"}, spec_acceptance=0.5, record=False).summary()
+    assert draft["output_tokens"] == ngram["output_tokens"] and draft["itl_p50_ms"] > ngram["itl_p50_ms"]
     with pytest.raises(ValueError, match="spec_acceptance must be a probability"):
         sim.run(wl, {"speculative": "ngram"}, spec_acceptance=1.5, record=False)
 

@@ -93,6 +93,22 @@ class RooflineCost:
         return {"kind": "roofline", "profile": self.profile.name, **self.profile.as_dict()}
 
 
+class RescaledCost:
+    """A measured fit carried to another model layout (a quantisation it was not measured at, or a
+    draft model) by a roofline's ratio on the same machine: fit(step) x target(step) / measured(step).
+    The fit holds the machine's real level; the roofline only says how the layout changes it, so
+    these predictions are extrapolations and say so."""
+
+    def __init__(self, fit, target: RooflineCost, measured: RooflineCost, what: str):
+        self.fit, self.target, self.measured, self.what = fit, target, measured, what
+
+    def __call__(self, s: StepShape) -> float:
+        return self.fit(s) * self.target(s) / self.measured(s)
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.fit.describe(), "extrapolated": self.what, "by_profile": self.target.profile.name}
+
+
 @dataclass
 class FittedCost:
     coefficients: list[float]
@@ -110,11 +126,18 @@ class FittedCost:
         if len(shapes) < 8:
             raise ValueError(f"a step-cost fit needs at least 8 recorded steps, got {len(shapes)}")
         y = np.array(seconds, dtype=np.float64)
+        # Each kind of step weighs the same in total, however many of it the calibration made:
+        # prefills, and decodes of 1, 2-3, 4-15 and 16+ sequences (else the many wide steps of a
+        # burst outvote the single stream's, and small batches come out optimistic).
+        kinds = [("prefill" if s.prefill_tokens else min(s.num_seqs.bit_length(), 4) if s.num_seqs < 16 else 5)
+                 for s in shapes]
+        counts = {k: kinds.count(k) for k in set(kinds)}
+        w = np.sqrt(np.array([1.0 / counts[k] for k in kinds]))
         best = None
         for threshold in (*THRESHOLDS, 1 << 30):
             x = np.array([s.features(threshold) for s in shapes], dtype=np.float64)
             # relative errors: a 10 ms single-stream step counts as much as a 200 ms prefill
-            coef = _nonnegative_lstsq(x / y[:, None], np.ones_like(y))
+            coef = _nonnegative_lstsq(x / y[:, None] * w[:, None], w)
             pred = x @ coef
             mape = float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-9)))
             if best is None or mape < best[0] - 1e-4:

@@ -48,13 +48,14 @@ class _TransferredKVScheduler(Scheduler):
 
 class Replica:
     def __init__(self, index: int, settings: EngineSettings, num_blocks: int, cost, *, decode_only: bool = False,
-                 timeline_capacity: int = 20_000, acceptance: float = 0.0, seed: int = 0):
+                 timeline_capacity: int = 20_000, acceptance: float = 0.0, seed: int = 0, draft_cost=None):
         self.index = index
         self.settings = settings
         self.acceptance = acceptance  # chance that each draft token is accepted (speculative decoding)
         self.rng = random.Random(seed + 7919 * index)
         self.t = 0.0
         self.cost = cost
+        self.draft_cost = draft_cost  # a draft model's forward, per proposing round (None: free proposals)
         self.timeline = TimelineRecorder(timeline_capacity)
         cls = _TransferredKVScheduler if decode_only else Scheduler
         self.scheduler = cls(settings, num_blocks, self.timeline, clock=lambda: self.t)
@@ -86,16 +87,22 @@ class Replica:
         self.timeline.add_request(t, rid, "arrived", f"prompt_tokens={len(ids)}")
         self.scheduler.add(seq)
 
-    def _propose(self) -> int:
+    def _propose(self) -> tuple[int, float]:
         """Draft tokens for the decoding sequences, as the engine's proposer attaches them (their
-        values do not matter here; how many are accepted is drawn at verify)."""
+        values do not matter here; how many are accepted is drawn at verify), and the seconds the
+        draft model took: one batched forward per round, over the sequences still proposing."""
         s = self.settings
         if s.speculative == "off" or not s.kv_cache:
-            return 0
+            return 0, 0.0
         ready = ready_for_drafts(self.scheduler, s.num_speculative_tokens, 1 << 30)  # no context bound here
         for seq, room in ready:
             seq.spec_tokens = [TOKEN] * room
-        return sum(room for _, room in ready)
+        seconds = 0.0
+        if self.draft_cost is not None:
+            for r in range(max((room for _, room in ready), default=0)):
+                active = [len(seq) + r for seq, room in ready if room > r]
+                seconds += self.draft_cost(StepShape(0, len(active), len(active), float(sum(n + 1 for n in active))))
+        return sum(room for _, room in ready), seconds
 
     def _verify(self, seq: Sequence) -> list[int]:
         """A verify's outcome: the leading draft tokens accepted (each with `acceptance`), plus one."""
@@ -108,7 +115,7 @@ class Replica:
 
     def step(self) -> list[tuple[Request, Sequence]]:
         """One engine step at this replica's time; returns the requests it finished."""
-        proposed = self._propose()
+        proposed, draft_s = self._propose()
         sched = self.scheduler.schedule()
         sched.spec_proposed = proposed
         if not sched.scheduled:
@@ -122,7 +129,7 @@ class Replica:
             else:
                 decode += s.num_tokens
         start = self.t
-        self.t = end = start + self.cost(StepShape(prefill, decode, len(sched.scheduled), work))
+        self.t = end = start + draft_s + self.cost(StepShape(prefill, decode, len(sched.scheduled), work))
         self.busy_s += end - start
         self.steps += 1
         verified = {i for i, s in enumerate(sched.scheduled) if s.kind == "verify"}

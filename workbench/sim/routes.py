@@ -10,7 +10,7 @@ from ..bench.stats import RequestRecord, summarize
 from ..bench.workload import BenchRequest
 from .simulator import SimResult, Simulator
 
-__all__ = ["RoutedResult", "route"]
+__all__ = ["RoutedResult", "route", "route_requests"]
 
 
 class RoutedResult:
@@ -30,6 +30,19 @@ class RoutedResult:
                                 **{k: p[k] for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "cost_per_mtok",
                                                      "joules_per_token", "replicas")}} for name, p in per.items()}
         return out
+
+
+def route_requests(requests: list[BenchRequest], first: Simulator, sim: Simulator) -> list[BenchRequest]:
+    """`requests` (tokenized for `first`) as `sim`'s model sees them: the same text through its own
+    tokenizer when it has another one (a model family's tokenizer changes the prompt lengths)."""
+    mine, theirs = sim.text_tokenizer(), first.text_tokenizer()
+    if mine is None or theirs is None or mine is theirs:
+        return requests
+    out = []
+    for r in requests:
+        text = r.prompt if r.prompt is not None else theirs.decode(r.prompt_token_ids)
+        out.append(BenchRequest(r.index, mine.encode(text, add_special_tokens=False), r.max_tokens, r.arrival_s, text))
+    return out
 
 
 def route(workload, routes: list[tuple[str, Simulator, Callable[[BenchRequest], bool] | None]], *,
@@ -54,6 +67,7 @@ def route(workload, routes: list[tuple[str, Simulator, Callable[[BenchRequest], 
     for name, sim, _ in routes:
         if chosen[name]:
             n = replicas.get(name, 1) if isinstance(replicas, dict) else replicas
-            results[name] = sim.run(chosen[name], settings, replicas=n, slo=slo, record=record)
+            results[name] = sim.run(route_requests(chosen[name], first, sim), settings, replicas=n, slo=slo,
+                                    record=record)
     records = sorted((rec for res in results.values() for rec in res.records), key=lambda r: r.index)
     return RoutedResult(results, records)

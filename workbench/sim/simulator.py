@@ -38,7 +38,7 @@ from ..bench.stats import RequestRecord, summarize
 from ..bench.workload import BenchRequest, Workload, make_workload
 from ..settings import EngineSettings, validate
 from ..timeline import Timeline
-from .cost import FittedCost, ModelShape, RooflineCost, shapes_from_timeline
+from .cost import FittedCost, ModelShape, RescaledCost, RooflineCost, shapes_from_timeline
 from .profiles import Profile, get_profile
 from .replica import (
     ROUTERS,
@@ -237,6 +237,11 @@ class Simulator:
         return d
 
     # -- running -------------------------------------------------------------------------------------
+    def text_tokenizer(self):
+        """The tokenizer English prompts are cut with: the calibrated engine's, else the model's
+        (the embedded default's for the named accelerators)."""
+        return self.tokenizer if self.tokenizer is not None else default_tokenizer(self.model_name)
+
     def workload(self, workload=None) -> list[BenchRequest]:
         """The requests of `workload`: the bench's parameters (a dict, as `workbench bench`), a
         `Workload`, a list of `BenchRequest`s, or a recorded `Timeline` (a trace: each request's
@@ -259,7 +264,7 @@ class Simulator:
         for k in ("prompt_len", "output_len"):
             if k in kw:
                 kw[k] = tuple(kw[k])
-        tok = self.tokenizer if self.tokenizer is not None else default_tokenizer(self.model_name)
+        tok = self.text_tokenizer()
         return list(make_workload(tokenizer=tok, vocab_size=None if tok is not None else self.vocab_size or 49152,
                                   **kw).requests)
 
@@ -273,8 +278,10 @@ class Simulator:
         `record`: write the run log (kind "simulation"; `run_log` a path or RunLog; `predicts`:
         the id of the measured run this predicts, so `workbench runs compare` sets them side by side).
         With `speculative` on, each draft token is accepted with `spec_acceptance` (default: the
-        calibrated engine's measured rate, else 0.6, an assumption); a draft model's own forward
-        time is not modelled (the n-gram proposer's is nil)."""
+        calibrated engine's measured rate, else 0.6, an assumption); a draft model's forward time
+        is added per proposing round (the n-gram proposer's is nil). A fit asked for a layout it was
+        not measured at (another quantisation, a draft model) is carried there by this CPU's
+        roofline ratio and the summary says so (`RescaledCost`)."""
         t_wall = time.perf_counter()
         requests = self.workload(workload)
         s = _settings({**self.base_settings, **(settings or {})})
@@ -284,7 +291,8 @@ class Simulator:
         reqs = [Request(r.index, list(r.prompt_token_ids), r.max_tokens, r.arrival_s) for r in requests]
         acceptance = self._acceptance(spec_acceptance)
         cost = self._cost_for(s)
-        replica = functools.partial(Replica, timeline_capacity=timeline_capacity, acceptance=acceptance)
+        replica = functools.partial(Replica, timeline_capacity=timeline_capacity, acceptance=acceptance,
+                                    draft_cost=self._draft_cost(s))
         if disaggregated is not None:
             pools = disaggregated_pools(disaggregated, s, blocks, cost, replica)
             all_replicas = pools[0] + pools[1]
@@ -306,6 +314,8 @@ class Simulator:
                   "disaggregated": list(disaggregated) if disaggregated else None, "slo": slo,
                   "num_kv_blocks": blocks, "device": self.device, "price_per_hour": price_per_hour, "watts": watts,
                   **self.describe()}
+        if cost is not self.cost:  # carried to this layout (see RescaledCost): said where it is read
+            config["cost"] = cost.describe()
         res = SimResult(records, all_replicas, config=config, requests=reqs, wall_s=time.perf_counter() - t_wall)
         if record:
             res.run_id = self._record(res, describe_workload(workload, requests), run_log, predicts)
@@ -360,9 +370,32 @@ class Simulator:
             return RooflineCost(self.cost.profile, ModelShape.of(config, quantization=q))
         fitted_at = (self.calibration or {}).get("quantization")
         if fitted_at is not None and q != fitted_at:
-            raise ValueError(f"this step-cost fit was measured at quantization={fitted_at!r}; simulating "
-                             f"quantization={q!r} needs a calibration at {q!r} (or a roofline profile)")
+            return self._rescaled(ModelShape.of(model_config(self.model_name), quantization=q),
+                                  f"quantization {fitted_at!r} -> {q!r}")
         return self.cost
+
+    def _rescaled(self, target: ModelShape, what: str):
+        """The fit carried to another layout by this machine's roofline ratio (see RescaledCost)."""
+        if not str(self.device or "cpu").startswith("cpu"):
+            raise ValueError(f"this step-cost fit was measured on {self.device}; simulating {what} needs a "
+                             "calibration at that layout (or a roofline profile): no roofline of that GPU here")
+        fitted_at = (self.calibration or {}).get("quantization") or "none"
+        prof = get_profile("cpu")
+        measured = ModelShape.of(model_config(self.model_name), quantization=fitted_at)
+        return RescaledCost(self.cost, RooflineCost(prof, target), RooflineCost(prof, measured), what)
+
+    def _draft_cost(self, settings: EngineSettings):
+        """The draft proposer's forward cost per round (None: n-gram, whose lookups cost nothing
+        measurable): the target's own int4 copy by default, else the draft model's shape, on the
+        same machine as the target's cost."""
+        if settings.speculative != "draft":
+            return None
+        draft = settings.draft_model
+        config = model_config(draft if draft else self.model_name)
+        shape = ModelShape.of(config, quantization="int4" if not draft else "none")
+        if isinstance(self.cost, RooflineCost):
+            return RooflineCost(self.cost.profile, shape)
+        return self._rescaled(shape, f"draft {'the int4 copy' if not draft else draft}")
 
     def _kv_bytes_per_token(self) -> float:
         model = getattr(self.cost, "model", None)
@@ -370,8 +403,9 @@ class Simulator:
             return model.kv_bytes_per_token
         try:
             return ModelShape.of(model_config(self.model_name)).kv_bytes_per_token
-        except Exception:
-            return 2 * 30 * 3 * 64 * 2  # SmolLM2-135M in bf16, when the model is not at hand
+        except (OSError, ValueError) as e:
+            raise ValueError(f"a disaggregated layout costs the KV transfer from the model's KV bytes per token, "
+                             f"and the config of {self.model_name!r} is not at hand: {e}") from None
 
 
 

@@ -3,6 +3,7 @@ the calibration runs, and the model's shape (without loading its weights)."""
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -93,9 +94,8 @@ def model_config(model):
     return ModelConfig.from_hf_config(json.loads(cfg.read_text(encoding="utf-8")), str(path))
 
 
-def default_tokenizer(model):
-    if model not in (None, "smollm2-135m", "default"):
-        return None
+@functools.lru_cache(maxsize=1)
+def _embedded_tokenizer():
     try:
         from ..models.embedded import DEFAULT_MODEL, default_gguf_path, ensure_converted
         from ..tokenizer import Tokenizer
@@ -103,3 +103,10 @@ def default_tokenizer(model):
         return Tokenizer.from_dir(ensure_converted(default_gguf_path(), DEFAULT_MODEL))
     except Exception:  # the default model is not installed: token-id prompts
         return None
+
+
+def default_tokenizer(model):
+    """The embedded default's tokenizer (one object, loaded once) for it and the named accelerators."""
+    if model not in (None, "smollm2-135m", "default"):
+        return None
+    return _embedded_tokenizer()
