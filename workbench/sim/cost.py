@@ -126,13 +126,12 @@ class FittedCost:
         if len(shapes) < 8:
             raise ValueError(f"a step-cost fit needs at least 8 recorded steps, got {len(shapes)}")
         y = np.array(seconds, dtype=np.float64)
-        # Each kind of step weighs the same in total, however many of it the calibration made:
-        # prefills, and decodes of 1, 2-3, 4-15 and 16+ sequences (else the many wide steps of a
-        # burst outvote the single stream's, and small batches come out optimistic).
-        kinds = [("prefill" if s.prefill_tokens else min(s.num_seqs.bit_length(), 4) if s.num_seqs < 16 else 5)
-                 for s in shapes]
+        # Each kind of step (prefills; decodes of 1, 2-3, 4-7, 8-15, 16+ sequences) weighs the same in
+        # total, however many of it the calibration made: else the many wide steps of a burst
+        # outvote the single stream's, and small batches come out optimistic (docs/benchmarks.md).
+        kinds = [("prefill" if s.prefill_tokens else min(s.num_seqs.bit_length(), 5)) for s in shapes]
         counts = {k: kinds.count(k) for k in set(kinds)}
-        w = np.sqrt(np.array([1.0 / counts[k] for k in kinds]))
+        w = np.array([counts[k] ** -0.5 for k in kinds])  # rows x w: squared errors weigh 1 / count
         best = None
         for threshold in (*THRESHOLDS, 1 << 30):
             x = np.array([s.features(threshold) for s in shapes], dtype=np.float64)

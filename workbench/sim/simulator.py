@@ -16,8 +16,10 @@ step goes on the replica's timeline (`Scheduler.record_step`, the engine's own).
 between steps, as in the engine. With `speculative` on, decoding sequences get draft tokens as the
 engine's proposer attaches them, the scheduler runs verify steps, and each draft token is accepted
 with a given probability (`update_after_verify` keeps the accepted ones). A roofline follows the
-weights' quantisation; a fit holds for the layout it was measured at. Output lengths are the workload's (greedy, ignore_eos), so a
-simulated run and a measured one of the same workload see the same requests.
+weights' quantisation; a fit is carried to another layout by this CPU's roofline ratio and says
+it is extrapolated. A draft model's forward time is paid per proposing round. Output lengths are
+the workload's (greedy, ignore_eos), so a simulated run and a measured one of the same workload
+see the same requests.
 
 Layouts: `replicas=N` colocated replicas behind `router` ("round_robin", "least_outstanding" (by
 tokens still to compute), "prefix_affinity" (the prompt's first blocks pick the replica unless it
@@ -361,7 +363,7 @@ class Simulator:
 
     def _cost_for(self, settings: EngineSettings):
         """The step cost under `settings`: a roofline follows the weights' quantisation (fewer bytes
-        to read); a fit holds only for the layout it was measured at."""
+        to read); a fit is carried to another layout by this CPU's roofline ratio."""
         q = settings.quantization
         if isinstance(self.cost, RooflineCost):
             if q == "none":
