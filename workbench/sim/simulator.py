@@ -140,6 +140,8 @@ class Simulator:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model if isinstance(model, str) or model is None else str(model)
+        self._shapes: dict[tuple, ModelShape] = {}
+        self._cpu_profile: Profile | None = None
         if cost is None:
             prof = get_profile(profile or "h200")
             config = model_config(model)
@@ -368,13 +370,24 @@ class Simulator:
         if isinstance(self.cost, RooflineCost):
             if q == "none":
                 return self.cost
-            config = model_config(self.model_name)
-            return RooflineCost(self.cost.profile, ModelShape.of(config, quantization=q))
+            return RooflineCost(self.cost.profile, self._shape(quantization=q))
         fitted_at = (self.calibration or {}).get("quantization")
         if fitted_at is not None and q != fitted_at:
-            return self._rescaled(ModelShape.of(model_config(self.model_name), quantization=q),
-                                  f"quantization {fitted_at!r} -> {q!r}")
+            return self._rescaled(self._shape(quantization=q), f"quantization {fitted_at!r} -> {q!r}")
         return self.cost
+
+    def _shape(self, model=None, quantization: str = "none") -> ModelShape:
+        """A model's shape (its config read once per simulator; None: the simulated model)."""
+        key = (model or self.model_name, quantization)
+        if key not in self._shapes:
+            self._shapes[key] = ModelShape.of(model_config(key[0]), quantization=quantization)
+        return self._shapes[key]
+
+    def _cpu(self) -> Profile:
+        """This host's roofline, measured once per simulator (a bandwidth and a matmul probe)."""
+        if self._cpu_profile is None:
+            self._cpu_profile = get_profile("cpu")
+        return self._cpu_profile
 
     def _rescaled(self, target: ModelShape, what: str):
         """The fit carried to another layout by this machine's roofline ratio (see RescaledCost)."""
@@ -382,8 +395,8 @@ class Simulator:
             raise ValueError(f"this step-cost fit was measured on {self.device}; simulating {what} needs a "
                              "calibration at that layout (or a roofline profile): no roofline of that GPU here")
         fitted_at = (self.calibration or {}).get("quantization") or "none"
-        prof = get_profile("cpu")
-        measured = ModelShape.of(model_config(self.model_name), quantization=fitted_at)
+        prof = self._cpu()
+        measured = self._shape(quantization=fitted_at)
         return RescaledCost(self.cost, RooflineCost(prof, target), RooflineCost(prof, measured), what)
 
     def _draft_cost(self, settings: EngineSettings):
@@ -393,8 +406,7 @@ class Simulator:
         if settings.speculative != "draft":
             return None
         draft = settings.draft_model
-        config = model_config(draft if draft else self.model_name)
-        shape = ModelShape.of(config, quantization="int4" if not draft else "none")
+        shape = self._shape(draft, quantization="int4" if not draft else "none")
         if isinstance(self.cost, RooflineCost):
             return RooflineCost(self.cost.profile, shape)
         return self._rescaled(shape, f"draft {'the int4 copy' if not draft else draft}")
@@ -404,7 +416,7 @@ class Simulator:
         if model is not None:
             return model.kv_bytes_per_token
         try:
-            return ModelShape.of(model_config(self.model_name)).kv_bytes_per_token
+            return self._shape().kv_bytes_per_token
         except (OSError, ValueError) as e:
             raise ValueError(f"a disaggregated layout costs the KV transfer from the model's KV bytes per token, "
                              f"and the config of {self.model_name!r} is not at hand: {e}") from None
