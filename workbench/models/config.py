@@ -161,7 +161,7 @@ class ModelConfig:
         else:
             attention_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window") if arch in ("mistral", "gemma3") else None
-        windows = _layer_windows(arch, cfg, sliding)
+        windows = layer_windows_of(arch, cfg, sliding)
         gemma = arch == "gemma3"
 
         eos = cfg.get("eos_token_id")
@@ -189,17 +189,12 @@ class ModelConfig:
             path=str(path),
             sliding_window=None if sliding is None else int(sliding),
             layer_windows=windows,
-            norm_offset=1.0 if gemma else 0.0,
-            embed_scale=hidden**0.5 if gemma else None,
-            sandwich_norms=gemma,
-            activation="gelu_tanh" if gemma else "silu",
-            attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
-            rope_local_theta=float(local_theta if local_theta is not None else 10000.0) if gemma else None,
-            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             source_quant_block=cfg.get("workbench_source_quant_block"),
             qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
             qk_norm_per_head=arch != "olmoe",
             **moe,
+            **(gemma3_fields(hidden, cfg.get("query_pre_attn_scalar", 256), local_theta,
+                             cfg.get("final_logit_softcapping")) if gemma else {}),
         )
 
     def to_hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -317,7 +312,22 @@ _OPTIONAL_BIAS = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.(ga
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
-def _layer_windows(arch: str, cfg: dict[str, Any], sliding: int | None) -> list[int]:
+# What Gemma 3 fixes rather than stores everywhere: every 6th layer global, the sliding layers'
+# RoPE base (llama.cpp's files carry neither; older config.json files may omit them).
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def gemma3_fields(hidden: int, query_pre_attn_scalar: float, local_theta: float | None,
+                  final_logit_softcapping: float | None) -> dict[str, Any]:
+    """The ModelConfig fields that make a Llama-style config a Gemma 3 one (HF and GGUF alike)."""
+    return {"norm_offset": 1.0, "embed_scale": hidden**0.5, "sandwich_norms": True, "activation": "gelu_tanh",
+            "attention_scale": float(query_pre_attn_scalar) ** -0.5,
+            "rope_local_theta": float(local_theta if local_theta is not None else GEMMA3_LOCAL_ROPE_BASE),
+            "final_logit_softcapping": final_logit_softcapping}
+
+
+def layer_windows_of(arch: str, cfg: dict[str, Any], sliding: int | None) -> list[int]:
     """Each layer's sliding window (0: full attention): from `layer_types` where the config lists
     them (transformers 5), else Gemma 3's `sliding_window_pattern` (every Nth layer global),
     else Mistral's window on every layer."""
@@ -326,7 +336,7 @@ def _layer_windows(arch: str, cfg: dict[str, Any], sliding: int | None) -> list[
         return [0] * layers
     types = cfg.get("layer_types")
     if not types and arch == "gemma3":
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        pattern = int(cfg.get("sliding_window_pattern") or GEMMA3_SLIDING_PATTERN)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if not types:
         types = ["sliding_attention"] * layers

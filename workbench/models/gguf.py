@@ -13,7 +13,14 @@ import numpy as np
 import torch
 
 from ..tokenizer import Tokenizer
-from .config import LoadedModel, ModelConfig, select_weights, weights_checksum
+from .config import (
+    LoadedModel,
+    ModelConfig,
+    gemma3_fields,
+    layer_windows_of,
+    select_weights,
+    weights_checksum,
+)
 
 # ----------------------------------------------------------------------------------- GGUF
 # llama.cpp tensor names -> Hugging Face names ("{i}" is the layer).
@@ -47,10 +54,7 @@ _GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES,
                        "post_attention_norm.weight": "post_attention_layernorm.weight",
                        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
-# What llama.cpp fixes for Gemma 3 rather than storing: every 6th layer global, the sliding
-# layers' RoPE base.
-GEMMA3_SLIDING_PATTERN = 6
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
 # Mixture-of-experts tensors: the router, and each expert projection stacked over the experts.
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                       "ffn_down_exps.weight": "down_proj"}
@@ -297,13 +301,10 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     if architecture == "gemma3":
         window = int(meta("attention.sliding_window", 0) or 0)
         config.sliding_window = window or None
-        config.layer_windows = [0 if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else window
-                                for i in range(config.num_hidden_layers)]
-        config.rope_local_theta = GEMMA3_LOCAL_ROPE_BASE
-        config.norm_offset, config.embed_scale, config.sandwich_norms = 1.0, hidden**0.5, True
-        config.activation = "gelu_tanh"
-        config.attention_scale = head_dim**-0.5  # query_pre_attn_scalar = head_dim (270M to 12B)
-        config.final_logit_softcapping = meta("final_logit_softcapping")
+        config.layer_windows = layer_windows_of("gemma3", {"num_hidden_layers": config.num_hidden_layers}, window)
+        # query_pre_attn_scalar = head_dim (270M to 12B); the local RoPE base is llama.cpp's fixed one
+        for k, v in gemma3_fields(hidden, head_dim, None, meta("final_logit_softcapping")).items():
+            setattr(config, k, v)
     return config
 
 

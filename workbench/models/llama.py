@@ -21,12 +21,16 @@ import torch.nn.functional as F
 from .linear import Linear
 
 
+def default_inv_freq(d: int, base: float) -> torch.Tensor:
+    # float32 arithmetic as in the Hugging Face reference, so positions rotate identically.
+    return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the config's RoPE variant."""
     d = config.head_dim
     base = config.rope_theta
-    # float32 arithmetic as in the Hugging Face reference, so positions rotate identically.
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv = default_inv_freq(d, base)
     scaling = dict(config.rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     mscale = 1.0
@@ -65,11 +69,7 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding:
     def __init__(self, config, max_positions: int, device, dtype, theta: float | None = None):
         """`theta`: another base without scaling (Gemma 3's sliding layers); None: the config's."""
-        if theta is None:
-            inv, mscale = rope_inv_freq(config)
-        else:
-            d = config.head_dim
-            inv, mscale = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
+        inv, mscale = rope_inv_freq(config) if theta is None else (default_inv_freq(config.head_dim, theta), 1.0)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -187,7 +187,7 @@ class DecoderLayer:
 class MoE:
     """A sparse mixture-of-experts MLP: a softmax router picks each token's top-k experts (their
     weights renormalised to sum to 1 where the checkpoint says so), and only those experts run,
-    each on the tokens routed to it. `top_k` can be overridden live (`moe_top_k`); `counts` holds
+    each on the tokens routed to it. `top_k` can be overridden live (`moe_top_k`); `_counts` holds
     how many tokens each expert received in the last forward."""
 
     def __init__(self, config, weights: dict[str, torch.Tensor], prefix: str):
@@ -206,10 +206,6 @@ class MoE:
         self.normalize = config.norm_topk_prob
         self.fused = False  # the Triton fused-MoE kernel (the triton backend), while the experts are unquantised
         self._counts = torch.zeros(n, dtype=torch.int64)
-
-    @property
-    def counts(self) -> list[int]:
-        return self._counts.tolist()
 
     def linears(self) -> list[Linear]:
         """The experts' linears (quantised with the rest); the small router stays in full precision,
