@@ -30,6 +30,7 @@ oldest dropped first and counted in ``dropped``); settings and metrics keep the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
@@ -265,13 +266,24 @@ class EventCoalescer:
         return browser_columns(self.reducer.drain())
 
 
+def finite_or_none(value: Any) -> Any:
+    """NaN and infinities as null, all the way down (JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
 def browser_columns(drained: dict[str, dict[str, list]]) -> dict[str, dict[str, list]]:
     """The drawn sources' columns of a reducer `drain()` (empty when no rows), times to the us;
     NaN (a gap in a line) as null, since JSON has no NaN."""
     out = {}
     for name, columns in DRAWN.items():
         rows = drained.get(name) or {}
-        out[name] = {c: [(None if v != v else round(v, 6)) if isinstance(v, float) else v for v in rows.get(c, [])]
+        out[name] = {c: finite_or_none([round(v, 6) if isinstance(v, float) else v for v in rows.get(c, [])])
                      for c in columns}
     return out
 

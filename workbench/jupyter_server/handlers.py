@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from jupyter_server.utils import url_path_join
 from tornado import websocket
 
 from ..ipc.protocol import EVENT_KINDS
-from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, history_window
+from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, finite_or_none, history_window
 from .hub import EngineHub
 
 NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
@@ -379,17 +378,6 @@ class InfoHandler(BaseHandler):
                     "bokeh_files": ["bokeh.min.js", "bokeh-widgets.min.js", "bokeh-tables.min.js", "bokeh-api.min.js"]})
 
 
-def _finite_or_none(value: Any) -> Any:
-    """NaN and infinities as null, all the way down (JSON has neither)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(v) for v in value]
-    return value
-
-
 class RunsHandler(BaseHandler):
     """The run log (`workbench.runs`): the newest runs, for the lab's run-log view."""
 
@@ -402,7 +390,7 @@ class RunsHandler(BaseHandler):
             if not 1 <= limit <= 1000:
                 raise ValueError(f"limit must be 1..1000, got {limit}")
             runs = await asyncio.to_thread(list_runs, limit=limit)
-            self.reply({"runs": _finite_or_none([
+            self.reply({"runs": finite_or_none([
                 {**{k: r.get(k) for k in ("id", "kind", "status", "label", "started_at", "model", "device")},
                  "headline": headline(r)} for r in runs])})
         except Exception as e:
@@ -422,9 +410,7 @@ class RunsCompareHandler(BaseHandler):
             except ValueError:
                 raise ValueError(f"ids must be run ids separated by commas, got {text!r}") from None
             result = await asyncio.to_thread(compare, ids)
-            if len(result["runs"]) < 2:
-                raise ValueError(f"compare needs two or more runs (or a sweep with two or more points), got {ids}")
-            self.reply(_finite_or_none(comparison(result)))
+            self.reply(finite_or_none(comparison(result)))
         except Exception as e:
             self.fail(e)
 

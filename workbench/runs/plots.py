@@ -31,6 +31,9 @@ def comparison(cmp: dict[str, Any]) -> dict[str, Any]:
     """`RunLog.compare` output -> ``runs`` (one label per run), ``throughput`` and ``latency`` rows
     (one per metric and run: ``metric``, ``run``, ``value``, ``color``) and ``settings``: the
     settings that differ, one row per setting with each run's value."""
+    if len(cmp["runs"]) < 2:
+        raise ValueError("compare needs two or more runs (or a sweep with two or more points), got "
+                         f"{[r['id'] for r in cmp['runs']]}")
     runs = [f"#{r['id']} {r.get('label') or r.get('kind')}" for r in cmp["runs"]]
     out: dict[str, Any] = {"runs": runs, "colors": [RUN_COLORS[i % len(RUN_COLORS)] for i in range(len(runs))]}
     for part, bases in (("throughput", THROUGHPUT), ("latency", LATENCY)):
@@ -85,11 +88,7 @@ def plot(ids: Iterable[int], *, db=None):
 
     from .log import open_log
 
-    ids = list(ids)
-    cmp = open_log(db).compare(ids)  # a sweep's id stands for its points
-    if len(cmp["runs"]) < 2:
-        raise ValueError(f"compare needs two or more runs (or a sweep with two or more points), got {ids}")
-    comp = comparison(cmp)
+    comp = comparison(open_log(db).compare(list(ids)))  # a sweep's id stands for its points
     figs = []
     for part, title, unit in (("throughput", "Output tokens/s (higher is better)", "tok/s"),
                               ("latency", "Latency percentiles (lower is better)", "ms")):
