@@ -209,6 +209,18 @@ def write_gguf(path, model, arch: str, folder):
     return path
 
 
+def assert_greedy_case(path, prompts, expected, params, settings: dict, *, preempts: bool = False) -> None:
+    """The engine on `path` (fp32, 64 KV blocks, plus `settings`) gives transformers' greedy tokens
+    (`expected`); with `preempts`, the case must really have preempted."""
+    from workbench import LLM
+
+    llm = LLM(str(path), **{"dtype": "float32", "num_kv_blocks": 64, **settings})
+    outs = llm.generate(prompt_token_ids=prompts, params=params)
+    assert [o.token_ids for o in outs] == expected
+    if preempts:
+        assert llm.metrics()["total_preemptions"] > 0
+
+
 def hf_greedy(model, prompt_ids, max_new_tokens):
     """Reference continuation from transformers, one prompt at a time (no padding effects)."""
     import torch

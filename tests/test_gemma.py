@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, make_tiny_model
+from conftest import assert_greedy_case, hf_greedy, make_tiny_model
 from test_engine import ragged_prompts
 
 from workbench import LLM, SamplingParams
@@ -39,11 +39,7 @@ def gemma(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gemma3_greedy_matches_transformers(gemma, case):
     path, _, prompts, expected = gemma
-    llm = LLM(str(path), **{"dtype": "float32", "num_kv_blocks": 64, **CASES[case]})
-    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
-    assert [o.token_ids for o in outs] == expected
-    if case == "preemption":
-        assert llm.metrics()["total_preemptions"] > 0
+    assert_greedy_case(path, prompts, expected, GREEDY, CASES[case], preempts=case == "preemption")
 
 
 def test_gemma3_prefix_cache_hits_keep_outputs(gemma):

@@ -72,6 +72,18 @@ def _queries(num_tokens, hq, d, dtype, gen, strided):
     return q[:, 1 : hq + 1] if strided else q[:, :hq].contiguous()
 
 
+def _extend_inputs(seq_lens, q_lens, bs, hkv, group, d, dtype, kv, gen, strided):
+    """A filled paged cache for `seq_lens`, shuffled block tables, and the new tokens' queries with
+    their cu_seqlens: (k_cache, v_cache, k_scale, v_scale, block_tables, q, cu_seqlens_q, seq_lens)."""
+    num_blocks = sum(_cdiv(s, bs) for s in seq_lens) + 3
+    kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, dtype, kv, gen)
+    bt = _block_tables(seq_lens, bs, num_blocks, gen)
+    q = _queries(sum(q_lens), hkv * group, d, dtype, gen, strided)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return kc, vc, ks, vs, bt, q, cu, lens
+
+
 def _case_id(c, tail):
     d, g, bs, dtype, kv = c[:5]
     kv = "same" if kv is None else str(kv).removeprefix("torch.")
@@ -176,12 +188,7 @@ def test_extend_attention(d, group, bs, dtype, kv, scenario, blocks, strided):
     gen = torch.Generator().manual_seed(d + group + bs)
     hkv = 2
     seq_lens, q_lens = _extend_layout(scenario, bs)
-    num_blocks = sum(_cdiv(s, bs) for s in seq_lens) + 3
-    kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, dtype, kv, gen)
-    bt = _block_tables(seq_lens, bs, num_blocks, gen)
-    q = _queries(sum(q_lens), hkv * group, d, dtype, gen, strided)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    kc, vc, ks, vs, bt, q, cu, lens = _extend_inputs(seq_lens, q_lens, bs, hkv, group, d, dtype, kv, gen, strided)
     scale = d**-0.5
     bm, bn = blocks or (None, None)
     out = extend_attention(q, kc, vc, bt, cu, lens, scale, ks, vs, block_m=bm, block_n=bn)
@@ -257,12 +264,7 @@ def test_sliding_window_attention(window):
     gen = torch.Generator().manual_seed(window)
     d, hkv, group, bs = 32, 2, 2, 16
     seq_lens, q_lens = [37, 20, 9, 50], [37, 3, 9, 1]  # a prefill, a chunk, a short one, a decode-like row
-    num_blocks = sum(_cdiv(s, bs) for s in seq_lens) + 3
-    kc, vc, ks, vs = _fill_cache(num_blocks, bs, hkv, d, F32, F32, gen)
-    bt = _block_tables(seq_lens, bs, num_blocks, gen)
-    q = _queries(sum(q_lens), hkv * group, d, F32, gen, False)
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    kc, vc, ks, vs, bt, q, cu, lens = _extend_inputs(seq_lens, q_lens, bs, hkv, group, d, F32, F32, gen, False)
     scale = d**-0.5
     expect = _dense_windowed(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), seq_lens, q_lens, scale, window)
     _check(ref.extend_attention_ref(q, kc, vc, bt, cu, lens, scale, window=window).cpu(), expect, F32)

@@ -6,7 +6,7 @@ and the live `moe_top_k` override."""
 from __future__ import annotations
 
 import pytest
-from conftest import hf_greedy, make_tiny_model
+from conftest import assert_greedy_case, hf_greedy, make_tiny_model
 from test_engine import ragged_prompts
 
 from workbench import LLM, SamplingParams
@@ -34,12 +34,7 @@ def moe_model(request, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_greedy_matches_transformers(moe_model, case):
     arch, path, prompts, expected = moe_model
-    settings = {"dtype": "float32", "num_kv_blocks": 64, **CASES[case]}
-    llm = LLM(str(path), **settings)
-    outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
-    assert [o.token_ids for o in outs] == expected
-    if case == "preemption":
-        assert llm.metrics()["total_preemptions"] > 0
+    assert_greedy_case(path, prompts, expected, GREEDY, CASES[case], preempts=case == "preemption")
 
 
 def test_expert_counts_sum_to_tokens_times_top_k(moe_model):
