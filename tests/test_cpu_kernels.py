@@ -145,6 +145,25 @@ def test_linear_native_switch_keeps_results(native_variant):
     assert torch.equal(lin(big), ref)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("rows", [cpu.MAX_ROWS + 1, 64, 300])
+def test_wide_linear_is_fp32_over_the_bf16_weights(rows):
+    """The fp32 path for large steps multiplies in fp32 by oneDNN's packed copy of the weights
+    (one copy, no plain fp32 one as well) and equals F.linear in fp32 up to summation order."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(200, 576, generator=g) * 0.05).to(BF)
+    b = torch.randn(200, generator=g).to(BF)
+    lin = Linear(w, b)
+    lin.native, lin.wide = True, True
+    x = torch.randn(rows, 576, generator=g).to(BF)
+    y = lin(x)
+    packed, plain, bias = lin._wide
+    assert packed is not None and plain is None and bias.dtype == torch.float32
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert y.dtype == BF and torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.allclose(cpu.packed_linear(x.float(), packed, bias), ref, rtol=1e-5, atol=1e-4)
+
+
 def test_add_rms_norm_in_place(kern):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 576, generator=g) * 3).to(BF)

@@ -10,7 +10,7 @@ With `native` set (the engine's `cpu_kernels` setting, bf16 on a CPU), batches o
 they stream the weights at the memory's rate, where oneDNN's and torch's kernels lose a third to
 per-call overhead and short rows. Larger batches keep torch's GEMM kernels, in bf16 where this CPU
 multiplies bf16 natively, else (`wide`, chosen by measurement in `cpu.gemm_path`) in fp32 over an
-fp32 copy of the weights made on first use.
+fp32 copy of the weights in oneDNN's layout, made on first use.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Linear:
         self.mode = "none"
         self.group_size = 0
         self._packed: torch.Tensor | None | bool = False  # oneDNN's layout, made on first use (False: not yet)
-        self._wide: tuple | None = None  # fp32 (weight, bias) for `wide` large steps, made on first use
+        self._wide: tuple | None = None  # fp32 (packed or None, plain or None, bias) for `wide` steps, made on first use
         self._q: tuple = ()
         self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel
         self.native = False
@@ -90,13 +90,11 @@ class Linear:
             return self._native(x if x.is_contiguous() else x.contiguous())
         if mode == "none":
             if self.native and self.wide:
-                if self._wide is None:
-                    self._wide = (self.weight.float(), None if self.bias is None else self.bias.float())
-                return F.linear(x.float(), *self._wide).to(x.dtype)
+                return self._wide_linear(x)
             if self._packed is False:
-                self._packed = _mkldnn_pack(self.weight)
+                self._packed = cpu.pack_linear(self.weight)
             if self._packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+                return cpu.packed_linear(x, self._packed, self.bias)
             return F.linear(x, self.weight, self.bias)
         if mode == "int8":
             q, s = self._q
@@ -117,6 +115,15 @@ class Linear:
             q, s = self._q
             y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _wide_linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self._wide is None:
+            w32 = self.weight.float()
+            packed = cpu.pack_linear(w32, cpu.WIDE_BATCH_HINT)
+            self._wide = (packed, None if packed is not None else w32, None if self.bias is None else self.bias.float())
+        packed, w32, b32 = self._wide
+        y = F.linear(x.float(), w32, b32) if packed is None else cpu.packed_linear(x.float(), packed, b32)
+        return y.to(x.dtype)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,14 +178,3 @@ def native_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.
 
 def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked layout for bf16 weights on a CPU: ~1.4x faster GEMV than F.linear
-    (measured on the 2-core box, docs/benchmarks.md). A copy; the original stays untouched."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    except (RuntimeError, AttributeError):
-        return None

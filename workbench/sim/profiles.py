@@ -42,15 +42,17 @@ PROFILES: dict[str, Profile] = {
 
 
 def cpu_profile(quick: bool = True) -> Profile:
-    """This host, measured now: read bandwidth and the best matmul rate (bench.roofline), the
-    engine's typical per-step overhead on a CPU (2 ms) at full efficiency (they are measured)."""
-    from ..bench.roofline import measure_bandwidth, measure_matmul
+    """This host, measured now: read bandwidth (bench.roofline) and the best batch-shaped matmul
+    rate as the engine runs it (bf16 or fp32, `cpu.gemm_rate`), the engine's typical per-step
+    overhead on a CPU (2 ms) at full efficiency (they are measured)."""
+    import torch
+    from workbench_kernels import cpu
+
+    from ..bench.roofline import measure_bandwidth
 
     bw = max(measure_bandwidth(1 << 28 if quick else 1 << 30, repeats=3))
-    import torch
-
-    flops = max(measure_matmul(64, 576, 2304, torch.float32, min_time=0.05 if quick else 0.25),
-                measure_matmul(64, 576, 2304, torch.bfloat16, min_time=0.05 if quick else 0.25))
+    budget = 0.05 if quick else 0.25
+    flops = max(cpu.gemm_rate(dt, 64, 576, 2304, budget_s=budget) for dt in (torch.float32, torch.bfloat16))
     return Profile("cpu", bw, flops / 1e3, 2.0, device="cpu", bandwidth_efficiency=1.0, compute_efficiency=1.0,
                    source="measured on this host")
 
