@@ -343,6 +343,16 @@ void wb_rope_write_kv(const bf16 *qkv, const int64_t *pos, const bf16 *cos, cons
 #define MAX_G 16
 #define KV_CHUNK 512
 #define DV (MAX_D / 16)
+// Key/value rows are short (128 bytes at D = 64) and scattered over the cache's blocks, strided by
+// the other heads: the hardware prefetcher does not follow them, so each row is fetched KV_AHEAD
+// rows before its use, all of its lines. 64 sequences x 300 tokens, a cache cold in DRAM: 1.81 ->
+// 0.80 ms per layer (avx512_bf16), 1.74 -> 0.99 (avx2) against the next two rows' first line
+// (16 and 64 rows ahead were slower; so was prefetching the values during the scores).
+#define KV_AHEAD 32
+
+static inline void prefetch_row(const bf16 *row, int64_t D) {
+    for (int64_t o = 0; o < D; o += 32) PREFETCH(row + o);
+}
 
 // Where each key/value row of a chunk lives: cache row offsets, shared by K and V.
 static void chunk_rows(int64_t *rows, const int32_t *table, int64_t c0, int64_t cn, int64_t bs, int64_t Hkv,
@@ -441,6 +451,7 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         // of 16 horizontal reductions.
         for (int64_t t0 = 0; t0 < cn; t0 += 16) {
             int nt = cn - t0 < 16 ? (int)(cn - t0) : 16;
+            for (int64_t a = t0 + KV_AHEAD; a < t0 + KV_AHEAD + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
             for (int64_t g = 0; g < G; g++) {
                 __m512 dots[16];
                 for (int i = 0; i < 16; i++) {
@@ -465,6 +476,7 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         // acc_g += sum_t p[g][t] v_t, keys in pairs (an odd last key pairs with itself at p = 0)
         for (int64_t t = 0; t < cn; t += 2) {
             const bf16 *r0 = v_cache + rows[t], *r1 = t + 1 < cn ? v_cache + rows[t + 1] : r0;
+            for (int64_t a = t + KV_AHEAD; a < t + KV_AHEAD + 2 && a < cn; a++) prefetch_row(v_cache + rows[a], D);
             __m512i lo[MAX_D / 32], hi[MAX_D / 32];
             for (int64_t c = 0; c < DW; c++) {
                 __m512i a = _mm512_maskz_loadu_epi16(dmask[c], r0 + c * 32), b2 = _mm512_maskz_loadu_epi16(dmask[c], r1 + c * 32);
@@ -524,7 +536,7 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);
         for (int64_t t = 0; t < cn; t++) {
             const bf16 *kr = k_cache + rows[t];
-            if (t + 2 < cn) PREFETCH(k_cache + rows[t + 2]);
+            if (t + KV_AHEAD < cn) prefetch_row(k_cache + rows[t + KV_AHEAD], D);
             vf kv[DV];
             for (int64_t c = 0; c < DW; c++) kv[c] = vf_load_bf(kr + c * 16);
             for (int64_t g = 0; g < G; g++) {
@@ -539,7 +551,7 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         }
         for (int64_t t = 0; t < cn; t++) {
             const bf16 *vr = v_cache + rows[t];
-            if (t + 2 < cn) PREFETCH(v_cache + rows[t + 2]);
+            if (t + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + KV_AHEAD], D);
             vf vv[DV];
             for (int64_t c = 0; c < DW; c++) vv[c] = vf_load_bf(vr + c * 16);
             for (int64_t g = 0; g < G; g++) {
