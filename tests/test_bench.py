@@ -195,6 +195,11 @@ def test_bench_cli_end_to_end_on_a_tiny_model(tiny_bench_model, capsys, tmp_path
         assert results[name]["output_tokens"] == report["workload"]["output_tokens"]
     ss = results["workbench_single_stream"]
     assert ss["output_tokens"] == 64 and ss["achieved_gb_s"] > 0 and 0 < ss["bandwidth_fraction"]
+    # the fraction is of the bandwidth measured around the run; the roofline's (the start's) beside it
+    assert ss["bandwidth_fraction"] == pytest.approx(ss["achieved_gb_s"] / ss["bandwidth_gb_s"])
+    assert ss["bandwidth_fraction_of_roofline"] == pytest.approx(
+        ss["achieved_gb_s"] / report["roofline"]["memory_bandwidth_gb_s"])
+    assert report["roofline_fraction"]["workbench_single_stream"] == ss["bandwidth_fraction"]
     roof = report["roofline"]
     for key in ("memory_bandwidth_gb_s", "peak_gflop_s", "decode_limit_tok_s", "compute_limit_tok_s",
                 "weight_bytes", "workload"):
@@ -265,6 +270,23 @@ def test_roofline_peak_is_the_best_dtype_the_host_can_use():
     assert roof["compute_dtype"] == best.split()[0]
     fp32 = measure_roofline(model_costs(cfg, torch.float32), dtype=torch.float32, quick=True, hidden_size=64)
     assert set(fp32["matmul_by_dtype_gflop_s"]) == {"float32"}
+
+
+def test_roofline_skips_the_square_gemm_of_a_dtype_far_slower_on_the_batch_shape(monkeypatch):
+    """bf16 without bf16 instructions: its 2048^3 GEMM would take minutes and cannot be the peak,
+    so it is not measured, and the roofline says why."""
+    from workbench.bench import roofline
+
+    rate = {torch.bfloat16: 10.0, torch.float32: 100.0}
+    monkeypatch.setattr(roofline, "_packed_rate", lambda dt, m, k, n: rate[dt])
+    calls = []
+    monkeypatch.setattr(roofline, "measure_matmul", lambda m, k, n, dt, **kw: calls.append((m, dt)) or rate[dt] * 2)
+    roof = roofline.measure_roofline(roofline.model_costs(load_model_config_for_costs(), torch.bfloat16),
+                                     dtype=torch.bfloat16, quick=True, hidden_size=64)
+    assert (1024, torch.bfloat16) not in calls and (1024, torch.float32) in calls
+    assert list(roof["matmul_skipped"]) == ["bfloat16 1024x1024 @ 1024x1024"]
+    assert "under 1/4 of the best" in roof["matmul_skipped"]["bfloat16 1024x1024 @ 1024x1024"]
+    assert roof["peak_gflop_s"] == 200.0 and roof["compute_dtype"] == "float32"
 
 
 def load_model_config_for_costs():

@@ -21,7 +21,8 @@ def single_stream_line(name: str, r: dict) -> str:
         return f"{name}: {r['decode_tok_s']:.1f} tok/s decode ({r['output_tok_s']:.1f} end to end)"
     return (f"{name}: {r['decode_tok_s']:.1f} tok/s decode ({r['output_tok_s']:.1f} end to end), "
             f"{_num(r['achieved_gb_s'])} GB/s achieved, {100 * r['bandwidth_fraction']:.1f}% of the "
-            f"bandwidth limit ({_num(r['decode_limit_tok_s'])} tok/s)")
+            f"{_num(r['bandwidth_gb_s'])} GB/s measured around the run (limit {_num(r['decode_limit_tok_s'])} tok/s; "
+            f"{100 * r['bandwidth_fraction_of_roofline']:.1f}% of the roofline's)")
 
 
 def format_report(rep: dict) -> str:

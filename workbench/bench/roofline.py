@@ -44,6 +44,9 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device="cpu") -> 
     return samples
 
 
+SLOW_DTYPE_RATIO = 4  # a dtype this many times slower on the batch shape gets no square GEMM
+
+
 def measure_matmul(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, *,
                    min_time: float = 0.25, repeats: int = 3, device="cpu") -> float:
     """Best achieved GFLOP/s of `[m,k] @ [k,n]` in `dtype`."""
@@ -58,6 +61,8 @@ def measure_matmul(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, 
     t = now()
     torch.matmul(a, b, out=out)
     one = max(now() - t, 1e-6)
+    if one >= min_time:  # a slow path (bf16 without bf16 instructions: a minute a call): one sample will do
+        return 2.0 * m * k * n / one / 1e9
     iters = max(1, int(min_time / one))
     best = 0.0
     for _ in range(repeats):
@@ -69,12 +74,13 @@ def measure_matmul(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, 
     return best
 
 
-def _packed_bf16_rate(m: int, k: int, n: int) -> float:
-    """GFLOP/s of the bf16 linear the engine runs (oneDNN's packed layout), 0 where unavailable."""
+def _packed_rate(dtype: torch.dtype, m: int, k: int, n: int) -> float:
+    """GFLOP/s of the linear as the engine runs it on a CPU (oneDNN's packed layout, bf16 or fp32),
+    0 where unavailable."""
     from workbench_kernels import cpu
 
     try:
-        return cpu.gemm_rate(torch.bfloat16, m, k, n, budget_s=0.25)
+        return cpu.gemm_rate(dtype, m, k, n, budget_s=0.25)
     except RuntimeError:
         return 0.0
 
@@ -137,13 +143,17 @@ def measure_roofline(costs: dict, *, dtype: torch.dtype = torch.bfloat16, quick:
     # without bf16 instructions torch's bf16 GEMM is ~60x slower than its fp32 one).
     dtypes = [dtype] + ([torch.float32] if torch.device(device).type == "cpu" and dtype == torch.bfloat16 else [])
     shapes = [(64, hidden_size, 4 * hidden_size), (square, square, square)]
-    flops, by_dtype = {}, {}
-    for dt in dtypes:
-        name = str(dt).removeprefix("torch.")
-        for i, (m, k, n) in enumerate(shapes):
-            # the batch-shaped GEMM in bf16 as the engine runs it (oneDNN's packed weights)
-            rate = (_packed_bf16_rate(m, k, n) if dt == torch.bfloat16 and i == 0 and torch.device(device).type == "cpu"
-                    else 0.0)
+    flops, by_dtype, skipped = {}, {}, {}
+    for i, (m, k, n) in enumerate(shapes):
+        for dt in dtypes:
+            name = str(dt).removeprefix("torch.")
+            if i and by_dtype[name] * SLOW_DTYPE_RATIO < max(by_dtype.values()):
+                # it cannot be the peak, and its square GEMM would take minutes
+                skipped[f"{name} {m}x{k} @ {k}x{n}"] = (f"not measured: {by_dtype[name]:.0f} GFLOP/s on the batch "
+                                                        f"shape, under 1/{SLOW_DTYPE_RATIO} of the best")
+                continue
+            # the batch-shaped GEMM as the engine runs it (oneDNN's packed weights)
+            rate = _packed_rate(dt, m, k, n) if i == 0 and torch.device(device).type == "cpu" else 0.0
             flops[f"{name} {m}x{k} @ {k}x{n}"] = max(rate, measure_matmul(
                 m, k, n, dt, min_time=0.1 if quick else 0.25, repeats=2 if quick else 3, device=device))
             if i == 0:
@@ -156,6 +166,7 @@ def measure_roofline(costs: dict, *, dtype: torch.dtype = torch.bfloat16, quick:
         "memory_bandwidth_samples_gb_s": bw,
         "matmul_gflop_s": flops,
         "matmul_by_dtype_gflop_s": by_dtype,
+        **({"matmul_skipped": skipped} if skipped else {}),
         "peak_gflop_s": peak,
         "compute_dtype": peak_key.split()[0],
         "device": str(device),

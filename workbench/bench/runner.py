@@ -9,7 +9,7 @@ Systems:
   requests released when their arrival time comes, the engine stepped in between; TTFT counted
   from each request's release;
 - `workbench_single_stream`: one request, short prompt, 256 output tokens: decode tok/s, achieved
-  GB/s (weight bytes x tok/s) and the fraction of the measured bandwidth;
+  GB/s (weight bytes x tok/s) and the fraction of the bandwidth measured just before and after it;
 - `hf_sequential`, `hf_static`: transformers `generate` (see `peers.py`), in the dtype that is
   faster on this host (`hf_dtype="auto"`: bf16 where the measured bf16 matmul beats fp32, else fp32);
 - `llama_server`: llama.cpp's server on the model's GGUF, same requests (see `llama_cpp.py`); with
@@ -31,7 +31,7 @@ import torch
 
 from ..runs import machine_facts, record_bench
 from .driver import run_workload
-from .roofline import measure_roofline, model_costs
+from .roofline import measure_bandwidth, measure_roofline, model_costs
 from .stats import NoProgress, RequestRecord, summarize
 from .workload import (
     DEFAULT_NUM_REQUESTS,
@@ -73,19 +73,31 @@ def warm_up_engine(engine, vocab_size: int) -> None:
     engine.reset_prefix_cache()
 
 
-def single_stream_summary(records: list[RequestRecord], start: float, roof: dict) -> dict:
-    """Summary of the one-request run plus decode tok/s, achieved GB/s and the roofline fraction."""
+def single_stream_summary(records: list[RequestRecord], start: float, roof: dict, bandwidth_gb_s: float) -> dict:
+    """Summary of the one-request run plus decode tok/s, achieved GB/s and the fraction of the
+    bandwidth measured around the run (`bandwidth_around`): a shared host's bandwidth drifts by a
+    third over a bench, so the roofline's, from its start, is reported beside it."""
     s = summarize(records, start)
     times = records[0].token_times
     decode_tok_s = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
     gb_s = roof["weight_bytes"] * decode_tok_s / 1e9
+    start_bw = roof["memory_bandwidth_gb_s"]
     s.update(
         decode_tok_s=decode_tok_s,
         achieved_gb_s=gb_s,
-        bandwidth_fraction=gb_s / roof["memory_bandwidth_gb_s"] if roof["memory_bandwidth_gb_s"] else 0.0,
-        decode_limit_tok_s=roof["decode_limit_tok_s"],
+        bandwidth_gb_s=bandwidth_gb_s,
+        bandwidth_fraction=gb_s / bandwidth_gb_s if bandwidth_gb_s else 0.0,
+        bandwidth_fraction_of_roofline=gb_s / start_bw if start_bw else 0.0,
+        decode_limit_tok_s=bandwidth_gb_s * 1e9 / roof["weight_bytes"],
     )
     return s
+
+
+def bandwidth_around(run, device) -> tuple[Any, float]:
+    """`run()`'s result and the best read bandwidth measured just before and just after it."""
+    before = measure_bandwidth(1 << 28, repeats=3, device=device)
+    out = run()
+    return out, max(before + measure_bandwidth(1 << 28, repeats=3, device=device))
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -260,10 +272,11 @@ def run_bench(
             engine.reset_prefix_cache()
             bar = progress("workbench_single_stream", 1)
             try:
-                recs, start = run_workload(engine, ss_workload.requests, progress=bar)
+                (recs, start), bw = bandwidth_around(lambda: run_workload(engine, ss_workload.requests, progress=bar),
+                                                     device)
             finally:
                 bar.close()
-            results["workbench_single_stream"] = single_stream_summary(recs, start, roof)
+            results["workbench_single_stream"] = single_stream_summary(recs, start, roof, bw)
             records["workbench_single_stream"] = recs
         del engine
         gc.collect()
@@ -289,10 +302,11 @@ def run_bench(
         if single_stream and "hf_sequential" in systems:
             bar = progress("hf_single_stream", 1)
             try:
-                recs, start = run_hf(hf, ss_workload, batch_size=1, progress=bar.update)
+                (recs, start), bw = bandwidth_around(lambda: run_hf(hf, ss_workload, batch_size=1, progress=bar.update),
+                                                     device)
             finally:
                 bar.close()
-            results["hf_single_stream"] = single_stream_summary(recs, start, roof)
+            results["hf_single_stream"] = single_stream_summary(recs, start, roof, bw)
             records["hf_single_stream"] = recs
         del hf
         gc.collect()
@@ -348,7 +362,7 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
         if name.endswith("single_stream"):
             if "bandwidth_fraction" not in r:
                 continue  # another system's weights (llama.cpp's GGUF): our byte count does not apply
-            fractions[name] = r["decode_tok_s"] / roof["decode_limit_tok_s"] if roof["decode_limit_tok_s"] else 0.0
+            fractions[name] = r["bandwidth_fraction"]
             r["roofline_fraction"] = fractions[name]
         elif wl_limit:
             fractions[name] = r["output_tok_s"] / wl_limit
