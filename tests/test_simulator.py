@@ -70,13 +70,17 @@ def test_the_engine_and_the_simulator_admit_the_same_batches(tiny_llama, blocks,
 
 
 def test_a_fit_recovers_the_step_cost_it_was_fitted_on():
-    truth = [0.002, 0.0001, 0.0005, 0.0002, 0.0003, 0.004, 0.0]
-    shapes = [StepShape(p, d, max(1, d), float(a)) for p in (0, 16, 64, 200) for d in (1, 4, 6, 9, 32)
-              for a in (100, 2000)]
+    truth = [0.002, 0.0001, 0.0005, 0.0002, 0.0004, 0.0003, 0.004, 0.0]
+    shapes = [StepShape(p, d, max(1, d), float(a + pa), float(pa)) for p in (0, 16, 64, 200) for d in (1, 4, 6, 9, 32)
+              for a in (100, 2000) for pa in ((0, 300, 5000) if p else (0,))]
     seconds = [sum(c * f for c, f in zip(truth, s.features(8))) for s in shapes]
     fit = FittedCost.fit(shapes, seconds)
     assert fit.report["mape"] < 1e-6 and fit.report["threshold_tokens"] == 8
-    assert fit(StepShape(32, 8, 8, 500.0)) == pytest.approx(sum(c * f for c, f in zip(truth, StepShape(32, 8, 8, 500.0).features(8))))
+    mixed = StepShape(32, 8, 8, 900.0, 600.0)
+    assert fit(mixed) == pytest.approx(sum(c * f for c, f in zip(truth, mixed.features(8))))
+    # attention over a just-written prefill context and over decoding sequences' are apart
+    assert fit.report["coefficients"]["per_1k_prefill_attended_s"] == pytest.approx(0.0002)
+    assert fit.report["coefficients"]["per_1k_decode_attended_s"] == pytest.approx(0.0004)
     with pytest.raises(ValueError, match="at least 8"):
         FittedCost.fit(shapes[:3], seconds[:3])
 

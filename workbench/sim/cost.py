@@ -2,10 +2,13 @@
 
 A step is described by its `StepShape`: prefill tokens, decode (and verify) tokens, sequences, and
 the attention work (`attended`: the sum over the step's tokens of the context each one attends
-to). Two models turn a shape into seconds:
+to; `prefill_attended`: the prefill tokens' part of it). Two models turn a shape into seconds:
 
-- `FittedCost`: a least-squares fit over a real engine's recorded steps
-  (t = overhead + a * prefill + b * decode + c * attended + d * sequences, plus an offset and a
+- `FittedCost`: a least-squares fit over a real engine's recorded steps (t = overhead +
+  a * prefill + b * decode + c * prefill_attended + c' * decode_attended + d * sequences: a
+  prefill chunk attends over a context it has just written, still in cache, a decode step over
+  every running sequence's, read from memory -- 2x the cost per position on our CPU path --
+  plus an offset and a
   per-decode-token term for steps above a size threshold, chosen by the fit: engines switch
   kernels there, e.g. our CPU path runs steps of up to 8 tokens as one fused call), with its
   error on the steps it was fitted on (`report`). A step's time is its period: from its start
@@ -34,15 +37,16 @@ class StepShape:
     decode_tokens: int
     num_seqs: int
     attended: float  # sum over the step's tokens of the context each attends to
+    prefill_attended: float = 0.0  # the part of `attended` from prefill tokens
 
     def features(self, threshold: int = 1 << 30) -> list[float]:
         big = 1.0 if self.prefill_tokens + self.decode_tokens > threshold else 0.0
-        return [1.0, self.prefill_tokens, self.decode_tokens, self.attended / 1e3, self.num_seqs, big,
-                big * self.decode_tokens]
+        return [1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attended / 1e3,
+                (self.attended - self.prefill_attended) / 1e3, self.num_seqs, big, big * self.decode_tokens]
 
 
-FEATURES = ("overhead_s", "per_prefill_token_s", "per_decode_token_s", "per_1k_attended_s", "per_seq_s",
-            "large_step_s", "per_decode_token_large_s")
+FEATURES = ("overhead_s", "per_prefill_token_s", "per_decode_token_s", "per_1k_prefill_attended_s",
+            "per_1k_decode_attended_s", "per_seq_s", "large_step_s", "per_decode_token_large_s")
 THRESHOLDS = (4, 8, 16, 32, 64, 128)  # step sizes (tokens) tried as the kernel switch
 BUSY_GAP_S = 0.01  # a next step this soon after a step's end: the engine was busy in between
 
@@ -188,16 +192,18 @@ def shapes_from_timeline(steps, requests=()) -> tuple[list[StepShape], list[floa
             elif ev.kind == "finished":
                 computed.pop(ev.request_id, None)
             ei += 1
-        work = 0.0
+        work = prefill_work = 0.0
         for entry in st.batch:
             start = computed.get(entry.request_id, 0)
-            work += attended(start, entry.num_tokens)
+            here = attended(start, entry.num_tokens)
+            work += here
+            prefill_work += here if entry.kind == "prefill" else 0.0
             computed[entry.request_id] = start + entry.num_tokens
         nxt = ordered[k + 1] if k + 1 < len(ordered) else None
         gap = nxt.start - st.end if nxt is not None else None
         dur = st.end - st.start + (gap if gap is not None and 0 <= gap < BUSY_GAP_S else typical_gap)
         if st.phase == "relayout" or not math.isfinite(dur) or dur <= 0:
             continue
-        shapes.append(StepShape(st.num_prefill_tokens, st.num_decode_tokens, len(st.batch), work))
+        shapes.append(StepShape(st.num_prefill_tokens, st.num_decode_tokens, len(st.batch), work, prefill_work))
         seconds.append(dur)
     return shapes, seconds

@@ -121,15 +121,18 @@ class Replica:
         if not sched.scheduled:
             raise RuntimeError(f"replica {self.index} cannot schedule its waiting requests (KV cache too small)")
         prefill = decode = 0
-        work = 0.0
+        work = prefill_work = 0.0
         for s in sched.scheduled:
-            work += attended(s.seq.num_computed_tokens, s.num_tokens)
+            here = attended(s.seq.num_computed_tokens, s.num_tokens)
+            work += here
             if s.kind == "prefill":
                 prefill += s.num_tokens
+                prefill_work += here
             else:
                 decode += s.num_tokens
         start = self.t
-        self.t = end = start + draft_s + self.cost(StepShape(prefill, decode, len(sched.scheduled), work))
+        shape = StepShape(prefill, decode, len(sched.scheduled), work, prefill_work)
+        self.t = end = start + draft_s + self.cost(shape)
         self.busy_s += end - start
         self.steps += 1
         verified = {i for i, s in enumerate(sched.scheduled) if s.kind == "verify"}
