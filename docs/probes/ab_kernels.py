@@ -1,0 +1,82 @@
+"""A/B two or more versions of cpu_kernels.c in one process, interleaved (a shared host's speed
+moves by a third within a minute, so separate runs cannot be compared).
+
+    python docs/probes/ab_kernels.py gemv avx2 old=/tmp/old/cpu_kernels.c new=kernels/cpu_kernels.c
+    python docs/probes/ab_kernels.py attention avx512_bf16 old=... new=...
+
+gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1), GB/s of weights.
+attention: paged decode attention, 64 sequences x 300 tokens, 9 query / 3 KV heads of 64, over 30
+layers' caches (reads from DRAM, as in a wide decode step), ms per layer call. Each version is
+built with the variant's flags; the output's max difference from the first version is printed.
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from workbench_kernels import cpu
+
+torch.set_num_threads(2)
+what, variant, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
+tmp = Path(tempfile.mkdtemp())
+libs = {}
+for spec in specs:
+    name, src = spec.split("=", 1)
+    so, gomp = tmp / f"{name}.so", cpu._torch_libgomp()
+    flags = cpu.COMMON_FLAGS + cpu.VARIANT_FLAGS[variant] + [f"-I{cpu.HERE}"]
+    subprocess.run(["gcc", *flags, "-c", src, "-o", f"{so}.o"], check=True)
+    subprocess.run(["gcc", "-shared", f"{so}.o", "-o", str(so), str(gomp), f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True)
+    libs[name] = ctypes.CDLL(str(so))
+g = torch.Generator().manual_seed(0)
+
+if what == "gemv":
+    M = int(os.environ.get("M", "1"))
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    ws = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes]
+    xs = {k: torch.randn(M, k, generator=g).bfloat16() for _, k in shapes}
+    ys = [torch.empty(M, n, dtype=torch.bfloat16) for n, _ in shapes]
+    fns = {}
+    for name, lib in libs.items():
+        f = lib.wb_gemv_bf16
+        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+        fns[name] = lambda f=f: [f(xs[k].data_ptr(), w.data_ptr(), None, None, y.data_ptr(), M, n, k, 0)
+                                 for w, (n, k), y in zip(ws, shapes, ys)] and ys[-1].clone()
+    unit, scale = "GB/s", sum(n * k * 2 for n, k in shapes) / 1e9
+elif what == "attention":
+    B, L, Hq, Hkv, D, bs, layers = 64, 300, 9, 3, 64, 16, 30
+    nb = B * ((L + bs - 1) // bs) + 4
+    kc = [torch.randn(nb, bs, Hkv, D, generator=g).bfloat16() for _ in range(layers)]
+    vc = [torch.randn(nb, bs, Hkv, D, generator=g).bfloat16() for _ in range(layers)]
+    tables = torch.randperm(nb, generator=g)[: B * ((L + bs - 1) // bs)].view(B, -1).int().contiguous()
+    q, lens = torch.randn(B, Hq, D, generator=g).bfloat16(), torch.full((B,), L, dtype=torch.int32)
+    fns = {}
+    for name, lib in libs.items():
+        f = lib.wb_paged_decode
+        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+
+        def run(f=f):
+            for i in range(layers):
+                out = torch.empty_like(q)
+                f(q.data_ptr(), kc[i].data_ptr(), vc[i].data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                  B, Hq, Hkv, D, bs, tables.shape[1], 0.125)
+            return out
+        fns[name] = run
+    unit, scale = "ms per layer", None
+else:
+    raise SystemExit(f"unknown probe {what!r}; allowed: gemv, attention")
+
+best, outs = dict.fromkeys(fns, float("inf")), {}
+for _ in range(8):
+    for name, fn in fns.items():
+        t = time.perf_counter()
+        outs[name] = fn()
+        best[name] = min(best[name], time.perf_counter() - t)
+first = next(iter(outs.values())).float()
+for name, t in best.items():
+    figure = scale / t if scale else t * 1e3 / 30
+    print(f"{variant} {what} {name}: {figure:.2f} {unit}  (max |diff| vs the first {(outs[name].float() - first).abs().max().item():.3g})")
