@@ -395,3 +395,18 @@ def test_a_recorded_fit_comes_back_from_the_run_log(tiny_llama, tmp_path):
     assert again is not None and again.source == f"fitted (run log #{first.run_id})"
     assert again.run(w, record=False).summary()["output_tok_s"] == pytest.approx(first.summary()["output_tok_s"])
     assert Simulator.latest_fit("some-other-model", run_log=log) is None
+
+
+def test_the_calibration_covers_mid_width_and_long_context_small_steps():
+    """Without a 16-wide burst the GEMM path's narrow end was extrapolated (wide decodes 9-22%
+    optimistic), and without a few long prompts the fit could not price attention for small steps
+    over long contexts (20-35% optimistic): docs/benchmarks.md, issue 16."""
+    from workbench.sim.workloads import calibration_workloads
+
+    loads = list(calibration_workloads(None, 256, 2048, 64))
+    widths = [len(w.requests) for w in loads]
+    assert widths == [64, 16, 8, 4, 1]
+    long_prompts = loads[3].requests
+    assert all(len(r.prompt_token_ids) >= 512 for r in long_prompts)
+    assert len({r.max_tokens for r in long_prompts}) > 1  # decodes narrow from 4 to 1 as they finish
+    assert [len(w.requests) for w in calibration_workloads(None, 256, 2048, 16)] == [16, 8, 4, 1]

@@ -59,15 +59,22 @@ def describe_workload(workload, requests: list[BenchRequest]) -> dict[str, Any]:
 
 def calibration_workloads(workload, vocab: int, max_len: int, max_num_seqs: int = 64) -> Iterable[Workload]:
     """Steps of every shape the fit needs: a full-width burst of the bench's prompt lengths with
-    short outputs (prefill chunks, the widest decode batches over long contexts), a narrow burst,
-    and a single stream (small steps)."""
+    short outputs (prefill chunks, the widest decode batches over long contexts), a 16-wide burst
+    (the GEMM path's narrow end, which the widest burst only passes through), a narrow burst, a
+    few long prompts whose decodes narrow from 4 sequences to 1 (small steps over long contexts:
+    without them the fit cannot tell what attending over a long context costs a small step, and
+    under-predicted those steps by 20-35%), and a single stream (small steps)."""
     if workload is not None:
         yield make_workload(vocab_size=vocab, **workload)
         return
     longest = max(32, min(512, max_len // 2 - 64))
     yield make_workload(max(8, min(max_num_seqs, 64)), seed=11, vocab_size=vocab, prompt_len=(32, longest),
                         output_len=(8, 64))
+    if max_num_seqs > 16:
+        yield make_workload(16, seed=15, vocab_size=vocab, prompt_len=(32, longest), output_len=(32, 64))
     yield make_workload(8, seed=12, vocab_size=vocab, prompt_len=(32, longest // 2), output_len=(32, 32))
+    yield make_workload(4, seed=14, vocab_size=vocab, prompt_len=(longest, max(longest, min(2 * longest, max_len - 160))),
+                        output_len=(32, 96))
     yield make_workload(1, seed=13, vocab_size=vocab, prompt_len=(32, 64), output_len=(64, 64))
 
 
