@@ -7,7 +7,7 @@ to; `prefill_attended`: the prefill tokens' part of it). Two models turn a shape
 - `FittedCost`: a least-squares fit over a real engine's recorded steps (t = overhead +
   a * prefill + b * decode + c * prefill_attended + c' * decode_attended + d * sequences: a
   prefill chunk attends over a context it has just written, still in cache, a decode step over
-  every running sequence's, read from memory -- 2x the cost per position on our CPU path --
+  every running sequence's, read from memory, so a position can cost either differently;
   plus an offset and a
   per-decode-token term for steps above a size threshold, chosen by the fit: engines switch
   kernels there, e.g. our CPU path runs steps of up to 8 tokens as one fused call), with its
