@@ -39,6 +39,22 @@ class StepShape:
     attended: float  # sum over the step's tokens of the context each attends to
     prefill_attended: float = 0.0  # the part of `attended` from prefill tokens
 
+    @classmethod
+    def of(cls, parts: list[tuple[str, int, int]]) -> StepShape:
+        """A step's shape from its sequences' (kind, tokens computed before, tokens computed now):
+        one rule for the engine's recorded steps and the simulator's."""
+        prefill = decode = 0
+        work = prefill_work = 0.0
+        for kind, start, n in parts:
+            here = attended(start, n)
+            work += here
+            if kind == "prefill":
+                prefill += n
+                prefill_work += here
+            else:
+                decode += n
+        return cls(prefill, decode, len(parts), work, prefill_work)
+
     def features(self, threshold: int = 1 << 30) -> list[float]:
         big = 1.0 if self.prefill_tokens + self.decode_tokens > threshold else 0.0
         return [1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attended / 1e3,
@@ -192,18 +208,16 @@ def shapes_from_timeline(steps, requests=()) -> tuple[list[StepShape], list[floa
             elif ev.kind == "finished":
                 computed.pop(ev.request_id, None)
             ei += 1
-        work = prefill_work = 0.0
+        parts = []
         for entry in st.batch:
             start = computed.get(entry.request_id, 0)
-            here = attended(start, entry.num_tokens)
-            work += here
-            prefill_work += here if entry.kind == "prefill" else 0.0
+            parts.append((entry.kind, start, entry.num_tokens))
             computed[entry.request_id] = start + entry.num_tokens
         nxt = ordered[k + 1] if k + 1 < len(ordered) else None
         gap = nxt.start - st.end if nxt is not None else None
         dur = st.end - st.start + (gap if gap is not None and 0 <= gap < BUSY_GAP_S else typical_gap)
         if st.phase == "relayout" or not math.isfinite(dur) or dur <= 0:
             continue
-        shapes.append(StepShape(st.num_prefill_tokens, st.num_decode_tokens, len(st.batch), work, prefill_work))
+        shapes.append(StepShape.of(parts))
         seconds.append(dur)
     return shapes, seconds

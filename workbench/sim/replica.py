@@ -13,7 +13,7 @@ from ..engine.speculative import ready_for_drafts
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings
 from ..timeline import TimelineRecorder
-from .cost import StepShape, attended
+from .cost import StepShape
 
 ROUTERS = ("round_robin", "least_outstanding", "prefix_affinity")
 TOKEN = 0  # the id a simulated step "samples" (no model: only counts and lengths matter)
@@ -100,8 +100,8 @@ class Replica:
         seconds = 0.0
         if self.draft_cost is not None:
             for r in range(max((room for _, room in ready), default=0)):
-                active = [len(seq) + r for seq, room in ready if room > r]
-                seconds += self.draft_cost(StepShape(0, len(active), len(active), float(sum(n + 1 for n in active))))
+                active = [("decode", len(seq) + r, 1) for seq, room in ready if room > r]
+                seconds += self.draft_cost(StepShape.of(active))
         return sum(room for _, room in ready), seconds
 
     def _verify(self, seq: Sequence) -> list[int]:
@@ -120,18 +120,8 @@ class Replica:
         sched.spec_proposed = proposed
         if not sched.scheduled:
             raise RuntimeError(f"replica {self.index} cannot schedule its waiting requests (KV cache too small)")
-        prefill = decode = 0
-        work = prefill_work = 0.0
-        for s in sched.scheduled:
-            here = attended(s.seq.num_computed_tokens, s.num_tokens)
-            work += here
-            if s.kind == "prefill":
-                prefill += s.num_tokens
-                prefill_work += here
-            else:
-                decode += s.num_tokens
+        shape = StepShape.of([(s.kind, s.seq.num_computed_tokens, s.num_tokens) for s in sched.scheduled])
         start = self.t
-        shape = StepShape(prefill, decode, len(sched.scheduled), work, prefill_work)
         self.t = end = start + draft_s + self.cost(shape)
         self.busy_s += end - start
         self.steps += 1
