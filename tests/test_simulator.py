@@ -64,6 +64,10 @@ def test_the_engine_and_the_simulator_admit_the_same_batches(tiny_llama, blocks,
     res = sim_for(llm).run(w, record=False)
     simulated = batches(res.timeline, {str(i): i for i in range(8)})
     assert measured == simulated
+    # and the same shapes, which the fit reads from the engine's timeline: the engine records a
+    # request's "finished" inside the step that finishes it, the simulator after it
+    assert shapes_from_timeline(real.steps, real.requests)[0] == shapes_from_timeline(
+        res.timeline.steps, res.timeline.requests)[0]
     assert res.summary()["preemptions"] == sum(1 for r in real.requests if r.kind == "preempted")
     assert any(len(b) > 1 for b in simulated)
     assert (res.summary()["preemptions"] > 0) == (blocks == 8)
@@ -83,6 +87,38 @@ def test_a_fit_recovers_the_step_cost_it_was_fitted_on():
     assert fit.report["coefficients"]["per_1k_decode_attended_s"] == pytest.approx(0.0004)
     with pytest.raises(ValueError, match="at least 8"):
         FittedCost.fit(shapes[:3], seconds[:3])
+
+
+def test_pooled_calibrations_are_one_fit_over_all_their_steps(tiny_llama):
+    truth = [0.002, 0.0001, 0.0005, 0.0002, 0.0004, 0.0003, 0.004, 0.0]
+    shapes = [StepShape(p, d, max(1, d), float(a), 0.0) for p in (0, 64) for d in (1, 4, 9, 32) for a in (100, 2000)]
+    cost = [sum(c * f for c, f in zip(truth, s.features(8))) for s in shapes]
+    slow, fast = FittedCost.fit(shapes, [1.2 * t for t in cost]), FittedCost.fit(shapes, [0.9 * t for t in cost])
+    both = FittedCost.pooled([slow, fast])
+    probe = StepShape(16, 4, 5, 800.0, 200.0)
+    assert both.report["steps"] == 2 * len(shapes)
+    assert fast(probe) < both(probe) < slow(probe)
+    with pytest.raises(ValueError, match="no steps to pool"):
+        FittedCost.pooled([slow, FittedCost(slow.coefficients, slow.threshold)])
+
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=64)
+    first, second = Simulator.calibrate(llm), Simulator.calibrate(llm)
+    sim = Simulator.pooled([first, second])
+    assert sim.calibration["calibrations"] == 2
+    assert sim.calibration["steps"] == first.calibration["steps"] + second.calibration["steps"]
+    assert sim.run(small(4), record=False).summary()["output_tokens"] > 0
+    from workbench.jupyter.sim_magic import simulate_parser
+    from workbench.sim.cli import simulate_from_args
+
+    args = simulate_parser().parse_args(["--calibrate", "--calibrations", "2", "--requests", "4", "--no-plot"])
+    report, _ = simulate_from_args(args, {}, llm)
+    assert report["simulator"]["calibration"]["calibrations"] == 2
+    with pytest.raises(ValueError, match="no steps to pool"):  # a fit read back from the run log
+        Simulator.pooled([first, Simulator.from_calibration(first.calibration)])
+    with pytest.raises(ValueError, match="share engine, device and quantization"):
+        Simulator.pooled([first, Simulator.from_calibration({**first.calibration, "engine": "another-model"})])
+    with pytest.raises(ValueError, match="made by Simulator.calibrate"):
+        Simulator.pooled([first, Simulator(profile="h200")])
 
 
 def test_roofline_steps_are_bandwidth_or_compute_bound():
@@ -224,6 +260,8 @@ def test_the_simulate_magic(tmp_path, monkeypatch):
         assert cap.outputs  # the simulated timeline, drawn by the notebook's view
         with pytest.raises(UsageError, match="replicas must be an int >= 1"):
             shell.run_line_magic("simulate", "--replicas 0 --no-plot")
+        with pytest.raises(UsageError, match="--calibrations must be >= 1 and, above 1, comes with --calibrate"):
+            shell.run_line_magic("simulate", "--calibrations 2 --no-plot")
     finally:
         InteractiveShell.clear_instance()
 

@@ -54,6 +54,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser, *, calibrate_help: str) -
     src.add_argument("--calibrate", action="store_true", help=calibrate_help)
     src.add_argument("--engine", default=None, metavar="NAME",
                      help="fit the step costs from the running engine NAME (runs a short calibration on it)")
+    p.add_argument("--calibrations", type=int, default=1, metavar="N",
+                   help="with --calibrate or --engine: calibrate N times and fit over all their steps (a shared "
+                        "host's speed drifts; one calibration sees one moment of it). Default 1")
     p.add_argument("--model", default=None, help="the model whose shape the roofline uses (default: the embedded one)")
     p.add_argument("--requests", type=int, default=64, metavar="N", help="number of requests (default 64)")
     p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default="poisson", help="arrivals (default poisson)")
@@ -91,6 +94,9 @@ def simulate_from_args(args: argparse.Namespace, settings: dict[str, Any], engin
     slo = {k: v for k, v in (("ttft_ms", args.slo_ttft_ms), ("itl_ms", args.slo_itl_ms)) if v is not None} or None
     if args.replicas_for and not slo:
         raise ValueError("--replicas-for needs --slo-ttft-ms and/or --slo-itl-ms")
+    if args.calibrations < 1 or (args.calibrations > 1 and not (args.calibrate or args.engine)):
+        raise ValueError(f"--calibrations must be >= 1 and, above 1, comes with --calibrate or --engine; "
+                         f"got {args.calibrations}")
     if args.calibrate or args.engine:
         from ..engines import connect
 
@@ -100,8 +106,10 @@ def simulate_from_args(args: argparse.Namespace, settings: dict[str, Any], engin
             from ..llm import LLM
 
             engine = LLM(args.model, **settings)
-        _log("calibrating on " + (f"engine {args.engine!r}" if args.engine else "the engine"))
-        sim = Simulator.calibrate(engine)
+        _log("calibrating on " + (f"engine {args.engine!r}" if args.engine else "the engine")
+             + (f", {args.calibrations} times" if args.calibrations > 1 else ""))
+        sims = [Simulator.calibrate(engine) for _ in range(args.calibrations)]
+        sim = sims[0] if len(sims) == 1 else Simulator.pooled(sims)
         cal = sim.calibration or {}
         _log(f"fitted on {cal.get('steps')} steps: mean error {cal.get('mape', 0) * 100:.1f}%, r2 {cal.get('r2', 0):.3f}")
     else:

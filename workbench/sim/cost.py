@@ -134,6 +134,8 @@ class FittedCost:
     coefficients: list[float]
     threshold: int = 1 << 30
     report: dict[str, Any] = field(default_factory=dict)
+    # the steps it was fitted on (shapes, seconds), so later calibrations can be pooled with them
+    samples: tuple[list[StepShape], list[float]] = field(default=((), ()), repr=False, compare=False)
 
     def __call__(self, s: StepShape) -> float:
         return max(1e-6, float(np.dot(self.coefficients, s.features(self.threshold))))
@@ -168,7 +170,19 @@ class FittedCost:
         report = {"kind": "fitted", "steps": len(shapes), "mape": mape, "p90_error": float(np.quantile(err, 0.9)),
                   "r2": 1.0 - ss_res / ss_tot, "threshold_tokens": threshold if threshold < 1 << 30 else None,
                   "coefficients": dict(zip(FEATURES, map(float, coef))), "mean_step_ms": float(y.mean() * 1e3)}
-        return cls([float(c) for c in coef], threshold, report)
+        return cls([float(c) for c in coef], threshold, report, (list(shapes), list(seconds)))
+
+    @classmethod
+    def pooled(cls, fits: list[FittedCost]) -> FittedCost:
+        """One fit over the steps of several fits (calibrations made at different moments)."""
+        shapes, seconds = [], []
+        for f in fits:
+            if not f.samples[0]:
+                raise ValueError("a fit read back from its coefficients has no steps to pool; pool fits made by "
+                                 "FittedCost.fit or Simulator.calibrate in this process")
+            shapes += f.samples[0]
+            seconds += f.samples[1]
+        return cls.fit(shapes, seconds)
 
     def describe(self) -> dict[str, Any]:
         return dict(self.report)
@@ -191,7 +205,8 @@ def shapes_from_timeline(steps, requests=()) -> tuple[list[StepShape], list[floa
     """Each recorded step's shape and period (its duration plus the gap to the next step while
     the engine was busy; the typical such gap after a step followed by idle time). A request's
     context is rebuilt from the batch entries in order (a prefix-cache hit starts it further on;
-    a preemption starts it again)."""
+    a preemption starts it again). A request's "finished" is not read: the engine records it
+    inside the step that produced the last token, ahead of that step, whose entry keeps its context."""
     computed: dict[str, int] = {}
     events = sorted(((r.seq, r) for r in requests), key=lambda e: e[0])
     ei = 0
@@ -205,8 +220,6 @@ def shapes_from_timeline(steps, requests=()) -> tuple[list[StepShape], list[floa
             if ev.kind in ("scheduled", "resumed"):
                 hit = ev.detail.split("=", 1)[1] if ev.detail and ev.detail.startswith("prefix_hit=") else "0"
                 computed[ev.request_id] = int(hit) if hit.isdigit() else 0
-            elif ev.kind == "finished":
-                computed.pop(ev.request_id, None)
             ei += 1
         parts = []
         for entry in st.batch:

@@ -189,6 +189,29 @@ class Simulator:
     calibration: dict[str, Any] | None = None
 
     @classmethod
+    def pooled(cls, sims: list[Simulator]) -> Simulator:
+        """One fit over the steps of several calibrations of one engine, made at different moments:
+        a shared host's speed drifts by 10-20% over minutes, and one calibration sees one moment
+        of it (docs/benchmarks.md, issue 16). The newest calibration gives the settings."""
+        if not sims:
+            raise ValueError("pooled needs at least one calibrated Simulator")
+        cals = [s.calibration for s in sims]
+        if any(c is None or not isinstance(s.cost, FittedCost) for s, c in zip(sims, cals)):
+            raise ValueError("pooled takes simulators made by Simulator.calibrate")
+        key = ("engine", "device", "quantization")
+        if len({tuple(c.get(k) for k in key) for c in cals}) > 1:
+            raise ValueError(f"pooled calibrations must share engine, device and quantization; got "
+                             f"{sorted({tuple(c.get(k) for k in key) for c in cals})}")
+        last = sims[-1]
+        cost = FittedCost.pooled([s.cost for s in sims])
+        sim = cls(None, last.model_name, cost=cost, settings=last.base_settings, num_kv_blocks=last.num_kv_blocks,
+                  block_size=last.block_size, tokenizer=last.tokenizer, vocab_size=last.vocab_size,
+                  device=last.device, source="fitted")
+        sim.calibration = {**cals[-1], **cost.describe(),
+                           "calibrations": sum(c.get("calibrations", 1) for c in cals)}
+        return sim
+
+    @classmethod
     def from_calibration(cls, calibration: dict[str, Any], *, settings: dict[str, Any] | None = None,
                          num_kv_blocks: int | None = None, block_size: int = 16, model=None) -> Simulator:
         """A simulator with a recorded fit (`sim.calibration`, as the run log keeps it)."""
