@@ -104,6 +104,25 @@ static inline void acc_store(vf acc[MAX_M][ROWS], const int M, int nr, bf16 *y, 
     }
 }
 
+// The row-sequential bf16 GEMV's accumulators: U per activation row (more for fewer rows, to hide
+// the multiply-add latency), summed into one weight row's outputs at the end.
+#define ROW_ACCS 4
+static inline int row_accs(const int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+
+static inline void row_acc_clear(vf acc[MAX_M][ROW_ACCS], const int M, const int U) {
+    for (int m = 0; m < M; m++)
+        for (int u = 0; u < U; u++) acc[m][u] = vf_zero();
+}
+
+static inline void row_acc_store(vf acc[MAX_M][ROW_ACCS], const int M, const int U, bf16 *y, int64_t N, int64_t m0,
+                                 int64_t n, const bf16 *bias) {
+    for (int m = 0; m < M; m++) {
+        vf t = acc[m][0];
+        for (int u = 1; u < U; u++) t = vf_add(t, acc[m][u]);
+        store_row(y, N, m0 + m, n, vf_sum(t), bias);
+    }
+}
+
 // Activations as fp32, for the kernels that multiply in fp32.
 static void bf16_to_f32(const bf16 *x, float *f, int64_t n) {
     for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
@@ -120,12 +139,11 @@ static float *to_f32(const bf16 *x, int64_t n) {
 // bf16 weights: vdpbf16ps does 32 multiply-adds per instruction on bf16 pairs. x is bf16 here.
 static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
                                    int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
-    const int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+    const int U = row_accs(M);
     for (int r = 0; r < nr; r++) {
         const bf16 *wr = w + (n0 + r) * K;
-        __m512 acc[MAX_M][4];
-        for (int m = 0; m < M; m++)
-            for (int u = 0; u < U; u++) acc[m][u] = _mm512_setzero_ps();
+        vf acc[MAX_M][ROW_ACCS];  // vf is __m512 in this build
+        row_acc_clear(acc, M, U);
         int64_t k = 0;
         for (; k + 32 * U <= K; k += 32 * U) {
             for (int u = 0; u < U; u++) {
@@ -141,23 +159,18 @@ static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bia
             for (int m = 0; m < M; m++)
                 acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mk, x + (m0 + m) * K + k));
         }
-        for (int m = 0; m < M; m++) {
-            __m512 t = acc[m][0];
-            for (int u = 1; u < U; u++) t = _mm512_add_ps(t, acc[m][u]);
-            store_row(y, N, m0 + m, n0 + r, vf_sum(t), bias);
-        }
+        row_acc_store(acc, M, U, y, N, m0, n0 + r, bias);
     }
 }
 #else
 // bf16 weights widened to fp32 in registers; x is fp32 here (converted once per call).
 static inline void gemv_bf16_block(const float *xf, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
                                    int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
-    const int U = M == 1 ? 4 : M == 2 ? 2 : 1;
+    const int U = row_accs(M);
     for (int r = 0; r < nr; r++) {
         const bf16 *wr = w + (n0 + r) * K;
-        vf acc[MAX_M][4];
-        for (int m = 0; m < M; m++)
-            for (int u = 0; u < U; u++) acc[m][u] = vf_zero();
+        vf acc[MAX_M][ROW_ACCS];
+        row_acc_clear(acc, M, U);
         int64_t k = 0;
         for (; k + 16 * U <= K; k += 16 * U) {
             for (int u = 0; u < U; u += 2) PREFETCH(wr + BF16_AHEAD + k + 16 * u);
@@ -174,11 +187,7 @@ static inline void gemv_bf16_block(const float *xf, const bf16 *w, const bf16 *b
             vf wv = vf_load_bf_n(wr + k, K - k);
             for (int m = 0; m < M; m++) acc[m][0] = vf_fma(wv, vf_load_n(xf + (m0 + m) * K + k, K - k), acc[m][0]);
         }
-        for (int m = 0; m < M; m++) {
-            vf t = acc[m][0];
-            for (int u = 1; u < U; u++) t = vf_add(t, acc[m][u]);
-            store_row(y, N, m0 + m, n0 + r, vf_sum(t), bias);
-        }
+        row_acc_store(acc, M, U, y, N, m0, n0 + r, bias);
     }
 }
 #endif

@@ -198,10 +198,9 @@ class Simulator:
         cals = [s.calibration for s in sims]
         if any(c is None or not isinstance(s.cost, FittedCost) for s, c in zip(sims, cals)):
             raise ValueError("pooled takes simulators made by Simulator.calibrate")
-        key = ("engine", "device", "quantization")
-        if len({tuple(c.get(k) for k in key) for c in cals}) > 1:
-            raise ValueError(f"pooled calibrations must share engine, device and quantization; got "
-                             f"{sorted({tuple(c.get(k) for k in key) for c in cals})}")
+        layouts = {tuple(c.get(k) for k in ("engine", "device", "quantization")) for c in cals}
+        if len(layouts) > 1:
+            raise ValueError(f"pooled calibrations must share engine, device and quantization; got {sorted(layouts)}")
         last = sims[-1]
         cost = FittedCost.pooled([s.cost for s in sims])
         sim = cls(None, last.model_name, cost=cost, settings=last.base_settings, num_kv_blocks=last.num_kv_blocks,
