@@ -4,6 +4,9 @@
 `configure(**changes)`, `%engine set`, the dashboard widgets and the lab panel all read the
 names, allowed values, kinds and help text from here.
 
+Settings tagged `shapes_kv` change the values a step writes into the KV cache (weights,
+kernels, experts per token): the prefix cache keys its blocks by them (`kv_salt`).
+
 Kinds say what a change costs:
 - live:     takes effect at the next step boundary;
 - relayout: weights or KV cache re-laid out inside the running engine, requests kept;
@@ -42,14 +45,17 @@ class EngineSettings(HasTraits):
         doc="reuse KV blocks of identical prompt prefixes",
     )
     kv_cache_dtype = Enum(["auto", "int8", "fp8"], default_value="auto").tag(
+        shapes_kv=True,
         label="KV cache dtype", kind=RELAYOUT,
         doc="KV cache storage type",
     )
     quantization = Enum(["none", "int8", "int4", "fp8"], default_value="none").tag(
+        shapes_kv=True,
         label="Quantisation", headline=True, kind=RELAYOUT,
         doc="weight-only quantisation of the linear layers",
     )
     quant_group_size = Enum(["auto", 32, 64, 128], default_value="auto").tag(
+        shapes_kv=True,
         label="int4 group size", kind=RELAYOUT,
         doc="int4 group size (auto: the source checkpoint's quantisation block, else 128)",
     )
@@ -70,14 +76,17 @@ class EngineSettings(HasTraits):
         doc="draft model for speculative=draft (None: the target's own int4 copy)",
     )
     attention_backend = Enum(["auto", "torch", "triton"], default_value="auto").tag(
+        shapes_kv=True,
         label="Attention backend", kind=LIVE,
         doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference",
     )
     moe_top_k = Int(None, allow_none=True, min=1, max=1024).tag(
+        shapes_kv=True,
         label="Experts per token", kind=LIVE,
         doc="experts per token on mixture-of-experts models (None: the checkpoint's); changes outputs",
     )
     cpu_kernels = Bool(True).tag(
+        shapes_kv=True,
         label="CPU kernels", kind=LIVE,
         doc="bf16 on a CPU: our C kernels (built for this CPU's instruction set) for decode GEMVs, "
         "attention and fused layer ops, large steps in the faster GEMM dtype (False: torch's ops only)",
@@ -107,6 +116,16 @@ class EngineSettings(HasTraits):
 
 def setting_names() -> list[str]:
     return list(EngineSettings.class_trait_names())
+
+
+def kv_shaping_settings() -> list[str]:
+    """The settings that change the values a step writes into the KV cache."""
+    return [name for name, trait in EngineSettings.class_traits().items() if trait.metadata.get("shapes_kv")]
+
+
+def kv_salt(settings: EngineSettings) -> int:
+    """A key of the settings that shape KV values; the prefix cache's hash chains start from it."""
+    return hash(tuple((name, getattr(settings, name)) for name in kv_shaping_settings()))
 
 
 def setting_kind(name: str) -> str:

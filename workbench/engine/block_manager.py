@@ -3,6 +3,11 @@
 A block whose tokens are all computed is keyed by a hash chained over every token before it,
 so two sequences with the same prefix share blocks. Freed blocks that carry a hash stay
 cached (LRU) until their space is needed; freed blocks without one are reused first.
+
+The chain starts from a salt: a hash of the settings that shape KV values (weights'
+quantisation, experts per token, kernels; `settings.kv_salt`). A block computed under one salt
+is never found under another, and comes back when those settings do. A sequence whose KV spans a
+salt change or a reset publishes no more blocks: its later blocks mix two computations.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ class BlockManager:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self.hash_to_block: dict[int, int] = {}
         self.prefix_caching = prefix_caching
-        self._chain: dict[str, list[int]] = {}  # request_id -> hash of each hashed block
+        self.salt = 0
+        # request_id -> hash of each hashed block; None: its KV spans a salt change or a reset, so
+        # its blocks are no longer published
+        self._chain: dict[str, list[int] | None] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -57,7 +65,7 @@ class BlockManager:
         since the next token's logits come from it."""
         if not self.prefix_caching:
             return []
-        hits, prev, bs = [], None, self.block_size
+        hits, prev, bs = [], self.salt, self.block_size
         for i in range((len(seq) - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(prev, tokens)
@@ -77,9 +85,19 @@ class BlockManager:
         self.hash_to_block.clear()
         self.free_plain.extend(self.free_cached)
         self.free_cached.clear()
-        for chain in self._chain.values():
-            chain.clear()
+        self._stop_publishing()
         return dropped
+
+    def set_salt(self, salt: int) -> None:
+        """The KV-shaping settings changed: blocks cached under the old salt stay for when they
+        come back; sequences holding blocks stop publishing (their KV would mix both)."""
+        if salt != self.salt:
+            self.salt = salt
+            self._stop_publishing()
+
+    def _stop_publishing(self) -> None:
+        for request_id in self._chain:
+            self._chain[request_id] = None
 
     # -- allocation ---------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
@@ -93,8 +111,8 @@ class BlockManager:
         prefix blocks. Returns the number of tokens found in the cache."""
         assert not seq.block_table
         hits = self.match_prefix(seq)
-        chain = self._chain.setdefault(seq.request_id, [])
-        chain.clear()
+        chain: list[int] = []
+        self._chain[seq.request_id] = chain
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -141,11 +159,13 @@ class BlockManager:
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         if seq.num_hashed_blocks >= full:
             return  # no block completed since the last call (most steps: a block holds 16 tokens)
-        chain = self._chain.setdefault(seq.request_id, [])
+        chain = self._chain.get(seq.request_id)
+        if chain is None:
+            return  # computed partly under other settings, or across a reset
         while seq.num_hashed_blocks < full:
             i = seq.num_hashed_blocks
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = self.chain_hash(chain[-1] if chain else None, tokens)
+            h = self.chain_hash(chain[-1] if chain else self.salt, tokens)
             chain.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block and block.hash is None:

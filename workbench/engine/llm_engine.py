@@ -29,7 +29,7 @@ from ..models.loader import weights_checksum as checksum_of
 from ..outputs import StreamChunk
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict
 from ..sampling_params import SamplingParams
-from ..settings import RELAYOUT, RESTART, EngineSettings, setting_kind, validate
+from ..settings import RELAYOUT, RESTART, EngineSettings, kv_salt, setting_kind, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label
 from . import sampler
 from .attention import KVCache, backend_ops
@@ -77,6 +77,7 @@ class LLMEngine:
         self.timeline = TimelineRecorder()
         self.host = HostSampler()
         self.scheduler = Scheduler(s, num_blocks, self.timeline)
+        self.scheduler.set_kv_salt(kv_salt(s))
         self.event_hooks: list[Callable[[str, dict], None]] = []
         self.started = time.monotonic()
         self._seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -294,8 +295,10 @@ class LLMEngine:
         for name, value in applied.items():
             setattr(self.settings, name, value)
         if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
+            # a new cache dtype re-lays out the storage: no block's contents survive it
             self.scheduler.set_prefix_caching(self.settings.prefix_caching and self.settings.kv_cache,
                                               reset="kv_cache_dtype" in applied)
+        self.scheduler.set_kv_salt(kv_salt(self.settings))  # new weights or kernels: new KV values
         if "speculative" in applied or "num_speculative_tokens" in applied:
             for req in self.requests.values():
                 req.seq.spec_tokens, req.seq.spec_probs = [], None

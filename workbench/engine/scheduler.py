@@ -240,6 +240,10 @@ class Scheduler:
     def reset_prefix_cache(self) -> int:
         return self.bm.reset_prefix_cache()
 
+    def set_kv_salt(self, salt: int) -> None:
+        """Key cached blocks by the settings that shaped their values (`settings.kv_salt`)."""
+        self.bm.set_salt(salt)
+
     @property
     def kv_blocks(self) -> tuple[int, int]:
         """(used, total) KV blocks."""
