@@ -259,6 +259,42 @@ def test_quantised_layers_close_to_float(tiny_qwen2, mode, tol):
     assert llm.engine.weights_checksum() == before  # originals kept: every mode reachable
 
 
+class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a block of code runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+WEIGHT_ONLY_OPS = {"_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu"}
+
+
+@pytest.mark.parametrize("spec", [dict(quantization="int8"), dict(quantization="int4"), dict(speculative="draft")])
+def test_float32_quantised_steps_multiply_dequantised_weights(tiny_qwen2, spec):
+    """Issue 32.2: torch's weight-only CPU kernels take minutes per step in float32 (a 394-token
+    int8 prefill: 131 s). Float32 steps multiply by the exact dequantised weights instead; bf16 keeps
+    the weight-only kernels. The draft (the target's own int4 copy) too."""
+    path, _ = tiny_qwen2
+    prompt = list(range(3, 60))
+    _, expected = generate(path, [prompt], **spec)
+    for dtype, slow_ops_expected in (("float32", False), ("bfloat16", True)):
+        llm = LLM(str(path), dtype=dtype, num_kv_blocks=64, **spec)
+        with _AtenOps() as ops:
+            out = llm.generate(prompt_token_ids=[prompt], params=GREEDY)[0].token_ids
+        assert bool(ops.seen & WEIGHT_ONLY_OPS) == slow_ops_expected, (dtype, ops.seen & WEIGHT_ONLY_OPS)
+        if dtype == "float32":
+            assert out == expected[0]
+            model = llm.engine.spec.draft.runner.model if "speculative" in spec else llm.engine.runner.model
+            for lin in model.linears():
+                x = torch.randn(12, lin.weight.shape[1])
+                torch.testing.assert_close(lin(x), x @ lin.dequantized().float().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_refused_on_cpu_and_nothing_changes(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(str(path), dtype="float32", num_kv_blocks=16)

@@ -2,8 +2,11 @@
 
 Modes: "none" (the original weights; bf16 on a CPU uses oneDNN's packed layout), "int8"
 (weight-only, per-output-channel symmetric scales), "int4" (weight-only, group-wise
-asymmetric), "fp8" (e4m3, per-output-channel; CUDA devices with fp8 support only). The
-quantised matmuls are torch's packed weight-only kernels, never dequantise-then-matmul on a CPU.
+asymmetric), "fp8" (e4m3, per-output-channel; CUDA devices with fp8 support only). In bf16 on a
+CPU the quantised matmuls are torch's packed weight-only kernels (and our GEMVs), never
+dequantise-then-matmul. Those kernels are fast in bf16 only (float32: 40-150x slower at a
+prefill's shape, minutes per step), so other dtypes on a CPU multiply by the exact dequantised
+weights, kept beside the codes: the quantised values at that dtype's speed and memory.
 
 With `native` set (the engine's `cpu_kernels` setting, bf16 on a CPU), batches of up to
 `cpu.MAX_ROWS` rows -- decode steps -- take our GEMV kernels instead (workbench_kernels.cpu):
@@ -31,6 +34,7 @@ class Linear:
         self._packed: torch.Tensor | None | bool = False  # oneDNN's layout, made on first use (False: not yet)
         self._wide: tuple | None = None  # fp32 (packed or None, plain or None, bias) for `wide` steps, made on first use
         self._q: tuple = ()
+        self._deq: tuple | None = None  # (dequantised weights, their oneDNN layout or None): see the module doc
         self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel
         self.native = False
         self.wide = False
@@ -48,18 +52,25 @@ class Linear:
             raise ValueError(f"quantization='fp8' is not supported on this device ({self.weight.device})")
         self._q = ()
         self._native = None
+        self._deq = None
         w = self.weight
         native_ok = w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu.available()
+        weight_only_kernels = w.device.type != "cpu" or w.dtype == torch.bfloat16
         if mode == "none" and native_ok:
             self._native = cpu.Gemv("bf16", w, bias=self.bias)
         elif mode == "int8":
             self._q = quantize_int8(w)
             if native_ok and w.shape[1] % 16 == 0:
                 self._native = cpu.Gemv("int8", *self._q, self.bias)
+            if not weight_only_kernels:
+                q, scale = self._q
+                self._deq = _dense(q.to(w.dtype) * scale[:, None])
         elif mode == "int4":
             self.group_size = int4_group_size(w.shape[1], group_size)
             codes, scales_zeros = int4_codes(w, self.group_size)
             self._q = int4_torch_operands(codes, scales_zeros, w)
+            if not weight_only_kernels:
+                self._deq = _dense(self._q[2])
             if native_ok and w.shape[1] % 32 == 0 and self.group_size % 32 == 0:
                 self._native = cpu.Gemv("int4", *native_int4(codes, scales_zeros), self.bias, self.group_size)
         elif mode == "fp8":
@@ -88,6 +99,9 @@ class Linear:
         mode = self.mode
         if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= cpu.MAX_ROWS:
             return self._native(x if x.is_contiguous() else x.contiguous())
+        if self._deq is not None:
+            w, packed = self._deq
+            return F.linear(x, w, self.bias) if packed is None else cpu.packed_linear(x, packed, self.bias)
         if mode == "none":
             if self.native and self.wide:
                 return self._wide_linear(x)
@@ -106,7 +120,7 @@ class Linear:
             packed, scales_zeros, _ = self._q
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
-            if x.device.type == "cpu":
+            if packed is not None:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, self.group_size, scales_zeros.to(x.dtype))
             else:
                 y = F.linear(x2, self._q[2].to(x.dtype))
@@ -124,6 +138,11 @@ class Linear:
         packed, w32, b32 = self._wide
         y = F.linear(x.float(), w32, b32) if packed is None else cpu.packed_linear(x.float(), packed, b32)
         return y.to(x.dtype)
+
+
+def _dense(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dequantised weights and their oneDNN layout (packed now: a re-layout, not the next step, pays)."""
+    return w, cpu.pack_linear(w)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +176,9 @@ def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
 
 
 def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, w: torch.Tensor):
-    """(packed, scales_and_zeros, dequantised copy): a CPU gets torch's packed kernel and no copy;
-    other devices multiply by the dequantised copy."""
-    if w.device.type == "cpu":
+    """(packed, scales_and_zeros, dequantised copy): bf16 on a CPU gets torch's packed kernel and no
+    copy; other dtypes and devices multiply by the dequantised copy."""
+    if w.device.type == "cpu" and w.dtype == torch.bfloat16:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
         return packed, scales_zeros, None
     n, k = codes.shape
