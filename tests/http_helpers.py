@@ -111,8 +111,11 @@ def shared_server(config, tmp_root: Path) -> dict:
     name = f"httptest-{secrets.token_hex(3)}"
     log = tmp_root / "serve.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    key_file = tmp_root / "api-key"
+    key_file.write_text(API_KEY + "\n")
     cmd = [sys.executable, "-m", "workbench.cli", "serve", "--http", f"127.0.0.1:{port}", "--model", str(model),
-           "--name", name, "--api-key", API_KEY, "--http-log-level", "warning", "--max-request-mb", "1"]
+           "--name", name, "--api-key-file", str(key_file), "--http-log-level", "warning", "--max-request-mb", "1",
+           "--request-read-timeout", "5"]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
     atexit.register(stop_process, proc, 10.0)

@@ -194,6 +194,7 @@ def test_status_and_private_files(engine, runtime_dir, reference):
         engine.configure(quantization="none")
     ids = [1, 5, 6, 7, 8]
     assert engine.score(ids) == pytest.approx(reference.llm.engine.score(ids), abs=1e-4)
+    assert engine.score([5]) == [] == reference.llm.engine.score([5])  # nothing follows one token (was an IndexError)
     with EngineClient.connect("shared", timeout=10) as other:  # closes, does not stop the engine
         assert other.status()["pid"] == st["pid"]
     assert engine.status()["pid"] == st["pid"]
@@ -936,3 +937,37 @@ def test_admission_bounds_the_text_waiting_for_the_tokenizer(tmp_path, runtime_d
     finally:
         ctx.destroy(linger=0)
         stop_engine(eng)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checksum_and_timeline_answers_are_built_while_steps_go_on():
+    """Issue 32.7: weights_checksum() hashed 270 MB and timeline() encoded the whole timeline on the
+    step loop, stalling every stream ~0.4 s. The loop now hands both to a worker thread: steps run
+    while the answer is built (blake2b drops the GIL; the timeline is encoded a piece at a time)."""
+    from workbench.ipc.protocol import encode_raw, encode_raw_in_pieces
+    from workbench.timeline import Timeline
+
+    eng = start_engine(name=f"background-calls-{os.getpid()}", max_num_seqs=4, timeout=240)  # the embedded model
+    try:
+        chunks = []
+        params = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
+        runner = threading.Thread(target=lambda: chunks.extend(eng.stream(prompt_token_ids=[1, 2, 3], params=params)))
+        runner.start()
+        while len(chunks) < 20:
+            time.sleep(0.01)
+        start = time.monotonic()
+        checksum = eng.weights_checksum()
+        end = time.monotonic()
+        assert checksum == eng.status()["weights_checksum"]
+        timeline = eng.timeline()
+        assert [s for s in timeline.steps if start < s.start and s.end < end], "no step ran while the weights were hashed"
+        runner.join(120)
+        assert chunks[-1].finish_reason == "length"
+        # the piecewise encoding is the plain one, byte for byte
+        full = eng.timeline()
+        for t in (full, Timeline(steps=[], requests=[], cursor=0),
+                  Timeline(steps=full.steps[:15], requests=full.requests[:16], cursor=3, changes=full.changes)):
+            assert bytes(encode_raw_in_pieces(t)) == bytes(encode_raw(t))
+    finally:
+        eng.shutdown()

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -302,7 +303,6 @@ def test_64_concurrent_streams_from_another_process(server):
 def test_bad_numbers_and_bounds_are_400s_naming_the_field(server):
     url, h = server["url"], {"Authorization": f"Bearer {server['key']}"}
     cases = [('"seed": 18446744073709551616', "seed", "seed must be in"),  # 2**64: was a 500
-             ('"seed": 18446744073709551615, "n": 2', "seed", "seed must be in"),  # the second choice's seed
              ('"temperature": 1e400', "temperature", "out of range"),
              ('"stop": [' + ",".join(f'"s{i}"' for i in range(17)) + "]", "stop", "at most 16"),
              ('"stop": ["' + "x" * 5000 + '"]', "stop", "at most 4096")]
@@ -318,6 +318,11 @@ def test_bad_numbers_and_bounds_are_400s_naming_the_field(server):
     ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "seed": 2**64 - 1,
                                                    "stop": ["zz"] * 16}, headers=h, timeout=60)
     assert ok.status_code == 200, ok.text  # the edges of the ranges are allowed
+    # n seeded choices take seed, seed + 1, ...: past 2**64 - 1 that wraps around, as a uint64 does
+    # (it was refused, quoting 2**64, a value the client never sent)
+    two = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "seed": 2**64 - 1, "n": 2,
+                                                    "temperature": 1.0}, headers=h, timeout=60)
+    assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
 
 
 @pytest.mark.timeout(300)
@@ -387,6 +392,12 @@ def test_sigterm_drains_streams_then_ends_them_cleanly(tmp_path):
             t.start()
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2}, timeout=30)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down", late.text
+        assert late.headers["retry-after"] == "5"
+        health = httpx.get(url + "/health", timeout=30)  # still listening, and says why it refuses
+        assert health.status_code == 503 and health.json()["status"] == "draining"
         for t in threads:
             t.join(60)  # no exception in the reader: every body was complete
         ends = []
@@ -416,10 +427,13 @@ def test_second_sigterm_stops_the_front_at_once(tmp_path):
 
     proc, url, name, log = _own_front(tmp_path, "--drain-timeout", "120", "--max-num-seqs", "1")
     try:
-        lines, st = [], []
-        t = threading.Thread(target=lambda: _ignore_errors(_sse_lines, url, {"prompt": "Once", "max_tokens": 2000,
-                                                                             "ignore_eos": True}, lines, st))
+        lines, st, plain = [], [], []
+        body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True}
+        t = threading.Thread(target=lambda: _ignore_errors(_sse_lines, url, body, lines, st))
+        waiting = threading.Thread(target=lambda: plain.append(httpx.post(url + "/v1/completions", json=body,
+                                                                          timeout=60)))
         t.start()
+        waiting.start()
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -427,10 +441,70 @@ def test_second_sigterm_stops_the_front_at_once(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
         t.join(30)
+        waiting.join(30)
+        # ended with an answer that says why, not a 499 with an empty body
+        assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutting_down"
+        assert "second signal" in plain[0].json()["error"]["message"]
+        if st == [200]:  # the stream was running: an error event, then [DONE]
+            assert lines[-1] == "data: [DONE]" and "second signal" in lines[-2], lines[-2:]
+        else:  # it waited behind the other: a 503 that says why
+            assert st == [503] and "second signal" in lines[0]["error"]["message"], lines
         assert not conn.connection_path(name).exists()  # no stale connection file
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.timeout(300)
+def test_attached_front_answers_503_while_its_engine_drains(tmp_path):
+    """An engine told to stop (SIGTERM) finishes what it runs and refuses new work; the HTTP front
+    attached to it answers 503 server_shutting_down with Retry-After and /health says draining."""
+    from http_helpers import free_port, make_tiny_tokenized_model, wait_http
+
+    model = make_tiny_tokenized_model(tmp_path / "m")
+    name = f"drained-{free_port()}"
+    engine = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--model", str(model), "--name", name,
+                               "--drain-timeout", "20", "--max-num-seqs", "1"], cwd=ROOT, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    front = None
+    try:
+        from workbench.ipc import connection as conn
+
+        deadline = time.monotonic() + 240
+        while not conn.connection_path(name).exists():  # written once the engine is ready
+            assert engine.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        front = subprocess.Popen([sys.executable, "-m", "workbench.http", "--attach", name, "--http",
+                                  f"127.0.0.1:{port}", "--model", str(model), "--http-log-level", "warning"],
+                                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.STDOUT)
+        wait_http(url, front, 240)
+        lines, st = [], []
+        t = threading.Thread(target=_sse_lines, args=(url, {"prompt": "Once", "max_tokens": 1900, "ignore_eos": True},
+                                                      lines, st))
+        t.start()
+        time.sleep(1.0)
+        engine.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while True:  # the engine's next heartbeat (or refusal) tells the front
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2}, timeout=30)
+            if r.status_code != 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "server_shutting_down" and r.headers["retry-after"] == "5"
+        health = httpx.get(url + "/health", timeout=30)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        t.join(60)
+        assert st == [200] and lines[-1] == "data: [DONE]"  # the stream that ran finished whole
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    finally:
+        for proc in (front, engine):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 def _ignore_errors(fn, *args):
@@ -438,3 +512,181 @@ def _ignore_errors(fn, *args):
         fn(*args)
     except httpx.HTTPError:
         pass  # the second signal cuts the stream: that is what it is for
+
+
+# -- hostile input (issue 32.3, 32.5, 32.7) ---------------------------------------------------------
+def _keepalive_posts(url: str, key: str, bodies: list[bytes]) -> list[tuple[int, dict]]:
+    """POST each body on one keep-alive connection; fails if the server closed it in between."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    out, sock = [], None
+    try:
+        for body in bodies:
+            connection.request("POST", "/v1/completions", body=body,
+                               headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            response = connection.getresponse()
+            data = response.read()
+            assert sock is None or connection.sock is sock, "the server dropped the keep-alive connection"
+            sock = connection.sock
+            assert response.getheader("connection", "").lower() != "close"
+            out.append((response.status, json.loads(data)))
+    finally:
+        connection.close()
+    return out
+
+
+def test_hostile_json_gets_400s_naming_the_field_and_keeps_the_connection(server):
+    deep = "[" * 10_000 + "]" * 10_000
+    cases = [
+        (b'{"prompt": [' + str(2**64).encode() + b"], \"max_tokens\": 1}", "prompt", "outside the vocabulary"),
+        (b'{"prompt": [-1], "max_tokens": 1}', "prompt", "outside the vocabulary"),
+        (b'{"prompt": "x", "stop_token_ids": [' + str(2**64).encode() + b"]}", "stop_token_ids", "2**63"),
+        (('{"prompt": ' + deep + "}").encode(), "prompt", "nests"),
+        (('{"prompt": "x", "response_format": ' + deep + "}").encode(), "response_format", "nests"),
+        (('{"prompt": "x", "tool_choice": ' + deep + "}").encode(), "tool_choice", "nests"),
+        (b'{"prompt": [' + b"5," * (MAX_LEN + 10) + b"5]}", "prompt", "maximum context length"),
+        (b'{"prompt": "hi", "max_tokens": 1}', None, None),  # and the connection still serves
+    ]
+    answers = _keepalive_posts(server["url"], server["key"], [body for body, _, _ in cases])
+    for (body, param, words), (status, answer) in zip(cases, answers):
+        if param is None:
+            assert status == 200, answer
+            continue
+        assert status == 400, (body[:60], answer)
+        assert answer["error"]["param"] == param and words in answer["error"]["message"], (body[:60], answer)
+    r = httpx.post(server["url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {server['key']}"},
+                   content=('{"messages": [{"role": "user", "content": ' + deep + "}]}").encode())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_token_id_prompts_are_bounded_before_they_are_scanned():
+    """A prompt of 8 million ids (a 16 MiB body) is refused from its length alone; the per-id
+    checks are C-speed passes over what can fit."""
+    ids = [5] * 8_000_000
+    with pytest.raises(APIError) as e:
+        completion_prompts(ids, 2048, 49152)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded" and "8000000 token ids" in e.value.message
+    assert completion_prompts([[1, 2], [3]], 2048, 49152) == [[1, 2], [3]]
+    for bad in ([1, 2, 49152], [[1], [2**70]], [1, -3]):
+        with pytest.raises(APIError) as e:
+            completion_prompts(bad, 2048, 49152)
+        assert "outside the vocabulary [0, 49152)" in e.value.message
+    with pytest.raises(APIError):
+        completion_prompts([1, True], 2048, 49152)  # a bool is no token id
+
+
+def test_fuzzed_requests_never_get_a_500(server):
+    """A few thousand generated bodies, valid and not, against both routes: every answer is a
+    status the API documents with an OpenAI error object, never a 500, and the server still serves."""
+    import random
+
+    rng = random.Random(7)
+    values = [None, True, False, 0, 1, -1, 7, 2**31, 2**63, 2**64, -(2**64), 1e308, -0.0, 0.5, "", "x", "é😀",
+              "word " * 50, [], [1], [[1, 2]], [1, "a"], [[]], {}, {"type": "text"}, {"a": [1]}, [None],
+              "[" * 64 + "]" * 64]
+    fields = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "min_p",
+              "repetition_penalty", "ignore_eos", "stop_token_ids", "logprobs", "echo", "return_token_ids",
+              "stream_options", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice",
+              "tools", "presence_penalty", "logit_bias", "min_tokens", "best_of", "suffix", "user"]
+
+    def value():
+        return rng.choice(values)
+
+    def body(chat: bool) -> bytes:
+        if rng.random() < 0.05:  # not JSON, or not an object
+            return rng.choice([b"", b"[]", b"null", b"{", b'{"prompt": "x",}', b"\xff\xfe", b'"x"', b"1e999"])
+        obj = {"max_tokens": rng.choice([1, 2, 3, 0, -5, 10**9, "2"])}
+        if chat:
+            obj["messages"] = rng.choice([[{"role": "user", "content": value()}], [{"role": value(), "content": "x"}],
+                                          value(), [{"content": "x"}], [{"role": "user", "content": [value()]}]])
+        else:
+            obj["prompt"] = rng.choice([value(), "hello", [5, 6], [[5], [6, 7]], [rng.randint(-5, 10**6)]])
+        for name in rng.sample(fields, rng.randint(0, 5)):
+            obj[name] = value()
+        if obj.get("stream") is True and rng.random() < 0.7:
+            obj["stream"] = False  # streams are slower to read to the end: fewer of them
+        if isinstance(obj.get("n"), int) and not isinstance(obj.get("n"), bool) and obj["n"] > 4:
+            obj["n"] = 4
+        return json.dumps(obj).encode()
+
+    url, h = server["url"], {"Authorization": f"Bearer {server['key']}", "Content-Type": "application/json"}
+    seen: dict[int, int] = {}
+    deadline = time.monotonic() + 120
+    with httpx.Client(timeout=60, headers=h) as c:
+        for i in range(2500):
+            if time.monotonic() > deadline:
+                break
+            chat = i % 2 == 1
+            data = body(chat)
+            r = c.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), content=data)
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), (data[:200], r.text[-300:])
+            else:
+                assert r.status_code in (200, 400, 404, 413), (data[:200], r.status_code, r.text[:300])
+                if r.status_code != 200:
+                    err = r.json()["error"]
+                    assert err["message"] and err["type"] == "invalid_request_error", (data[:200], err)
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+    assert sum(seen.values()) >= 1000 and seen.get(200, 0) > 50 and seen.get(400, 0) > 200, seen
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_api_description_needs_the_key_and_the_key_stays_out_of_ps(server):
+    url, h = server["url"], {"Authorization": f"Bearer {server['key']}"}
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(url + path, timeout=30).status_code == 401
+        assert httpx.get(url + path, headers=h, timeout=30).status_code == 200
+    assert "/v1/completions" in httpx.get(url + "/openapi.json", headers=h, timeout=30).json()["paths"]
+    cmdline = Path(f"/proc/{server['proc'].pid}/cmdline").read_bytes()
+    assert server["key"].encode() not in cmdline and b"--api-key-file" in cmdline
+
+
+def test_a_body_that_never_arrives_gets_a_408(server):
+    """The shared server waits 5 s for a body (--request-read-timeout 5), then answers 408 and
+    frees the connection (it held 1,000 such connections for a minute and more)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(server["url"])
+    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + server["key"].encode() + b"\r\nContent-Length: 100\r\n\r\n{\"pro")
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+
+
+def test_the_front_bounds_the_text_it_tokenizes():
+    """Issue 32.6: the HTTP front tokenized every text prompt on its own pool, without the engine's
+    --max-queued-chars bound (40 concurrent 650,000-digit prompts: all encoded, the slowest after
+    34 s, no 503). It now refuses what would exceed the bound, as the engine does."""
+    import asyncio
+
+    from workbench.http.app import Front
+    from workbench.http.server import load_front_tokenizer
+
+    front = Front(None, model_names=["m"], tokenizer=load_front_tokenizer("smollm2-135m"), max_model_len=8192,
+                  max_queued_chars=2_000_000)
+    text = "7" * 650_000
+
+    async def attack():
+        return await asyncio.gather(*(front.encode(text, add_special_tokens=True, param="prompt") for _ in range(40)),
+                                    return_exceptions=True)
+
+    results = asyncio.run(attack())
+    busy = [r for r in results if isinstance(r, APIError) and r.status == 503]
+    too_long = [r for r in results if isinstance(r, APIError) and r.status == 400]
+    assert len(busy) + len(too_long) == 40 and len(too_long) <= 3 and busy, [type(r) for r in results]
+    assert busy[0].code == "engine_overloaded" and busy[0].headers == {"retry-after": "1"}
+    assert "limit 2,000,000" in busy[0].message
+    assert all("its first 16,383 alone" in r.message for r in too_long)  # refused from a prefix
+    assert front.tokenizing_chars == 0
+    ok = asyncio.run(front.encode("hello there", add_special_tokens=True, param="prompt"))
+    assert ok == front.tokenizer.encode("hello there", add_special_tokens=True)

@@ -23,6 +23,7 @@ def log(tmp_path):
 
 
 def test_start_finish_get_list_children(log):
+    assert not log.path.exists()
     sid = log.start("sweep", label="sweep x", key="k1", model="m", weights_checksum="abc", device="cpu",
                     settings={"batching": "static"}, workload={"num_requests": 4})
     pid = log.start("sweep_point", parent_id=sid, label="batching=static", key="p1", settings={"batching": "static"},
@@ -34,6 +35,8 @@ def test_start_finish_get_list_children(log):
     assert run["status"] == "completed" and run["finished_at"] and run["settings"] == {"batching": "static"}
     assert run["versions"]["python"] and run["machine"]["cpu_count"] >= 1 and run["pid"] == os.getpid()
     assert [c["id"] for c in run["children"]] == [pid]
+    # prompts and settings: the owner's only (the write-ahead log and its index take the same mode)
+    assert log.path.stat().st_mode & 0o777 == 0o600
     assert run["children"][0]["metrics"]["output_tok_s"] == 12.5
     assert [r["id"] for r in log.list()] == [sid]  # points hidden by default
     assert [r["id"] for r in log.list(children=True)] == [pid, sid]

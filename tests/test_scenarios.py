@@ -120,8 +120,14 @@ def test_stall_scenario_runs_on_an_engine_process_of_its_own(tmp_path):
     out = scenarios.run_scenarios(["stall"], str(model), quick=True, record=False, dtype="float32")
     st = out["stall"]
     assert st["workload"]["context"] == 2048 and st["workload"]["oversized_prompts"] == 4
-    assert "accepted" not in st["errors"] and len(st["errors"]) == 2  # from the length, from a prefix
-    assert st["gaps_during"] > 0 and st["worst_gap_vs_itl"] is not None
+    assert list(st["attacks"]) == ["python_text", "http_text", "http_token_ids", "near_bound"]
+    for name, attack in st["attacks"].items():  # every attack refused, each for its own reason
+        assert attack["errors"] and "accepted" not in attack["errors"], (name, attack)
+        assert set(attack["worst_gap_ms"]) == {"python_stream", "http_stream"}
+    assert "at least" in st["attacks"]["http_text"]["errors"][0]  # from its length
+    assert "maximum context length" in st["attacks"]["http_token_ids"]["errors"][0]  # from the count of ids
+    assert "alone are" in st["attacks"]["near_bound"]["errors"][0]  # from a prefix's tokens
+    assert min(st["workload"]["stream_tokens"].values()) > 20 and st["worst_gap_vs_itl"] > 0
     assert out["model"] == st["engine"]["model"] and out["settings"]["dtype"] == "float32"
     assert out["engine_status"]["max_token_chars"] == 81 and "pid" not in out["engine_status"]
     assert [t["name"] for t in out["targets"]] == ["stall_worst_gap_vs_itl"]

@@ -318,3 +318,29 @@ def test_prefix_refusal_never_refuses_what_fits(smollm2):
                 assert len(full) >= limit, (trial, limit, len(full), str(e))
                 continue
             assert got == full
+
+
+def test_prefix_refusal_without_spaces(smollm2):
+    """Text with no word boundary (digits, letters, punctuation, emoji run together) is cut at a
+    pre-tokenizer piece instead: never a refusal of what fits, and a long digit run is refused
+    from a prefix, not tokenized whole (issue 32.6: 650,000 digits were encoded in full)."""
+    import random
+
+    rng = random.Random(2)
+    vocab = [t for t in smollm2.backend.get_vocab() if "Ġ" not in t and "Ċ" not in t and t.strip()]
+    pieces = vocab + ["1234", "9", "éa\u0301", "😀", ",", "'s", "...", "ﬁ"]
+    for trial in range(12):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(3000, 9000)))
+        assert " " not in text
+        full = smollm2.encode(text)
+        for limit in (len(full) - 1, len(full), len(full) + 1, len(full) // 3, len(full) // 9, 256):
+            if limit < 1:
+                continue
+            try:
+                got = smollm2.encode_within(text, limit)
+            except ValueError as e:
+                assert len(full) >= limit, (trial, limit, len(full), str(e))
+                continue
+            assert got == full
+    with pytest.raises(ValueError, match="its first 16,383 alone are 16,383 tokens"):
+        smollm2.encode_within("7" * 650_000, 8192)

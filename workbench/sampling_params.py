@@ -14,6 +14,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
+TOKEN_ID_LIMIT = 2**63  # token ids travel as msgpack int64; no vocabulary comes near
 
 
 class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
@@ -68,11 +69,14 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
                                  f"{MAX_STOP_CHARS} are allowed")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
             ):
                 raise TypeError(
                     f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
                 )
+            bad = [t for t in self.stop_token_ids if not 0 <= t < TOKEN_ID_LIMIT]
+            if bad:
+                raise ValueError(f"SamplingParams.stop_token_ids must be in [0, 2**63), got {bad[:5]}")
             if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise ValueError(f"SamplingParams.stop_token_ids has {len(self.stop_token_ids)} ids; at most "
                                  f"{MAX_STOP_TOKEN_IDS} are allowed")
@@ -110,6 +114,9 @@ def _check_number(name: str, value, kind: type) -> None:
     # NaN passes every comparison check that follows; an int too big for a float is no better.
     if kind is float and not (math.isfinite(value) if isinstance(value, float) else abs(value) < 2**1023):
         raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+    # ints travel as msgpack int64 (the seed, a uint64 for torch, has its own range)
+    if kind is int and name != "seed" and not -(2**63) <= value < 2**63:
+        raise ValueError(f"SamplingParams.{name} must fit in 64 bits, got {value!r}")
 
 
 def normalize_batch(prompts, params, prompt_token_ids) -> list[tuple[str | None, list[int] | None, SamplingParams]]:

@@ -264,15 +264,32 @@ class Tokenizer:
         `max_tokens` tokens: from its length alone, then from the tokens of a prefix, so a text
         just under the length bound costs a small part of its full encoding."""
         self.check_fits(text, max_tokens, what)
-        probe = 8 * max_tokens  # characters: about twice the context in tokens of ordinary text
-        if self.max_token_chars and len(text) > 2 * probe:
-            cut = _word_boundary(text, probe)
+        # Prefixes of 2x and 8x the context in characters: the first settles dense text (digits are a
+        # token each), the second about twice the context of ordinary text.
+        for probe in (2 * max_tokens, 8 * max_tokens):
+            if not self.max_token_chars or len(text) <= 2 * probe:
+                break
+            cut = _word_boundary(text, probe) or self._piece_boundary(text, probe)
             if cut:
                 counted = len(self.encode(text[:cut], add_special_tokens))
                 if counted >= max_tokens:
                     raise _too_long(f"{what} has {len(text):,} characters and its first {cut:,} alone are "
                                     f"{counted:,} tokens", max_tokens)
         return self.encode(text, add_special_tokens)
+
+    def _piece_boundary(self, text: str, before: int, window: int = 1024) -> int:
+        """For text with no word boundary (a run of digits, of letters without spaces): the start of
+        a pre-tokenizer piece shortly before `before`, 0 when none is found. The pre-tokenizers
+        `max_token_chars` trusts match locally (a regex, digit or whitespace split re-finds the
+        whole text's pieces a few characters into any window), so a piece start that is neither of
+        the window's first two is one of the whole text's, and tokens never cross it. Only without
+        a normalizer: offsets then count the text's own characters."""
+        pre = self._tk.pre_tokenizer
+        if pre is None or self._tk.normalizer is not None:
+            return 0
+        start = max(0, before - window)
+        pieces = pre.pre_tokenize_str(text[start:before])
+        return start + pieces[-1][1][0] if len(pieces) >= 3 else 0
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

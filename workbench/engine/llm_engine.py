@@ -332,6 +332,8 @@ class LLMEngine:
         """Log-probability of each token after the first, given those before it (for perplexity
         reports). Runs between steps on spare KV blocks; other requests are untouched."""
         ids = self.encode_prompt(None, token_ids, False)
+        if len(ids) < 2:
+            return []  # nothing comes after the first token
         if len(ids) > self.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
         seq = Sequence("__score__", ids, SamplingParams(max_tokens=1), time.monotonic())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hmac
 import logging
 import secrets
@@ -28,15 +29,19 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..ipc.protocol import DEFAULT_MAX_QUEUED_CHARS
 from ..outputs import RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..tokenizer import lower_thread_priority
 from .metrics import CONTENT_TYPE, FrontMetrics
 from .protocol import (
     DEFAULT_MAX_BODY_MB,
+    DEFAULT_READ_TIMEOUT_S,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +58,7 @@ from .protocol import (
 log = logging.getLogger("workbench.http")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+RETRY_AFTER_S = 5  # what a 503 during a drain tells clients (the engine may come back, or another)
 
 
 class _ClientGone(Exception):
@@ -94,23 +100,31 @@ class Front:
 
     def __init__(self, engine, *, model_names: list[str], tokenizer=None, max_model_len: int | None = None,
                  api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20,
-                 status: dict | None = None, aliases: list[str] | None = None):
+                 status: dict | None = None, aliases: list[str] | None = None,
+                 max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         if not model_names:
             raise ValueError("model_names must name at least one model")
         self.engine = engine
         self.model_names = list(model_names)
         self.aliases = set(self.model_names) | set(aliases or ())
         self.tokenizer = tokenizer
+        # worked out now (a parse of tokenizer.json: ~0.3 s holding the GIL), not on the first request
+        self.max_token_chars = tokenizer.max_token_chars if tokenizer is not None else None
         self.max_model_len = max_model_len
         self.api_key = api_key or None
         self.max_body_bytes = int(max_body_bytes)
+        self.read_timeout_s = float(read_timeout_s)
         self.status = dict(status or {})
         self.metrics = FrontMetrics(self.model_names[0])
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
-        # Prompts are tokenized here, off the event loop, at a lower CPU priority than the engine.
+        # Prompts are tokenized here, off the event loop, at a lower CPU priority than the engine;
+        # what waits for that is bounded like the engine's own queue (503 beyond, as the engine would).
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(2, "wb-http-tokenize", initializer=lower_thread_priority)
+        self.max_queued_chars = int(max_queued_chars)
+        self.tokenizing_chars = 0
         self.draining = False  # a stop was asked for: new requests get 503, running ones go on
+        self.inflight = 0  # requests inside a route handler (streams are counted by their queues)
         self._cut_queues: set[asyncio.Queue] = set()  # running streams, told when the drain ends
         self._cut_futures: set[asyncio.Future] = set()  # running non-streamed answers
 
@@ -119,12 +133,17 @@ class Front:
         """On the event loop: refuse new requests; end what still runs after `timeout_s`."""
         if not self.draining:
             self.draining = True
-            log.info("draining: %d stream(s) and %d request(s) running; they end within %.0f s",
-                     len(self._cut_queues), len(self._cut_futures), timeout_s)
-            asyncio.get_running_loop().call_later(timeout_s, self.cut_all, timeout_s)
+            log.info("draining: %d request(s) running; they end within %.0f s", self.busy(), timeout_s)
+            why = f"this request was still running at the drain deadline ({timeout_s:g} s)"
+            asyncio.get_running_loop().call_later(timeout_s, self.cut_all, why)
 
-    def cut_all(self, timeout_s: float) -> None:
-        why = f"the server is shutting down: this request was still running at the drain deadline ({timeout_s:g} s)"
+    def busy(self) -> int:
+        """Requests being read, prepared, answered or streamed."""
+        return self.inflight + len(self._cut_queues)
+
+    def cut_all(self, why: str) -> None:
+        """End every running request now: streams with an error event, the others with a 503."""
+        why = f"the server is shutting down: {why}"
         for q in self._cut_queues:
             q.put_nowait((-1, ServerShuttingDown(why)))
         for fut in self._cut_futures:
@@ -132,9 +151,9 @@ class Front:
                 fut.set_exception(ServerShuttingDown(why))
 
     def check_accepting(self) -> None:
-        if self.draining:
+        if self.draining or getattr(self.engine, "draining", False):
             raise APIError(503, "the server is shutting down and accepts no new requests",
-                           code="server_shutting_down")
+                           code="server_shutting_down", headers={"retry-after": str(RETRY_AFTER_S)})
 
     # -- request checks -------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -152,12 +171,21 @@ class Front:
         too_big = APIError(413, f"request body exceeds {limit >> 20} MiB", code="request_too_large")
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
-        parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_big
-            parts.append(part)
+        parts: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_big
+                parts.append(part)
+
+        try:  # a client that never finishes its body must not hold a connection (and its buffer) forever
+            await asyncio.wait_for(read(), self.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.read_timeout_s:g} s",
+                           code="request_timeout") from None
         return b"".join(parts)
 
     def check_model(self, model: str | None) -> str:
@@ -200,13 +228,20 @@ class Front:
         """Token ids of a prompt, off the event loop (the tokenizer releases the GIL), so a big
         prompt never stalls other streams or /health. `encode_within` refuses what cannot fit."""
         loop = asyncio.get_running_loop()
-        if not self.max_model_len:
-            return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text, add_special_tokens)
+        if self.tokenizing_chars and self.tokenizing_chars + len(text) > self.max_queued_chars:
+            raise APIError(503, f"the server is busy: prompts of {self.tokenizing_chars:,} characters wait to be "
+                                f"tokenized and this request adds {len(text):,} (limit {self.max_queued_chars:,}); "
+                                "retry later", code="engine_overloaded", headers={"retry-after": "1"})
+        self.tokenizing_chars += len(text)
         try:
+            if not self.max_model_len:
+                return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text, add_special_tokens)
             return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode_within, text,
                                               self.max_model_len, add_special_tokens, "the prompt")
         except ValueError as e:
             raise bad_request(str(e), param=param, code="context_length_exceeded") from None
+        finally:
+            self.tokenizing_chars -= len(text)
 
     # -- token text ------------------------------------------------------------------------------
     def token_text(self, token_id: int, as_id: bool) -> str:
@@ -286,7 +321,7 @@ class Front:
 
 def engine_error(exc: BaseException) -> APIError:
     """An engine-side exception as the HTTP error it deserves."""
-    from ..ipc.protocol import EngineBusyError, EngineDeadError, WorkbenchIPCError
+    from ..ipc.protocol import EngineBusyError, EngineDeadError, EngineDrainingError, WorkbenchIPCError
 
     if isinstance(exc, APIError):
         return exc
@@ -294,8 +329,8 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, (ValueError, TypeError, LookupError)):
         code = "context_length_exceeded" if ("context" in msg or "KV blocks" in msg) else None
         return APIError(400, msg, code=code)
-    if isinstance(exc, ServerShuttingDown):
-        return APIError(503, str(exc), code="server_shutting_down")
+    if isinstance(exc, (ServerShuttingDown, EngineDrainingError)):
+        return APIError(503, msg, code="server_shutting_down", headers={"retry-after": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineBusyError):
         return APIError(503, msg, code="engine_overloaded", headers={"retry-after": "1"})
     if isinstance(exc, (EngineDeadError, WorkbenchIPCError)):
@@ -510,9 +545,21 @@ async def stream_events(front: Front, ctx: Ctx, first: tuple[int, StreamChunk],
 
 # -- the app --------------------------------------------------------------------------------------
 def create_app(front: Front) -> FastAPI:
+    # The API's description is served behind the key like the API itself (below).
     app = FastAPI(title="Serving Workbench", description="OpenAI-compatible API of a workbench engine",
-                  version="1", docs_url="/docs", redoc_url=None)
+                  version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front = front
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request):
+        front.check_auth(request)
+        return JSONResponse(get_openapi(title=app.title, version=app.version, description=app.description,
+                                        routes=app.routes))
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request):
+        front.check_auth(request)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} API")
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -531,7 +578,8 @@ def create_app(front: Front) -> FastAPI:
     @app.get("/health")
     async def health():
         alive = getattr(front.engine, "alive", True)
-        state = "draining" if front.draining else "ok" if alive else "engine unavailable"
+        draining = front.draining or getattr(front.engine, "draining", False)
+        state = "draining" if draining else "ok" if alive else "engine unavailable"
         body = {"status": state, "server": "workbench",
                 "engine": getattr(front.engine, "name", None), "model": front.model_names[0]}
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
@@ -575,7 +623,19 @@ def create_app(front: Front) -> FastAPI:
         front.check_auth(request)
         return await front.engine.acall("metrics")
 
+    def counted(route):
+        """Count the request in `front.inflight` while the handler runs (a drain waits for it)."""
+        @functools.wraps(route)
+        async def handler(request: Request):
+            front.inflight += 1
+            try:
+                return await route(request)
+            finally:
+                front.inflight -= 1
+        return handler
+
     @app.post("/v1/completions")
+    @counted
     async def completions(request: Request):
         front.check_auth(request)
         front.check_accepting()
@@ -585,7 +645,7 @@ def create_app(front: Front) -> FastAPI:
         n = num_choices(req)
         lp = logprobs_count(req)
         jobs = []
-        for i, p in enumerate(completion_prompts(req.prompt)):
+        for i, p in enumerate(completion_prompts(req.prompt, front.max_model_len, front.status.get("vocab_size"))):
             text, ids = (p, None) if isinstance(p, str) else (None, p)
             if ids is None and front.tokenizer is not None:
                 ids = await front.encode(text, add_special_tokens=True, param="prompt")  # as the engine would
@@ -603,6 +663,7 @@ def create_app(front: Front) -> FastAPI:
         return await _answer(front, request, ctx, bool(req.stream), completion_body)
 
     @app.post("/v1/chat/completions")
+    @counted
     async def chat_completions(request: Request):
         front.check_auth(request)
         front.check_accepting()

@@ -18,12 +18,13 @@ from typing import Any
 
 import msgspec
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SEED_MAX, TOKEN_ID_LIMIT, SamplingParams
 
 MAX_N = 64  # choices per prompt
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_LOGPROBS = 20
 DEFAULT_MAX_BODY_MB = 16  # largest request body (413 beyond)
+DEFAULT_READ_TIMEOUT_S = 30.0  # for a request's whole body to arrive (408 beyond)
 
 
 class APIError(Exception):
@@ -78,7 +79,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]
+    prompt: msgspec.Raw = msgspec.Raw(b"null")  # str | list[str] | list[int] | list[list[int]]: see completion_prompts
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -106,7 +107,8 @@ _PATH_RE = re.compile(r"at `\$\.([A-Za-z_]+)")
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a JSON body into `kind`; malformed JSON and wrong types become 400s."""
+    """Decode a JSON body into `kind`; malformed JSON, wrong types and values nested too deep
+    become 400s naming the field."""
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
@@ -116,32 +118,98 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise bad_request(f"invalid request: {e}", param=m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+    except RecursionError:
+        field = _too_deep(body)
+        raise bad_request(f"{field or 'the request body'} nests arrays or objects too deeply to be a valid value",
+                          param=field) from None
+
+
+_JSON_TOKEN_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _too_deep(body: bytes, depth: int = 256, most_tokens: int = 200_000) -> str | None:
+    """The top-level field whose value nests deeper than `depth`: the last key of the outer object
+    before that point (None if not found within `most_tokens` strings and brackets)."""
+    level, key = 0, None
+    for n, m in enumerate(_JSON_TOKEN_RE.finditer(body)):
+        if n >= most_tokens:
+            return None
+        tok = m.group()
+        if tok in (b"[", b"{"):
+            level += 1
+            if level > depth:
+                return key
+        elif tok in (b"]", b"}"):
+            level -= 1
+        elif level == 1 and body[m.end():m.end() + 64].lstrip()[:1] == b":":  # a key of the outer object
+            try:
+                key = msgspec.json.decode(tok)
+            except msgspec.DecodeError:
+                return None
+    return None
 
 
 # -- prompts --------------------------------------------------------------------------------------
-def completion_prompts(prompt: Any) -> list[str | list[int]]:
-    """OpenAI's prompt forms: a string, a list of strings, a list of token ids, a list of lists."""
+def completion_prompts(prompt: Any, max_model_len: int | None = None,
+                       vocab_size: int | None = None) -> list[str | list[int]]:
+    """OpenAI's prompt forms: a string, a list of strings, a list of token ids, a list of lists.
+
+    Everything here runs on the event loop, so nothing is proportional to the body in Python: a
+    16 MiB body holds 8 million ids, which a per-id Python check scanned for a second (and turning
+    them into Python ints takes 0.15 s), stalling every stream. As raw JSON from the request, a flat
+    list of ids longer than the context is refused from its commas before it is decoded; ids are
+    then checked in C-speed passes."""
+    if isinstance(prompt, msgspec.Raw):
+        prompt = _decode_prompt(bytes(prompt), max_model_len)
     if isinstance(prompt, str):
         return [prompt]
+    out = None
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            out = list(prompt)
-        elif all(_is_id(t) for t in prompt):
-            out = [list(prompt)]
-        elif all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
-            out = [list(p) for p in prompt]
+        if isinstance(prompt[0], str):
+            out = list(prompt) if _all_of(prompt, str) else None
+        elif isinstance(prompt[0], list):
+            out = [_token_ids(p, max_model_len, vocab_size) for p in prompt] if _all_of(prompt, list) else None
         else:
-            out = None
-        if out is not None:
-            if len(out) > MAX_PROMPTS:
-                raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", param="prompt")
-            return out
-    raise bad_request("prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
-                      "lists of token ids", param="prompt")
+            out = [_token_ids(prompt, max_model_len, vocab_size)]
+    if out is None or any(p is None for p in out):
+        raise bad_request("prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
+                          "lists of token ids", param="prompt")
+    if len(out) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", param="prompt")
+    return out
 
 
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+def _decode_prompt(raw: bytes, max_model_len: int | None) -> Any:
+    head = raw[:64].lstrip()
+    if max_model_len and head[:1] == b"[" and head[1:].lstrip()[:1].isdigit():  # a flat list of ids
+        count = raw.count(b",") + 1
+        if count >= max_model_len:
+            raise bad_request(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                              f"{count} token ids (plus at least one output token must fit)", param="prompt",
+                              code="context_length_exceeded")
+    return msgspec.json.decode(raw)
+
+
+def _all_of(items: list, kind: type) -> bool:
+    return set(map(type, items)) == {kind}  # exact types: True is not a token id
+
+
+def _token_ids(ids: list, max_model_len: int | None, vocab_size: int | None) -> list[int] | None:
+    """`ids` if it is a non-empty list of token ids (None: it is not); 400 for ids out of range or a
+    list that cannot fit the context."""
+    if not ids:
+        return None
+    if max_model_len and len(ids) >= max_model_len:
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                          f"{len(ids)} token ids (plus at least one output token must fit)", param="prompt",
+                          code="context_length_exceeded")
+    if not _all_of(ids, int):
+        return None
+    limit = vocab_size or TOKEN_ID_LIMIT
+    if min(ids) < 0 or max(ids) >= limit:
+        bad = [t for t in ids if not 0 <= t < limit][:5]
+        raise bad_request(f"prompt has token ids outside the vocabulary [0, {limit}): {bad}", param="prompt")
+    return ids
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -240,7 +308,8 @@ def sampling_params(req: _Common, *, max_tokens: int, logprobs: int | None, choi
         if value is not None:
             kw[name] = value
     if req.seed is not None:
-        kw["seed"] = req.seed + choice
+        seed = req.seed + choice
+        kw["seed"] = seed - 2**64 if seed > SEED_MAX and req.seed <= SEED_MAX else seed  # wraps, as a uint64
     if req.stop:
         kw["stop"] = req.stop
     if req.stop_token_ids:

@@ -25,8 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..ipc.protocol import DEFAULT_DRAIN_TIMEOUT_S
-from .protocol import DEFAULT_MAX_BODY_MB
+from ..ipc.protocol import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUED_CHARS
+from .protocol import DEFAULT_MAX_BODY_MB, DEFAULT_READ_TIMEOUT_S
 
 log = logging.getLogger("workbench.http")
 
@@ -79,7 +79,8 @@ def load_front_tokenizer(model=None, engine_model_name: str | None = None):
 
 
 def make_front(engine, *, model=None, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-               tokenizer="auto", max_body_mb: float = DEFAULT_MAX_BODY_MB):
+               tokenizer="auto", max_body_mb: float = DEFAULT_MAX_BODY_MB,
+               max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
     from .app import Front
 
     status = engine.status()
@@ -94,31 +95,45 @@ def make_front(engine, *, model=None, served_model_name: str | list[str] | None 
             log.warning("no tokenizer for %s in the HTTP front: chats are limited to one user message and logprob "
                         "tokens are spelled token_id:<id> (pass the model path to fix that)", engine_model)
     return Front(engine, model_names=names, tokenizer=tokenizer, max_model_len=status.get("max_model_len"),
-                 api_key=api_key, max_body_bytes=int(max_body_mb * 2**20), status=status, aliases=aliases)
+                 api_key=api_key, max_body_bytes=int(max_body_mb * 2**20), status=status, aliases=aliases,
+                 max_queued_chars=max_queued_chars, read_timeout_s=read_timeout_s)
 
 
 def _uvicorn_server(app, host: str, port: int, log_level: str = "info",
                     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S):
-    """A uvicorn server whose first SIGTERM/Ctrl-C drains: new requests get 503, running ones
-    go on for up to `drain_timeout` s and are then ended with an error event (streams) or a 503,
-    so no client sees a connection cut mid-body. A second signal stops at once."""
+    """A uvicorn server whose first SIGTERM/Ctrl-C drains: it keeps listening, new requests get
+    a 503 with Retry-After, running ones go on for up to `drain_timeout` s and are then ended with
+    an error event (streams) or a 503, so no client sees a refused connection or a body cut
+    short; it exits when none is left. A second signal ends them that way at once; a third
+    stops without waiting."""
     import uvicorn
 
     front = app.state.front
 
     class Server(uvicorn.Server):
+        signals = 0
+
         async def startup(self, sockets=None) -> None:
             self.loop = asyncio.get_running_loop()
             await super().startup(sockets)
 
         def handle_exit(self, sig: int, frame) -> None:
-            if self.should_exit:
-                self.force_exit = True
-                return
-            self.should_exit = True
+            self.signals += 1
             loop = getattr(self, "loop", None)
-            if loop is not None:
-                loop.call_soon_threadsafe(front.begin_drain, drain_timeout)
+            if loop is None or self.signals > 2:
+                self.force_exit = self.should_exit
+                self.should_exit = True
+            elif self.signals == 1:
+                loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
+            else:
+                loop.call_soon_threadsafe(front.cut_all, "a second signal ended the drain")
+
+        async def drain(self) -> None:
+            front.begin_drain(drain_timeout)
+            deadline = time.monotonic() + drain_timeout + 2.0  # the cut answers need a moment
+            while front.busy() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self.should_exit = True
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -199,7 +214,12 @@ def add_http_arguments(parser: argparse.ArgumentParser, *, attach: bool = False)
                    help="also serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
                         "/health, /metrics) on HOST:PORT")
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, else none)")
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, else none); "
+                        "other users can read it in the process list: prefer --api-key-file or the variable")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from the first line of PATH (kept out of the process list)")
+    g.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
+                   help=f"a request body must arrive within S seconds, else 408 (default {DEFAULT_READ_TIMEOUT_S:g})")
     g.add_argument("--served-model-name", default=None, metavar="NAME[,NAME...]",
                    help="model name(s) the API answers to (default: the engine's model name)")
     g.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_BODY_MB,
@@ -210,6 +230,23 @@ def add_http_arguments(parser: argparse.ArgumentParser, *, attach: bool = False)
                        help="front an engine that is already running (by name or connection file)")
 
 
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $WORKBENCH_API_KEY, else None."""
+    if args.api_key:
+        return args.api_key
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = Path(path).expanduser().read_text().splitlines()
+        except OSError as e:
+            raise SystemExit(f"workbench: cannot read --api-key-file {path}: {e.strerror}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise SystemExit(f"workbench: --api-key-file {path} is empty")
+        return key
+    return os.environ.get(ENV_API_KEY) or None
+
+
 def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
     """`workbench serve --http`: start (or attach to) the engine, serve HTTP until a signal."""
     from ..ipc.client import EngineClient
@@ -218,7 +255,7 @@ def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     host, port = parse_host_port(args.http)
-    api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    api_key = api_key_from(args)
     model = getattr(args, "model", None)
     attach = getattr(args, "attach", None)
     if attach:
@@ -236,7 +273,9 @@ def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
         owned = True
     try:
         front = make_front(engine, model=model, served_model_name=args.served_model_name, api_key=api_key,
-                           max_body_mb=args.max_request_mb)
+                           max_body_mb=args.max_request_mb,
+                           max_queued_chars=getattr(args, "max_queued_chars", None) or DEFAULT_MAX_QUEUED_CHARS,
+                           read_timeout_s=args.request_read_timeout)
         server = _uvicorn_server(create_app(front), host, port, args.http_log_level,
                                  drain_timeout=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
         watchdog = threading.Thread(target=_watch_engine, args=(engine, server), daemon=True)

@@ -51,6 +51,7 @@ from .protocol import (
     EngineBusyError,
     EngineConnectError,
     EngineDeadError,
+    EngineDrainingError,
     EngineStartError,
     Event,
     Failure,
@@ -107,6 +108,7 @@ class EngineClient(Engine):
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._ids = itertools.count(1)
         self._dead: BaseException | None = None
+        self.draining = False  # the engine said it is shutting down (heartbeats, refusals)
         self._closing = False
         self._closed = False
         self._got_reply = False
@@ -131,6 +133,7 @@ class EngineClient(Engine):
     def _open(self, info: conn.ConnectionInfo, process: subprocess.Popen | None, timeout: float) -> None:
         """Start the IO thread on `info`'s sockets and shake hands."""
         self.info, self.pid, self.process = info, info.pid, process
+        self.draining = False
         self._check_pid = self._check_pid_wanted and info.same_host()
         self._io = threading.Thread(target=self._io_loop, name=f"wb-client-io-{info.name}", daemon=True)
         self._io.start()
@@ -316,6 +319,8 @@ class EngineClient(Engine):
                 else:
                     fut.set_exception(error_from_wire(msg.error))
         elif isinstance(msg, Rejected):
+            if msg.error.type == EngineDrainingError.__name__:
+                self.draining = True
             for rid in msg.request_ids:
                 with self._lock:
                     sink = self._sinks.pop(rid, None)
@@ -324,7 +329,7 @@ class EngineClient(Engine):
         elif isinstance(msg, ProtocolError):
             log.error("the engine could not understand a message from this client: %s", msg.message)
         elif isinstance(msg, Pong):
-            pass
+            self.draining = msg.draining
 
     def _set_dead(self, exc: BaseException, quiet: bool = False) -> None:
         with self._lock:

@@ -63,6 +63,11 @@ class EngineBusyError(WorkbenchIPCError):
     to run): the request was refused, nothing else changed; retry later."""
 
 
+class EngineDrainingError(WorkbenchIPCError):
+    """The engine is shutting down (draining after a signal): it finishes what it accepted and
+    takes nothing new; retry on another engine, or on this one once it is back."""
+
+
 class EngineConnectError(WorkbenchIPCError, ConnectionError):
     """No engine answered the handshake."""
 
@@ -133,6 +138,7 @@ class Rejected(msgspec.Struct, tag="rejected", array_like=True):
 
 class Pong(msgspec.Struct, tag="pong", array_like=True):
     time: float = 0.0
+    draining: bool = False  # the engine takes no new requests (it finishes what it accepted)
 
 
 class ProtocolError(msgspec.Struct, tag="protocol_error", array_like=True):
@@ -184,6 +190,35 @@ def encode_strict(obj: Any) -> bytes:
 
 def encode_raw(obj: Any) -> msgspec.Raw:
     return msgspec.Raw(_encoder.encode(obj))
+
+
+def encode_raw_in_pieces(obj: msgspec.Struct, piece: int = 256) -> msgspec.Raw:
+    """`encode_raw(obj)`, byte for byte, for a struct whose fields hold long lists (a timeline of
+    20,000 steps): encoded a few hundred items at a time, so another thread (the step loop) gets
+    the GIL between pieces instead of waiting out one call of hundreds of milliseconds."""
+    fields = [(name, getattr(obj, name)) for name in obj.__struct_fields__]
+    if obj.__struct_config__.omit_defaults or obj.__struct_config__.array_like:
+        return encode_raw(obj)  # the layout below is a plain map of every field
+    out = bytearray(_container_header(len(fields), 0x80, 0xDE))
+    for name, value in fields:
+        out += _encoder.encode(name)
+        if isinstance(value, list):
+            out += _container_header(len(value), 0x90, 0xDC)
+            for i in range(0, len(value), piece):
+                part = value[i:i + piece]
+                out += _encoder.encode(part)[len(_container_header(len(part), 0x90, 0xDC)):]
+        else:
+            out += _encoder.encode(value)
+    return msgspec.Raw(bytes(out))
+
+
+def _container_header(n: int, fix: int, code16: int) -> bytes:
+    """msgpack's shortest header of an array (fix 0x90, 0xDC) or map (fix 0x80, 0xDE) of n items."""
+    if n < 16:
+        return bytes([fix | n])
+    if n < 1 << 16:
+        return bytes([code16]) + n.to_bytes(2, "big")
+    return bytes([code16 + 1]) + n.to_bytes(4, "big")
 
 
 def decode_client_message(body: bytes) -> ClientMessage:
@@ -239,7 +274,8 @@ _BUILTIN_ERRORS: dict[str, type[BaseException]] = {
                 NotImplementedError, TimeoutError, FileNotFoundError, OverflowError, ZeroDivisionError)
 }
 _IPC_ERRORS: dict[str, type[BaseException]] = {
-    cls.__name__: cls for cls in (ProtocolMismatchError, EngineError, EngineDeadError, EngineBusyError)
+    cls.__name__: cls
+    for cls in (ProtocolMismatchError, EngineError, EngineDeadError, EngineBusyError, EngineDrainingError)
 }
 
 

@@ -63,6 +63,7 @@ from .protocol import (
     Bye,
     Call,
     EngineBusyError,
+    EngineDrainingError,
     ErrorInfo,
     EventMsg,
     Failure,
@@ -77,6 +78,7 @@ from .protocol import (
     decode_client_message,
     encode,
     encode_raw,
+    encode_raw_in_pieces,
     error_to_wire,
     guess_refs,
 )
@@ -147,11 +149,16 @@ class EngineServer:
             "status": self.status,
             "timeline": self._timeline,
             "reset_prefix_cache": lambda: self.engine.reset_prefix_cache(),
-            "weights_checksum": lambda: self.engine.weights_checksum(),
+            "weights_checksum": lambda: lambda: encode_raw(self.engine.weights_checksum()),
             "schema": _schema,
             "shutdown": self._shutdown_rpc,
             "sync_events": self._sync_events,
         }
+        # Calls whose answer takes long to build (hashing the weights, encoding a long timeline):
+        # the step loop takes what they read and a worker thread builds and sends the answer, so
+        # steps go on meanwhile. Their method returns that work as a function.
+        self._background_calls = {"timeline", "weights_checksum"}
+        self._call_q: queue.SimpleQueue = queue.SimpleQueue()
         if hasattr(engine, "score"):  # log-probabilities of a token sequence (perplexity), between steps
             self._methods["score"] = lambda token_ids, **kw: self.engine.score(token_ids, **kw)
         engine.event_hooks.append(self._on_engine_event)
@@ -192,9 +199,11 @@ class EngineServer:
         self._router_thread = threading.Thread(target=self._router_loop, name="wb-router-io", daemon=True)
         self._event_thread = threading.Thread(target=self._event_loop, name="wb-event-io", daemon=True)
         self._tokenizer_thread = threading.Thread(target=self._tokenize_loop, name="wb-tokenizer", daemon=True)
+        self._call_thread = threading.Thread(target=self._background_loop, name="wb-calls", daemon=True)
         self._router_thread.start()
         self._event_thread.start()
         self._tokenizer_thread.start()
+        self._call_thread.start()
         curve = None
         if self._curve is not None:
             curve = {k: self._curve[k] for k in ("server_public", "client_public", "client_secret")}
@@ -305,7 +314,7 @@ class EngineServer:
             return
         self._clients[ident] = time.monotonic()
         if isinstance(msg, Ping):
-            self._send_now(ident, Pong(time.monotonic()))
+            self._send_now(ident, Pong(time.monotonic(), self._stop_mode is not None))
         elif isinstance(msg, Bye):
             self._clients.pop(ident, None)
             self._inbox.put(("gone", ident, "said bye"))
@@ -415,6 +424,8 @@ class EngineServer:
                 self._on_call(ident, payload)
         elif kind == "encoded":
             self._on_encoded(ident, *payload)
+        elif kind == "answer":
+            self.send(ident, payload)
         elif kind == "gone":
             rids = self._owned.pop(ident, set())
             self._client_names.pop(ident, None)
@@ -439,7 +450,7 @@ class EngineServer:
         ids = [r.request_id for r in reqs]
         try:
             if self._stop_mode is not None:
-                raise RuntimeError("the engine is shutting down and accepts no new requests")
+                raise EngineDrainingError(f"engine {self.name!r} is shutting down and accepts no new requests")
             if not reqs:
                 raise ValueError("submit carries no requests")
             if not all(ids) or len(set(ids)) != len(ids):
@@ -510,7 +521,7 @@ class EngineServer:
             if isinstance(encoded, BaseException):
                 raise encoded
             if self._stop_mode == "abort":  # a drain still runs what it accepted before the signal
-                raise RuntimeError("the engine is shutting down and accepts no new requests")
+                raise EngineDrainingError(f"engine {self.name!r} is shutting down and accepts no new requests")
             try:
                 for r, tokens in zip(reqs, encoded):
                     added.append(self.engine.add_request(r.prompt, r.params, prompt_token_ids=tokens,
@@ -545,6 +556,9 @@ class EngineServer:
                 value = fn(ident, **call.kwargs)
             else:
                 value = fn(**call.kwargs)
+            if call.method in self._background_calls:
+                self._call_q.put((ident, call.call_id, value))
+                return
             raw = encode_raw(value)
         except Exception as e:
             self.send(ident, Failure(call.call_id, error_to_wire(e)))
@@ -552,6 +566,19 @@ class EngineServer:
                 log.info("configure %s rejected: %s", call.kwargs, e)
             return
         self.send(ident, Result(call.call_id, raw))
+
+    def _background_loop(self) -> None:
+        """Worker thread: build the answers of background calls, hand them to the main thread."""
+        while True:
+            item = self._call_q.get()
+            if item is None:
+                return
+            ident, call_id, work = item
+            try:
+                answer = Result(call_id, work())
+            except Exception as e:
+                answer = Failure(call_id, error_to_wire(e))
+            self._inbox.put(("answer", ident, answer))
 
     def _step(self) -> None:
         cursor = self.engine.timeline.cursor
@@ -640,7 +667,8 @@ class EngineServer:
     def _timeline(self, since: int | None = None):
         if since is not None and (not isinstance(since, int) or isinstance(since, bool)):
             raise TypeError(f"since must be an int cursor or None, got {since!r}")
-        return self.engine.timeline.read(since)
+        snapshot = self.engine.timeline.read(since)  # a copy of the lists, taken between steps
+        return lambda: encode_raw_in_pieces(snapshot)
 
     def _shutdown_rpc(self, drain: bool = False) -> dict:
         if not isinstance(drain, bool):
@@ -661,6 +689,7 @@ class EngineServer:
         close the sockets."""
         self._stop_mode = "abort"
         self._tokenize_q.put(None)
+        self._call_q.put(None)
         for rid in list(self.engine.requests):
             try:
                 self._abort(rid)

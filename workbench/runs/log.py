@@ -157,7 +157,13 @@ class RunLog:
         return conn
 
     def _init(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # The log holds prompts and settings: readable by its owner only (sqlite gives the -wal and
+        # -shm files the database's mode).
+        try:
+            os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            pass
         deadline = time.monotonic() + self.timeout
         while True:
             conn = self._open()
