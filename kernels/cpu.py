@@ -145,6 +145,7 @@ _SIGNATURES = {
     "wb_silu_mul": [_P, _P, _I, _I],
     "wb_rope_write_kv": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "wb_paged_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
+    "wb_paged_extend": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
     "wb_decode_layer": [_P, _P, _P, _P, _P, _P, _P],
     "wb_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P],
 }
@@ -443,18 +444,32 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_sc
     return out
 
 
+EXTEND_MAX_GD = 512  # the tiled prefill kernel's most query heads per KV head x head dim (EXT_GD)
+
+
 def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None,
                      v_scale=None):
-    """Same contract as reference.extend_attention_ref, for bf16 caches: every new token is a
-    one-query decode over its own causal context (its sequence's blocks, length = position + 1).
-    Causal prefill needs no mask and no gathered copy of the context this way, and the decode
-    kernel's work per query is proportional to that query's context, so the masked half is
-    never computed."""
+    """Same contract as reference.extend_attention_ref, for bf16 caches: each sequence's new
+    tokens in tiles of 16 consecutive queries against its cached keys (wb_paged_extend: causal, no
+    gathered copy, keys past a tile's last query never computed). Where G x head_dim exceeds the
+    tile kernel's buffers, every new token is a one-query decode over its own causal context."""
     if not _bf16_cache(q, k_cache, k_scale):
         from .reference import extend_attention_ref
 
         return extend_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale,
                                     k_scale, v_scale)
+    _, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if hq // hkv * d <= EXTEND_MAX_GD:
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        cu = cu_seqlens_q.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        _require().wb_paged_extend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                   cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0], hq, hkv, d, bs,
+                                   tables.shape[1], sm_scale)
+        return out
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     owner = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
     # token i of sequence b sits at position seq_lens[b] - counts[b] + i

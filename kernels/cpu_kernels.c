@@ -482,6 +482,8 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
     for (int64_t c0 = 0; c0 < L; c0 += KV_CHUNK) {
         int64_t cn = L - c0 < KV_CHUNK ? L - c0 : KV_CHUNK;
         chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);
+        // the first rows have nobody ahead to fetch them: ask for them now
+        for (int64_t a = 0; a < KV_AHEAD && a < cn; a++) prefetch_row(k_cache + rows[a], D);
         // scores[g][t] = (q_g . k_t) * scale, 16 keys at a time: vdpbf16ps on the bf16 rows (exact
         // products, fp32 sums), then one transpose-and-add gives 16 dot products at once instead
         // of 16 horizontal reductions.
@@ -502,6 +504,7 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                                       _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
             }
         }
+        for (int64_t a = 0; a < KV_AHEAD && a < cn; a++) prefetch_row(v_cache + rows[a], D);  // fetched during the softmax
         for (int64_t g = 0; g < G; g++) {
             __m512 corr = _mm512_set1_ps(softmax_chunk(scores[g], cn, &run_max[g], &run_sum[g]));
             for (int64_t c = 0; c < DW; c++) {
@@ -615,6 +618,197 @@ void wb_paged_decode(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, co
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hkv; h++) decode_task(q, k_cache, v_cache, tables, lens, out, b, h, Hq, Hkv, D, bs, W, scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (extend) attention: the new tokens of each sequence attend causally over its cache,
+// a tile of EXT_Q consecutive queries at a time with the queries along the vector lanes. A key
+// row is read once per tile instead of once per query, scores need no horizontal sums, and the
+// causal mask is a lane mask on the diagonal tiles only; a 512-token prompt chunk's attention
+// runs in about a third of the time of 512 one-query decodes.
+//
+// Per task (a sequence's tile of queries, one KV head), its G query heads: q^T [G][D] lane vectors,
+// keys in chunks of up to EXT_KEYS: scores[g][key] (one vector: the tile's queries), each
+// chunk's softmax in two passes as in the decode kernel (the chunk's maximum first; probabilities
+// rounded to bf16 weight the values, their fp32 sum normalises), P.V into acc^T[G][D].
+#define EXT_Q 16
+#define EXT_GD 512      // most G * D this kernel takes (SmolLM2: 3 * 64; Llama 3 8B: 4 * 128)
+#define EXT_SCORES 2048 // G * keys of a chunk's scores (SmolLM2: 512 keys a chunk, as the decode kernel)
+#define EXT_KEYS 512    // most keys a chunk
+#define EXT_FLOATS (16 * (2 * EXT_GD + EXT_SCORES) + EXT_KEYS / 2 * MAX_D)
+
+static _Thread_local float *ext_scratch;  // per thread, made on first use: q^T, acc^T, scores, values
+
+static float *ext_buffers(void) {
+    if (ext_scratch == NULL) ext_scratch = aligned_alloc(64, sizeof(float) * EXT_FLOATS);
+    return ext_scratch;
+}
+
+#if WB_BF16_DOT
+// bf16 pair (a, b) in one 32-bit lane: the layout vdpbf16ps multiplies
+static inline uint32_t bf_pair(bf16 a, bf16 b) { return (uint32_t)a | ((uint32_t)b << 16); }
+#define BCAST_PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t *)(p)))
+#endif
+
+static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, bf16 *out,
+                        int64_t row0, int64_t nq, int64_t p0, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t bs, float scale) {
+    int64_t G = Hq / Hkv, L = p0 + nq;  // keys 0 .. L - 1: the last query's context
+    float *buf = ext_buffers();
+    // q^T [G][D][16] (bf16 pairs [G][D/2][16] where the dot is vdpbf16ps), acc^T [G][D][16],
+    // scores [G][chunk][16], value pairs [chunk/2][D] (vdpbf16ps)
+    float *qt = buf, *acc = buf + 16 * EXT_GD, *sc = buf + 32 * EXT_GD;
+    int64_t chunk = EXT_SCORES / G;
+    chunk = chunk > EXT_KEYS ? EXT_KEYS : chunk & ~(int64_t)15;
+    vf run_max[EXT_GD / 16], run_sum[EXT_GD / 16];
+    // lane j = query row0 + j (lanes past nq repeat the last query: their results are dropped)
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t j = 0; j < EXT_Q; j++) {
+            const bf16 *qr = q + ((row0 + (j < nq ? j : nq - 1)) * Hq + h * G + g) * D;
+#if WB_BF16_DOT
+            uint32_t *qp = (uint32_t *)qt + g * D / 2 * 16;
+            for (int64_t d = 0; d < D; d += 2) qp[d / 2 * 16 + j] = bf_pair(qr[d], qr[d + 1]);
+#else
+            for (int64_t d = 0; d < D; d++) qt[(g * D + d) * 16 + j] = bf2f(qr[d]);
+#endif
+        }
+        for (int64_t d = 0; d < D; d++) vf_store(acc + (g * D + d) * 16, vf_zero());
+        run_max[g] = vf_set1(-INFINITY);
+        run_sum[g] = vf_zero();
+    }
+    // causal masks for the diagonal keys: key p0 + m is seen by lanes j >= m
+    float bias[EXT_Q][16], keep[EXT_Q][16];
+    for (int64_t m = 0; m < EXT_Q; m++)
+        for (int64_t j = 0; j < 16; j++) {
+            bias[m][j] = j >= m ? 0.f : -INFINITY;
+            keep[m][j] = j >= m ? 1.f : 0.f;
+        }
+    int64_t rows[EXT_KEYS];
+    for (int64_t c0 = 0; c0 < L; c0 += chunk) {
+        int64_t cn = L - c0 < chunk ? L - c0 : chunk;
+        chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);
+        // pass 1: scores, 8 keys at a time (8 accumulators in registers), and each row's maximum
+        vf mx[EXT_GD / 16];
+        for (int64_t g = 0; g < G; g++) mx[g] = vf_set1(-INFINITY);
+        for (int64_t t0 = 0; t0 < cn; t0 += 8) {
+            int64_t nt = cn - t0 < 8 ? cn - t0 : 8;
+            for (int64_t a = t0 + KV_AHEAD; a < t0 + KV_AHEAD + 8 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
+            const bf16 *kr[8];
+            for (int64_t i = 0; i < 8; i++) kr[i] = k_cache + rows[t0 + (i < nt ? i : nt - 1)];
+            for (int64_t g = 0; g < G; g++) {
+                vf s[8];
+                for (int i = 0; i < 8; i++) s[i] = vf_zero();
+#if WB_BF16_DOT
+                const __m512bh *qg = (const __m512bh *)((uint32_t *)qt + g * D / 2 * 16);
+                for (int64_t p = 0; p < D / 2; p++) {
+                    __m512bh qv = qg[p];
+                    for (int i = 0; i < 8; i++) s[i] = _mm512_dpbf16_ps(s[i], qv, BCAST_PAIR(kr[i] + 2 * p));
+                }
+#else
+                const float *qg = qt + g * D * 16;
+                for (int64_t d = 0; d < D; d++) {
+                    vf qv = vf_load(qg + d * 16);
+                    for (int i = 0; i < 8; i++) s[i] = vf_fma(qv, vf_set1(bf2f(kr[i][d])), s[i]);
+                }
+#endif
+                for (int64_t i = 0; i < nt; i++) {
+                    int64_t m = c0 + t0 + i - p0;  // > 0: a key some of the tile's queries must not see
+                    vf sv = vf_mul(s[i], vf_set1(scale));
+                    if (m > 0) sv = vf_add(sv, vf_load(bias[m]));
+                    vf_store(sc + (g * chunk + t0 + i) * 16, sv);
+                    mx[g] = vf_max(mx[g], sv);
+                }
+            }
+        }
+#if WB_BF16_DOT
+        // the chunk's values as pairs of keys, one 32-bit lane per dimension: (v_t[d], v_t+1[d])
+        uint32_t *vp = (uint32_t *)(sc + 16 * EXT_SCORES);
+        for (int64_t t = 0; t < cn; t += 2) {
+            if (t + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + KV_AHEAD], D);
+            if (t + 1 + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + 1 + KV_AHEAD], D);
+            const bf16 *v0 = v_cache + rows[t], *v1 = t + 1 < cn ? v_cache + rows[t + 1] : NULL;
+            for (int64_t d = 0; d < D; d++) vp[t / 2 * D + d] = bf_pair(v0[d], v1 ? v1[d] : 0);
+        }
+#endif
+        // pass 2: probabilities (bf16-rounded), the running sums, then P.V a block of 16 dims at a time
+        for (int64_t g = 0; g < G; g++) {
+            vf new_max = vf_max(run_max[g], mx[g]);
+            vf corr = vf_exp(vf_sub(run_max[g], new_max));
+            run_max[g] = new_max;
+            vf sum = vf_zero();
+            for (int64_t t = 0; t < cn; t++) {
+                int64_t m = c0 + t - p0;
+                float *st = sc + (g * chunk + t) * 16;
+                vf e = vf_exp(vf_sub(vf_load(st), new_max));
+                if (m > 0) e = vf_mul(e, vf_load(keep[m]));
+                sum = vf_add(sum, e);
+                vf_store(st, vf_round_bf(e));
+            }
+            run_sum[g] = vf_add(vf_mul(run_sum[g], corr), sum);
+            float *ag = acc + g * D * 16, *sg = sc + g * chunk * 16;
+#if WB_BF16_DOT
+            // probabilities of key pairs, as the values: lane j = (p_j[t], p_j[t+1]) (odd tail: p = 0)
+            for (int64_t t = 0; t < cn; t += 2) {
+                __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(vf_load(sg + t * 16)), 16);
+                __m512i hi = t + 1 < cn ? _mm512_and_si512(_mm512_castps_si512(vf_load(sg + (t + 1) * 16)),
+                                                           _mm512_set1_epi32((int)0xffff0000u))
+                                        : _mm512_setzero_si512();
+                _mm512_storeu_si512(sg + t / 2 * 16, _mm512_or_si512(lo, hi));  // packed in place
+            }
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                vf a[16];
+                for (int i = 0; i < 16; i++) a[i] = vf_mul(vf_load(ag + (d0 + i) * 16), corr);
+                for (int64_t t = 0; t < cn; t += 2) {
+                    __m512bh pp = (__m512bh)_mm512_loadu_si512(sg + t / 2 * 16);
+                    const uint32_t *vr = vp + t / 2 * D + d0;
+                    for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], pp, BCAST_PAIR(vr + i));
+                }
+                for (int i = 0; i < 16; i++) vf_store(ag + (d0 + i) * 16, a[i]);
+            }
+#else
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                vf a[16];
+                for (int i = 0; i < 16; i++) a[i] = vf_mul(vf_load(ag + (d0 + i) * 16), corr);
+                for (int64_t t = 0; t < cn; t++) {
+                    vf pt = vf_load(sg + t * 16);
+                    const bf16 *vr = v_cache + rows[t] + d0;
+                    for (int i = 0; i < 16; i++) a[i] = vf_fma(pt, vf_set1(bf2f(vr[i])), a[i]);
+                }
+                for (int i = 0; i < 16; i++) vf_store(ag + (d0 + i) * 16, a[i]);
+            }
+#endif
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float res[16];
+        for (int64_t d = 0; d < D; d++) {
+            vf_store(res, vf_div(vf_load(acc + (g * D + d) * 16), run_sum[g]));
+            for (int64_t j = 0; j < nq; j++) out[((row0 + j) * Hq + h * G + g) * D + d] = f2bf(res[j]);
+        }
+    }
+}
+
+// Causal attention of the new tokens: sequence s has its tokens at q rows cu_q[s] .. cu_q[s+1] - 1
+// and lens[s] tokens of context in all (the new ones last, already in the cache).
+void wb_paged_extend(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
+                     const int32_t *cu_q, const int32_t *lens, bf16 *out, int64_t S, int64_t Hq, int64_t Hkv,
+                     int64_t D, int64_t bs, int64_t W, float scale) {
+    int64_t tasks = 0;
+    for (int64_t s = 0; s < S; s++) tasks += (cu_q[s + 1] - cu_q[s] + EXT_Q - 1) / EXT_Q * Hkv;
+    // the longest tiles (last in each sequence: the most keys) go first for the dynamic schedule
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < tasks; i++) {
+        int64_t k = i, s = 0, tiles = 0;
+        for (; s < S; s++) {
+            tiles = (cu_q[s + 1] - cu_q[s] + EXT_Q - 1) / EXT_Q * Hkv;
+            if (k < tiles) break;
+            k -= tiles;
+        }
+        int64_t n = cu_q[s + 1] - cu_q[s], tile = (tiles / Hkv - 1) - k / Hkv, h = k % Hkv;
+        int64_t first = tile * EXT_Q, nq = n - first < EXT_Q ? n - first : EXT_Q;
+        extend_task(q, k_cache, v_cache, tables + s * W, out, cu_q[s] + first, nq, lens[s] - n + first, h, Hq, Hkv,
+                    D, bs, scale);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

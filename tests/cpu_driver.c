@@ -49,6 +49,8 @@ int main(int argc, char **argv) {
     case 4: wb_silu_mul(b[0], b[1], iv[0], iv[1]); break;
     case 5: wb_rope_write_kv(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], iv[0], iv[1], iv[2], iv[3]); break;
     case 6: wb_paged_decode(b[0], b[1], b[2], b[3], b[4], b[5], iv[0], iv[1], iv[2], iv[3], iv[4], iv[5], fv[0]); break;
+    case 8: wb_paged_extend(b[0], b[1], b[2], b[3], b[4], b[5], b[6], iv[0], iv[1], iv[2], iv[3], iv[4], iv[5], fv[0]);
+        break;
     case 7: {  // one decoder layer, bf16 weights: qkv, o, gate_up, down, ln1, ln2, then the step's tensors
         int64_t T = iv[0], H = iv[1], Hq = iv[2], Hkv = iv[3], D = iv[4], I = iv[5];
         wb_layer L = {{0, b[0], NULL, NULL, (Hq + 2 * Hkv) * D, H, 0}, {0, b[1], NULL, NULL, H, Hq * D, 0},

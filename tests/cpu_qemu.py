@@ -126,6 +126,15 @@ class QemuKernels:
                    [b, hq, hkv, d, bs, tables.shape[1]], [sm_scale])
         return out
 
+    def extend_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale):
+        t, hq, d = q.shape
+        _, bs, hkv, _ = k_cache.shape
+        tables = block_tables.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        self._call(8, [q, k_cache, v_cache, tables, cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32), out],
+                   [seq_lens.shape[0], hq, hkv, d, bs, tables.shape[1]], [sm_scale])
+        return out
+
     def decode_layer(self, weights, ln1, ln2, eps, step: dict, x, delta, k_cache, v_cache):
         """One bf16 layer (weights: qkv, o, gate_up, down) on the step's tensors; x in place; returns
         the MLP output."""

@@ -383,3 +383,21 @@ def test_qwen3_from_a_gguf_file(tiny_qwen3, tmp_path):
     assert llm.engine.model_config.architecture == "qwen3" and llm.engine.model_config.qk_norm
     outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+
+
+def test_every_step_says_where_its_time_went(tiny_llama):
+    """Each step's parts (timeline.STEP_PARTS) are measured inside it: they add up to no more than
+    the step, and metrics() names the part that took most."""
+    from workbench.timeline import STEP_PARTS
+
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    llm.generate(prompt_token_ids=ragged_prompts()[:4], params=GREEDY)
+    steps = llm.timeline().steps
+    assert steps
+    for s in steps:
+        assert set(s.parts) == set(STEP_PARTS) - {"send"}, s.parts  # "send": an engine process's
+        assert all(v >= 0 for v in s.parts.values())
+        assert sum(s.parts.values()) <= (s.end - s.start) * 1e3 + 1e-6
+    m = llm.metrics()
+    assert m["step_limit"] in STEP_PARTS and sum(m["step_parts_share"].values()) == pytest.approx(1.0)

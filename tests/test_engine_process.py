@@ -962,6 +962,7 @@ def test_checksum_and_timeline_answers_are_built_while_steps_go_on():
         assert checksum == eng.status()["weights_checksum"]
         timeline = eng.timeline()
         assert [s for s in timeline.steps if start < s.start and s.end < end], "no step ran while the weights were hashed"
+        assert all("send" in s.parts for s in timeline.steps)  # an engine process times handing chunks out
         runner.join(120)
         assert chunks[-1].finish_reason == "length"
         # the piecewise encoding is the plain one, byte for byte

@@ -345,3 +345,29 @@ def test_tokens_per_second_is_averaged_over_a_window():
     assert max(raw) - min(raw) >= 2.0  # 1 or 2 (or 3) steps per bin: 2-6 tok/s
     assert max(avg) - min(avg) <= 0.6 and all(abs(a - 1 / 0.26) < 0.5 for a in avg)
     assert series["tok_s_avg"][0] == series["tok_s"][0]  # the first bin is its own average
+
+
+def test_where_each_step_spent_its_time():
+    """Issue 27.3: a step's parts (scheduler, tensors, layers, LM head, sampling, outputs, send) in
+    its tooltip, biggest first; the breakdown over a run names the part that limits it."""
+    from workbench.jupyter.dashboard import step_time_text
+    from workbench.timeline import STEP_PARTS, step_breakdown
+
+    f = Fake()
+    f.step(0.0, 0.010, "decode", [("a", 1, "decode")],
+           parts={"schedule": 0.5, "prepare": 0.5, "layers": 7.0, "lm_head": 1.5, "sample": 0.2, "outputs": 0.3})
+    f.step(0.012, 0.020, "decode", [("a", 1, "decode")], parts={"layers": 6.0, "lm_head": 1.0, "send": 1.0})
+    f.step(0.020, 0.021, "decode", [("a", 1, "decode")])  # a simulated step: no parts
+    r = TimelineReducer(t0=0.0)
+    r.add(f.timeline())
+    parts = r.drain()["steps"]["parts"]
+    assert parts[0] == ("layers 7.0 ms (70%), lm_head 1.5 ms (15%), schedule 0.5 ms (5%), prepare 0.5 ms (5%), "
+                        "outputs 0.3 ms (3%), sample 0.2 ms (2%)")
+    assert parts[1].startswith("layers 6.0 ms (75%)") and parts[2] == "-"
+    b = step_breakdown(f.steps)
+    assert b["steps"] == 3 and b["limit"] == "layers" and set(b["parts_ms"]) == set(STEP_PARTS)
+    assert b["parts_ms"]["layers"] == 13.0 and b["parts_share"]["layers"] == pytest.approx(13 / 18)
+    assert b["between_steps_share"] == pytest.approx(1 - 19 / 21)  # 2 ms idle between the first two
+    assert step_breakdown([]) == {}
+    text = step_time_text({"step_parts_share": b["parts_share"]})
+    assert text.startswith(" · step time: layers 72%, lm_head 14%") and step_time_text({}) == ""

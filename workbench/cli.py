@@ -133,13 +133,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="number of requests (default 64; 8 with --quick)")
-    p.add_argument("--systems", default="workbench,hf_sequential,hf_static,llama_server",
-                   help="comma-separated: workbench, hf_sequential, hf_static, llama_server (default: all; "
-                        "llama_server runs when a llama-server binary is found, else the report says how to get one)")
+    p.add_argument("--systems", default="workbench,hf_sequential,hf_static,llama_server,vllm",
+                   help="comma-separated: workbench, hf_sequential, hf_static, llama_server, vllm, workbench_http "
+                        "(default: all but workbench_http, which vllm brings along: our engine behind `serve --http`, "
+                        "measured through the same client as vLLM's server); llama_server and vllm run when found, "
+                        "else the report says how to get them")
     p.add_argument("--hf-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                    help="dtype of the transformers peers (auto: bf16 or fp32, whichever matmul measures faster here)")
     p.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama.cpp's llama-server binary (default: $WORKBENCH_LLAMA_SERVER, then PATH)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="the Python of a venv with vLLM (default: $WORKBENCH_VLLM_PYTHON, then .peers/vllm from "
+                        "`make peers`)")
     p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default="all",
                    help="all: every request at t=0 (default); poisson: exponential gaps at --rate; bursty: clumps "
                         "and lulls at the same mean --rate (gamma gaps, twice the spread)")
@@ -228,6 +233,10 @@ def _run_bench(args: argparse.Namespace) -> int:
             from .bench.llama_cpp import find_llama_server
 
             find_llama_server(args.llama_server)
+        if args.vllm_python is not None:
+            from .bench.vllm_peer import find_vllm_python
+
+            find_vllm_python(args.vllm_python)
     except (ValueError, TypeError) as e:
         print(f"workbench bench: {e}", file=sys.stderr)
         return 2
@@ -243,7 +252,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         args.model, systems=systems, num_requests=args.requests or (8 if args.quick else 64),
         arrival=args.arrival, rate=args.rate if args.arrival in ("poisson", "bursty") else None, seed=args.seed,
         quick=args.quick, settings=settings, single_stream=args.single_stream,
-        hf_dtype=args.hf_dtype, llama_server=args.llama_server, progress=_progress_factory(), log=log,
+        hf_dtype=args.hf_dtype, llama_server=args.llama_server, vllm_python=args.vllm_python,
+        progress=_progress_factory(), log=log,
     )
     text = json.dumps(report, indent=2)
     if args.output:

@@ -46,6 +46,10 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     host_cpus: int | None = None
     process_rss_mb: float | None = None
     host_mem_percent: float | None = None
+    # Where the steps of the window spent their time: each of `timeline.STEP_PARTS`' share, and
+    # the part that took most (what limits the engine now; None when idle)
+    step_parts_share: dict[str, float] = msgspec.field(default_factory=dict)
+    step_limit: str | None = None
     total_prompt_tokens: int = 0
     total_prefix_hit_tokens: int = 0
     total_output_tokens: int = 0

@@ -16,6 +16,11 @@ from collections.abc import Iterable
 import msgspec
 
 PHASES = ("prefill", "decode", "mixed", "verify", "relayout")
+# Where a step's time goes, in order (`StepEvent.parts`, milliseconds each): a draft model's
+# proposals, the scheduler's decisions, the batch's tensors and attention metadata, the
+# transformer's layers, the LM head, sampling, the outputs (each sequence advanced, detokenised,
+# stop strings checked) and, in an engine process, handing the chunks to their clients.
+STEP_PARTS = ("draft", "schedule", "prepare", "layers", "lm_head", "sample", "outputs", "send")
 REQUEST_EVENTS = ("arrived", "scheduled", "first_token", "preempted", "resumed", "finished")
 
 
@@ -43,6 +48,7 @@ class StepEvent(msgspec.Struct, omit_defaults=True):
     output_tokens: int = 0  # tokens emitted by this step
     # MoE models: per MoE layer, how many tokens each expert received in this step
     expert_counts: list[list[int]] = msgspec.field(default_factory=list)
+    parts: dict[str, float] = msgspec.field(default_factory=dict)  # STEP_PARTS -> ms (a simulated step: none)
 
 
 class RequestEvent(msgspec.Struct, omit_defaults=True):
@@ -84,6 +90,28 @@ def change_label(changes: dict[str, list]) -> str:
 
 def _show(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
+
+
+def step_breakdown(steps: Iterable[StepEvent]) -> dict:
+    """Where the steps' time went: per part of `STEP_PARTS`, total ms and share of the steps' time,
+    the part that took most (what limits the run), and the time between steps (the loop waiting
+    or doing other work), as a share of the span from the first step's start to the last's end."""
+    steps = list(steps)
+    if not steps:
+        return {}
+    totals = dict.fromkeys(STEP_PARTS, 0.0)
+    for st in steps:
+        for name, ms in st.parts.items():
+            if name in totals:
+                totals[name] += ms
+    busy = sum(st.end - st.start for st in steps) * 1e3
+    span = (steps[-1].end - steps[0].start) * 1e3
+    measured = sum(totals.values())
+    out = {"steps": len(steps), "step_ms": busy, "parts_ms": totals,
+           "parts_share": {k: v / measured if measured else 0.0 for k, v in totals.items()},
+           "between_steps_share": 1 - busy / span if span > 0 else 0.0}
+    out["limit"] = max(totals, key=totals.get) if measured else None
+    return out
 
 
 def expert_totals(per_step: Iterable[list[list[int]]]) -> list[list[int]]:

@@ -5,8 +5,9 @@ moves by a third within a minute, so separate runs cannot be compared).
     python docs/probes/ab_kernels.py attention avx512_bf16 old=... new=...
 
 gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1), GB/s of weights.
-attention: paged decode attention, 64 sequences x 300 tokens, 9 query / 3 KV heads of 64, over 30
-layers' caches (reads from DRAM, as in a wide decode step), ms per layer call. Each version is
+attention: paged decode attention, 64 sequences x 300 tokens (env B, L), 9 query / 3 KV heads of
+64, over 30 layers' caches (env LAYERS; 30 read from DRAM, as in a wide decode step; 1 stays in
+the caches), ms per layer call. Each version is
 built with the variant's flags; the output's max difference from the first version is printed.
 """
 
@@ -48,7 +49,8 @@ if what == "gemv":
                                  for w, (n, k), y in zip(ws, shapes, ys)] and ys[-1].clone()
     unit, scale = "GB/s", sum(n * k * 2 for n, k in shapes) / 1e9
 elif what == "attention":
-    B, L, Hq, Hkv, D, bs, layers = 64, 300, 9, 3, 64, 16, 30
+    B, L, layers = (int(os.environ.get(k, d)) for k, d in (("B", 64), ("L", 300), ("LAYERS", 30)))
+    Hq, Hkv, D, bs = 9, 3, 64, 16
     nb = B * ((L + bs - 1) // bs) + 4
     kc = [torch.randn(nb, bs, Hkv, D, generator=g).bfloat16() for _ in range(layers)]
     vc = [torch.randn(nb, bs, Hkv, D, generator=g).bfloat16() for _ in range(layers)]
@@ -78,5 +80,5 @@ for _ in range(8):
         best[name] = min(best[name], time.perf_counter() - t)
 first = next(iter(outs.values())).float()
 for name, t in best.items():
-    figure = scale / t if scale else t * 1e3 / 30
+    figure = scale / t if scale else t * 1e3 / layers
     print(f"{variant} {what} {name}: {figure:.2f} {unit}  (max |diff| vs the first {(outs[name].float() - first).abs().max().item():.3g})")

@@ -211,7 +211,8 @@ export class TimelineChart {
           ['step', '@seq (@phase)'],
           ['batch', '@batch: @composition'],
           ['tokens', '@tokens'],
-          ['took', '@ms{0.0} ms']
+          ['took', '@ms{0.0} ms'],
+          ['time went to', '@parts']
         ]
       })
     );

@@ -418,6 +418,7 @@ export interface IStepColumns {
   ms: number[];
   seq: number[];
   composition: string[];
+  parts: string[];
 }
 
 /** The chart's step bars from the reducer's "steps" rows (all kept, or the new ones of a message). */
@@ -435,7 +436,8 @@ export function stepColumns(rows: Columns | undefined): IStepColumns {
     batch: col('batch_size'),
     ms: col('duration_ms'),
     seq: col('seq'),
-    composition: col('composition')
+    composition: col('composition'),
+    parts: col('parts')
   };
 }
 
@@ -566,6 +568,8 @@ export interface ILiveNumbers {
   itl: string;
   cpu: string;
   memory: string;
+  limit: string;
+  stepParts: string;
 }
 
 export function liveNumbers(metrics: Dict): ILiveNumbers {
@@ -591,8 +595,22 @@ export function liveNumbers(metrics: Dict): ILiveNumbers {
     ttft: fixed(metrics.ttft_p50_ms, 0),
     itl: fixed(metrics.itl_p50_ms, 1),
     cpu: fixed(metrics.process_cpu_cores, 1),
-    memory: fixed(num(metrics.process_rss_mb) === null ? null : metrics.process_rss_mb / 1024, 2)
+    memory: fixed(num(metrics.process_rss_mb) === null ? null : metrics.process_rss_mb / 1024, 2),
+    ...stepTime(metrics)
   };
+}
+
+/** The part of a step that took most of the recent steps' time ("layers 71%"), and every part's
+ * share for its hover, from the engine's `step_parts_share` (what the Python dashboard shows too). */
+function stepTime(metrics: Dict): { limit: string; stepParts: string } {
+  const shares: Array<[string, number]> = Object.entries(metrics.step_parts_share ?? {})
+    .filter((kv): kv is [string, number] => typeof kv[1] === 'number' && kv[1] >= 0.01)
+    .sort((a, b) => b[1] - a[1]);
+  if (!shares.length) {
+    return { limit: '–', stepParts: '' };
+  }
+  const pct = ([name, v]: [string, number]): string => `${name} ${(v * 100).toFixed(0)}%`;
+  return { limit: pct(shares[0]), stepParts: shares.map(pct).join(', ') };
 }
 
 /** The host plot's rows (the reducer's "host" source), nulls (not measured) as NaN: gaps. */

@@ -20,7 +20,7 @@ const KIND_TITLES: Record<string, string> = {
   'read-only': 'Remote server (read-only)'
 };
 
-const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks'>, string, string]> = [
+const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks' | 'stepParts'>, string, string]> = [
   ['tokS', 'tok/s', 'output tokens per second (last 10 s)'],
   ['queue', 'queue', 'requests waiting'],
   ['running', 'running', 'requests in the batch'],
@@ -30,7 +30,8 @@ const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks'>,
   ['ttft', 'TTFT ms', 'time to first token (ms), median of recent requests'],
   ['itl', 'ITL ms', 'inter-token latency (ms), median of recent requests'],
   ['cpu', 'CPU cores', "CPU the engine process uses, in cores' worth (the host plot is in the main-area timeline)"],
-  ['memory', 'memory GiB', 'resident memory of the engine process']
+  ['memory', 'memory GiB', 'resident memory of the engine process'],
+  ['limit', 'step time', 'the part of an engine step that took most of the last 10 s of steps']
 ];
 
 
@@ -279,6 +280,11 @@ export class WorkbenchPanel extends Widget {
       const kv = this._numbers.get('kv');
       if (kv && kv.parentElement) {
         kv.parentElement.title = `KV cache blocks in use${nums.kvBlocks ? `: ${nums.kvBlocks}` : ''}`;
+      }
+      const limit = this._numbers.get('limit');
+      if (limit && limit.parentElement) {
+        limit.parentElement.title = `where the last 10 s of steps spent their time${
+          nums.stepParts ? `: ${nums.stepParts}` : ''}`;
       }
       this._renderExperts(st.metrics);
     }

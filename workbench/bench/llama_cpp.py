@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 from .workload import Workload
@@ -48,69 +45,16 @@ def model_gguf(model) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_llama_server(binary: str, gguf: str, workloads: dict[str, Workload], *, threads: int, progress=None,
                      log=lambda msg: None, startup_timeout: float = 120.0) -> tuple[dict[str, dict], dict]:
     """Serve each named workload in turn on one fresh llama-server; returns ({name: summary}, how
     it was run). `progress(name, total)` makes a progress bar per workload, as in the runner."""
-    import tempfile
-
-    from ..remote import RemoteEngineClient
-    from ..sampling_params import SamplingParams
-    from .driver import serve_workload
-    from .endpoint import endpoint_summary
+    from .server_peer import ServerPeer, free_port, serve_workloads
 
     longest = max(r.prompt_len + r.max_tokens for w in workloads.values() for r in w.requests)
-    ctx = SLOTS * (longest + 64)
-    port = _free_port()
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", str(SLOTS), "-cb",
-           "--no-cache-prompt", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
-    log(f"llama_server: {' '.join(cmd)}")
-    # its log goes to a file: a pipe nobody reads would fill and stall the server mid-run
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        summaries = {}
-        try:
-            _wait_ready(proc, err, url, startup_timeout)
-            with RemoteEngineClient(url) as client:
-                client.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-                for name, workload in workloads.items():
-                    bar = progress(name, len(workload.requests)) if progress is not None else None
-                    try:
-                        served, start = serve_workload(client, workload.requests, progress=bar, keep_errors=True)
-                    finally:
-                        if bar is not None:
-                            bar.close()
-                    summaries[name] = endpoint_summary(served, start)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    return summaries, {"command": cmd, "gguf": gguf, "slots": SLOTS, "timing": "client-side over loopback"}
-
-
-def _wait_ready(proc: subprocess.Popen, err, url: str, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err.seek(0)
-            tail = err.read().decode(errors="replace")[-1500:]
-            raise RuntimeError(f"llama-server exited with {proc.returncode} before it was ready: {tail}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"llama-server was not ready within {timeout:.0f} s")
+    port = free_port()
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(SLOTS * (longest + 64)),
+           "-np", str(SLOTS), "-cb", "--no-cache-prompt", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    summaries, how = serve_workloads(ServerPeer("llama-server", cmd, port, startup_timeout=startup_timeout),
+                                     workloads, progress=progress, log=log)
+    return summaries, {**how, "gguf": gguf, "slots": SLOTS}

@@ -25,6 +25,14 @@ def single_stream_line(name: str, r: dict) -> str:
             f"{100 * r['bandwidth_fraction_of_roofline']:.1f}% of the roofline's)")
 
 
+def breakdown_line(name: str, b: dict) -> str:
+    """"workbench: 412 steps; layers 71%, lm_head 12%, ...; 3% of the time between steps"."""
+    shares = sorted(((k, v) for k, v in b["parts_share"].items() if v >= 0.005), key=lambda kv: -kv[1])
+    return (f"{name}: {b['steps']} steps, {b['step_ms'] / 1e3:.1f} s; "
+            + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares)
+            + f"; {100 * b['between_steps_share']:.0f}% of the time between steps")
+
+
 def format_report(rep: dict) -> str:
     w, roof = rep["workload"], rep["roofline"]
     arrival = "all at t=0" if w["arrival"] == "all" else f"{'Poisson' if w['arrival'] == 'poisson' else 'bursty'}, {w['rate']} req/s"
@@ -66,6 +74,9 @@ def format_report(rep: dict) -> str:
     for name, r in rep["results"].items():
         if name.endswith("single_stream"):
             lines.append(single_stream_line(name, r))
+    for name, r in rep["results"].items():
+        if r.get("step_breakdown"):
+            lines.append(breakdown_line(name, r["step_breakdown"]))
     for key, v in rep.get("ratios", {}).items():
         lines.append(f"{key.replace('_vs_', ' / ')}: {v:.2f}x")
     for t in rep.get("targets", []):

@@ -15,6 +15,11 @@ Systems:
 - `llama_server`: llama.cpp's server on the model's GGUF, same requests (see `llama_cpp.py`); with
   a single stream, `llama_server_single_stream` too. Skipped, with a note saying how to get it,
   when no binary is found.
+- `vllm`: vLLM's server (its CPU build on a CPU) on the model's Hugging Face folder, same requests
+  through the same endpoint client (see `vllm_peer.py`); skipped, saying how to get it, when no
+  Python with vLLM is found. With it, `workbench_http` runs too: our engine behind `workbench serve
+  --http` through that same client, so the two servers are compared on one path (ratios
+  `workbench_http_vs_vllm`); it can also be asked for on its own.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from ..runs import machine_facts, record_bench
 from .driver import run_workload
 from .roofline import measure_bandwidth, measure_roofline, model_costs
+from .server_peer import serve_workloads
 from .stats import NoProgress, RequestRecord, summarize
 from .workload import (
     DEFAULT_NUM_REQUESTS,
@@ -43,8 +49,8 @@ from .workload import (
     text_token_ids,
 )
 
-SYSTEMS = ("workbench", "hf_sequential", "hf_static", "llama_server")
-DEFAULT_SYSTEMS = SYSTEMS
+SYSTEMS = ("workbench", "hf_sequential", "hf_static", "llama_server", "vllm", "workbench_http")
+DEFAULT_SYSTEMS = ("workbench", "hf_sequential", "hf_static", "llama_server", "vllm")
 HF_DTYPES = ("auto", "bfloat16", "float32")
 HF_STATIC_BATCH = 16
 SINGLE_STREAM_TOKENS = 256
@@ -54,6 +60,7 @@ TARGET_VS_HF_SEQUENTIAL = 8.0
 TARGET_VS_HF_STATIC = 2.0
 TARGET_SINGLE_STREAM_BW_FRACTION = 0.60
 TARGET_VS_LLAMA_SERVER = 1.5
+TARGET_VS_VLLM = 1.3  # issue 27: W64 output tok/s, both servers through the same client
 
 Progress = Callable[[str, int], Any]  # (description, total) -> object with update(n) and close()
 
@@ -180,6 +187,7 @@ def run_bench(
     hf_batch_size: int = HF_STATIC_BATCH,
     hf_dtype: str = "auto",
     llama_server: str | None = None,
+    vllm_python: str | None = None,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict:
@@ -207,6 +215,15 @@ def run_bench(
     if "llama_server" in systems and (llama_binary is None or llama_gguf is None):
         notes.append(f"llama_server skipped: {HOW_TO_GET if llama_binary is None else 'the model has no GGUF file'}")
         systems.remove("llama_server")
+    from .vllm_peer import HOW_TO_GET as HOW_TO_GET_VLLM
+    from .vllm_peer import find_vllm_python, run_vllm_server, workbench_http_server
+
+    vllm = find_vllm_python(vllm_python) if "vllm" in systems else None
+    if "vllm" in systems and vllm is None:
+        notes.append(f"vllm skipped: {HOW_TO_GET_VLLM}")
+        systems.remove("vllm")
+    if "vllm" in systems and "workbench" in systems and "workbench_http" not in systems:
+        systems.append("workbench_http")  # the same server path as vLLM's, for the ratio
     settings = validate(dict(settings or {}))
     eff = EngineSettings(**settings)
     dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -221,7 +238,7 @@ def run_bench(
     config, tokenizer = loaded.config, loaded.tokenizer
     model_name = config.name
     hf_path = None
-    if any(s.startswith("hf_") for s in systems):
+    if any(s.startswith("hf_") for s in systems) or "vllm" in systems:
         hf_path = hf_folder(model, loaded)
     del loaded
     gc.collect()
@@ -266,6 +283,7 @@ def run_bench(
         finally:
             bar.close()
         results["workbench"] = summarize(recs, start)
+        results["workbench"]["step_breakdown"] = _breakdown(engine, start)
         records["workbench"] = recs
         report["engine_status"] = {k: v for k, v in engine.status().items() if k not in ("pid", "uptime_s")}
         if single_stream:
@@ -277,6 +295,7 @@ def run_bench(
             finally:
                 bar.close()
             results["workbench_single_stream"] = single_stream_summary(recs, start, roof, bw)
+            results["workbench_single_stream"]["step_breakdown"] = _breakdown(engine, start)
             records["workbench_single_stream"] = recs
         del engine
         gc.collect()
@@ -323,14 +342,41 @@ def run_bench(
         if "llama_server_single_stream" in results:
             _endpoint_single_stream(results["llama_server_single_stream"])
 
+    for name in ("workbench_http", "vllm"):
+        if name not in systems:
+            continue
+        runs = {name: workload, **({f"{name}_single_stream": ss_workload} if single_stream else {})}
+        try:
+            if name == "vllm":
+                summaries, report["vllm"] = run_vllm_server(
+                    vllm, hf_path, runs, threads=torch.get_num_threads(), max_num_seqs=eff.max_num_seqs,
+                    progress=progress, log=log)
+            else:
+                peer = workbench_http_server(model, settings, name=f"bench-http-{os.getpid()}")
+                summaries, report["workbench_http"] = serve_workloads(peer, runs, progress=progress, log=log)
+        except RuntimeError as e:
+            notes.append(f"{name} failed: {e}")
+            summaries = {}
+        results.update(summaries)
+        if f"{name}_single_stream" in results:
+            _endpoint_single_stream(results[f"{name}_single_stream"])
+
     # Order results as asked, single streams after their system.
-    order = [s for s in ("workbench", "workbench_single_stream", "hf_sequential", "hf_static",
-                         "hf_single_stream", "llama_server", "llama_server_single_stream") if s in results]
+    order = [s for s in ("workbench", "workbench_single_stream", "workbench_http", "workbench_http_single_stream",
+                         "hf_sequential", "hf_static", "hf_single_stream", "llama_server",
+                         "llama_server_single_stream", "vllm", "vllm_single_stream") if s in results]
     report["results"] = {name: results[name] for name in order}
     _add_comparisons(report, records)
     report["loadavg_end"] = _loadavg()
     report["argv"] = sys.argv[1:]
     return report
+
+
+def _breakdown(engine, start: float) -> dict:
+    """Where the engine's steps since `start` spent their time (`timeline.step_breakdown`)."""
+    from ..timeline import step_breakdown
+
+    return step_breakdown(s for s in engine.timeline().steps if s.start >= start)
 
 
 def _hf_dtype(choice: str, dtype: torch.dtype, device: torch.device, roof: dict) -> tuple[torch.dtype, str]:
@@ -371,12 +417,19 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
 
     ratios: dict[str, float] = {}
     ours = results.get("workbench")
-    for peer in ("hf_sequential", "hf_static", "llama_server"):
+    for peer in ("hf_sequential", "hf_static", "llama_server", "vllm"):
         if ours and peer in results and results[peer]["output_tok_s"] > 0:
             ratios[f"workbench_vs_{peer}"] = ours["output_tok_s"] / results[peer]["output_tok_s"]
+    http, peer = results.get("workbench_http"), results.get("vllm")
+    if http and peer and peer["output_tok_s"] > 0:  # both servers, one client: the like-for-like ratio
+        ratios["workbench_http_vs_vllm"] = http["output_tok_s"] / peer["output_tok_s"]
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+            if peer.get(key):
+                ratios[f"workbench_http_vs_vllm_{key}"] = http[key] / peer[key]
     ss = results.get("workbench_single_stream")
-    for peer, key in (("hf_single_stream", "single_stream_vs_hf"), ("llama_server_single_stream",
-                                                                    "single_stream_vs_llama_server")):
+    for peer, key in (("hf_single_stream", "single_stream_vs_hf"),
+                      ("llama_server_single_stream", "single_stream_vs_llama_server"),
+                      ("vllm_single_stream", "single_stream_vs_vllm")):
         if ss and peer in results and results[peer]["decode_tok_s"] > 0:
             ratios[key] = ss["decode_tok_s"] / results[peer]["decode_tok_s"]
     report["ratios"] = ratios
@@ -403,6 +456,10 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
         v = ratios["workbench_vs_llama_server"]
         targets.append({"name": "throughput vs llama_server", "value": v, "target": TARGET_VS_LLAMA_SERVER,
                         "met": v >= TARGET_VS_LLAMA_SERVER})
+    if "workbench_http_vs_vllm" in ratios:
+        v = ratios["workbench_http_vs_vllm"]
+        targets.append({"name": "throughput vs vllm (both served over HTTP)", "value": v, "target": TARGET_VS_VLLM,
+                        "met": v >= TARGET_VS_VLLM})
     if ss:
         v = ss["bandwidth_fraction"]
         targets.append({"name": "single-stream decode, fraction of bandwidth roofline", "value": v,

@@ -2,7 +2,7 @@
 
     sched = scheduler.schedule()          # who runs, how many tokens each
     result = runner.forward(sched)        # one flat forward over the paged cache
-    chunks = self._postprocess(sched, result)   # sample; the scheduler advances each sequence
+    chunks = self._postprocess(sched, result, parts)   # sample; the scheduler advances each sequence
                                                 # and its KV; the output processor detokenizes,
                                                 # stops and finishes
 
@@ -30,7 +30,7 @@ from ..outputs import StreamChunk
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, kv_salt, setting_kind, validate
-from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label
+from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
 from . import sampler
 from .attention import KVCache, backend_ops
 from .model_runner import ModelRunner
@@ -175,16 +175,19 @@ class LLMEngine:
     def step(self) -> list[StreamChunk]:
         start = time.monotonic()
         proposed = self.spec.propose() if self.settings.speculative != "off" and self.settings.kv_cache else 0
+        drafted = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         sched.spec_proposed = proposed
+        scheduled = time.monotonic()
         result = self.runner.forward(sched.scheduled)
-        chunks = self._postprocess(sched, result)
-        self._record_step(sched, start, time.monotonic(), chunks)
+        parts = {"draft": (drafted - start) * 1e3, "schedule": (scheduled - drafted) * 1e3, **result.parts}
+        chunks = self._postprocess(sched, result, parts)
+        self._record_step(sched, start, time.monotonic(), chunks, parts)
         return chunks
 
-    def _postprocess(self, sched: SchedulerOutput, result) -> list[StreamChunk]:
+    def _postprocess(self, sched: SchedulerOutput, result, parts: dict[str, float]) -> list[StreamChunk]:
         """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs."""
         now = time.monotonic()
         rows = result.rows
@@ -201,6 +204,8 @@ class LLMEngine:
             want_lp = [seq.params.logprobs for seq in seqs]
             if any(n is not None for n in want_lp):
                 lps = sampler.logprobs_of(logits, tokens, want_lp)
+        sampled_at = time.monotonic()
+        parts["sample"] = (sampled_at - now) * 1e3
         self.scheduler.update_from_output(sched, dict(zip(sampled, tokens)), set(verified))
         chunks: list[StreamChunk] = []
         for i in verified:
@@ -209,6 +214,7 @@ class LLMEngine:
         for j, (i, tok) in enumerate(zip(sampled, tokens)):
             req = self.requests[sched.scheduled[i].seq.request_id]
             chunks.append(self.outputs.emit(req, [tok], None if lps is None else [lps[j]], now))
+        parts["outputs"] = (time.monotonic() - sampled_at) * 1e3  # verify rows: their sampling counts here
         return [c for c in chunks if c is not None]
 
     # -- speculative decoding ------------------------------------------------------------------
@@ -239,10 +245,10 @@ class LLMEngine:
             lps = sampler.logprobs_of(logits[:len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
         return self.outputs.emit(self.requests[seq.request_id], tokens, lps, now)
 
-    def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks) -> None:
+    def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks, parts: dict[str, float]) -> None:
         self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
         self.scheduler.record_step(sched, start, end, sum(len(c.token_ids_delta) for c in chunks),
-                                   expert_counts=self.runner.model.expert_counts())
+                                   expert_counts=self.runner.model.expert_counts(), parts=parts)
 
     # -- settings -------------------------------------------------------------------------------
     def configure(self, **changes: Any) -> dict[str, Any]:
@@ -398,6 +404,7 @@ class LLMEngine:
         used, total = self.scheduler.kv_blocks
         load = expert_totals(st.expert_counts for st in recent_steps)
         worst = max((imbalance(row) for row in load if sum(row)), default=None)
+        breakdown = step_breakdown(recent_steps)
         return as_dict(EngineMetrics(
             output_tok_s=out_tokens / span if span > 0 else 0.0,
             num_waiting=len(self.scheduler.waiting),
@@ -411,5 +418,6 @@ class LLMEngine:
             ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
             itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
             expert_load=load, moe_imbalance=worst, **self.host.sample(),
+            step_parts_share=breakdown.get("parts_share", {}), step_limit=breakdown.get("limit"),
             **{f"total_{k}": v for k, v in t.items()},
         ))

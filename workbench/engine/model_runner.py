@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +16,7 @@ from .scheduler import ScheduledSeq
 class ForwardResult:
     logits: torch.Tensor  # [rows, vocab] float32: one row per sampled position
     rows: dict[int, tuple[int, int]]  # index into the scheduled list -> (first row, count)
+    parts: dict[str, float] = field(default_factory=dict)  # ms in "prepare", "layers", "lm_head"
 
 
 class ModelRunner:
@@ -51,8 +53,15 @@ class ModelRunner:
         self.kv = self._new_cache(kv_cache_dtype)
         self.backend.kv = self.kv
 
+    def _clock(self) -> float:
+        """Now, with the device's queued work done (so a part's time is its own, not a launch's)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic()
+
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> ForwardResult:
+        started = time.monotonic()
         # One-token decodes first: they take the batched decode path.
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].kind != "decode")
         bs = self.block_size
@@ -99,14 +108,18 @@ class ModelRunner:
         self.backend.prepare(meta, tables, pos)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        prepared = self._clock()
         hidden = self.model.hidden_states(input_ids, positions, self.backend, meta)
+        layers = self._clock()
         index, rows, r = [], {}, 0
         for i, flat, count in sample_at:
             index.extend(range(flat, flat + count))
             rows[i] = (r, count)
             r += count
+        parts = {"prepare": (prepared - started) * 1e3, "layers": (layers - prepared) * 1e3}
         if not index:
-            return ForwardResult(torch.empty(0, self.config.vocab_size), rows)
+            return ForwardResult(torch.empty(0, self.config.vocab_size), rows, parts)
         logits = self.model.logits(hidden[torch.tensor(index, device=dev)])
-        return ForwardResult(logits, rows)
+        parts["lm_head"] = (self._clock() - layers) * 1e3
+        return ForwardResult(logits, rows, parts)
 

@@ -216,9 +216,10 @@ class Scheduler:
             del seq.token_ids[-count:]
 
     def record_step(self, sched: SchedulerOutput, start: float, end: float, output_tokens: int,
-                    expert_counts: list[list[int]] | None = None) -> None:
+                    expert_counts: list[list[int]] | None = None, parts: dict[str, float] | None = None) -> None:
         """The step's event on the timeline (the engine's and the simulator's steps alike);
-        `expert_counts`: tokens per expert of each MoE layer (counts, not tensors)."""
+        `expert_counts`: tokens per expert of each MoE layer (counts, not tensors); `parts`: where
+        its time went (`timeline.STEP_PARTS`)."""
         batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
         prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
         used, total = self.kv_blocks
@@ -229,6 +230,7 @@ class Scheduler:
             prefix_hit_tokens=sched.prefix_hit_tokens, spec_proposed=sched.spec_proposed,
             spec_accepted=sched.spec_accepted, num_waiting=len(self.waiting),
             num_running=len(self.running), output_tokens=output_tokens, expert_counts=expert_counts or [],
+            parts=parts or {},
         )
 
     # -- cache-wide -------------------------------------------------------------------------------

@@ -581,15 +581,19 @@ class EngineServer:
             self._inbox.put(("answer", ident, answer))
 
     def _step(self) -> None:
-        cursor = self.engine.timeline.cursor
+        timeline = self.engine.timeline
+        cursor = timeline.cursor
         try:
             chunks = self.engine.step()
         except Exception as e:
             log.exception("engine step failed; aborting the requests in flight")
             self._fail_all(e)
             return
+        sending = time.monotonic()
         self._route(chunks)
-        self._stalled = not chunks and self.engine.timeline.cursor == cursor
+        if timeline.steps and timeline.steps[-1].seq > cursor:  # the step's event, not yet published
+            timeline.steps[-1].parts["send"] = (time.monotonic() - sending) * 1e3
+        self._stalled = not chunks and timeline.cursor == cursor
 
     def _fail_all(self, exc: BaseException) -> None:
         err = ErrorInfo("EngineError", f"engine step failed: {type(exc).__name__}: {exc}")

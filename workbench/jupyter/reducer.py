@@ -7,7 +7,8 @@ sources, each bounded by `ROLLOVER`. Tests feed it synthetic events and check th
 Sources and their columns:
 
 - ``steps``: one rectangle per engine step on the top row (y = 0), coloured by phase; hover
-  text describes the batch composition.
+  text describes the batch composition and where the step's time went (``parts``: the scheduler,
+  the batch's tensors, the layers, the LM head, sampling, outputs, sending; `STEP_PARTS`).
 - ``lanes``: one rectangle per request and state (queued / prefill / decode / verify) in the
   request's lane (y = 1, 2, ...), with the request's ``label`` (its prompt's start, else its id).
   Lanes are reused: a request takes the lowest lane free when it arrives and frees it when it
@@ -36,7 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
-from ..timeline import change_label, expert_totals, imbalance
+from ..timeline import STEP_PARTS, change_label, expert_totals, imbalance
 
 PHASE_COLORS = {
     "prefill": "#4C72B0",
@@ -56,7 +57,7 @@ OTHER_COLOR = "#999999"
 COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": ("left", "right", "bottom", "top", "seq", "phase", "color", "duration_ms", "batch_size",
               "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests",
-              "routing"),
+              "routing", "parts"),
     "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens"),
     "series": ("t", "tok_s", "tok_s_avg", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
                "waiting", "running"),
@@ -311,7 +312,8 @@ class TimelineReducer:
                    batch_size=len(entries), prefill_tokens=prefill_tok, decode_tokens=decode_tok,
                    prefix_hit_tokens=hits, spec=f"{accepted}/{proposed}" if proposed else "-",
                    kv=f"{kv_used}/{kv_total}", composition=self._composition(entries),
-                   requests=self._listing(entries), routing=routing_text(_field(s, "expert_counts", None) or []))
+                   requests=self._listing(entries), routing=routing_text(_field(s, "expert_counts", None) or []),
+                   parts=parts_text(_field(s, "parts", None) or {}))
         for rid, ntok, kind in entries:
             if not self._wanted(rid):
                 continue
@@ -398,6 +400,15 @@ class TimelineReducer:
 
 
 # -- expert routing (mixture-of-experts models) -----------------------------------------------------
+def parts_text(parts: dict[str, float]) -> str:
+    """Where a step's time went, biggest share first: "layers 5.2 ms (71%), lm_head 1.1 ms (15%), ..."."""
+    known = [(name, parts[name]) for name in STEP_PARTS if parts.get(name)]
+    total = sum(v for _, v in known)
+    if not total:
+        return "-"
+    return ", ".join(f"{name} {v:.1f} ms ({100 * v / total:.0f}%)" for name, v in sorted(known, key=lambda x: -x[1]))
+
+
 def routing_text(expert_counts: list[list[int]], shown: int = 4) -> str:
     """A step's routing for its tooltip: per MoE layer, the busiest expert and the imbalance."""
     if not expert_counts:

@@ -118,7 +118,7 @@ class TimelineView:
             ("step", "@seq (@phase)"), ("time", "@duration_ms{0.0} ms"), ("batch", "@batch_size: @composition"),
             ("requests", "@requests"), ("tokens", "@prefill_tokens prefill, @decode_tokens decode"),
             ("prefix hits", "@prefix_hit_tokens tok"), ("spec accepted", "@spec"), ("KV blocks", "@kv"),
-            ("expert routing", "@routing"),
+            ("expert routing", "@routing"), ("time went to", "@parts"),
         ]))
         tl.add_tools(HoverTool(renderers=[lanes], tooltips=[
             ("request", "@label"), ("id", "@request (lane @lane)"), ("state", "@state"),

@@ -38,7 +38,7 @@ from ..jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
 # The reducer's columns the browser draws (rows are its own; y comes from phase and lane there).
 DRAWN = {
     "steps": ("left", "right", "seq", "phase", "color", "duration_ms", "batch_size", "prefill_tokens",
-              "decode_tokens", "composition"),
+              "decode_tokens", "composition", "parts"),
     "lanes": ("left", "right", "lane", "request", "label", "state", "color"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
     "host": ("t", "engine_cpu_pct", "host_cpu_pct", "host_mem_pct", "kv_pct", "engine_rss_mb"),
