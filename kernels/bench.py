@@ -51,14 +51,23 @@ def _import_ops():
 
 
 class Timer:
-    """Median wall time of fn on the GPU, with L2 flushed before every run (CUDA events)."""
+    """Median wall time of fn on the device: CUDA events with L2 flushed before every run on a GPU;
+    on a CPU (`workbench gpucheck --dry-run`, the Triton interpreter) the wall clock."""
 
     def __init__(self, device):
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        self.cuda = torch.device(device).type == "cuda"
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
 
     def __call__(self, fn, iters: int = 20, warmup: int = 3) -> float:
         for _ in range(warmup):
             fn()
+        if not self.cuda:
+            times = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return sorted(times)[len(times) // 2]
         torch.cuda.synchronize()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -84,11 +93,11 @@ def _matmul_TFLOPs(timer: Timer, device, m: int) -> float:
     return 2 * m**3 / timer(lambda: a @ b, iters=20) / 1e12
 
 
-def measure_limits(timer: Timer, device) -> dict:
-    n, m = 1 << 30, 8192
-    limits = {"copy_GBps": _copy_GBps(timer, device, n), "copy_bytes": 2 * n,
-              "matmul_TFLOPs": _matmul_TFLOPs(timer, device, m), "matmul_n": m}
-    torch.cuda.empty_cache()
+def measure_limits(timer: Timer, device, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> dict:
+    limits = {"copy_GBps": _copy_GBps(timer, device, copy_bytes), "copy_bytes": 2 * copy_bytes,
+              "matmul_TFLOPs": _matmul_TFLOPs(timer, device, matmul_n), "matmul_n": matmul_n}
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return limits
 
 
@@ -96,11 +105,16 @@ def _kv_store(kv: str):
     return {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
 
 
-def _random_cache(num_blocks, hkv, d, kv, device, gen):
+def _num_sms(device) -> int:
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _random_cache(num_blocks, hkv, d, kv, device, gen, dtype=torch.bfloat16):
     shape = (num_blocks, BLOCK_SIZE, hkv, d)
-    if kv == "bf16":
-        kc = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-        vc = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+    if kv == "bf16":  # the activations' dtype (fp32 under the interpreter)
+        kc = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+        vc = torch.randn(shape, device=device, dtype=dtype, generator=gen)
         return kc, vc, None, None
     if kv == "int8":
         kc = torch.randint(-127, 128, shape, device=device, dtype=torch.int8, generator=gen)
@@ -113,28 +127,29 @@ def _random_cache(num_blocks, hkv, d, kv, device, gen):
     return kc, vc, ks, vs
 
 
-def decode_case(ops, ref, timer, hq, hkv, d, kv, device, iters, config=None) -> dict:
+def decode_case(ops, ref, timer, hq, hkv, d, kv, device, iters, config=None, *, batch: int = DECODE_BATCH,
+                ctx: int = DECODE_CTX, dtype=torch.bfloat16) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
-    per_seq = DECODE_CTX // BLOCK_SIZE
-    num_blocks = DECODE_BATCH * per_seq
-    kc, vc, ks, vs = _random_cache(num_blocks, hkv, d, kv, device, gen)
-    bt = torch.randperm(num_blocks).to(device, torch.int32).view(DECODE_BATCH, per_seq)
-    lens = torch.full((DECODE_BATCH,), DECODE_CTX, dtype=torch.int32, device=device)
-    q = torch.randn(DECODE_BATCH, hq, d, dtype=torch.bfloat16, device=device, generator=gen)
+    per_seq = ctx // BLOCK_SIZE
+    num_blocks = batch * per_seq
+    kc, vc, ks, vs = _random_cache(num_blocks, hkv, d, kv, device, gen, dtype)
+    bt = torch.randperm(num_blocks).to(device, torch.int32).view(batch, per_seq)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, d, dtype=dtype, device=device, generator=gen)
     scale = d**-0.5
-    kv_bytes = 2 * DECODE_BATCH * DECODE_CTX * hkv * d * kc.element_size()
+    kv_bytes = 2 * batch * ctx * hkv * d * kc.element_size()
     if ks is not None:
-        kv_bytes += 2 * DECODE_BATCH * DECODE_CTX * hkv * 4
+        kv_bytes += 2 * batch * ctx * hkv * 4
     total_bytes = kv_bytes + 2 * q.numel() * q.element_size() + bt.numel() * 4
 
     def run(splits, cfg=None):
         return ops.decode_attention(q, kc, vc, bt, lens, scale, ks, vs, num_splits=splits,
-                                    max_seq_len=DECODE_CTX, **(cfg or {}))
+                                    max_seq_len=ctx, **(cfg or {}))
 
     if config is not None:  # sweep mode: one configuration, automatic splits
         return {"time_s": timer(lambda: run(None, config), iters=iters)}
     block_n = ops.decode_config(d, kc.dtype, q.dtype)["block_n"]
-    auto = ops.pick_num_splits(DECODE_BATCH, hkv, DECODE_CTX, block_n, torch.cuda.get_device_properties(device).multi_processor_count)
+    auto = ops.pick_num_splits(batch, hkv, ctx, block_n, _num_sms(device))
     expect = ref.decode_attention_ref(q, kc, vc, bt, lens, scale, ks, vs).float()
     err = max((run(s).float() - expect).abs().max().item() for s in (None, 1))
     rel = err / max(expect.abs().max().item(), 1e-6)
@@ -149,15 +164,16 @@ def decode_case(ops, ref, timer, hq, hkv, d, kv, device, iters, config=None) -> 
     }
 
 
-def prefill_case(ops, timer, hq, hkv, d, device, iters, config=None) -> dict:
+def prefill_case(ops, timer, hq, hkv, d, device, iters, config=None, *, n: int = PREFILL_LEN,
+                 dtype=torch.bfloat16) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
-    n, group = PREFILL_LEN, hq // hkv
-    q = torch.randn(n, hq, d, dtype=torch.bfloat16, device=device, generator=gen)
-    k = torch.randn(n, hkv, d, dtype=torch.bfloat16, device=device, generator=gen)
-    v = torch.randn(n, hkv, d, dtype=torch.bfloat16, device=device, generator=gen)
+    group = hq // hkv
+    q = torch.randn(n, hq, d, dtype=dtype, device=device, generator=gen)
+    k = torch.randn(n, hkv, d, dtype=dtype, device=device, generator=gen)
+    v = torch.randn(n, hkv, d, dtype=dtype, device=device, generator=gen)
     num_blocks = n // BLOCK_SIZE
     perm = torch.randperm(num_blocks).to(device)
-    kc = torch.empty(num_blocks, BLOCK_SIZE, hkv, d, dtype=torch.bfloat16, device=device)
+    kc = torch.empty(num_blocks, BLOCK_SIZE, hkv, d, dtype=dtype, device=device)
     vc = torch.empty_like(kc)
     kc[perm] = k.view(num_blocks, BLOCK_SIZE, hkv, d)
     vc[perm] = v.view(num_blocks, BLOCK_SIZE, hkv, d)
@@ -185,11 +201,50 @@ def prefill_case(ops, timer, hq, hkv, d, device, iters, config=None) -> dict:
     t_tri = timer(triton_fn, iters=iters)
     t_sdpa = timer(sdpa_fn, iters=iters)
     flops = 4 * hq * d * n * (n + 1) / 2  # QK^T and PV over the causal half
+    # bytes the kernel must move at least: q, k, v in and the output out
+    moved = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()
     return {
         "time_triton_s": t_tri, "time_sdpa_s": t_sdpa, "ratio_sdpa_over_triton": t_sdpa / t_tri,
-        "TFLOPs_triton": flops / t_tri / 1e12, "TFLOPs_sdpa": flops / t_sdpa / 1e12,
-        "max_abs_err": err, "max_rel_err": rel,
+        "TFLOPs_triton": flops / t_tri / 1e12, "TFLOPs_sdpa": flops / t_sdpa / 1e12, "bytes": moved,
+        "GBps": moved / t_tri / 1e9, "max_abs_err": err, "max_rel_err": rel,
     }
+
+
+def kv_write_case(ops, ref, timer, hkv, d, kv, device, iters, *, tokens: int = DECODE_BATCH * 16,
+                  num_blocks: int = 4096, dtype=torch.bfloat16) -> dict:
+    """Scattering `tokens` new keys and values into random slots of the paged cache."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    k = torch.randn(tokens, hkv, d, dtype=dtype, device=device, generator=gen)
+    v = torch.randn(tokens, hkv, d, dtype=dtype, device=device, generator=gen)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=torch.Generator().manual_seed(2))[:tokens].to(device)
+    ours = _random_cache(num_blocks, hkv, d, kv, device, gen, dtype)
+    theirs = tuple(None if t is None else t.clone() for t in ours)
+    ops.write_kv(k, v, ours[0], ours[1], slots, ours[2], ours[3])
+    ref.write_kv_ref(k, v, theirs[0], theirs[1], slots, theirs[2], theirs[3])
+    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs) if a is not None)
+    t = timer(lambda: ops.write_kv(k, v, ours[0], ours[1], slots, ours[2], ours[3]), iters=iters)
+    moved = (k.numel() + v.numel()) * (k.element_size() + ours[0].element_size()) + slots.numel() * 8
+    return {"time_s": t, "bytes": moved, "GBps": moved / t / 1e9, "max_abs_err": err}
+
+
+def fused_moe_case(ops, ref, timer, device, iters, *, tokens: int = 256, hidden: int = 2048,
+                   inter: int = 768, experts: int = 64, top_k: int = 8, dtype=torch.bfloat16) -> dict:
+    """The MoE MLP of `tokens` tokens routed to `top_k` of `experts` (Qwen3-30B-A3B's shape by
+    default): bytes = the chosen experts' weights, read once."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    h = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen) * 0.1
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype, device=device, generator=gen) * 0.02
+    w2 = torch.randn(experts, hidden, inter, dtype=dtype, device=device, generator=gen) * 0.02
+    logits = torch.randn(tokens, experts, device=device, generator=gen)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    weights = weights.to(dtype)
+    out = ops.fused_moe(h, w13, w2, weights, ids)
+    expect = ref.fused_moe_ref(h, w13, w2, weights, ids)
+    err = (out.float() - expect.float()).abs().max().item()
+    t = timer(lambda: ops.fused_moe(h, w13, w2, weights, ids), iters=iters)
+    used = int(torch.unique(ids).numel())
+    moved = used * (w13[0].numel() + w2[0].numel()) * w13.element_size() + 2 * h.numel() * h.element_size()
+    return {"time_s": t, "bytes": moved, "GBps": moved / t / 1e9, "max_abs_err": err, "experts_used": used}
 
 
 def sweep(ops, timer, device, log) -> dict:

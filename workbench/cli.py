@@ -359,7 +359,45 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     add_simulate_parser(sub)
 
 
-_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench, _add_runs, _add_lab, _add_simulate]
+# ----------------------------------------------------------------------------- gpucheck
+def _add_gpucheck(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gpucheck", help="prove the Triton kernels and the engine on a CUDA GPU (one JSON + markdown summary)",
+        description="Check every Triton kernel against its torch reference and the device's copy bandwidth, "
+                    "the engine against transformers on the GPU (64 requests and a single stream, Triton kernels "
+                    "and torch's ops) and CUDA graphs on and off; write one JSON and a markdown summary "
+                    "(workbench/gpucheck.py). --dry-run: the same pipeline on this CPU (Triton interpreter, "
+                    "tiny shapes, no speed targets).",
+    )
+    p.add_argument("--dry-run", action="store_true", help="run the pipeline on the CPU under the Triton interpreter")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="the JSON report (default docs/gpu/gpucheck.json, or gpucheck-dryrun.json); the summary "
+                        "goes beside it as .md")
+    p.set_defaults(_run=_run_gpucheck)
+
+
+def _run_gpucheck(args: argparse.Namespace) -> int:
+    from .gpucheck import run_gpucheck, write_report
+
+    def log(msg: str) -> None:
+        print(f"[gpucheck] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        report = run_gpucheck(dry_run=args.dry_run, log=log)
+    except RuntimeError as e:
+        print(f"workbench gpucheck: {e}", file=sys.stderr)
+        return 2
+    path, md = write_report(report, args.output)
+    print(md.read_text())
+    log(f"wrote {path} and {md}")
+    failed = [k["name"] for k in report["kernels"] if "error" in k] + [
+        name for name, r in report["engine"].items() if isinstance(r, dict) and "error" in r]
+    if failed:
+        log(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench, _add_runs, _add_lab, _add_simulate, _add_gpucheck]
 
 
 def build_parser() -> argparse.ArgumentParser:

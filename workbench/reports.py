@@ -79,6 +79,11 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     max_token_chars: int | None  # longest text one token stands for (None: no bound is provable)
     num_layers: int
     vocab_size: int
+    # CUDA graphs (the cuda_graphs setting): the batch sizes captured, steps replayed / run
+    # eagerly, and why the last step ran eagerly (None: it replayed)
+    cuda_graph_buckets: list[int] = msgspec.field(default_factory=list)
+    cuda_graph_steps: dict[str, int] = msgspec.field(default_factory=dict)
+    cuda_graph_reason: str | None = None
 
 
 class ProcessStatus(EngineStatus, kw_only=True):

@@ -91,6 +91,11 @@ class EngineSettings(HasTraits):
         doc="bf16 on a CPU: our C kernels (built for this CPU's instruction set) for decode GEMVs, "
         "attention and fused layer ops, large steps in the faster GEMM dtype (False: torch's ops only)",
     )
+    cuda_graphs = Bool(False).tag(
+        label="CUDA graphs", kind=LIVE,
+        doc="on a CUDA device, replay decode steps as CUDA graphs captured per batch-size bucket (steps that "
+        "do not fit run eagerly; status() says why); no effect elsewhere",
+    )
     dtype = Enum(["auto", "bfloat16", "float16", "float32"], default_value="auto").tag(
         label="Compute dtype", kind=RESTART,
         doc="compute dtype (auto: bfloat16)",

@@ -112,7 +112,8 @@ def serve_workloads(peer: ServerPeer, workloads: dict[str, Workload], *, progres
 
     summaries = {}
     with RunningPeer(peer, log) as running, RemoteEngineClient(peer.url) as client:
-        client.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        # warm-up, as token ids: a model without a tokenizer takes no text
+        client.generate(prompt_token_ids=[[1, 2, 3, 4]], params=SamplingParams(max_tokens=4, temperature=0.0))
         for name, workload in workloads.items():
             bar = progress(name, len(workload.requests)) if progress is not None else None
             try:

@@ -58,6 +58,9 @@ class AttnMetadata:
     # verifies/prefills then share the one-call layer kernel (`models/cpu_forward.py`).
     token_block_tables: torch.Tensor | None = None
     token_seq_lens: torch.Tensor | None = None
+    # A CUDA graph's decode: the split-KV count fixed at capture (the Triton kernel then reads no
+    # length on the host); None: chosen per step
+    decode_num_splits: int | None = None
 
 
 class AttentionBackend:
@@ -85,11 +88,12 @@ class AttentionBackend:
         """Attention of q over the cache, whose new keys/values are already written."""
         k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
         window = {"window": self.windows[layer]} if self.windows[layer] else {}
+        splits = {"num_splits": meta.decode_num_splits} if meta.decode_num_splits else {}
         nd = meta.num_decode
         if nd == q.shape[0]:
             return self.ops.decode_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale,
-                **window,
+                **window, **splits,
             )
         out = torch.empty_like(q)
         if nd:

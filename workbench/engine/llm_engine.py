@@ -68,6 +68,7 @@ class LLMEngine:
             cpu_kernels=s.cpu_kernels,
         )
         self._weights = weights
+        self.runner.set_cuda_graphs(s.cuda_graphs, s.max_num_seqs)
         if s.moe_top_k is not None:
             self._check_moe_top_k(s.moe_top_k)
             self.runner.model.set_moe_top_k(s.moe_top_k)
@@ -296,6 +297,9 @@ class LLMEngine:
             self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
         if {"quantization", "quant_group_size"} & applied.keys():
             self.runner.model.quantize(merged["quantization"], merged["quant_group_size"])
+            self.runner.drop_graphs()  # they captured the old weights' kernels
+        if {"cuda_graphs", "max_num_seqs"} & applied.keys():
+            self.runner.set_cuda_graphs(merged["cuda_graphs"], merged["max_num_seqs"])
         if "moe_top_k" in applied:
             self.runner.model.set_moe_top_k(applied["moe_top_k"])
         for name, value in applied.items():
@@ -391,6 +395,7 @@ class LLMEngine:
             max_token_chars=self.tokenizer.max_token_chars if self.tokenizer is not None else None,
             num_layers=self.model_config.num_hidden_layers,
             vocab_size=self.model_config.vocab_size,
+            **self.runner.graph_report(),
         )
 
     def metrics(self, window_s: float = 10.0) -> dict[str, Any]:

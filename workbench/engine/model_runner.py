@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.llama import Transformer
+from . import cuda_graphs
 from .attention import AttnMetadata, KVCache, make_backend, pad_tables
 from .scheduler import ScheduledSeq
 
@@ -29,6 +30,11 @@ class ModelRunner:
         self.model = Transformer(config, weights, device, max_model_len)
         self.kv = self._new_cache(kv_cache_dtype)
         self.backend_name = attention_backend
+        self.max_blocks = -(-max_model_len // block_size)  # a sequence's longest block table
+        self.graph_buckets: list[int] = []  # CUDA graphs' batch sizes; empty: off
+        self._graphs = None  # their GraphRunner, captured at the first decode step that fits
+        self.graph_steps = {"replayed": 0, "eager": 0}
+        self.graph_reason: str | None = "cuda_graphs is off"  # why the last step ran eagerly
         self.set_cpu_kernels(cpu_kernels)
 
     def _new_cache(self, kv_cache_dtype: str) -> KVCache:
@@ -41,6 +47,24 @@ class ModelRunner:
                                     scale=self.config.attention_scale, windows=self.model.windows)
         self.backend_name = name
         self.model.set_moe_kernel(self.backend.name == "triton")
+        self.drop_graphs()
+
+    def set_cuda_graphs(self, on: bool, max_num_seqs: int) -> None:
+        """Replay decode steps as CUDA graphs, one per batch-size bucket up to `max_num_seqs`."""
+        self.graph_buckets = cuda_graphs.buckets_for(max_num_seqs) if on else []
+        self.graph_reason = None if on else "cuda_graphs is off"
+        self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs: they hold the old weights', cache's or kernels' addresses
+        (re-captured at the next decode step that fits)."""
+        self._graphs = None
+
+    def graph_report(self) -> dict:
+        """status()'s CUDA-graph fields: the buckets, the steps replayed and run eagerly, and why
+        the last step ran eagerly (None: it replayed)."""
+        return {"cuda_graph_buckets": list(self.graph_buckets), "cuda_graph_steps": dict(self.graph_steps),
+                "cuda_graph_reason": self.graph_reason}
 
     def set_cpu_kernels(self, on: bool) -> None:
         self.model.set_cpu_kernels(on)
@@ -48,6 +72,7 @@ class ModelRunner:
 
     def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """Re-lay out the cache; callers recompute every sequence's context afterwards."""
+        self.drop_graphs()
         self.kv = None
         self.backend.kv = None
         self.kv = self._new_cache(kv_cache_dtype)
@@ -59,9 +84,47 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.monotonic()
 
+    def _graph_plan(self, scheduled: list[ScheduledSeq], all_logits: bool) -> cuda_graphs.Plan:
+        if not self.graph_buckets:
+            return cuda_graphs.Plan(None, "cuda_graphs is off")
+        why = cuda_graphs.unsupported(self.device, self.backend.name, bool(self.config.moe_layers))
+        if why is not None or all_logits or self.kv.k_scale is not None:
+            return cuda_graphs.Plan(None, why or ("every position's logits (scoring)" if all_logits
+                                                  else "a quantised KV cache"))
+        width = max(len(s.seq.block_table) for s in scheduled)
+        return cuda_graphs.plan([s.kind for s in scheduled], width, self.graph_buckets, self.max_blocks)
+
+    def _replay(self, scheduled: list[ScheduledSeq], bucket: int, started: float) -> ForwardResult:
+        bs = self.block_size
+        ids, pos, slots, tables = [], [], [], []
+        for s in scheduled:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            tables.append(seq.block_table)
+        step = cuda_graphs.pad_decode(ids, pos, slots, tables, bucket, self.max_blocks)
+        if self._graphs is None:
+            self._graphs = cuda_graphs.GraphRunner(self, self.graph_buckets, self.max_blocks)
+        prepared = self._clock()
+        logits = self._graphs.run(step, bucket)
+        done = self._clock()
+        self.graph_steps["replayed"] += 1
+        # one replay runs the layers and the LM head: its time is the layers' part
+        return ForwardResult(logits, {i: (i, 1) for i in range(len(scheduled))},
+                             {"prepare": (prepared - started) * 1e3, "layers": (done - prepared) * 1e3})
+
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> ForwardResult:
         started = time.monotonic()
+        plan = self._graph_plan(scheduled, all_logits)
+        if plan.bucket is not None:
+            self.graph_reason = None
+            return self._replay(scheduled, plan.bucket, started)
+        if self.graph_buckets:
+            self.graph_steps["eager"] += 1
+            self.graph_reason = plan.reason
         # One-token decodes first: they take the batched decode path.
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].kind != "decode")
         bs = self.block_size

@@ -1,0 +1,61 @@
+"""`workbench gpucheck --dry-run`: the GPU check's whole pipeline on this CPU (issue 29), so the
+script a lent GPU runs once cannot rot between the sessions that have one."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
+    out = tmp_path / "gpu" / "check.json"
+    done = subprocess.run([sys.executable, "-m", "workbench.cli", "gpucheck", "--dry-run", "--output", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=850)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["dry_run"] is True and "Triton interpreter" in rep["device"]["name"]
+    assert {"device", "kernels", "engine", "cuda_graphs", "dry_run", "limits", "targets"} <= set(rep)
+    names = [k["name"] for k in rep["kernels"]]
+    for kernel in ("decode_attention smollm2", "decode_attention gqa8:1", "extend_attention smollm2",
+                   "extend_attention gqa8:1", "write_kv smollm2", "write_kv int8", "fused_moe"):
+        assert any(n.startswith(kernel) for n in names), (kernel, names)
+    for k in rep["kernels"]:
+        assert "error" not in k, k
+        assert {"name", "max_abs_err", "gb_s", "fraction"} <= set(k)
+        assert k["max_abs_err"] < (0.05 if k["name"].startswith("write_kv int8") else 1e-3), k  # fp32, small shapes
+        assert k["gb_s"] > 0 and k["fraction"] > 0
+    eng = rep["engine"]
+    for run in ("triton", "torch_ops", "triton_cuda_graphs"):
+        assert "error" not in eng[run], eng[run]
+        assert eng[run]["results"]["workbench"]["output_tok_s"] > 0
+    assert "hf_static" in eng["triton"]["results"] and "hf_sequential" in eng["triton"]["results"]
+    assert eng["triton"]["engine_status"]["attention_backend"] == "triton"
+    assert eng["torch_ops"]["engine_status"]["attention_backend"] == "torch"
+    # the engine on this device's Triton kernels gives transformers' fp32 greedy tokens, every request
+    for check in eng["exactness"].values():
+        assert check["identical_requests"] == check["requests"] == 5, check
+    graphs = rep["cuda_graphs"]
+    assert graphs["buckets"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert graphs["steps"]["replayed"] == 0 and graphs["steps"]["eager"] > 0
+    assert graphs["last_eager_reason"] == "CUDA graphs need a CUDA device; this engine runs on cpu"
+    assert rep["targets"] == []  # no speed targets on a dry run
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("# workbench gpucheck (dry run)") and "Dry run: no speed targets." in md
+    assert "| fused_moe |" in md
+
+
+def test_gpucheck_without_cuda_says_how_to_dry_run(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the real check would run")
+    done = subprocess.run([sys.executable, "-m", "workbench.cli", "gpucheck", "--output", str(tmp_path / "x.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "--dry-run" in done.stderr
+    assert not (tmp_path / "x.json").exists()
