@@ -14,6 +14,16 @@ if "WORKBENCH_RUNS_DB" not in os.environ:
     atexit.register(shutil.rmtree, _runs_dir, ignore_errors=True)
     os.environ["WORKBENCH_RUNS_DB"] = os.path.join(_runs_dir, "runs.sqlite")
 
+# Ray (tests/test_cluster.py) reads these when it is imported and when its processes start: no
+# usage report, every port on loopback (a "cluster" of one machine's nodes), token authentication
+# with this session's token. Set before anything imports ray.
+import secrets  # noqa: E402
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
+
 # Triton reads this when @triton.jit runs, so it must be set before any kernel module is
 # imported; without a GPU only the interpreter can run the kernels.
 try:

@@ -3,6 +3,7 @@
     workbench.connect()                      # the engine process named "default"
     workbench.connect("my-engine")           # by name, or a connection file's path
     workbench.connect("http://gpu-box:8000") # an OpenAI-compatible server (vLLM, SGLang, llama.cpp, ours)
+    workbench.connect("cluster:lab")         # the replicas of a cluster started here (workbench.cluster.start)
     workbench.connect(llm)                   # an Engine already (an in-process LLM): returned as is
 """
 
@@ -23,6 +24,10 @@ def connect(target: str | os.PathLike | Engine | None = None, *, timeout: float 
     `model=` for servers)."""
     if isinstance(target, Engine):
         return target
+    if isinstance(target, str) and target.startswith("cluster:"):
+        from .cluster import attach
+
+        return attach(target.removeprefix("cluster:"), timeout=timeout)
     from .remote import RemoteEngineClient, registered_remote
 
     remote = ({"url": target} if isinstance(target, str) and target.startswith(("http://", "https://"))

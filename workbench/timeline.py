@@ -21,7 +21,7 @@ PHASES = ("prefill", "decode", "mixed", "verify", "relayout")
 # transformer's layers, the LM head, sampling, the outputs (each sequence advanced, detokenised,
 # stop strings checked) and, in an engine process, handing the chunks to their clients.
 STEP_PARTS = ("draft", "schedule", "prepare", "layers", "lm_head", "sample", "outputs", "send")
-REQUEST_EVENTS = ("arrived", "scheduled", "first_token", "preempted", "resumed", "finished")
+REQUEST_EVENTS = ("arrived", "scheduled", "first_token", "preempted", "resumed", "finished", "routed")
 
 
 class BatchEntry(msgspec.Struct, array_like=True):
@@ -49,6 +49,7 @@ class StepEvent(msgspec.Struct, omit_defaults=True):
     # MoE models: per MoE layer, how many tokens each expert received in this step
     expert_counts: list[list[int]] = msgspec.field(default_factory=list)
     parts: dict[str, float] = msgspec.field(default_factory=dict)  # STEP_PARTS -> ms (a simulated step: none)
+    replica: str = ""  # the replica that ran it, in a cluster's merged timeline
 
 
 class RequestEvent(msgspec.Struct, omit_defaults=True):
@@ -58,6 +59,7 @@ class RequestEvent(msgspec.Struct, omit_defaults=True):
     kind: str  # one of REQUEST_EVENTS
     detail: str | None = None
     label: str | None = None  # "arrived": the prompt's start, to name the request's lane by
+    replica: str = ""  # a cluster's merged timeline: the replica it happened on ("routed": where it went)
 
 
 def prompt_label(text: str | None, width: int = 32) -> str | None:
@@ -78,6 +80,7 @@ class ChangeEvent(msgspec.Struct, omit_defaults=True):
     changes: dict[str, list]  # name -> [old, new]
     by: str = ""  # the client that asked ("notebook kernel (pid 4242)", "JupyterLab panel (pid ...)")
     relayout: bool = False  # a change that re-lays out weights or the KV cache
+    replica: str = ""  # a cluster's merged timeline: the replica it was applied on
 
     def label(self) -> str:
         return change_label(self.changes)

@@ -109,6 +109,7 @@ class EngineClient(Engine):
         self._ids = itertools.count(1)
         self._dead: BaseException | None = None
         self.draining = False  # the engine said it is shutting down (heartbeats, refusals)
+        self.clock_offset = 0.0  # the engine's time.monotonic() minus this process's (set at the handshake)
         self._closing = False
         self._closed = False
         self._got_reply = False
@@ -138,8 +139,13 @@ class EngineClient(Engine):
         self._io = threading.Thread(target=self._io_loop, name=f"wb-client-io-{info.name}", daemon=True)
         self._io.start()
         try:
+            asked = time.monotonic()
             self.engine_info = self.call("hello", _timeout=timeout, name=self._client_name, pid=os.getpid(),
                                          protocol=PROTOCOL_VERSION)
+            # the engine's clock minus ours (0 on one host): its timeline's times in ours, for merged views
+            answered = time.monotonic()
+            there = self.engine_info.get("monotonic")
+            self.clock_offset = 0.0 if there is None or info.same_host() else there - (asked + answered) / 2
         except TimeoutError:
             hint = (" For tcp, check that this connection file carries the engine's CURVE keys."
                     if info.transport == "tcp" else "")
@@ -443,11 +449,15 @@ class EngineClient(Engine):
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
-               into: list[str] | None = None) -> list[str]:
+               into: list[str] | None = None, ids: list[str] | None = None) -> list[str]:
         """Send a batch; its ids are appended to `into` before anything is sent, so a caller
-        interrupted at any point still knows what to abort."""
-        reqs = [NewRequest(request_id=f"{secrets.token_hex(6)}", prompt=p, prompt_token_ids=ids, params=sp,
-                           chat=bool(chat), stream=stream) for p, ids, sp in batch]
+        interrupted at any point still knows what to abort. `ids`: the request ids to use (a
+        cluster's, so that every replica's timeline names a request as the cluster does)."""
+        if ids is not None and len(ids) != len(batch):
+            raise ValueError(f"{len(ids)} request ids for {len(batch)} requests")
+        given = ids if ids is not None else [secrets.token_hex(6) for _ in batch]
+        reqs = [NewRequest(request_id=rid, prompt=p, prompt_token_ids=tok, params=sp, chat=bool(chat), stream=stream)
+                for rid, (p, tok, sp) in zip(given, batch)]
         rids = [r.request_id for r in reqs]
         if into is not None:
             into.extend(rids)

@@ -655,7 +655,7 @@ class EngineServer:
         self._client_names[ident] = f"{name or 'client'} (pid {pid})"
         log.info("client %s connected", self._client_names[ident])
         return {**self.status(), "settings": self.engine.settings.as_dict(), "heartbeat_s": self.heartbeat_s,
-                "client_timeout_s": self.client_timeout_s}
+                "client_timeout_s": self.client_timeout_s, "monotonic": time.monotonic()}
 
     def _configure(self, ident: bytes, **changes) -> dict:
         return self.engine.apply_settings(changes, by=self._client_names.get(ident, "client"))

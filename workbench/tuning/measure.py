@@ -104,6 +104,7 @@ def measure_run(eng: SweepTarget, workload: Workload, *, price_per_hour: float, 
     m0 = eng.metrics()
     cursor = eng.timeline_cursor()
     records, start = eng.run(workload.requests, progress)
+    finished = time.monotonic()
     m1 = eng.metrics()
     steps = eng.steps_since(cursor)
     out = summarize(records, start)
@@ -123,6 +124,7 @@ def measure_run(eng: SweepTarget, workload: Workload, *, price_per_hour: float, 
     out["kv_usage_peak"] = max((u for u, _ in usage), default=None)
     out["kv_usage_mean"] = sum(u * d for u, d in usage) / busy if busy > 0 else None
     out["engine_steps"] = len(steps)
+    out["started_at"], out["finished_at"] = start, finished  # this process's monotonic clock (parallel points overlap)
     out["busy_s"] = busy
     split = phase_split(steps) if steps else None
     if split is not None:

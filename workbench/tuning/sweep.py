@@ -202,59 +202,76 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
         result.baseline_ppl = baseline_ppl if baseline_ppl is not None else previous_ppl
         ppl_cache: dict[str, float | None] = {}
 
-        for index, (p, key) in enumerate(todo):
+        def measure_point(target: SweepTarget, index: int, p: dict, key: str, replica: str | None) -> dict:
+            """Configure `target` with point `p`, warm it up, measure it; the point's record."""
+            nonlocal child_id
             label = point_label(p)
-            if index in skip:
-                rec = {"index": index, "label": label, "point": p, **p, **predicted[index], "source": "simulated",
-                       "predicted": predicted[index], "key": key, "resumed": False}
-                records.append(rec)
-                if on_point is not None:
-                    on_point(rec)
-                continue
-            if key in reuse:
-                rec = dict(reuse[key], index=index, label=label)
-                records.append(rec)
-                if on_point is not None:
-                    on_point(rec)
-                continue
-            eng.check()
+            target.check()
             if hasattr(bar, "set_description"):
                 bar.set_description(label)
             t0 = time.monotonic()
-            touched |= set(p)
-            settings_now = eng.configure(**p)
+            settings_now = target.configure(**p)
             configure_s = time.monotonic() - t0
             mismatch = {k: (v, settings_now.get(k)) for k, v in p.items() if settings_now.get(k) != v}
             if mismatch:
                 raise RuntimeError(f"the engine did not take the settings {mismatch} (asked, got)")
-            child_id = safe_start(log, "sweep_point", parent_id=parent_id, label=label, key=key,
+            where = {} if replica is None else {"replica": replica}
+            point_id = safe_start(log, "sweep_point", parent_id=parent_id, label=label, key=key,
                                   model=status.get("model"), weights_checksum=status.get("weights_checksum"),
                                   device=device, settings=settings_now, workload=wdef, facts=False,
-                                  extra={"point": p, "label": label, "index": index})
-            if warmup:
-                warm = [BenchRequest(r.index, r.prompt_token_ids, min(r.max_tokens, 8), 0.0) for r in w.requests[:warmup]]
-                eng.run(warm)
-            runs = [measure_run(eng, w, progress=bar, reset_prefix_cache=reset_prefix_cache, **prices)
-                    for _ in range(repeats)]
-            agg = aggregate(runs)
-            ppl = None
-            if ppl_ids and is_quantised(settings_now):
-                qkey = json.dumps([settings_now.get(k) for k in ("quantization", "quant_group_size", "kv_cache_dtype")])
-                if qkey not in ppl_cache:  # the same weights give the same perplexity at every other setting
-                    ppl_cache[qkey] = perplexity(eng, ppl_ids)
-                ppl = ppl_cache[qkey]
+                                  extra={"point": p, "label": label, "index": index, **where})
+            if replica is None:
+                child_id = point_id  # finished as interrupted or failed if the sweep stops in this point
+            try:
+                if warmup:
+                    warm = [BenchRequest(r.index, r.prompt_token_ids, min(r.max_tokens, 8), 0.0)
+                            for r in w.requests[:warmup]]
+                    target.run(warm)
+                runs = [measure_run(target, w, progress=bar, reset_prefix_cache=reset_prefix_cache, **prices)
+                        for _ in range(repeats)]
+                agg = aggregate(runs)
+                ppl = None
+                if ppl_ids and is_quantised(settings_now):
+                    qkey = json.dumps([settings_now.get(k) for k in ("quantization", "quant_group_size", "kv_cache_dtype")])
+                    if qkey not in ppl_cache:  # the same weights give the same perplexity at every other setting
+                        ppl_cache[qkey] = perplexity(target, ppl_ids)
+                    ppl = ppl_cache[qkey]
+            except BaseException as e:
+                if replica is not None:
+                    safe_finish(log, point_id, "failed" if not isinstance(e, KeyboardInterrupt) else "interrupted",
+                                error=f"{type(e).__name__}: {e}")
+                raise
             agg["ppl"] = ppl
             base_ppl = result.baseline_ppl
             agg["delta_ppl"] = ppl - base_ppl if ppl is not None and base_ppl is not None else None
             agg["repeats"] = repeats
             rec = {"index": index, "label": label, "point": p, **p, **agg, "runs": runs, "settings": settings_now,
-                   "run_id": child_id, "key": key, "configure_s": configure_s, "resumed": False, "source": "measured",
-                   "predicted": predicted.get(index)}
+                   "run_id": point_id, "key": key, "configure_s": configure_s, "resumed": False, "source": "measured",
+                   "predicted": predicted.get(index), **where}
+            safe_finish(log, point_id, "completed", metrics={k: v for k, v in rec.items() if k not in (
+                "index", "label", "point", "settings", "run_id", "key", "configure_s", "resumed", "replica", *p)},
+                extra={"point": p, "label": label, "index": index, "configure_s": configure_s, **where})
+            if replica is None:
+                child_id = None
+            return rec
+
+        pending = [(i, p, key) for i, (p, key) in enumerate(todo) if i not in skip and key not in reuse]
+        fanned = hasattr(engine, "replicas") and hasattr(engine, "replica") and len(pending) > 1
+        # a cluster: points in parallel, one at a time on each live replica
+        measured = _fan_out(engine, pending, measure_point, cancel, touched) if fanned else {}
+        for index, (p, key) in enumerate(todo):
+            label = point_label(p)
+            if index in skip:
+                rec = {"index": index, "label": label, "point": p, **p, **predicted[index], "source": "simulated",
+                       "predicted": predicted[index], "key": key, "resumed": False}
+            elif key in reuse:
+                rec = dict(reuse[key], index=index, label=label)
+            elif fanned:
+                rec = measured[index]
+            else:
+                touched |= set(p)
+                rec = measure_point(eng, index, p, key, None)
             records.append(rec)
-            safe_finish(log, child_id, "completed", metrics={k: v for k, v in rec.items() if k not in (
-                "index", "label", "point", "settings", "run_id", "key", "configure_s", "resumed", *p)},
-                extra={"point": p, "label": label, "index": index, "configure_s": configure_s})
-            child_id = None
             if on_point is not None:
                 on_point(rec)
     except KeyboardInterrupt:
@@ -275,7 +292,7 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
         eng.abort_in_flight()
         restore = {k: original[k] for k in touched}
         if restore:
-            _restore(eng, restore)
+            _restore(eng, restore)  # a cluster: every replica
         result[:] = records
         result.status = outcome
         if records:
@@ -297,6 +314,56 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
 SIMULATED_SETTINGS = frozenset({"batching", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "prefix_caching"})
 PREDICTED_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cost_per_mtok",
                   "joules_per_token", "kv_usage_peak", "preemptions")
+
+
+def _fan_out(cluster, pending: list[tuple[int, dict, str]], measure_point, cancel, touched: set) -> dict[int, dict]:
+    """Measure the points on a cluster's live replicas in parallel, each replica one point at a
+    time (its own settings, its own runs); records name their replica. The first failure stops
+    the others after their current point and is raised."""
+    import queue as queue_
+
+    work: queue_.SimpleQueue = queue_.SimpleQueue()
+    for item in pending:
+        work.put(item)
+    done: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker(name: str) -> None:
+        target = SweepTarget(cluster.replica(name), cancel)
+        while not stop.is_set():
+            try:
+                index, p, key = work.get_nowait()
+            except queue_.Empty:
+                return
+            try:
+                rec = measure_point(target, index, p, key, name)
+            except BaseException as e:  # handed to the sweep's thread
+                with lock:
+                    errors.append(e)
+                stop.set()
+                target.abort_in_flight()
+                return
+            with lock:
+                done[index] = rec
+
+    names = [r["name"] for r in cluster.replicas() if r["alive"]]
+    for item in pending:
+        touched.update(item[1])  # every replica may take any point: restore them all
+    threads = [threading.Thread(target=worker, args=(n,), name=f"wb-sweep-{n}", daemon=True) for n in names]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except BaseException:
+        stop.set()
+        raise
+    if errors:
+        raise errors[0]
+    return done
 
 
 def _predict(engine, simulate_first, w, original: dict, points: list[dict]) -> dict[int, dict]:
