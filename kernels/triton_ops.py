@@ -1,6 +1,7 @@
-"""The Triton attention backend: the three ops with the signatures of `reference`.
+"""The Triton kernels: the attention backend's three ops (KV write, extend and decode attention)
+with the signatures of `reference`, and the fused MoE experts.
 
-    from workbench_kernels.triton_ops import write_kv, extend_attention, decode_attention
+    from workbench_kernels.triton_ops import write_kv, extend_attention, decode_attention, fused_moe
 
 Triton decides when a kernel is decorated whether to compile it or to run it in its CPU
 interpreter (TRITON_INTERPRET=1). Without CUDA only the interpreter can run the kernels, so this

@@ -241,3 +241,22 @@ def hf_greedy(model, prompt_ids, max_new_tokens):
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Two Ray nodes of one CPU on loopback, token auth on, the driver connected: one for the
+    session (the cluster tests and the lab panel's). Only what this started is shut down."""
+    ray = pytest.importorskip("ray", reason="workbench.cluster needs Ray: the [test] extra installs ray==2.60.0")
+    from ray.cluster_utils import Cluster
+
+    # set above, before ray was imported: loopback only, token auth on
+    assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()

@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 from jupyter_helpers import kill_engines_in, private_runtime_dir, stop_engine, wait_for
 
+import workbench
 from workbench.jupyter import session as wb_session
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -140,7 +141,14 @@ def test_engine_status_set_and_errors(shell, client):
     with capture_output() as cap:
         shell.run_line_magic("engine", "set prefix_caching=true max_num_seqs=32")
     assert "max_num_seqs: 64 → 32" in shown(cap) and "already prefix_caching=True (no change)" in shown(cap)
+    assert "rebuilds" not in shown(cap)  # a live change: nothing to wait for
     shell.run_line_magic("engine", "set max_num_seqs=64")
+    # a re-layout says so before it blocks, then what it did
+    with capture_output() as cap:
+        shell.run_line_magic("engine", "set kv_cache_dtype=int8")
+    text = shown(cap)
+    assert text.index("Applying kv_cache_dtype='int8': the engine rebuilds") < text.index("Applied in")
+    shell.run_line_magic("engine", "set kv_cache_dtype=auto")
     # --model while an engine runs: a warning that it was not started on that model
     with capture_output() as cap:
         shell.run_line_magic("engine", "start --model /some/other/model")
@@ -252,6 +260,35 @@ def test_engine_restart_dashboard_reconnects(shell, client):
     wait_for(lambda: (dash.pump(), any("Reconnected" in m for m in dash.messages))[1], 30, "the reconnect")
     assert dash.controls["max_num_seqs"].value == 16 and not dash.controls["batching"].disabled
     dash.close()
+
+
+def test_dashboard_follows_an_engine_restarted_elsewhere(shell, client):
+    """Stop and Start in the lab panel: another client stops the engine and another starts a new
+    one under the name. The open dashboard re-attaches within seconds (its reconnecting client
+    revives in place) and, while the engine is gone, shows none of the old engine's numbers."""
+    from workbench.ipc.launch import start_engine
+    from workbench.jupyter.dashboard import Dashboard
+
+    session = wb_session.get_session()
+    dash = Dashboard(session, start=False)
+    old_pid = dash.client.pid
+    shell.run_cell("%%generate --max-tokens 4\nx")
+    wait_for(lambda: (dash.pump(), "tok/s" in dash.metrics_line.value)[1], 20, "the old engine's numbers")
+    stop_engine(workbench.connect(session.name))  # the panel's Stop: not this kernel's client
+    wait_for(lambda: (dash.pump(), any("is gone" in m for m in dash.messages))[1], 20, "the dashboard to say gone")
+    assert "tok/s" not in dash.metrics_line.value and str(old_pid) in dash.metrics_line.value
+    new = start_engine(name=session.name, max_num_seqs=12)  # the panel's Start: another process's client
+    try:
+        t0 = time.monotonic()
+        wait_for(lambda: (dash.pump(), any("Reconnected" in m for m in dash.messages))[1], 20, "the reconnect")
+        assert time.monotonic() - t0 < 20
+        assert dash.client.pid == new.pid != old_pid and f"pid {new.pid}" in dash.header.value
+        assert dash.controls["max_num_seqs"].value == 12 and not dash.controls["batching"].disabled
+        shell.run_cell("%%generate --max-tokens 4\ny")  # and its events flow again
+        wait_for(lambda: (dash.pump(), len(dash.view.sources["steps"].data["left"]) > 0)[1], 20, "new steps")
+    finally:
+        dash.close()
+        new.close()
 
 
 def test_help_prints_once_and_is_not_an_error():

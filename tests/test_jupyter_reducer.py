@@ -281,6 +281,13 @@ def test_the_step_tooltip_and_the_heatmap_show_the_routing():
     assert view.source.data["tokens"] == [0, 2, 1, 1]
     assert "worst imbalance 2.00x (layer 0" in view.figure.title.text
     assert (view.figure.y_range.start, view.figure.y_range.end) == (-0.5, 1.5)
+    # two layers get rows a person can read, whole-number ticks and a colour bar for the shares
+    from bokeh.models import ColorBar
+
+    assert view.figure.height >= 180
+    assert view.figure.yaxis[0].ticker.interval == view.figure.xaxis[0].ticker.interval == 1
+    bars = [r for r in view.figure.right if isinstance(r, ColorBar)]
+    assert bars and bars[0].color_mapper is view.mapper and view.mapper.high == 1.0
 
 
 def test_lanes_are_named_by_prompt_and_changes_are_markers():
@@ -371,3 +378,51 @@ def test_where_each_step_spent_its_time():
     assert step_breakdown([]) == {}
     text = step_time_text({"step_parts_share": b["parts_share"]})
     assert text.startswith(" · step time: layers 72%, lm_head 14%") and step_time_text({}) == ""
+
+
+def test_a_clusters_replicas_get_a_band_each_with_the_routers_decisions():
+    """Issue 28: a merged timeline names the replica on each event; each replica's steps row and
+    lanes form a band of their own (stacked), and a lane says why the router sent it there."""
+    f = Fake()
+    f.req(0.0, "a", "routed", "least_loaded")
+    f.requests[-1].replica = "c-r0"
+    f.req(0.0, "b", "routed", "prefix_affinity (a 64-long prefix seen there)")
+    f.requests[-1].replica = "c-r1"
+    for rid, rep in (("a", "c-r0"), ("b", "c-r1")):
+        f.req(0.01, rid, "arrived")
+        f.requests[-1].replica, f.requests[-1].label = rep, f"prompt {rid}"
+        f.req(0.02, rid, "scheduled")
+        f.requests[-1].replica = rep
+    f.step(0.02, 0.05, "prefill", [("a", 5, "prefill")], replica="c-r0")
+    f.step(0.02, 0.06, "prefill", [("b", 7, "prefill")], replica="c-r1")
+    r = TimelineReducer(t0=0.0, lanes_per_replica=4)
+    r.add(f.timeline())
+    out = r.drain()
+    steps, lanes = out["steps"], out["lanes"]
+    assert steps["replica"] == ["c-r0", "c-r1"]
+    assert [b + 0.4 for b in steps["bottom"]] == pytest.approx([0, 6])  # band = steps row + 4 lanes + overflow
+    assert r.replicas == ["c-r0", "c-r1"]
+    by_req = dict(zip(lanes["request"], zip(lanes["lane"], lanes["routed"])))
+    assert by_req["a"] == (0, "c-r0: least_loaded")
+    assert by_req["b"][0] == 6 and by_req["b"][1].startswith("c-r1: prefix_affinity")
+    assert r.lane_labels[-1] == "c-r0 steps" and r.lane_labels[5] == "c-r1 steps"  # y = lane + 1
+    assert r.lane_labels[0] == "prompt a" and r.lane_labels[6] == "prompt b"
+    assert r.num_lanes == 7
+
+
+def test_the_host_plot_shows_only_with_samples():
+    """A finished (`--timeline`) or simulated run has no host samples: no empty host plot under
+    it; the live dashboard's appears with its first sample."""
+    from workbench.jupyter.views import TimelineView, static_timeline, to_columns
+
+    red = TimelineReducer()
+    red.add(two_requests().timeline())
+    view = static_timeline(to_columns(red), red.num_lanes, lane_labels=red.lane_labels)
+    assert view.sources["steps"].data["left"] and not view.figures["host"].visible
+    live = TimelineView(live=True)
+    live.push({"steps": {}})
+    assert not live.figures["host"].visible
+    red.add_metrics({"engine_cpu_pct": 50.0, "host_cpu_pct": 60.0, "host_mem_pct": 40.0, "kv_blocks_used": 1,
+                     "kv_blocks_total": 8}, 11.0)
+    live.push(red.drain())
+    assert live.figures["host"].visible

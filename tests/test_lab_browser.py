@@ -155,7 +155,9 @@ def lab(tmp_path_factory, runtime_dir, engine):
 
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(base / "lab.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser"], cwd=root, env=env,
+    # keep-alive pings every second (30 s by default), so the module's minutes see many
+    pings = "--ServerApp.tornado_settings=" + json.dumps({"ws_ping_interval": 1000})
+    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", pings], cwd=root, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}{PREFIX.rstrip('/')}"  # under a prefix, as behind JupyterHub
     try:
@@ -521,8 +523,31 @@ def test_run_log_compares_runs_side_by_side(lab, browser):
         row = view.locator('.wb-Runs-settings tr[data-setting="batching"]')
         assert row.locator("td").all_text_contents() == ["batching", "static", "continuous"]
         assert view.locator('.wb-Runs-settings tr[data-setting="max_num_seqs"]').count() == 0  # the same in both
+        # tok/s, TTFT and ITL each on an axis of its own
+        assert page.get_attribute(".wb-Runs-chart", "data-figures") == "3"
         page.wait_for_timeout(500)
         page.screenshot(path=str(ARTIFACTS / "lab-run-log.png"))
+
+        # a sweep alone is comparable: it stands for its points
+        sweep = log.start("sweep", label="sweep max_num_seqs[2]")
+        points = []
+        for index, n in enumerate((4, 8)):
+            pid = log.start("sweep_point", parent_id=sweep, label=f"max_num_seqs={n}", settings={"max_num_seqs": n},
+                            extra={"index": index, "label": f"max_num_seqs={n}"})
+            log.finish(pid, metrics={"output_tok_s": 50.0 * (index + 1), "ttft_p50_ms": 100.0, "itl_p50_ms": 10.0})
+            points.append(pid)
+        log.finish(sweep)
+        page.locator(".wb-Runs-bar button", has_text="Refresh").click()
+        page.wait_for_selector(f'.wb-Runs tr[data-run="{sweep}"]')
+        for run in (a, b):
+            view.locator(f'tr[data-run="{run}"] input').uncheck()
+        assert view.locator(".wb-Runs-compare").is_disabled()
+        view.locator(f'tr[data-run="{sweep}"] input').check()
+        assert view.locator(".wb-Runs-compare").is_enabled()
+        view.locator(".wb-Runs-compare").click()
+        page.wait_for_selector(f'.wb-Runs[data-compared="{sweep}"]')
+        heads = view.locator(".wb-Runs-settings th").all_text_contents()
+        assert heads[1:] == [f"#{points[0]} point 0: max_num_seqs=4", f"#{points[1]} point 1: max_num_seqs=8"]
         assert not [p for p in problems if "pageerror" in p], problems
     finally:
         page.close()
@@ -591,3 +616,96 @@ def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tm
     finally:
         page.close()
         stop_engine(moe)
+
+
+def test_panel_steers_one_replica_of_a_cluster(lab, runtime_dir, browser, ray_cluster, tiny_llama):
+    """A Ray cluster started beside the lab shows up as `cluster:NAME`; its panel has a replica
+    picker (all, or one by name) and a router picker: a change made with one replica picked
+    reaches that replica only, and the router the panel picks is the one the cluster's owner
+    routes by."""
+    import secrets
+
+    from workbench import SamplingParams, cluster
+
+    path, _ = tiny_llama
+    c = cluster.start(replicas=2, name=f"lab{secrets.token_hex(2)}", model=str(path), dtype="float32",
+                      num_kv_blocks=64, host="127.0.0.1")
+    page = browser.new_page(viewport={"width": 1500, "height": 950})
+    page.set_default_timeout(30_000)
+    try:
+        panel = _open_panel(page, lab)
+        picker = panel.locator(".wb-EnginePicker")
+        picker.select_option("e2e")
+        page.wait_for_selector('#serving-workbench-panel[data-engine="e2e"][data-state="ready"]')
+        assert panel.locator(".wb-ClusterRow").is_hidden()  # a single engine: no cluster controls
+        key = f"cluster:{c.name}"
+        panel.locator(".wb-Refresh").click()
+        _wait_for(lambda: key in picker.inner_text(), 30, "the cluster in the engine picker")
+        picker.select_option(key)
+        page.wait_for_selector(f'#serving-workbench-panel[data-engine="{key}"][data-state="ready"]')
+        row = panel.locator(".wb-ClusterRow")
+        row.wait_for(state="visible")
+        names = [r["name"] for r in c.replicas()]
+        options = row.locator(".wb-ReplicaPicker option").all_inner_texts()
+        assert options[0] == "all 2 replicas" and [o.split(" ·")[0] for o in options[1:]] == names
+        row.locator(".wb-ReplicaPicker").select_option(names[1])
+        box = panel.locator('.wb-Setting[data-setting="max_num_seqs"] .wb-Setting-input')
+        box.fill("3")
+        box.press("Enter")
+        _wait_for(lambda: f"on {names[1]}" in panel.locator(".wb-Message").inner_text(), 30,
+                  "the panel to say the change went to one replica")
+        seqs = [c.replica(n).settings()["max_num_seqs"] for n in names]
+        assert seqs[1] == 3 and seqs[0] != 3, seqs
+        assert row.locator(".wb-RouterPicker").input_value() == "least_loaded"
+        row.locator(".wb-RouterPicker").select_option("round_robin")
+        _wait_for(lambda: "router = round_robin" in panel.locator(".wb-Message").inner_text(), 30,
+                  "the panel to confirm the router")
+        before = {r["name"]: r["served"] for r in c.replicas()}
+        c.generate(prompt_token_ids=[[5, 6, 7], [8, 9, 10]], params=SamplingParams(max_tokens=4, temperature=0))
+        assert c.router.policy == "round_robin"  # the owner routes by what the panel picked
+        after = {r["name"]: r["served"] for r in c.replicas()}
+        assert [after[n] - before[n] for n in names] == [1, 1]
+        page.screenshot(path=str(ARTIFACTS / "lab-cluster.png"))
+    finally:
+        page.close()
+        c.shutdown()
+
+
+def test_panel_fits_its_default_width_and_is_in_the_view_menu(lab, engine, browser):
+    """At the side panel's default width no control is cut off and nothing scrolls sideways; the
+    time axis asks for few ticks; the sidebar icon says what it is; the View menu opens it."""
+    page, problems = _new_page(browser, 950)
+    try:
+        panel = _open_panel(page, lab)
+        page.wait_for_selector("#serving-workbench-panel .wb-Timeline-chart[data-x-ticks]")
+        box = panel.bounding_box()
+        assert box["width"] < 400, box  # the default, not a widened panel
+        assert panel.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), "the panel scrolls sideways"
+        for button in panel.locator("button:visible").all():
+            b = button.bounding_box()
+            name = button.text_content() or button.get_attribute("title")
+            assert b["x"] >= box["x"] - 1 and b["x"] + b["width"] <= box["x"] + box["width"] + 1, \
+                (name, b, box)
+            assert button.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), f"{name!r} is cut off"
+        assert panel.locator(".wb-OpenRuns").is_visible()
+        assert panel.locator(".wb-Timeline-chart").get_attribute("data-x-ticks") == "3"
+        tab = page.locator('.jp-SideBar li[data-id="serving-workbench-panel"]')
+        assert "Serving Workbench" in (tab.get_attribute("title") or "")
+        page.locator(".lm-MenuBar-itemLabel", has_text="View").click()
+        item = page.locator(".lm-Menu-item", has_text="Show Serving Workbench Panel")
+        item.wait_for()
+        assert page.locator(".lm-Menu-item", has_text="Open the Run Log").is_visible()
+        page.keyboard.press("Escape")
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-width.png"))
+        assert not problems, problems
+    finally:
+        page.close()
+
+
+def test_the_server_log_has_no_traceback(lab):
+    """Last in this module: after every test above held websockets open (pinged each second), the
+    lab's log has no traceback and no failed callback."""
+    log = lab["log"].read_text(errors="replace")
+    bad = [line for line in log.splitlines() if any(
+        s in line for s in ("Traceback", "Exception in callback", "ping timeout", "websocket_ping_timeout"))]
+    assert not bad, "\n".join(bad[:5]) + "\n" + log[-3000:]

@@ -71,6 +71,20 @@ def test_snapshot_first_then_deltas_without_duplicates():
     assert c.flush(1.0) is None
 
 
+def test_every_view_of_an_engine_shares_one_clock():
+    """x = 0 is the engine process's start: a panel that connected early and a timeline opened
+    minutes later (a snapshot whose oldest event is later) put the same event at the same x."""
+    early, late = EventCoalescer(10), EventCoalescer(10)
+    status = {"model": "m", "started_monotonic": 2.0}
+    a = early.snapshot(engine="e", status=status, settings={}, metrics={},
+                       timeline=tl(steps=[(3, "prefill"), (9, "decode")]), now=10.0)
+    b = late.snapshot(engine="e", status=status, settings={}, metrics={}, timeline=tl(steps=[(9, "decode")]), now=10.0)
+    assert a["t0"] == b["t0"] == 2.0
+    assert a["columns"]["steps"]["left"][-1] == b["columns"]["steps"]["left"][-1] == 7.0
+    # without the start (an older engine, a remote server): the earliest event shown
+    assert snap(EventCoalescer(10), tl(steps=[(4, "decode")]))["t0"] == 4.0
+
+
 def test_rate_limit_coalesces_events():
     c = EventCoalescer(rate_hz=2)  # one delta per 0.5 s
     snap(c, now=0.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import time
 
 import pytest
@@ -229,6 +230,17 @@ async def test_bokeh_served_from_the_installed_package(jp_fetch, hub):
     assert r.code == 200 and bokeh.__version__.encode() in r.body
     info = await fetch_json(jp_fetch, "info")
     assert info["bokeh"] == bokeh.__version__
+    # kernels this server starts are told where: bokeh's own server layout, offline
+    from workbench.jupyter.views import BOKEH_ROOT_ENV, bokeh_resources
+
+    root = os.environ[BOKEH_ROOT_ENV]
+    assert root.endswith("/workbench/bokeh/")
+    files = bokeh_resources().js_files
+    assert files and all(f.startswith(root) and "cdn" not in f for f in files)
+    for url in files:
+        parts = url.removeprefix(root).split("/")
+        r = await jp_fetch("workbench", "bokeh", *parts)
+        assert r.code == 200 and b"Bokeh" in r.body[:2000], url
 
 
 @aio

@@ -3,6 +3,7 @@ numbers it prints (prediction errors, replicas vs SLO, the cheaper route, decode
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -26,7 +27,11 @@ def test_capacity_planning_notebook_and_its_claims(tmp_path_factory):
         NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(PATH.parent)}}).execute()
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
+    assert "cdn.bokeh.org" not in json.dumps([c.get("outputs", []) for c in nb.cells]), "BokehJS from a CDN"
     out = "\n".join(_text(c) for c in nb.cells)
+    # the measured workload is the bench's English text, as the notebook says; calibrating shows progress
+    assert "24 requests, prompts from 'text'" in out
+    assert "calibrating 1/" in out and "calibrated in" in out
     # predicted vs measured: every error printed, and a calibrated fit is not far off on this host
     errs = [int(x) for x in re.findall(r"predicted +[\d.]+ \(([+-]\d+)%\)", out)]
     assert len(errs) == 3 and all(abs(e) <= 30 for e in errs), errs

@@ -103,8 +103,37 @@ def test_runs_side_by_side_as_plot_columns(log):
     with pytest.raises(ValueError, match="two or more"):
         plot([a], db=log)
     assert comp["same_weights"] is None  # no checksum recorded: not known to differ, no caveat
+    # one figure per metric family, each on its own axis: tok/s, TTFT, ITL
+    assert [f["title"].split(" (")[0] for f in comp["figures"]] == ["Output tokens/s", "Time to first token",
+                                                                    "Inter-token latency"]
+    assert all("TTFT" in m for m in comp["figures"][1]["rows"]["metric"])
+    assert comp["figures"][2]["rows"]["metric"] and all("ITL" in m for m in comp["figures"][2]["rows"]["metric"])
     layout = plot([a, b], db=log)  # outside a kernel: the Bokeh layout itself
-    assert len(layout.children) == 2
+    assert len(layout.children) == 2 and len(layout.children[0].children) == 3
+
+
+def test_a_sweep_point_has_one_name_in_every_view(log):
+    """The Pareto plot's picker, its tooltip and the run log's comparison all call a point by its
+    number in the sweep, with its run-log id beside it; an unmeasured delta ppl says so."""
+    from workbench.runs.plots import comparison
+    from workbench.tuning.plots import plot_data, point_name
+
+    sweep = log.start("sweep", label="sweep max_num_seqs[2]")
+    ids = []
+    for index, n in enumerate((4, 8)):
+        pid = log.start("sweep_point", parent_id=sweep, label=f"max_num_seqs={n}", settings={"max_num_seqs": n},
+                        extra={"point": {"max_num_seqs": n}, "label": f"max_num_seqs={n}", "index": index})
+        log.finish(pid, metrics={"output_tok_s": 10.0 * (index + 1), "ttft_p50_ms": 5.0, "itl_p50_ms": 1.0})
+        ids.append(pid)
+    log.finish(sweep)
+    comp = comparison(log.compare([sweep]))  # the sweep alone: its points
+    assert comp["runs"] == [f"#{ids[0]} point 0: max_num_seqs=4", f"#{ids[1]} point 1: max_num_seqs=8"]
+    records = [{"label": "max_num_seqs=4", "run_id": ids[0], "output_tok_s": 10.0},
+               {"label": "max_num_seqs=8", "run_id": ids[1], "output_tok_s": 20.0, "delta_ppl": 0.25}]
+    assert point_name(1, records[1]) == f"point 1: max_num_seqs=8 (run #{ids[1]})"
+    data = plot_data(records)
+    assert data["run"] == [f"run #{ids[0]}", f"run #{ids[1]}"]
+    assert data["delta_ppl_text"] == ["not measured (no quantisation)", "+0.250"]
 
 
 def test_cli_runs_subcommands(log, tmp_path, capsys):

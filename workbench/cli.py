@@ -32,10 +32,25 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from .http.server import add_http_arguments
 
     add_http_arguments(p)
+    g = p.add_argument_group("replicas on Ray (workbench.cluster; needs --http)")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on a Ray cluster behind the one HTTP endpoint")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster ('auto' or HOST:PORT; default: start a local one)")
+    g.add_argument("--router", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_affinity"],
+                   help="how requests are spread over the replicas (default least_loaded)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs per replica (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, metavar="N", help="GPUs per replica (default 0)")
     p.set_defaults(_run=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "replicas", None) is not None and not getattr(args, "http", None):
+        print("workbench serve: --replicas serves over HTTP: give --http HOST:PORT too", file=sys.stderr)
+        return 2
+    if getattr(args, "replicas", None) is not None and args.replicas < 1:
+        print(f"workbench serve: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
+        return 2
     if getattr(args, "http", None):  # engine process + OpenAI-compatible HTTP front (workbench/http/)
         from .http.server import parse_host_port, run_front
         from .ipc.serve import settings_from_args

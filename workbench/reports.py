@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["EngineMetrics", "EngineStatus", "ProcessStatus", "TOTALS", "as_dict", "metric_fields"]
+__all__ = ["EngineMetrics", "EngineStatus", "ProcessStatus", "TOTALS", "as_dict", "metric_fields", "percentile"]
 
 # Running totals since the engine started; metrics() carries each as total_<name>.
 TOTALS = ("prompt_tokens", "prefix_hit_tokens", "output_tokens", "spec_proposed", "spec_accepted", "spec_verifies",
@@ -39,7 +39,7 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     # imbalance (busiest expert's load / the mean; None on dense models or when idle)
     expert_load: list[list[int]] = msgspec.field(default_factory=list)
     moe_imbalance: float | None = None
-    # What serving costs the machine (`workbench.hostload`; None where not measured, e.g. a remote
+    # What serving costs the machine (`workbench.engine.hostload`; None where not measured, e.g. a remote
     # server): the engine process's CPU in cores and memory, and the whole host's
     process_cpu_cores: float | None = None
     host_cpu_percent: float | None = None
@@ -95,6 +95,8 @@ class ProcessStatus(EngineStatus, kw_only=True):
     num_clients: int
     num_requests: int
     connection_file: str | None
+    # the process's start on this host's monotonic clock (the timeline's): the views' x = 0
+    started_monotonic: float | None = None
 
 
 def as_dict(report: msgspec.Struct) -> dict[str, Any]:
@@ -103,3 +105,17 @@ def as_dict(report: msgspec.Struct) -> dict[str, Any]:
 
 def metric_fields() -> tuple[str, ...]:
     return EngineMetrics.__struct_fields__
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between closest ranks (numpy's
+    default method). 0.0 for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    v = sorted(values)
+    if not v:
+        return 0.0
+    k = (len(v) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)

@@ -132,14 +132,6 @@ def _token_content(value: Any) -> str | None:
     return str(value)
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 class Tokenizer:
     """Encode/decode text and render chat prompts for one model.
 

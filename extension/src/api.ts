@@ -57,6 +57,8 @@ export interface IRunComparison {
   colors: string[];
   throughput: IRunBars;
   latency: IRunBars;
+  /** What to draw: one figure per metric family (tok/s, TTFT, ITL), each on its own axis. */
+  figures: Array<{ title: string; unit: string; rows: IRunBars }>;
   settings: Array<{ setting: string; values: string[] }>;
   same_weights: boolean | null;
   same_workload: boolean | null;

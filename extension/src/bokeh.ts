@@ -96,6 +96,8 @@ export interface IChartOptions {
   laneLabelChars?: number;
   /** Height of the host plot (CPU, memory, KV cache) under the lanes; 0 or absent: none. */
   hostHeight?: number;
+  /** About how many time-axis ticks (a narrow panel wants few, so labels never overlap). */
+  xTicks?: number;
 }
 
 // The steps track: one row per phase, and on top a row of settings-change markers.
@@ -282,6 +284,9 @@ export class TimelineChart {
     );
     this._changeLines(lanes);
     lanes.yaxis.ticker = new Bokeh.BasicTicker({ min_interval: 1, num_minor_ticks: 0 });
+    const xTicks = opts.xTicks ?? 6;
+    lanes.xaxis.ticker = new Bokeh.BasicTicker({ desired_num_ticks: xTicks });
+    this.host.dataset.xTicks = String(xTicks);
     lanes.yaxis.major_label_text_font_size = '8pt';
     lanes.ygrid.visible = false;
     this._lanesFigure = lanes;
@@ -403,7 +408,7 @@ export class TimelineChart {
     if (!this.ready) {
       return;
     }
-    const range = latestActivity(this.state.columns.steps, this.options.window ?? 30);
+    const range = latestActivity(this.state.columns.steps, this.options.window ?? 30, 5, this.state.columns.changes);
     if (!range) {
       return;
     }

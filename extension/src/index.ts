@@ -52,6 +52,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       () => void app.commands.execute(CommandIDs.openRuns)
     );
     panel.title.icon = workbenchIcon;
+    panel.title.caption = 'Serving Workbench: engines, live settings and the timeline';
     app.shell.add(panel, 'left', { rank: 600 });
 
     app.commands.addCommand(CommandIDs.openTimeline, {

@@ -489,29 +489,43 @@ export function laneLabels(rows: Columns | undefined, maxChars: number): Record<
  * The x range to show when following: the latest burst of activity (steps after the last idle
  * gap of more than `gap` seconds), at most `window` seconds wide, with a little padding; null
  * with nothing drawn. A 3 s run after a minute of idling fills the axis instead of being a
- * sliver at its edge.
+ * sliver at its edge. A settings change made after the burst (while idle) is activity too: the
+ * range reaches it, still at most `window` wide, so its marker is on screen.
  */
 export function latestActivity(
   steps: Columns | undefined,
   window: number,
-  gap = 5
+  gap = 5,
+  changes: Columns | undefined = undefined
 ): { start: number; end: number } | null {
   const left: number[] = steps?.left ?? [];
   const right: number[] = steps?.right ?? [];
-  if (!left.length) {
+  const changed: number[] = (changes?.end ?? changes?.t ?? []).filter((t: any) => typeof t === 'number');
+  if (!left.length && !changed.length) {
     return null;
   }
-  const order = left.map((_, i) => i).sort((a, b) => left[a] - left[b]);
-  const end = Math.max(...right);
-  let start = left[order[order.length - 1]];
-  for (let k = order.length - 2; k >= 0; k--) {
-    const i = order[k];
-    if (start - right[i] > gap || end - left[i] > window) {
-      break;
+  let start: number;
+  let end: number;
+  if (left.length) {
+    const order = left.map((_, i) => i).sort((a, b) => left[a] - left[b]);
+    end = Math.max(...right);
+    start = left[order[order.length - 1]];
+    for (let k = order.length - 2; k >= 0; k--) {
+      const i = order[k];
+      if (start - right[i] > gap || end - left[i] > window) {
+        break;
+      }
+      start = left[i];
     }
-    start = left[i];
+  } else {
+    start = end = Math.min(...changed);
   }
-  const pad = Math.max(0.02 * (end - start), 0.01);
+  const lastChange = changed.length ? Math.max(...changed) : -Infinity;
+  if (lastChange > end) {
+    end = lastChange;
+    start = Math.max(start, end - window);
+  }
+  const pad = Math.max(0.02 * (end - start), 0.01, start === end ? 0.5 : 0);
   return { start: start - pad, end: end + pad };
 }
 

@@ -84,6 +84,7 @@ export class WorkbenchPanel extends Widget {
   >();
   private _poll: any;
   private _uptimeBase: { value: number; at: number } | null = null;
+  private _uptimeShown: number | null = null;
   private _picker!: HTMLSelectElement;
   private _message!: HTMLElement;
   private _info!: HTMLElement;
@@ -97,6 +98,9 @@ export class WorkbenchPanel extends Widget {
   private _startName!: HTMLInputElement;
   private _startModel!: HTMLInputElement;
   private _startButton!: HTMLButtonElement;
+  private _clusterRow!: HTMLElement;
+  private _replicaPicker!: HTMLSelectElement;
+  private _routerPicker!: HTMLSelectElement;
 
   get engine(): string | null {
     return this._engine;
@@ -132,6 +136,18 @@ export class WorkbenchPanel extends Widget {
     this._startButton.onclick = () => void this._start();
     startRow.append(this._startName, this._startModel, this._startButton);
     root.appendChild(startRow);
+
+    // Clusters only: which replica a settings change goes to (all, one at a time, by default)
+    // and the routing policy, switched live.
+    this._clusterRow = el('div', 'wb-Row wb-ClusterRow');
+    this._clusterRow.hidden = true;
+    this._replicaPicker = el('select', 'wb-ReplicaPicker jp-mod-styled');
+    this._replicaPicker.title = 'settings changes go to this replica (all: one replica at a time)';
+    this._routerPicker = el('select', 'wb-RouterPicker jp-mod-styled');
+    this._routerPicker.title = 'how new requests are routed to replicas';
+    this._routerPicker.onchange = () => void this._setRouter(this._routerPicker.value);
+    this._clusterRow.append(this._replicaPicker, this._routerPicker);
+    root.appendChild(this._clusterRow);
 
     this._message = el('div', 'wb-Message');
     root.appendChild(this._message);
@@ -176,7 +192,8 @@ export class WorkbenchPanel extends Widget {
       window: 30,
       toolbar: false,
       rollover: 2000,
-      laneLabelChars: 8
+      laneLabelChars: 12,
+      xTicks: 3
     });
     this._timeline.addClass('wb-Panel-timeline');
     root.appendChild(this._timeline.node);
@@ -268,9 +285,15 @@ export class WorkbenchPanel extends Widget {
     if (change.snapshot || change.stateChanged) {
       const reason = st.stateReason ? `: ${st.stateReason}` : '';
       this._setLive(st.state === 'ready', `engine ${this._engine} is ${st.state}${reason}: no engine to control`);
-      this._uptimeBase =
-        typeof st.status.uptime_s === 'number' ? { value: st.status.uptime_s, at: Date.now() } : null;
+      // only a snapshot's status is fresh: a later state change (a re-layout) keeps counting
+      // from it, so uptime never goes back
+      if (change.snapshot) {
+        this._uptimeShown = null;
+        this._uptimeBase =
+          typeof st.status.uptime_s === 'number' ? { value: st.status.uptime_s, at: Date.now() } : null;
+      }
       this._renderInfo();
+      this._renderCluster();
     }
     if (change.metricsChanged) {
       const nums = liveNumbers(st.metrics);
@@ -375,12 +398,67 @@ export class WorkbenchPanel extends Widget {
     this.node.dataset.state = st.state;
   }
 
+  /** The replica and router pickers, from the cluster's status (hidden for a single engine). */
+  private _renderCluster(): void {
+    const s = this._conn?.state.status ?? {};
+    const replicas: Array<Record<string, any>> = Array.isArray(s.replicas) ? s.replicas : [];
+    this._clusterRow.hidden = !s.cluster;
+    // the process that started a cluster owns its replicas: it stops them (c.shutdown())
+    this._stopButton.disabled = !this._engine || Boolean(s.cluster);
+    this._stopButton.title = s.cluster
+      ? 'a cluster is stopped by the process that started it: shutdown() there'
+      : 'stop this engine';
+    if (!s.cluster) {
+      return;
+    }
+    const picked = this._replicaPicker.value;
+    this._replicaPicker.innerHTML = '';
+    const all = el('option', undefined, `all ${replicas.length} replicas`);
+    all.value = '';
+    this._replicaPicker.appendChild(all);
+    for (const r of replicas) {
+      const opt = el('option', undefined, `${r.name}${r.alive ? '' : ' (down)'} · ${r.served ?? 0} served`);
+      opt.value = String(r.name);
+      this._replicaPicker.appendChild(opt);
+    }
+    this._replicaPicker.value = replicas.some(r => r.name === picked) ? picked : '';
+    const policies: string[] = Array.isArray(s.routers) ? s.routers : [String(s.router)];
+    this._routerPicker.innerHTML = '';
+    for (const p of policies) {
+      const opt = el('option', undefined, `router: ${p}`);
+      opt.value = p;
+      this._routerPicker.appendChild(opt);
+    }
+    this._routerPicker.value = String(s.router);
+  }
+
+  private async _setRouter(policy: string): Promise<void> {
+    const name = this._engine;
+    if (!name) {
+      return;
+    }
+    try {
+      const settings = await this.api.configure(name, { router: policy });
+      if (this._conn && this._conn.name === name) {
+        this._conn.state.status = { ...this._conn.state.status, router: settings.router };
+      }
+      this._say(`router = ${settings.router}`);
+    } catch (err: any) {
+      this._say(err instanceof WorkbenchError ? err.message : String(err.message ?? err), true);
+      this._renderCluster();
+    }
+  }
+
   private _uptime(): number | null {
     if (!this._uptimeBase) {
       return null;
     }
-    const alive = this._conn && this._conn.state.state === 'ready';
-    return this._uptimeBase.value + (alive ? (Date.now() - this._uptimeBase.at) / 1000 : 0);
+    // counting through a re-layout; frozen where the engine went away
+    const state = this._conn?.state.state;
+    if (state !== 'dead' && state !== 'stopped') {
+      this._uptimeShown = this._uptimeBase.value + (Date.now() - this._uptimeBase.at) / 1000;
+    }
+    return this._uptimeShown ?? this._uptimeBase.value;
   }
 
   private _tickUptime(): void {
@@ -501,7 +579,8 @@ export class WorkbenchPanel extends Widget {
     input.classList.remove('wb-invalid');
     input.classList.add('wb-pending');
     try {
-      const settings = await this.api.configure(name, { [spec.name]: value });
+      const replica = this._clusterRow.hidden ? '' : this._replicaPicker.value;
+      const settings = await this.api.configure(name, replica ? { [spec.name]: value, replica } : { [spec.name]: value });
       if (this._conn && this._conn.name === name) {
         this._conn.state.settings = { ...this._conn.state.settings, ...settings };
       }
@@ -509,7 +588,7 @@ export class WorkbenchPanel extends Widget {
       if (document.activeElement !== input || controlValue(spec, input) === value) {
         this._show(spec, input, settings[spec.name]);
       }
-      this._say(`${spec.name} = ${JSON.stringify(settings[spec.name])}`);
+      this._say(`${spec.name} = ${JSON.stringify(settings[spec.name])}${replica ? ` on ${replica}` : ''}`);
       const control = this._controls.get(spec.name);
       if (control) {
         control.refused = undefined;

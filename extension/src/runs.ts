@@ -6,7 +6,7 @@
  */
 import { Widget } from '@lumino/widgets';
 
-import { IRunBars, IRunComparison, IRunInfo, WorkbenchAPI } from './api';
+import { IRunComparison, IRunInfo, WorkbenchAPI } from './api';
 import { loadBokeh, removeViews } from './bokeh';
 import { el } from './dom';
 
@@ -71,7 +71,7 @@ export class RunsView extends Widget {
         } else {
           this._selected.delete(r.id);
         }
-        this._compare.disabled = this._selected.size < 2;
+        this._compare.disabled = !this._comparable(runs);
       };
       const cell = el('td');
       cell.appendChild(pick);
@@ -91,9 +91,15 @@ export class RunsView extends Widget {
       this._table.appendChild(row);
     }
     this._status.textContent = runs.length
-      ? `${runs.length} runs; tick two or more to compare`
+      ? `${runs.length} runs; tick two or more, or one sweep (its points), to compare`
       : 'no runs yet: `workbench bench`, a sweep or a simulation records one';
-    this._compare.disabled = this._selected.size < 2;
+    this._compare.disabled = !this._comparable(runs);
+  }
+
+  /** Two or more runs, or one sweep (the server expands it to its points). */
+  private _comparable(runs: IRunInfo[]): boolean {
+    const sweeps = runs.filter(r => r.kind === 'sweep' && this._selected.has(r.id)).length;
+    return this._selected.size >= 2 || sweeps > 0;
   }
 
   /** Draw `ids` side by side. */
@@ -152,15 +158,13 @@ export class RunsView extends Widget {
     this._views = removeViews(this._views);
     const { figure, show } = Bokeh.Plotting;
     const figs: any[] = [];
-    const parts: Array<[IRunBars, string, string]> = [
-      [comp.throughput, 'Output tokens/s (higher is better)', 'tok/s'],
-      [comp.latency, 'Latency percentiles (lower is better)', 'ms']
-    ];
-    for (const [bars, title, unit] of parts) {
+    for (const { rows: bars, title, unit } of comp.figures) {
       if (!bars.metric.length) {
         continue;
       }
-      const x = bars.metric.map((m, i) => [m, bars.run[i]]);
+      // the x axis names a run by its id ("#5"): the full names head the settings table and the tooltips
+      const short = (run: string) => run.split(' ')[0];
+      const x = bars.metric.map((m, i) => [m, short(bars.run[i])]);
       const factors: string[][] = [];
       for (const f of x) {
         if (!factors.some(g => g[0] === f[0] && g[1] === f[1])) {
@@ -171,8 +175,8 @@ export class RunsView extends Widget {
         data: { x, value: bars.value.map(v => (v === null ? NaN : v)), color: bars.color, run: bars.run, metric: bars.metric }
       });
       const fig = figure({
-        x_range: new Bokeh.FactorRange({ factors }),
-        height: 300,
+        x_range: new Bokeh.FactorRange({ factors, group_padding: 0.6 }),
+        height: 280,
         sizing_mode: 'stretch_width',
         title,
         y_axis_label: unit,
@@ -184,7 +188,6 @@ export class RunsView extends Widget {
         new Bokeh.HoverTool({ tooltips: [['run', '@run'], ['metric', '@metric'], ['value', `@value{0.0} ${unit}`]] })
       );
       fig.y_range.start = 0;
-      fig.xaxis.major_label_orientation = 0.9;
       figs.push(fig);
     }
     this._chart.innerHTML = '';
@@ -195,6 +198,7 @@ export class RunsView extends Widget {
       this._views.push(view);
     }
     this._chart.dataset.bars = String(comp.throughput.metric.length + comp.latency.metric.length);
+    this._chart.dataset.figures = String(figs.length);
   }
 
   dispose(): void {
@@ -202,3 +206,4 @@ export class RunsView extends Widget {
     super.dispose();
   }
 }
+

@@ -226,6 +226,24 @@ describe('markers and lanes', () => {
     expect(latestActivity(long, 25)!.start).toBeGreaterThan(19);
     expect(latestActivity({ left: [], right: [] }, 30)).toBeNull();
   });
+
+  it('reaches a settings change made while idle', () => {
+    // steps until 63 s, then an int8 flip at 90 s with no request running: the marker is on screen
+    const steps = { left: [60, 61, 62.9], right: [60.5, 61.5, 63] };
+    const changes = { t: [90], end: [90.4] };
+    const r = latestActivity(steps, 60, 5, changes)!;
+    expect(r.end).toBeGreaterThan(90.4);
+    expect(r.start).toBeLessThan(60); // the burst still fits in the window
+    const far = latestActivity(steps, 20, 5, { t: [200], end: [200] })!;
+    expect(far.end).toBeGreaterThan(200);
+    expect(far.start).toBeGreaterThanOrEqual(179);
+    // a change before any step is drawn
+    const alone = latestActivity({ left: [], right: [] }, 30, 5, { t: [5], end: [5] })!;
+    expect(alone.start).toBeLessThan(5);
+    expect(alone.end).toBeGreaterThan(5);
+    // changes inside the burst change nothing
+    expect(latestActivity(steps, 60, 5, { t: [61], end: [61] })).toEqual(latestActivity(steps, 60));
+  });
 });
 
 describe('expert routing heatmap', () => {

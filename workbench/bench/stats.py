@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..reports import percentile  # defined low: the engine computes its own metrics with it
+
 # The keys every entry of a report's `results` carries (the contract's `workbench bench --json`).
 RESULT_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
@@ -27,20 +29,6 @@ class RequestRecord:
     def itl(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
-
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between closest ranks (numpy's
-    default method). 0.0 for no values."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    v = sorted(values)
-    if not v:
-        return 0.0
-    k = (len(v) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def summarize(records: list[RequestRecord], start: float) -> dict:

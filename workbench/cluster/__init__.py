@@ -17,8 +17,8 @@ Ray places, starts and restarts the replicas: each is a Ray actor (`replica.Repl
 there are nodes) that runs an engine process on its node. Requests and tokens go between this
 process and the engines over ZeroMQ (tcp, CURVE-encrypted and authenticated), never through
 Ray. `address=None` starts a local Ray cluster (and `shutdown` stops it); "auto" or "HOST:PORT"
-joins a running one. Ray's token authentication is on (`RAY_AUTH_MODE=token`): a local cluster
-makes its token; to join one, set `RAY_AUTH_TOKEN` (or `RAY_AUTH_TOKEN_PATH`) to the cluster's
+joins a running one; a local cluster listens on loopback only. Ray's token authentication is on
+(`RAY_AUTH_MODE=token`): a local cluster makes its token; to join one, set `RAY_AUTH_TOKEN` (or `RAY_AUTH_TOKEN_PATH`) to the cluster's
 token first (`ray get-auth-token` prints it on the head node).
 
 Routing policies, fault handling and the merged timeline: `router.py`, `engine.py`.
@@ -38,9 +38,11 @@ RAY_VERSION = "2.60.0"  # the Ray this is built and tested with (pyproject's [cl
 HOW_TO_GET = f"workbench.cluster needs Ray: pip install 'ray=={RAY_VERSION}' (or the [cluster] extra)"
 
 
-def _ray():
+def _ray(local: bool):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report from an offline machine
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # before Ray starts: every RPC needs the cluster's token
+    if local:  # a cluster of this machine alone listens on loopback (read when ray is imported)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
     except ImportError:
@@ -65,7 +67,7 @@ def start(replicas: int = 2, address: str | None = None, name: str | None = None
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
     check_policy(router)
     settings = validate(settings)
-    ray = _ray()
+    ray = _ray(local=address is None)
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -81,7 +83,8 @@ def start(replicas: int = 2, address: str | None = None, name: str | None = None
             kw.setdefault("num_cpus", max(os.cpu_count() or 1, int(replicas * num_cpus + 0.999)))
             kw.setdefault("include_dashboard", False)
             ray_owned = True
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False, **kw)
+        # "local": a new cluster, never one a stale address file points at
+        ray.init(address=address or "local", logging_level="WARNING", log_to_driver=False, **kw)
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
     pg = placement_group([dict(bundle)] * replicas, strategy="SPREAD", name=f"workbench-{name}")
     ray.get(pg.ready(), timeout=timeout)

@@ -31,7 +31,7 @@ from ..interface import Engine, closed_at_exit, deliver, request_ids
 from ..ipc.protocol import EngineDeadError, Event, WorkbenchIPCError
 from ..outputs import StreamChunk
 from ..timeline import Timeline, TimelineRecorder
-from .router import Router, check_policy
+from .router import POLICIES, Router, check_policy
 
 log = logging.getLogger("workbench.cluster")
 
@@ -89,6 +89,7 @@ class ClusterEngine(Engine):
         self._closed = False
         self._feeds: dict[str, list] = {}
         self._published = 0  # the merged timeline's cursor at its last "timeline" event
+        self._policy_stamp: int | None = None  # the cluster file's mtime when its router was last read
         for r in replicas:
             self._watch(r)
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"wb-cluster-{name}", daemon=True)
@@ -177,6 +178,7 @@ class ClusterEngine(Engine):
         prompt, ids, params = flight.item
         key = ids if ids is not None else prompt
         n = len(ids) if ids is not None else max(1, len(prompt or "") // 4)  # text: ~4 characters a token
+        self._follow_shared_policy()
         while True:
             name, why = self.router.route(key, n, params.max_tokens, exclude=flight.tried, request_id=rid)
             flight.replica = name
@@ -260,6 +262,7 @@ class ClusterEngine(Engine):
         policy = changes.pop("router", None)
         if policy is not None:
             self.router.set_policy(policy)
+            _share_policy(self.name, self.router.policy)
         if replica is not None and replica not in self._replicas:
             raise KeyError(f"no replica named {replica!r}; replicas: {', '.join(self._replicas)}")
         targets = [self._replicas[replica]] if replica is not None else self._live()
@@ -270,7 +273,27 @@ class ClusterEngine(Engine):
         return {**out, "router": self.router.policy}
 
     def settings(self) -> dict:
+        self._follow_shared_policy()
         return {**self._live()[0].client.settings(), "router": self.router.policy}
+
+    def _follow_shared_policy(self) -> None:
+        """The routing policy is the cluster's, not one process's: configure(router=) in any
+        process attached to it (a lab panel, another kernel) writes it to the cluster file, and
+        every process routes by the file's (one stat a request)."""
+        path = _cluster_file(self.name)
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            return
+        if stamp == self._policy_stamp:
+            return
+        self._policy_stamp = stamp
+        try:
+            policy = json.loads(path.read_text()).get("router")
+        except (OSError, ValueError):
+            return
+        if policy in POLICIES and policy != self.router.policy:
+            self.router.set_policy(policy)
 
     def schema(self) -> list[dict]:
         return self._live()[0].client.schema()
@@ -303,8 +326,9 @@ class ClusterEngine(Engine):
         """The first live replica's status (model, device, kernels...), the cluster's name, router
         and every replica."""
         first = self._live()[0].client.status()
-        return {**first, "cluster": self.name, "router": self.router.policy, "replicas": self.replicas(),
-                "num_replicas": len(self._replicas)}
+        self._follow_shared_policy()
+        return {**first, "cluster": self.name, "router": self.router.policy, "routers": list(POLICIES),
+                "replicas": self.replicas(), "num_replicas": len(self._replicas)}
 
     def timeline(self, since: int | None = None) -> Timeline:
         with self._lock:
@@ -323,10 +347,12 @@ class ClusterEngine(Engine):
             raise RuntimeError(f"cluster {self.name!r}: replicas hold different weights ({sorted(sums)})")
         return sums.pop()
 
-    async def acall(self, method: str, **kwargs) -> Any:
-        """The engine-process clients' RPC shape (what the HTTP front calls), run on a thread."""
+    async def acall(self, method: str, *, _type: Any = None, _timeout: float | None = None, **kwargs) -> Any:
+        """The engine-process clients' RPC shape (what the HTTP front and the Jupyter server call),
+        run on a thread."""
         fn = {"metrics": self.metrics, "settings": self.settings, "status": self.status, "schema": self.schema,
-              "configure": self.configure, "reset_prefix_cache": self.reset_prefix_cache}.get(method)
+              "configure": self.configure, "reset_prefix_cache": self.reset_prefix_cache,
+              "timeline": self.timeline, "weights_checksum": self.weights_checksum}.get(method)
         if fn is None:
             raise ValueError(f"unknown method {method!r} for a cluster")
         return await asyncio.to_thread(fn, **kwargs)
@@ -371,6 +397,20 @@ class ClusterEngine(Engine):
                     except Exception as e:
                         log.warning("cluster %s: restarting replica %s failed: %s", self.name, r.name, e)
             time.sleep(0.5)
+
+    # -- what views read (as from an engine process's client) ----------------------------------
+    @property
+    def engine_info(self) -> dict:
+        """The first live replica's handshake (model, device...) with the cluster's name and size."""
+        first = self._live()[0].client
+        return {**(first.engine_info or {}), "cluster": self.name, "num_replicas": len(self._replicas)}
+
+    @property
+    def pid(self) -> int:
+        """This process's (the driver's); each replica's engine pid is in `replicas()`."""
+        return os.getpid()
+
+    log_file = None  # each replica's engine has its own log, beside its connection file on its node
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
@@ -436,11 +476,42 @@ def _cluster_file(name: str):
 
 def write_cluster_file(engine: ClusterEngine, ray_address: str | None) -> None:
     path = _cluster_file(engine.name)
+    first = next(iter(engine._replicas.values()))
     data = {"name": engine.name, "router": engine.router.policy, "ray_address": ray_address,
-            "owner_pid": os.getpid(), "replicas": [r.info for r in engine._replicas.values()]}
+            "owner_pid": os.getpid(), "model": (first.client.engine_info or {}).get("model"),
+            "replicas": [r.info for r in engine._replicas.values()]}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the replicas' CURVE keys
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
+
+
+def _share_policy(name: str, policy: str) -> None:
+    path = _cluster_file(name)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no file (a cluster made by hand in a test): nobody else to tell
+    data["router"] = policy
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def list_clusters() -> list[dict]:
+    """The clusters started on this machine whose owner still runs (their files, with `path`)."""
+    from ..ipc import connection as conn
+
+    out = []
+    for path in sorted(conn.runtime_dir().glob("cluster-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if conn.pid_alive(int(data.get("owner_pid") or 0)):
+            out.append({**data, "path": str(path)})
+    return out
 
 
 def _remove_cluster_file(name: str) -> None:

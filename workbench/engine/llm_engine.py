@@ -21,18 +21,17 @@ from typing import Any
 
 import torch
 
-from ..bench.stats import percentile
-from ..hostload import HostSampler
 from ..models.linear import fp8_supported
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
 from ..outputs import StreamChunk
-from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict
+from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
 from ..settings import RELAYOUT, RESTART, EngineSettings, kv_salt, setting_kind, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
 from . import sampler
 from .attention import KVCache, backend_ops
+from .hostload import HostSampler
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput

@@ -80,17 +80,25 @@ class _EngineCollector:
         m = self.metrics
         if m is None:
             return
-        labels = ["model_name"]
-        for name, key, doc in _GAUGES:
-            if isinstance(m.get(key), (int, float)):
-                g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-                g.add_metric([self.model_name], float(m[key]))
-                yield g
-        for name, key, doc in _COUNTERS:
-            if isinstance(m.get(key), (int, float)):
-                c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-                c.add_metric([self.model_name], float(m[key]))
-                yield c
+        # A cluster's metrics carry each replica's: one sample per replica, labelled by it (sum() in
+        # PromQL gives the cluster's); one engine's have the model's label only.
+        per = m.get("per_replica")
+        rows = [([self.model_name, name], r) for name, r in per.items()] if per else [([self.model_name], m)]
+        labels = ["model_name", "replica"] if per else ["model_name"]
+        for families, cls in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+            for name, key, doc in families:
+                samples = [(values, r[key]) for values, r in rows if isinstance(r.get(key), (int, float))]
+                if samples:
+                    family = cls(PREFIX + name, doc, labels=labels)
+                    for values, v in samples:
+                        family.add_metric(values, float(v))
+                    yield family
+        if per and m.get("router"):
+            routed = CounterMetricFamily("workbench:routed_requests", "Requests the cluster's router sent to each "
+                                         "replica.", labels=labels)
+            for name, stats in m["router"].items():
+                routed.add_metric([self.model_name, name], float(stats.get("served", 0)))
+            yield routed
         if self.config:
             keys = sorted(self.config)
             g = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache configuration.",

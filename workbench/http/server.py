@@ -258,9 +258,18 @@ def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
     api_key = api_key_from(args)
     model = getattr(args, "model", None)
     attach = getattr(args, "attach", None)
+    replicas = getattr(args, "replicas", None)
     if attach:
         engine = EngineClient.connect(attach)
         owned = False
+    elif replicas is not None:
+        from ..cluster import start as start_cluster
+
+        print(f"workbench: starting {replicas} replica(s) on Ray ({args.ray_address or 'a local cluster'})...",
+              file=sys.stderr, flush=True)
+        engine = start_cluster(replicas, address=args.ray_address, name=getattr(args, "name", None), router=args.router,
+                               model=model, num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, **(settings or {}))
+        owned = True
     else:
         kw = {k: getattr(args, k) for k in ("name", "transport", "host", "port") if getattr(args, k, None) is not None}
         if getattr(args, "client_timeout", None) is not None:
@@ -281,8 +290,10 @@ def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
         watchdog = threading.Thread(target=_watch_engine, args=(engine, server), daemon=True)
         watchdog.start()
         shown = f"[{host}]" if ":" in host else host
-        print(f"workbench: engine {engine.name!r} (log: {engine.log_file}) serving {front.model_names[0]!r} on "
-              f"http://{shown}:{port}/v1" + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+        where = (f"cluster {engine.name!r} ({len(engine.replicas())} replicas, router {engine.router.policy})"
+                 if replicas is not None else f"engine {engine.name!r} (log: {engine.log_file})")
+        print(f"workbench: {where} serving {front.model_names[0]!r} on http://{shown}:{port}/v1"
+              + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
         server.run()
         if server.started is False:
             print(f"workbench: the HTTP server could not start on {host}:{port}", file=sys.stderr, flush=True)

@@ -666,7 +666,8 @@ class EngineServer:
         return as_dict(ProcessStatus(
             **engine, name=self.name, protocol=PROTOCOL_VERSION, transport=self.transport,
             num_clients=len(self._client_names), num_requests=len(self.engine.requests),
-            connection_file=str(self.connection_file) if self.connection_file else None))
+            connection_file=str(self.connection_file) if self.connection_file else None,
+            started_monotonic=self.started))
 
     def _timeline(self, since: int | None = None):
         if since is not None and (not isinstance(since, int) or isinstance(since, bool)):

@@ -103,6 +103,7 @@ class Dashboard:
         self._task: asyncio.Task | None = None
         self._sub = None
         self._gone_since: float | None = None
+        self._attached_pid: int | None = None
         self._next_reconnect = 0.0
         self.closed = False
         self.configure_calls: list[dict[str, Any]] = []  # what this dashboard sent (tests, debugging)
@@ -133,7 +134,24 @@ class Dashboard:
         self.kernels = w.HTML(value="")  # which kernels serve and why (status() kernel_variant, compute_path)
         self.status = w.HTML(value="")
         self.metrics_line = w.HTML(value="")
-        grid = w.GridBox(list(self.controls.values()),
+        # A cluster (workbench.cluster): which replica the controls change (all, one at a time, or
+        # one), and the router's policy; the timeline shows every replica in a band of its own.
+        self.replica_picker = self.router_picker = None
+        cluster_controls = []
+        if hasattr(self.client, "replicas") and hasattr(self.client, "router"):
+            from ..cluster import POLICIES
+
+            names = [r["name"] for r in self.client.replicas()]
+            style = {"description_width": "150px"}
+            self.replica_picker = w.Dropdown(options=[("every replica", None)] + [(n, n) for n in names], value=None,
+                                             description="Replica", style=style, layout=w.Layout(width="330px"),
+                                             tooltip="the replica the controls change (every replica: one at a time)")
+            self.replica_picker.observe(self._on_replica, names="value")
+            self.router_picker = w.Dropdown(options=list(POLICIES), value=self.client.router.policy,
+                                            description="Router", style=style, layout=w.Layout(width="330px"))
+            self.router_picker.observe(self._on_router, names="value")
+            cluster_controls = [self.replica_picker, self.router_picker]
+        grid = w.GridBox(cluster_controls + list(self.controls.values()),
                          layout=w.Layout(grid_template_columns="repeat(auto-fill, 340px)", grid_gap="2px 8px"))
         self.experts = ExpertLoad()
         self._routing_pending = False
@@ -156,7 +174,9 @@ class Dashboard:
         self.name = client.name
         self._apply_settings(client.settings(), source=None)
         info = client.engine_info or {}
-        self.header.value = (f"<b>Engine {html.escape(self.name)}</b> · {html.escape(str(info.get('model')))} on "
+        what = (f"Cluster {html.escape(self.name)}</b> ({info['num_replicas']} replicas)" if info.get("cluster")
+                else f"Engine {html.escape(self.name)}</b>")
+        self.header.value = (f"<b>{what} · {html.escape(str(info.get('model')))} on "
                              f"{html.escape(str(info.get('device')))} · pid {client.pid}")
         self._refresh_kernels()
         if history_s:
@@ -171,6 +191,7 @@ class Dashboard:
             self.experts.cursor = self.reducer.cursor
         self._sub = client.on_event(self._events.append, kinds=EVENT_KINDS)
         self._gone_since = None
+        self._attached_pid = client.pid
 
     def _detach(self) -> None:
         sub, self._sub = self._sub, None
@@ -181,9 +202,14 @@ class Dashboard:
                 pass
 
     def _check_engine(self, now: float) -> bool:
-        """False while the engine is gone (after saying so); reconnects by name when it is back."""
-        if self.client.alive:
-            return True
+        """False while the engine is gone (after saying so); re-attaches as soon as an engine holds
+        the name again: a reconnecting client revives in place (its pid changes), otherwise a new
+        client is connected by name."""
+        client = self.client
+        if client.alive:
+            if self._gone_since is None and client.pid == self._attached_pid:
+                return True
+            return self._reattach(client)
         if self._gone_since is None:
             self._gone_since = now
             self._detach()
@@ -191,6 +217,9 @@ class Dashboard:
                              f"{self.name!r} to come back; start one with `%engine start`.", "error")
             for c in self.controls.values():
                 c.disabled = True
+            # the old engine's numbers are not current any more
+            self.metrics_line.value = ('<span style="font-size: 12px; color: var(--jp-ui-font-color2, #555);">'
+                                       f"no engine: the numbers of pid {client.pid} are gone with it</span>")
         if now < self._next_reconnect:
             return False
         self._next_reconnect = now + 1.0
@@ -207,10 +236,21 @@ class Dashboard:
                 client = connect(self.name, timeout=5)
             if client is None:
                 return False
+        except Exception as e:  # still starting, or gone again
+            self._set_status(f"Engine {self.name!r} is gone; reconnecting failed: {e}", "error")
+            return False
+        return self._reattach(client)
+
+    def _reattach(self, client) -> bool:
+        """Follow the name to the engine now holding it: a fresh timeline, its settings, its events."""
+        self._detach()
+        self._events.clear()  # the old engine's last events
+        try:
             self.reducer = TimelineReducer(t0=self.reducer.t0)
             self.view.load(TimelineReducer.empty(), 1)
             self._attach(client, history_s=None)
-        except Exception as e:  # still starting, or gone again
+        except Exception as e:  # gone again while attaching
+            self._gone_since = self._gone_since or time.monotonic()
             self._set_status(f"Engine {self.name!r} is gone; reconnecting failed: {e}", "error")
             return False
         for name, c in self.controls.items():
@@ -264,8 +304,10 @@ class Dashboard:
                 self.costs.add(ev.data)
                 routed = self.experts.add(ev.data) or routed
             elif ev.kind == "settings":
-                self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}),
-                                     by=ev.data.get("by", ""))
+                picked = self.replica_picker.value if self.replica_picker is not None else None
+                if picked is None or ev.data.get("replica") in (None, picked):  # a cluster: the replica shown
+                    self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}),
+                                         by=ev.data.get("by", ""))
             elif ev.kind == "relayout":
                 self._on_relayout(ev.data)
             elif ev.kind == "metrics":
@@ -328,14 +370,33 @@ class Dashboard:
         self._set_status(f"Applying {name}={value!r}…", "info")
         self.configure_calls.append({name: value})
         client = self.client
-        fut = self._pool.submit(self._configure, client, name, value)
+        replica = self.replica_picker.value if self.replica_picker is not None else None
+        fut = self._pool.submit(self._configure, client, name, value, replica)
         fut.add_done_callback(lambda f, n=name, v=value: self._call_back(self._configured, n, v, f))
 
     @staticmethod
-    def _configure(client, name: str, value: Any) -> tuple[float, dict]:
+    def _configure(client, name: str, value: Any, replica: str | None = None) -> tuple[float, dict]:
         t0 = time.monotonic()
-        settings = client.configure(**{name: value})
+        settings = client.configure(**{name: value}, **({"replica": replica} if replica else {}))
         return time.monotonic() - t0, settings
+
+    def _on_replica(self, change: dict[str, Any]) -> None:
+        """Show the chosen replica's settings in the controls (every replica: the first's)."""
+        name = change["new"]
+        target = self.client.replica(name) if name else self.client
+        fut = self._pool.submit(target.settings)
+        fut.add_done_callback(lambda f: self._call_back(
+            lambda: self._apply_settings(f.result(), source=None) if f.exception() is None else None))
+
+    def _on_router(self, change: dict[str, Any]) -> None:
+        if self._syncing or self.closed:
+            return
+        policy = change["new"]
+        self.configure_calls.append({"router": policy})
+        fut = self._pool.submit(self.client.configure, router=policy)
+        fut.add_done_callback(lambda f: self._call_back(
+            self._set_status, f"Router: {policy}" if f.exception() is None else f"Router: {f.exception()}",
+            "ok" if f.exception() is None else "error"))
 
     def _refresh_kernels(self) -> None:
         """Ask the engine which kernels serve now (off the display loop: it is a round trip)."""

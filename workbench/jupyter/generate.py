@@ -316,13 +316,10 @@ class GenerateRun:
         lines = [self.note] if self.note else []
         for s in self.sections:
             prompt = s.prompt if len(s.prompt) <= 200 else s.prompt[:200] + "…"
-            lines += [f"── {self.title_for(s)} ──", f"> {prompt}", s.text, f"[{self._footer(s)}]", ""]
+            lines += [f"── {self._title(s)} ──", f"> {prompt}", s.text, f"[{self._footer(s)}]", ""]
         if self.finished:
             lines.append(self.summary())
         return "\n".join(lines)
-
-    def title_for(self, s: Section) -> str:
-        return self._title(s)
 
     def to_html(self) -> str:
         out = ['<div class="workbench-generate">']

@@ -56,9 +56,8 @@ QUIET = [
     # says what a person needs; warnings and errors still show.
     "--ServerApp.log_level=WARN",
     "--LabApp.log_level=WARN",
-    # jupyter_server's websocket ping timeout defaults to 3x the interval, which tornado refuses
-    # (and says so) and clamps to the interval: ask for what it ends up using.
-    "--ServerApp.tornado_settings=ws_ping_timeout=30000",
+    # (the websocket ping settings stay jupyter_server's: its keep-alive check needs a timeout
+    # longer than the interval; the server extension quiets tornado's false alarm about that)
 ]
 
 

@@ -358,7 +358,7 @@ class WorkbenchMagics(Magics):
                       "ok")
 
     def _engine_set(self, words: list[str]):
-        from ..settings import parse_value, validate
+        from ..settings import parse_value, schema, validate
 
         if not words:
             raise UsageError("usage: %engine set key=value [key=value …]  (see %engine settings)")
@@ -377,6 +377,12 @@ class WorkbenchMagics(Magics):
             raise UsageError(f"%engine set: {e}") from None
         client = engine_for_magics()
         before = client.settings()
+        kinds = {e["name"]: e["kind"] for e in schema()}
+        slow = [k for k, v in changes.items() if before.get(k) != v and (
+            kinds.get(k) in ("relayout", "reload") or (k == "speculative" and v == "draft"))]
+        if slow:  # said first: a re-layout or loading a draft model takes seconds
+            _show_message("Applying " + ", ".join(f"{k}={changes[k]!r}" for k in slow) + ": the engine rebuilds "
+                          "or loads what it needs, pausing its steps meanwhile…", "info")
         t0 = time.monotonic()
         try:
             after = client.configure(**changes)

@@ -14,6 +14,9 @@ Sources and their columns:
   Lanes are reused: a request takes the lowest lane free when it arrives and frees it when it
   finishes, so the plot stays as tall as the concurrency; ``lane_labels`` names each lane after
   the request that took it last.
+- A cluster's merged timeline (events naming their ``replica``): each replica gets a band of its
+  own, its steps row then ``lanes_per_replica`` lanes for its requests, so the replicas stack one
+  under the other; ``routed`` (a lane's column) says why the router sent the request there.
 - ``series``: one row per time bin (``bin_s`` seconds): output tokens/s in the bin and averaged
   over the last ``smooth_s`` seconds (a bin catches a whole number of steps, so the per-bin rate
   zig-zags during steady decode), mean inter-token latency, KV blocks used, prefix hit rate,
@@ -57,8 +60,8 @@ OTHER_COLOR = "#999999"
 COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": ("left", "right", "bottom", "top", "seq", "phase", "color", "duration_ms", "batch_size",
               "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests",
-              "routing", "parts"),
-    "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens"),
+              "routing", "parts", "replica"),
+    "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens", "routed"),
     "series": ("t", "tok_s", "tok_s_avg", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
                "waiting", "running"),
     "ttft": ("t", "ttft_ms", "request", "lane"),
@@ -118,7 +121,7 @@ class TimelineReducer:
     """
 
     def __init__(self, *, bin_s: float = BIN_S, smooth_s: float = SMOOTH_S, t0: float | None = None, max_lanes: int = 48,
-                 only: Iterable[str] | None = None, max_listed: int = 8):
+                 only: Iterable[str] | None = None, max_listed: int = 8, lanes_per_replica: int = 12):
         if bin_s <= 0:
             raise ValueError("bin_s must be > 0")
         self.bin_s = float(bin_s)
@@ -144,6 +147,11 @@ class TimelineReducer:
         self._last_emitted_bin: int | None = None
         self.cursor = 0  # highest seq applied
         self.num_lanes = 0  # lanes used so far (the plot's height)
+        self.lanes_per_replica = int(lanes_per_replica)
+        self.replicas: list[str] = []  # a cluster's replicas, in the order first seen (their bands)
+        self._replica_of: dict[str, str] = {}  # request -> the replica that serves it
+        self._routed: dict[str, str] = {}  # request -> why the router sent it there
+        self._busy_band: dict[str, set[int]] = {}
 
     # -- input --------------------------------------------------------------------------------
     def add(self, timeline: Any) -> None:
@@ -214,15 +222,29 @@ class TimelineReducer:
     def _wanted(self, rid: str) -> bool:
         return self.only is None or rid in self.only
 
+    def _band(self, replica: str) -> tuple[int, int]:
+        """(first y, lanes) of a replica's band: its steps row at y, its lanes under it. One engine
+        (no replica named): the steps row at 0, then `max_lanes` lanes."""
+        if not replica:
+            return 0, self.max_lanes
+        if replica not in self.replicas:
+            self.replicas.append(replica)
+            base = self.replicas.index(replica) * (self.lanes_per_replica + 2)
+            self.lane_labels[base - 1] = f"{replica} steps"  # lane base - 1 is drawn at y = base
+        return self.replicas.index(replica) * (self.lanes_per_replica + 2), self.lanes_per_replica
+
     def _lane(self, rid: str) -> int:
         lane = self._lane_of.get(rid)
         if lane is not None:
             self._lane_of.move_to_end(rid)
             return lane
-        free = next((i for i in range(self.max_lanes) if i not in self._busy), None)
-        lane = self.max_lanes if free is None else free  # the last lane holds the overflow
+        base, size = self._band(self._replica_of.get(rid, ""))
+        busy = self._busy_band.setdefault(self._replica_of.get(rid, ""), set())
+        free = next((i for i in range(size) if i not in busy), None)
+        lane = base + (size if free is None else free)  # the last lane of a band holds its overflow
         if free is not None:
-            self._busy.add(free)
+            busy.add(free)
+            self._busy.add(lane)
         self._active.add(rid)
         self._lane_of[rid] = lane
         while len(self._lane_of) > 4 * self.max_lanes + 1024:
@@ -231,6 +253,8 @@ class TimelineReducer:
                 self._lane_of[old] = old_lane
                 break
             self._label.pop(old, None)
+            self._routed.pop(old, None)
+            self._replica_of.pop(old, None)
         self.num_lanes = max(self.num_lanes, lane + 1)
         return lane
 
@@ -238,8 +262,10 @@ class TimelineReducer:
         if rid in self._active:
             self._active.discard(rid)
             lane = self._lane_of.get(rid)
-            if lane is not None and lane < self.max_lanes:
+            base, size = self._band(self._replica_of.get(rid, ""))
+            if lane is not None and lane < base + size:
                 self._busy.discard(lane)
+                self._busy_band.get(self._replica_of.get(rid, ""), set()).discard(lane - base)
         self._arrived.pop(rid, None)
         self._queued_since.pop(rid, None)
         self._last_token.pop(rid, None)
@@ -248,7 +274,8 @@ class TimelineReducer:
         lane = self._lane(rid)
         y = lane + 1
         self._emit("lanes", left=left, right=right, bottom=y - ROW_HALF, top=y + ROW_HALF, lane=lane,
-                   request=short_id(rid), label=self._label.get(rid, short_id(rid)), state=state, color=STATE_COLORS.get(state, OTHER_COLOR), tokens=tokens)
+                   request=short_id(rid), label=self._label.get(rid, short_id(rid)), state=state,
+                   color=STATE_COLORS.get(state, OTHER_COLOR), tokens=tokens, routed=self._routed.get(rid, ""))
 
     def _request(self, ev: Any) -> None:
         rid = _field(ev, "request_id")
@@ -257,11 +284,17 @@ class TimelineReducer:
         if not self._wanted(rid):
             return
         rel = self._rel(t)
-        if kind == "arrived":
+        replica = _field(ev, "replica", "") or ""
+        if replica:
+            self._replica_of.setdefault(rid, replica)
+        if kind == "routed":
+            self._routed[rid] = f"{replica}: {_field(ev, 'detail', '') or ''}"
+        elif kind == "arrived":
             label = _field(ev, "label", None) or short_id(rid)
             self._label[rid] = label
             lane = self._lane(rid)
-            if lane < self.max_lanes:
+            base, size = self._band(self._replica_of.get(rid, ""))
+            if lane < base + size:
                 self.lane_labels[lane] = label
             self._arrived[rid] = t
             self._queued_since[rid] = rel
@@ -300,6 +333,11 @@ class TimelineReducer:
         start, end = float(_field(s, "start")), float(_field(s, "end"))
         left, right = self._rel(start), self._rel(end)
         phase = _field(s, "phase", "mixed")
+        replica = _field(s, "replica", "") or ""
+        row, _ = self._band(replica)
+        for rid, _, _ in entries:
+            if replica:
+                self._replica_of.setdefault(rid, replica)
         prefill_tok = int(_field(s, "num_prefill_tokens", 0) or 0)
         decode_tok = int(_field(s, "num_decode_tokens", 0) or 0)
         hits = int(_field(s, "prefix_hit_tokens", 0) or 0)
@@ -307,13 +345,14 @@ class TimelineReducer:
         accepted = int(_field(s, "spec_accepted", 0) or 0)
         kv_used = int(_field(s, "kv_blocks_used", 0) or 0)
         kv_total = int(_field(s, "kv_blocks_total", 0) or 0)
-        self._emit("steps", left=left, right=right, bottom=-ROW_HALF, top=ROW_HALF, seq=int(_field(s, "seq", 0)),
+        self.num_lanes = max(self.num_lanes, row)
+        self._emit("steps", left=left, right=right, bottom=row - ROW_HALF, top=row + ROW_HALF, seq=int(_field(s, "seq", 0)),
                    phase=phase, color=PHASE_COLORS.get(phase, OTHER_COLOR), duration_ms=(end - start) * 1e3,
                    batch_size=len(entries), prefill_tokens=prefill_tok, decode_tokens=decode_tok,
                    prefix_hit_tokens=hits, spec=f"{accepted}/{proposed}" if proposed else "-",
                    kv=f"{kv_used}/{kv_total}", composition=self._composition(entries),
                    requests=self._listing(entries), routing=routing_text(_field(s, "expert_counts", None) or []),
-                   parts=parts_text(_field(s, "parts", None) or {}))
+                   parts=parts_text(_field(s, "parts", None) or {}), replica=replica)
         for rid, ntok, kind in entries:
             if not self._wanted(rid):
                 continue

@@ -8,6 +8,7 @@ the reducer's rollover).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .reducer import BIN_S, CHANGE_COLOR, COLUMNS, PHASE_COLORS, ROLLOVER, ROW_HALF, SMOOTH_S, STATE_COLORS
@@ -25,15 +26,28 @@ def in_kernel() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
+BOKEH_ROOT_ENV = "WORKBENCH_BOKEH_ROOT"  # set by the server extension for the kernels it starts
+
+
+def bokeh_resources():
+    """Where a kernel's plots load BokehJS from, never a CDN (an offline machine has none): the
+    server extension's copy of the installed bokeh's files when this kernel runs under it (a
+    saved notebook then holds a script tag), else the files inline (a few MB per notebook)."""
+    from bokeh.resources import INLINE, Resources
+
+    root = os.environ.get(BOKEH_ROOT_ENV)
+    return Resources(mode="server", root_url=root) if root else INLINE
+
+
 def ensure_bokehjs() -> None:
-    """Load BokehJS into the page from the installed bokeh package (INLINE), once per kernel."""
+    """Load BokehJS into the page (`bokeh_resources`), once per kernel; `bokeh.io.show` then
+    draws in the notebook."""
     global _BOKEHJS_LOADED
     if _BOKEHJS_LOADED or not in_kernel():
         return
     from bokeh.io import output_notebook
-    from bokeh.resources import INLINE
 
-    output_notebook(resources=INLINE, hide_banner=True)
+    output_notebook(resources=bokeh_resources(), hide_banner=True)
     _BOKEHJS_LOADED = True
 
 
@@ -68,6 +82,7 @@ class TimelineView:
             self._set_lanes(num_lanes)
         if lane_labels:
             self._label_lanes(lane_labels)
+        self._show_host()
         self.pushes += n
         return n
 
@@ -79,6 +94,12 @@ class TimelineView:
         if num_lanes is not None:
             self._set_lanes(num_lanes)
         self._label_lanes(lane_labels or {})
+        self._show_host()
+
+    def _show_host(self) -> None:
+        """The host plot only once there are samples: a finished or simulated run has none (its
+        engine's metrics are not sampled), and an empty plot under it says nothing."""
+        self.figures["host"].visible = bool(self.sources["host"].data["t"])
 
     # -- widget -----------------------------------------------------------------------------------
     def widget(self):
@@ -258,18 +279,34 @@ class ExpertHeatmap:
     steps (`reducer.ExpertLoad`), shaded by each expert's share of its layer; the title gives the
     worst layer's imbalance (max / mean tokens per expert)."""
 
+    ROW_PX = 36  # per MoE layer: a row a person can hover
+    FRAME_PX = 110  # title, expert axis and its label
+
     def __init__(self, width: int = 900):
-        from bokeh.models import ColumnDataSource, HoverTool, LinearColorMapper
+        from bokeh.models import (
+            ColorBar,
+            ColumnDataSource,
+            HoverTool,
+            LinearColorMapper,
+            SingleIntervalTicker,
+        )
         from bokeh.plotting import figure
 
         from .reducer import ExpertLoad
 
         self.source = ColumnDataSource({c: [] for c in ExpertLoad.COLUMNS})
         self.mapper = LinearColorMapper(palette="Viridis256", low=0.0, high=0.5)
-        self.figure = figure(title="Expert routing (recent steps)", height=220, width=width, tools="hover,save",
-                             x_axis_label="expert", y_axis_label="MoE layer", y_range=(-0.5, 0.5))
+        self.figure = figure(title="Expert routing (recent steps)", height=self.FRAME_PX + self.ROW_PX, width=width,
+                             tools="hover,save", x_axis_label="expert", y_axis_label="MoE layer",
+                             y_range=(-0.5, 0.5))
         self.figure.rect(x="expert", y="layer", width=0.95, height=0.95, source=self.source,
                          fill_color={"field": "share", "transform": self.mapper}, line_color=None)
+        # layers and experts are whole numbers: one tick each, never -0.5 or 1.5
+        for axis in (self.figure.xaxis, self.figure.yaxis):
+            axis.ticker = SingleIntervalTicker(interval=1, num_minor_ticks=0)
+        self.figure.grid.visible = False
+        self.figure.add_layout(ColorBar(color_mapper=self.mapper, title="share of the layer's tokens", width=10,
+                                        title_text_font_size="10px", major_label_text_font_size="10px"), "right")
         self.figure.select_one(HoverTool).tooltips = [("layer", "@layer"), ("expert", "@expert"),
                                                       ("tokens", "@tokens"), ("share", "@share{0.0%}")]
         self._model = None
@@ -278,7 +315,7 @@ class ExpertHeatmap:
         self.source.data = columns
         layers = max(columns["layer"], default=0) + 1
         self.figure.y_range.start, self.figure.y_range.end = -0.5, layers - 0.5
-        self.figure.height = int(min(520, 80 + 14 * layers))
+        self.figure.height = int(min(640, self.FRAME_PX + self.ROW_PX * layers))
         shares = columns["share"]
         self.mapper.high = max(max(shares, default=0.0), 1e-6)
         worst = max(((v, i) for i, v in enumerate(imbalances) if v == v), default=None)

@@ -197,7 +197,12 @@ class EventCoalescer:
         if self._pending_cursor <= self.cursor:
             self._pending_cursor = 0
         self._metrics = None  # the snapshot carries fresh metrics
-        self.reducer = TimelineReducer(t0=_first_time(tl, self.engine_time if self.engine_time is not None else now))
+        # x = 0 at the engine process's start, so every view of it (panel, main-area timeline,
+        # opened at any time) puts an event at the same x; else the earliest event shown
+        started = status.get("started_monotonic")
+        t0 = started if isinstance(started, (int, float)) else _first_time(
+            tl, self.engine_time if self.engine_time is not None else now)
+        self.reducer = TimelineReducer(t0=t0)
         self.reducer.add(tl)
         self.snapshot_sent = True
         self.last_flush = now

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ from ..ipc.protocol import EVENT_KINDS
 from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, finite_or_none, history_window
 from .hub import EngineHub
 
-NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
+# an engine's name, or a Ray cluster's as "cluster:NAME" (the colon still percent-encoded when matched)
+NAME = r"(?P<name>(?:cluster(?::|%3[Aa]))?[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
 STATUS_POLL_S = 1.0  # how often a websocket checks that its engine is still alive
 
 
@@ -430,6 +432,9 @@ def route_patterns(base_url: str) -> list[tuple]:
         (u("api/runs"), RunsHandler),
         (u("api/runs/compare"), RunsCompareHandler),
         (u("static/bokeh/(.*)"), BokehFileHandler, {"path": bokeh_static_dir()}),
+        # the same files where bokeh's Resources(mode="server", root_url=...) asks for them: what
+        # a kernel's plots load (`workbench.jupyter.views.bokeh_resources`)
+        (u("bokeh/static/js/(.*)"), BokehFileHandler, {"path": bokeh_static_dir()}),
     ]
 
 
@@ -437,4 +442,9 @@ def setup_handlers(web_app, hub: EngineHub | None = None) -> EngineHub:
     hub = hub or EngineHub()
     web_app.settings["workbench_hub"] = hub
     web_app.add_handlers(".*$", route_patterns(web_app.settings["base_url"]))
+    # kernels this server starts inherit it: their plots load BokehJS from here (offline, and a
+    # saved notebook holds a script tag rather than megabytes of inline BokehJS)
+    from ..jupyter.views import BOKEH_ROOT_ENV
+
+    os.environ[BOKEH_ROOT_ENV] = url_path_join(web_app.settings["base_url"], "workbench", "bokeh") + "/"
     return hub

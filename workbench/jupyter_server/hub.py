@@ -42,6 +42,12 @@ class EngineHub:
                 "connection_file": info.path,
                 "started_here": info.name in self._started,
             })
+        from ..cluster.engine import list_clusters
+
+        for c in list_clusters():  # replicas on Ray (workbench.cluster): one entry, "cluster:NAME"
+            out.append({"name": f"cluster:{c['name']}", "pid": c.get("owner_pid"), "model": c.get("model"),
+                        "transport": "cluster", "connection_file": c["path"], "started_here": False,
+                        "replicas": [r["name"] for r in c["replicas"]]})
         from ..remote import list_remotes
 
         for r in list_remotes():  # OpenAI-compatible servers registered with register_remote()
@@ -59,7 +65,7 @@ class EngineHub:
         from ..engines import connect
         from ..ipc import connection as conn
 
-        conn.check_name(name)
+        conn.check_name(name.removeprefix("cluster:"))
         with self._lock:
             client = self._clients.get(name)
             if client is not None and client.alive:

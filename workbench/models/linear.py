@@ -40,10 +40,6 @@ class Linear:
         self.wide = False
         self.quantize("none")
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def quantize(self, mode: str, group_size: int = 128) -> None:
         """Re-lay out from the original weights: any mode is reachable from any other."""
         if mode not in QUANT_MODES:

@@ -297,7 +297,7 @@ class RemoteEngineClient(Engine):
         return self._run(self._ametrics(), self.rpc_timeout)
 
     async def _ametrics(self) -> dict:
-        from ..bench.stats import percentile
+        from ..reports import percentile
 
         now = time.monotonic()
         with self._lock:

@@ -387,8 +387,11 @@ class RunLog:
         differ = {k: [s.get(k) for s in sets] for k in keys if len({json.dumps(s.get(k), default=str) for s in sets}) > 1}
         checksums = {r.get("weights_checksum") for r in runs}
         return {
-            "runs": [{k: r.get(k) for k in ("id", "kind", "parent_id", "status", "started_at", "label", "model",
-                                             "weights_checksum", "device")} for r in runs],
+            "runs": [{**{k: r.get(k) for k in ("id", "kind", "parent_id", "status", "started_at", "label", "model",
+                                                "weights_checksum", "device")},
+                      # a sweep point's number in its sweep, as the sweep's records and plots name it
+                      "point": (r.get("extra") or {}).get("index") if r.get("kind") == "sweep_point" else None}
+                     for r in runs],
             "metrics": metrics,
             "settings": differ,
             "same_weights": len(checksums) == 1 and None not in checksums,

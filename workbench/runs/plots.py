@@ -34,7 +34,7 @@ def comparison(cmp: dict[str, Any]) -> dict[str, Any]:
     if len(cmp["runs"]) < 2:
         raise ValueError("compare needs two or more runs (or a sweep with two or more points), got "
                          f"{[r['id'] for r in cmp['runs']]}")
-    runs = [f"#{r['id']} {r.get('label') or r.get('kind')}" for r in cmp["runs"]]
+    runs = [run_label(r) for r in cmp["runs"]]
     out: dict[str, Any] = {"runs": runs, "colors": [RUN_COLORS[i % len(RUN_COLORS)] for i in range(len(runs))]}
     for part, bases in (("throughput", THROUGHPUT), ("latency", LATENCY)):
         rows: dict[str, list] = {"metric": [], "run": [], "value": [], "color": []}
@@ -48,6 +48,15 @@ def comparison(cmp: dict[str, Any]) -> dict[str, Any]:
                 rows["value"].append(float(v) if _finite(v) else None)
                 rows["color"].append(out["colors"][i])
         out[part] = rows
+    # what to draw: one figure per metric family, each on its own axis (ITL bars are invisible
+    # on an axis sized for TTFT)
+    ttft = [i for i, m in enumerate(out["latency"]["metric"]) if "ttft" in m.lower()]
+    itl = [i for i in range(len(out["latency"]["metric"])) if i not in ttft]
+    out["figures"] = [f for f in (
+        {"title": "Output tokens/s (higher is better)", "unit": "tok/s", "rows": out["throughput"]},
+        {"title": "Time to first token (lower is better)", "unit": "ms", "rows": _take(out["latency"], ttft)},
+        {"title": "Inter-token latency (lower is better)", "unit": "ms", "rows": _take(out["latency"], itl)},
+    ) if f["rows"]["metric"]]
     out["settings"] = [{"setting": name, "values": [_show(v) for v in values]}
                        for name, values in cmp["settings"].items()]
     # A caveat only for what is known to differ: a run without a recorded checksum is not "different".
@@ -55,6 +64,18 @@ def comparison(cmp: dict[str, Any]) -> dict[str, Any]:
     out["same_weights"] = False if len(known) > 1 else None
     out["same_workload"] = cmp.get("same_workload")
     return out
+
+
+def _take(rows: dict[str, list], idx: list[int]) -> dict[str, list]:
+    return {k: [v[i] for i in idx] for k, v in rows.items()}
+
+
+def run_label(run: dict[str, Any]) -> str:
+    """How a run is named beside others: its run-log id, and for a sweep point its number in the
+    sweep as the sweep's Pareto plot and `apply` name it ("#5 point 3: max_num_seqs=8")."""
+    what = run.get("label") or run.get("kind")
+    point = run.get("point")
+    return f"#{run['id']} point {point}: {what}" if isinstance(point, int) else f"#{run['id']} {what}"
 
 
 def _finite(v: Any) -> bool:
@@ -90,19 +111,14 @@ def plot(ids: Iterable[int], *, db=None):
 
     comp = comparison(open_log(db).compare(list(ids)))  # a sweep's id stands for its points
     figs = []
-    for part, title, unit in (("throughput", "Output tokens/s (higher is better)", "tok/s"),
-                              ("latency", "Latency percentiles (lower is better)", "ms")):
-        rows = comp[part]
-        if not rows["metric"]:
-            continue
-        x = list(zip(rows["metric"], rows["run"]))
+    for spec in comp["figures"]:
+        rows, unit = spec["rows"], spec["unit"]
+        x = [(m, r.split(" ")[0]) for m, r in zip(rows["metric"], rows["run"])]  # "#5": full names in the table
         src = ColumnDataSource({**rows, "x": x})
-        f = figure(x_range=FactorRange(*dict.fromkeys(x)), height=300, width=460 if part == "throughput" else 620,
-                   title=title, y_axis_label=unit, tools="save", toolbar_location="above")
+        f = figure(x_range=FactorRange(*dict.fromkeys(x), group_padding=0.6), height=280, width=420,
+                   title=spec["title"], y_axis_label=unit, tools="save", toolbar_location="above")
         f.vbar(x="x", top="value", width=0.85, color="color", source=src)
         f.add_tools(HoverTool(tooltips=[("run", "@run"), ("metric", "@metric"), ("value", "@value{0.0} " + unit)]))
-        f.xaxis.major_label_orientation = 0.9
-        f.xaxis.group_label_orientation = 0.0
         f.y_range.start = 0
         figs.append(f)
     layout = column(row(*figs), Div(text=settings_html(comp)))

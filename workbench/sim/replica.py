@@ -7,6 +7,7 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
+from ..cluster.router import POLICIES, Router
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Sequence
 from ..engine.speculative import ready_for_drafts
@@ -15,7 +16,10 @@ from ..settings import EngineSettings
 from ..timeline import TimelineRecorder
 from .cost import StepShape
 
-ROUTERS = ("round_robin", "least_outstanding", "prefix_affinity")
+# The cluster's policies (workbench.cluster.router.Router, the very object a ClusterEngine routes
+# with, run here on simulated time) and least_outstanding: the fewest prompt and output tokens of
+# unfinished requests (a prompt counts until its request ends, unlike least_loaded's).
+ROUTERS = (*POLICIES, "least_outstanding")
 TOKEN = 0  # the id a simulated step "samples" (no model: only counts and lengths matter)
 
 
@@ -61,6 +65,7 @@ class Replica:
         self.scheduler = cls(settings, num_blocks, self.timeline, clock=lambda: self.t)
         self.requests: dict[str, Request] = {}
         self.outstanding = 0  # tokens still to compute over its unfinished requests (the router's load)
+        self.router: Router | None = None  # told of each request's tokens and end, as a cluster's is
         self.busy_s = 0.0
         self.steps = 0
         self.kv_peak = 0.0
@@ -144,6 +149,8 @@ class Replica:
                 self.timeline.add_request(end, seq.request_id, "first_token")
             req.token_times.extend([end] * n)
             self.outstanding -= n
+            if self.router is not None:
+                self.router.progress(seq.request_id, n)
             if seq.num_output_tokens >= seq.params.max_tokens:
                 done.append((req, seq))
         used, total = self.scheduler.kv_blocks
@@ -156,14 +163,16 @@ class Replica:
             self.scheduler.remove(seq)
             self.timeline.add_request(end, seq.request_id, "finished", "length")
             del self.requests[seq.request_id]
+            if self.router is not None:
+                self.router.finished(seq.request_id)
         return done
 
 
 
 # -- the event loops ------------------------------------------------------------------------------------
-def run_colocated(reqs: list[Request], replicas: list[Replica], router, block_size: int) -> None:
+def run_colocated(reqs: list[Request], replicas: list[Replica], router) -> None:
     arrivals = sorted(reqs, key=lambda r: (r.arrival, r.index))
-    pick = pick_router(router, block_size)
+    pick = pick_router(router, replicas)
     i, n = 0, len(arrivals)
     while True:
         busy = [r for r in replicas if r.busy]
@@ -195,7 +204,7 @@ def run_disaggregated(reqs, pools, router, cost, kv_gbs: float, kv_bytes_per_tok
     if not kv_gbs > 0:
         raise ValueError(f"kv_transfer_gbs must be > 0, got {kv_gbs!r}")
     prefill, decode = pools
-    pick_p, pick_d = pick_router(router, 16), pick_router("least_outstanding", 16)
+    pick_p, pick_d = pick_router(router, prefill), pick_router("least_outstanding", decode)
     events: list[tuple[float, int, int, Request]] = [(r.arrival, 0, r.index, r) for r in reqs]  # (t, stage, ...)
     heapq.heapify(events)
     handed = 0
@@ -221,22 +230,24 @@ def run_disaggregated(reqs, pools, router, cost, kv_gbs: float, kv_bytes_per_tok
             return
 
 
-def pick_router(router, block_size: int):
+def pick_router(router, replicas: list[Replica]):
+    """(request, replicas, arrival index) -> the replica's index. The cluster's policies are its
+    own Router, told of every token and end by the replicas (so least_loaded and prefix_affinity
+    decide on what a ClusterEngine's router would know)."""
     if callable(router):
         return lambda req, replicas, i: int(router(req, replicas))
-    if router == "round_robin":
-        return lambda req, replicas, i: i % len(replicas)
     if router == "least_outstanding":
         return lambda req, replicas, i: min(range(len(replicas)), key=lambda k: (replicas[k].outstanding, k))
-    span = 4 * block_size
+    shared = Router([str(r.index) for r in replicas], router)
+    for r in replicas:
+        r.router = shared
+    by_name = {str(r.index): k for k, r in enumerate(replicas)}
 
-    def affinity(req, replicas, i):
-        home = hash(tuple(req.prompt[:span])) % len(replicas)
-        least = min(range(len(replicas)), key=lambda k: (replicas[k].outstanding, k))
-        busy_home = replicas[home].outstanding > 2 * replicas[least].outstanding + 4096
-        return least if busy_home else home
+    def routed(req, replicas, i):
+        name, _ = shared.route(req.prompt, len(req.prompt), req.max_tokens, request_id=str(req.index))
+        return by_name[name]
 
-    return affinity
+    return routed
 
 
 def check_router(router) -> None:

@@ -21,9 +21,10 @@ it is extrapolated. A draft model's forward time is paid per proposing round. Ou
 the workload's (greedy, ignore_eos), so a simulated run and a measured one of the same workload
 see the same requests.
 
-Layouts: `replicas=N` colocated replicas behind `router` ("round_robin", "least_outstanding" (by
-tokens still to compute), "prefix_affinity" (the prompt's first blocks pick the replica unless it
-is twice as loaded as the least loaded one), or a function `(request, replicas) -> index`);
+Layouts: `replicas=N` colocated replicas behind `router`: a cluster's policy ("round_robin",
+"least_loaded", "prefix_affinity"), decided by the same `workbench.cluster.router.Router` a
+`ClusterEngine` routes with; "least_outstanding" (prompt and output tokens of unfinished requests);
+or a function `(request, replicas) -> index`;
 `disaggregated=(P, D)`: P prefill replicas produce each request's first token, its KV then travels
 (`kv_transfer_gbs`) to one of D decode replicas, which admits it with that KV in place.
 """
@@ -157,10 +158,12 @@ class Simulator:
 
     # -- construction from a live engine ------------------------------------------------------------
     @classmethod
-    def calibrate(cls, engine, *, workload: dict[str, Any] | None = None, measure: bool = True) -> Simulator:
+    def calibrate(cls, engine, *, workload: dict[str, Any] | None = None, measure: bool = True,
+                  progress: Callable[[str], None] | None = None) -> Simulator:
         """Fit the step cost from `engine`'s own steps (an `LLM` or an engine-process client):
         with `measure`, a calibration run first (a burst of mixed lengths and a single stream);
-        without, the steps already on its timeline."""
+        without, the steps already on its timeline. `progress` (e.g. `print`) is told each part
+        of the run as it starts and how long it took: a calibration takes a minute or two."""
         from ..bench.driver import run_workload
         from ..engines import connect
 
@@ -170,9 +173,17 @@ class Simulator:
         cursor = eng.timeline(since=1 << 62).cursor if measure else None
         if measure:
             vocab = status.get("vocab_size") or 256
-            for w in calibration_workloads(workload, vocab, status.get("max_model_len") or 2048,
-                                            settings.get("max_num_seqs") or 64):
+            parts = list(calibration_workloads(workload, vocab, status.get("max_model_len") or 2048,
+                                               settings.get("max_num_seqs") or 64))
+            started = time.perf_counter()
+            for i, w in enumerate(parts, 1):
+                if progress is not None:
+                    prompt = sum(r.prompt_len for r in w.requests)
+                    progress(f"calibrating {i}/{len(parts)}: {len(w.requests)} request(s), {prompt} prompt tokens "
+                             f"({time.perf_counter() - started:.0f} s so far)")
                 run_workload(eng, w.requests)
+            if progress is not None:
+                progress(f"calibrated in {time.perf_counter() - started:.0f} s")
         tl = eng.timeline(since=cursor)
         shapes, seconds = shapes_from_timeline(tl.steps, tl.requests)
         cost = FittedCost.fit(shapes, seconds)
@@ -327,7 +338,7 @@ class Simulator:
             if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
                 raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
             all_replicas = [replica(i, s, blocks, cost) for i in range(replicas)]
-            run_colocated(reqs, all_replicas, router, self.block_size)
+            run_colocated(reqs, all_replicas, router)
         records = [RequestRecord(r.index, r.arrival, len(r.prompt), [TOKEN] * len(r.token_times), r.token_times,
                                  r.finished) for r in reqs]
         prof = self.profile

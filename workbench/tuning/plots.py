@@ -31,7 +31,7 @@ def plot_data(records: Sequence[dict], latencies: Sequence[str] = ("ttft_p99_ms"
     """The columns the plot draws (plain lists, testable without Bokeh)."""
     data: dict[str, list] = {
         "index": [], "label": [], "settings": [], "x": [], "x_lo": [], "x_hi": [], "cost": [], "joules": [],
-        "delta_ppl": [], "repeats": [], "noise": [], "ring": [], "ring_width": [],
+        "delta_ppl": [], "delta_ppl_text": [], "run": [], "repeats": [], "noise": [], "ring": [], "ring_width": [],
     }
     for lat in latencies:
         for suffix in ("", "_lo", "_hi", "_color", "_size"):
@@ -46,7 +46,11 @@ def plot_data(records: Sequence[dict], latencies: Sequence[str] = ("ttft_p99_ms"
         data["x_hi"].append(_num(r.get("output_tok_s_max", x)))
         data["cost"].append(_num(r.get("cost_per_mtok")))
         data["joules"].append(_num(r.get("joules_per_token")))
-        data["delta_ppl"].append(_num(r.get("delta_ppl")))
+        dppl = _num(r.get("delta_ppl"))
+        data["delta_ppl"].append(dppl)
+        # measured only where the point is quantised: say so rather than "NaN"
+        data["delta_ppl_text"].append(f"{dppl:+.3f}" if dppl == dppl else "not measured (no quantisation)")
+        data["run"].append(f"run #{r['run_id']}" if isinstance(r.get("run_id"), int) else "not in the run log")
         data["repeats"].append(r.get("repeats", 1))
         overlaps = r.get("overlaps") or []
         data["noise"].append(("within noise of " + "; ".join(overlaps)) if overlaps else "clear")
@@ -61,6 +65,12 @@ def plot_data(records: Sequence[dict], latencies: Sequence[str] = ("ttft_p99_ms"
             data[f"{lat}_color"].append(FRONT if on_front else OTHER)
             data[f"{lat}_size"].append(14 if on_front else 10)
     return data
+
+
+def point_name(index: int, record: dict) -> str:
+    """A point as every view names it: its number in the sweep, its label and its run-log id."""
+    run = f" (run #{record['run_id']})" if isinstance(record.get("run_id"), int) else ""
+    return f"point {index}: {record.get('label', index)}{run}"
 
 
 def front_line(records: Sequence[dict], latency: str) -> tuple[list[float], list[float]]:
@@ -95,12 +105,12 @@ def pareto_plot(records: Sequence[dict], *, latencies: Sequence[str] = ("ttft_p9
                          line_color="ring", line_width="ring_width", fill_alpha=0.85,
                          selection_fill_color="#2ca02c", nonselection_fill_alpha=0.35)
         p.add_tools(HoverTool(renderers=[dots], tooltips=[
-            ("point", "#@index @label"),
+            ("point", "point @index: @label (@run)"),
             ("output tok/s", "@x{0.0} (repeats: @x_lo{0.0} - @x_hi{0.0})"),
             (name, f"@{{{lat}}}{{0.0}} ms (@{{{lat}_lo}}{{0.0}} - @{{{lat}_hi}}{{0.0}})"),
             ("$ / M output tokens", "@cost{0.0000}"),
             ("J / output token", "@joules{0.000}"),
-            ("delta ppl", "@delta_ppl{0.000}"),
+            ("delta ppl", "@delta_ppl_text"),
             ("repeats", "@repeats"),
             ("noise", "@noise"),
         ]))
@@ -127,7 +137,9 @@ def widget(records, engine=None):
         from bokeh.io import output_notebook
         from bokeh.io import show as bshow
 
-        output_notebook(hide_banner=True)
+        from ..jupyter.views import bokeh_resources
+
+        output_notebook(resources=bokeh_resources(), hide_banner=True)  # never a CDN
         bshow(layout)
         print("apply a point with records.apply(index)")
         return layout
@@ -142,12 +154,14 @@ def widget(records, engine=None):
         from bokeh.io import output_notebook
         from bokeh.io import show as bshow
 
-        output_notebook(hide_banner=True)
+        from ..jupyter.views import bokeh_resources
+
+        output_notebook(resources=bokeh_resources(), hide_banner=True)  # never a CDN
         bshow(layout)
         plot_widget = None
     best = max(range(len(records)), key=lambda i: (bool(records[i].get("pareto")),
                                                    records[i].get("output_tok_s") or 0), default=0)
-    picker = W.Dropdown(options=[(f"#{i} {r['label']}", i) for i, r in enumerate(records)], value=best if records else None,
+    picker = W.Dropdown(options=[(point_name(i, r), i) for i, r in enumerate(records)], value=best if records else None,
                         description="point", layout=W.Layout(width="420px"))
     button = W.Button(description="Apply to engine", button_style="primary", icon="check",
                       disabled=engine is None or not records, tooltip="engine.configure(**point settings)")

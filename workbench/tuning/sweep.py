@@ -16,7 +16,7 @@
 3. `repeats` measured runs of the whole workload (greedy, `ignore_eos`, prefix cache emptied before
    each), per run: output tok/s, TTFT/ITL percentiles (`workbench.bench.stats.summarize`), peak
    and mean KV use and prefill/decode time (from the engine timeline), prefix hit rate and
-   speculative acceptance (from the engine's counters), cost and energy (`workbench.costs`);
+   speculative acceptance (from the engine's counters), cost and energy (`workbench.tuning.costs`);
 4. where the point is quantised (weights or KV cache): perplexity on the workload's text and its
    difference from the unquantised model (`delta_ppl`).
 
@@ -97,7 +97,7 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
     repeats: measured runs per point (spread and noise flags need >= 2). warmup: short warm-up
     requests after each configure (0: none). resume: True reuses the points of the same sweep
     already in the run log; a previous result (list of records) reuses its points; False measures
-    all. price_per_hour / watts: the machine's (defaults in `workbench.costs`). max_tokens: output
+    all. price_per_hour / watts: the machine's (defaults in `workbench.tuning.costs`). max_tokens: output
     length of prompt-list workloads. ppl_tokens: tokens of workload text scored for perplexity at
     quantised points (0: skip). progress: True (tqdm), False, or a factory `(desc, total) -> bar`.
     record: write the run log (`run_log`: a path or RunLog; default `workbench.runs.default_path()`).
