@@ -87,6 +87,66 @@ def test_only_the_scheduler_changes_kv_blocks():
         assert not names & {"block_manager", "bm", "BlockManager"}, module
 
 
+# What a Sequence holds that the scheduler owns: its state, its progress through the KV cache
+# and the draft tokens a step verifies. (`metrics` is timing, written where it is measured.)
+SEQUENCE_STATE = {"state", "finish_reason", "num_computed_tokens", "num_cached_tokens", "block_table",
+                  "num_hashed_blocks", "spec_tokens", "spec_probs", "draft_computed", "token_ids"}
+KV_OWNERS = {"engine/scheduler.py", "engine/block_manager.py", "engine/sequence.py"}
+
+
+def _state_writes(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, field) of every assignment to a SEQUENCE_STATE attribute of anything but `self`,
+    and every in-place change of one (append/extend/del on `x.token_ids`, ...)."""
+    out = []
+
+    def targets(node):
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                yield from targets(elt)
+        elif isinstance(node, ast.Subscript):
+            yield node.value
+        else:
+            yield node
+
+    for node in ast.walk(tree):
+        found = []
+        if isinstance(node, ast.Assign):
+            found = [t for tgt in node.targets for t in targets(tgt)]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            found = list(targets(node.target))
+        elif isinstance(node, ast.Delete):
+            found = [t for tgt in node.targets for t in targets(tgt)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in {"append", "extend", "pop", "clear", "insert", "remove"}):
+            found = [node.func.value]
+        for t in found:
+            if (isinstance(t, ast.Attribute) and t.attr in SEQUENCE_STATE
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                out.append((t.lineno, t.attr))
+    return sorted(out)
+
+
+def test_only_the_scheduler_changes_a_sequences_state():
+    """Finishing, progress through the KV cache and draft tokens change in the scheduler (and its
+    block manager) only: the output processor, speculation, the engine and the simulator's
+    replicas call its methods. Any module that handles Sequences is checked."""
+    checked = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        if rel in KV_OWNERS or not (rel.startswith(("engine/", "sim/")) or "Sequence" in text):
+            continue
+        checked.append(rel)
+        writes = _state_writes(ast.parse(text))
+        assert not writes, f"{rel} changes sequence state itself: {writes}"
+    assert {"engine/output_processor.py", "engine/speculative.py", "engine/llm_engine.py",
+            "sim/replica.py"} <= set(checked)
+    # the checker sees what it looks for
+    assert _state_writes(ast.parse("seq.finish_reason = 'stop'\nreq.seq.spec_tokens, x = [], 1\n"
+                                   "s.token_ids.append(3)\ndel seq.token_ids[-1:]\nself.state = 1")) == [
+        (1, "finish_reason"), (2, "spec_tokens"), (3, "token_ids"), (4, "token_ids")]
+
+
 def test_metric_and_status_keys_are_defined_once():
     """`workbench.reports` names every metric and status key; every other place that reads or
     maps them uses those names (Prometheus mapping, remote servers' metrics, the lab panel)."""

@@ -172,6 +172,20 @@ def test_disaggregated_prefill_hands_its_kv_to_decode_replicas():
     assert s["ttft_p50_ms"] > 0 and colocated["output_tokens"] == s["output_tokens"]
     with pytest.raises(ValueError, match="prefill replicas, decode replicas"):
         sim.run(wl, disaggregated=(0, 2))
+    # one merged timeline, as a cluster's: every event names its replica, a band each in the views
+    merged = res.merged_timeline()
+    assert res.replica_names() == ["prefill-0", "decode-0", "decode-1"]
+    assert len(merged.steps) == sum(len(tl.steps) for tl in res.timelines)
+    seqs = sorted(e.seq for e in (*merged.steps, *merged.requests, *merged.changes))
+    assert seqs == list(range(1, len(seqs) + 1)) and merged.cursor == len(seqs)
+    assert {s.replica for s in merged.steps} == {"prefill-0", "decode-0", "decode-1"}
+    assert all(b.request_id.endswith("@" + s.replica) for s in merged.steps for b in s.batch)
+    from workbench.jupyter.reducer import TimelineReducer
+
+    red = TimelineReducer()
+    red.add(merged)
+    assert set(red.replicas) == set(res.replica_names())
+    assert sim.run(wl, replicas=2, record=False).replica_names() == ["r0", "r1"]
 
 
 def test_slo_goodput_and_the_smallest_replica_count():

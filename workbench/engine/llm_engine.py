@@ -234,8 +234,7 @@ class LLMEngine:
         )
         if draft_model is None:
             runner.model.quantize("int4", "auto")
-        for req in self.requests.values():
-            req.seq.draft_computed = 0  # a new draft cache knows nothing yet
+        self.scheduler.reset_draft_caches()
         return DraftProposer(runner, source)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput, now: float) -> StreamChunk | None:
@@ -309,8 +308,7 @@ class LLMEngine:
                                               reset="kv_cache_dtype" in applied)
         self.scheduler.set_kv_salt(kv_salt(self.settings))  # new weights or kernels: new KV values
         if "speculative" in applied or "num_speculative_tokens" in applied:
-            for req in self.requests.values():
-                req.seq.spec_tokens, req.seq.spec_probs = [], None
+            self.scheduler.clear_drafts()
         for name, value in applied.items():
             if setting_kind(name) == RELAYOUT:
                 self._emit_event("relayout", {"setting": name, "value": value, "state": "done"})
@@ -357,7 +355,7 @@ class LLMEngine:
                 start = seq.num_computed_tokens
                 targets = ids[start + 1:start + n + 1]
                 out.extend(lp[torch.arange(len(targets)), torch.tensor(targets)].tolist())
-                seq.num_computed_tokens += n
+                self.scheduler.computed(seq, n)
         finally:
             self.scheduler.release(seq)
         return out

@@ -16,7 +16,7 @@ from ..outputs import RequestOutput, StreamChunk
 from ..timeline import TimelineRecorder
 from ..tokenizer import IncrementalDetokenizer
 from .scheduler import Scheduler
-from .sequence import SeqState, Sequence
+from .sequence import Sequence
 
 
 class RequestState:
@@ -90,10 +90,7 @@ class OutputProcessor:
                last_logprobs=None) -> StreamChunk:
         seq = req.seq
         now = time.monotonic()
-        seq.metrics.finished = now
-        seq.finish_reason = reason
-        was_running = seq.state is SeqState.RUNNING
-        self.scheduler.remove(seq)
+        was_running = self.scheduler.finish(seq, reason, now)
         del self.requests[seq.request_id]
         out = RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,

@@ -69,13 +69,19 @@ class Scheduler:
         self.timeline = timeline
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # sequences whose prompt's KV arrived computed (a disaggregated decode replica, simulated):
+        # admitted, only their new token is computed; a preemption loses that KV
+        self._kv_arrived: set[str] = set()
 
     @property
     def block_manager(self) -> BlockManager:
         """For reading (usage, tests); changes go through the scheduler's methods."""
         return self.bm
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, *, kv_arrived: bool = False) -> None:
+        """Queue `seq`. kv_arrived: its prompt's KV comes computed (sent by a prefill replica)."""
+        if kv_arrived:
+            self._kv_arrived.add(seq.request_id)
         self.waiting.append(seq)
 
     def blocks_needed(self, num_tokens: int) -> int | None:
@@ -92,14 +98,48 @@ class Scheduler:
         """Free the blocks of a sequence the scheduler never ran (a scoring pass)."""
         self.bm.free(seq)
 
+    def computed(self, seq: Sequence, num_tokens: int) -> None:
+        """`num_tokens` more of a reserved sequence's KV is in the cache (a scoring pass, run
+        outside the steps)."""
+        seq.num_computed_tokens += num_tokens
+
+    def finish(self, seq: Sequence, reason: str, now: float) -> bool:
+        """End a sequence (EOS, max tokens, a stop string, an abort): its finish reason and time,
+        out of the queues, its blocks freed. Returns whether it was running."""
+        was_running = seq.state is SeqState.RUNNING
+        seq.metrics.finished = now
+        seq.finish_reason = reason
+        self.remove(seq)
+        return was_running
+
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._kv_arrived.discard(seq.request_id)
         self.bm.free(seq)
         seq.state = SeqState.FINISHED
+
+    # -- speculative decoding: the draft tokens a step verifies, and the draft model's KV --------
+    def attach_drafts(self, seq: Sequence, tokens: list[int], probs=None) -> None:
+        """Draft tokens for `seq`'s next step to verify (and the draft's distribution at each)."""
+        seq.spec_tokens, seq.spec_probs = tokens, probs
+
+    def clear_drafts(self) -> None:
+        """Drop every sequence's pending draft tokens (speculation switched or resized)."""
+        for seq in (*self.running, *self.waiting):
+            seq.spec_tokens, seq.spec_probs = [], None
+
+    def draft_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """The draft model's cache holds `seq`'s first `num_tokens` tokens."""
+        seq.draft_computed = num_tokens
+
+    def reset_draft_caches(self) -> None:
+        """A new draft model: its cache holds nothing of any sequence yet."""
+        for seq in (*self.running, *self.waiting):
+            seq.draft_computed = 0
 
     # -- policy ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -126,6 +166,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
         hit = self.bm.allocate(seq)
+        if seq.request_id in self._kv_arrived:
+            seq.num_computed_tokens = max(seq.num_computed_tokens, len(seq) - 1)
         out.prefix_hit_tokens += hit
         seq.metrics.prefix_hit_tokens = max(seq.metrics.prefix_hit_tokens, hit)
         resumed = seq.state is SeqState.PREEMPTED
@@ -167,6 +209,7 @@ class Scheduler:
         if out is not None:
             out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.bm.free(seq)
+        self._kv_arrived.discard(seq.request_id)
         seq.num_computed_tokens = seq.draft_computed = 0
         seq.spec_tokens, seq.spec_probs = [], None
         seq.state = SeqState.PREEMPTED

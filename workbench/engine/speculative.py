@@ -61,8 +61,10 @@ class DraftProposer:
         self.source = source  # "self-int4" or the draft model's path, for status/events
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], k: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
-        """Draft tokens per request, with the draft's distribution at each (None for greedy)."""
+    def propose(self, seqs: list[Sequence], k: int,
+                scheduler: Scheduler) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """Draft tokens per request, with the draft's distribution at each (None for greedy); the
+        draft cache's progress is the scheduler's to record."""
         drafts: dict[str, list[int]] = {s.request_id: [] for s in seqs}
         probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in seqs}
         for j in range(k):
@@ -88,10 +90,7 @@ class DraftProposer:
                     drafts[rid].append(sampler.draw(p[row], seqs[i].generator))
                     probs[rid].append(p[row])
             for s, view in zip(seqs, views):
-                if j == 0:
-                    s.draft_computed = len(view.token_ids)
-                else:
-                    s.draft_computed += 1
+                scheduler.draft_computed(s, len(view.token_ids) if j == 0 else s.draft_computed + 1)
         return {
             rid: (toks, torch.stack(probs[rid]) if probs[rid] else None) for rid, toks in drafts.items()
         }
@@ -180,7 +179,7 @@ class SpeculativeDecoder:
         if s.speculative == "ngram":
             proposer = NgramProposer(s.ngram_size)
             for seq, room in ready:
-                seq.spec_tokens, seq.spec_probs = proposer.propose(seq, room), None
+                self.scheduler.attach_drafts(seq, proposer.propose(seq, room))
         else:
             if self.draft is None:
                 self.draft = self.load_draft(s.draft_model)
@@ -188,8 +187,8 @@ class SpeculativeDecoder:
             # One batched draft pass per window length.
             for room in sorted({r for _, r in ready}):
                 group = [seq for seq, r in ready if r == room]
-                for rid, (drafted, probs) in self.draft.propose(group, room).items():
-                    by_id[rid].spec_tokens, by_id[rid].spec_probs = drafted, probs
+                for rid, (drafted, probs) in self.draft.propose(group, room, self.scheduler).items():
+                    self.scheduler.attach_drafts(by_id[rid], drafted, probs)
         return sum(len(seq.spec_tokens) for seq, _ in ready)
 
     def verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput) -> list[int]:

@@ -59,7 +59,8 @@ class SimulateMagics(Magics):
             from .views import static_timeline, to_columns
 
             red = TimelineReducer()
-            red.add(res.timeline)
+            n = len(res.replicas)
+            red.add(res.merged_timeline() if n > 1 else res.timeline)  # a band per replica
             red.tick(float("inf"), grace=0)
             display(static_timeline(to_columns(red), red.num_lanes, lane_labels=red.lane_labels,
-                                    title="Simulated timeline (replica 0)").widget())
+                                    title=f"Simulated timeline ({n} replica{'s' if n > 1 else ''})").widget())

@@ -36,24 +36,11 @@ class Request:
     prefix_hit_tokens: int = 0
 
 
-class _TransferredKVScheduler(Scheduler):
-    """A decode replica's scheduler: a request arrives with its prompt's KV (sent by a prefill
-    replica), so once admitted only its new token is computed; a preemption loses that KV."""
-
-    def _admit(self, seq: Sequence, out) -> None:
-        super()._admit(seq, out)
-        if getattr(seq, "kv_transferred", False):
-            seq.num_computed_tokens = max(seq.num_computed_tokens, len(seq) - 1)
-
-    def _preempt(self, seq: Sequence, out, counted: bool = True) -> None:
-        seq.kv_transferred = False
-        super()._preempt(seq, out, counted)
-
-
 class Replica:
     def __init__(self, index: int, settings: EngineSettings, num_blocks: int, cost, *, decode_only: bool = False,
                  timeline_capacity: int = 20_000, acceptance: float = 0.0, seed: int = 0, draft_cost=None):
         self.index = index
+        self.decode_only = decode_only  # a decode replica of a disaggregated layout
         self.settings = settings
         self.acceptance = acceptance  # chance that each draft token is accepted (speculative decoding)
         self.rng = random.Random(seed + 7919 * index)
@@ -61,8 +48,7 @@ class Replica:
         self.cost = cost
         self.draft_cost = draft_cost  # a draft model's forward, per proposing round (None: free proposals)
         self.timeline = TimelineRecorder(timeline_capacity)
-        cls = _TransferredKVScheduler if decode_only else Scheduler
-        self.scheduler = cls(settings, num_blocks, self.timeline, clock=lambda: self.t)
+        self.scheduler = Scheduler(settings, num_blocks, self.timeline, clock=lambda: self.t)
         self.requests: dict[str, Request] = {}
         self.outstanding = 0  # tokens still to compute over its unfinished requests (the router's load)
         self.router: Router | None = None  # told of each request's tokens and end, as a cluster's is
@@ -81,7 +67,6 @@ class Replica:
         rid = str(req.index)
         ids = req.prompt if tokens is None else tokens
         seq = Sequence(rid, ids, SamplingParams(max_tokens=max_tokens or req.max_tokens, ignore_eos=True), t)
-        seq.kv_transferred = kv_transferred
         need = self.scheduler.blocks_needed(len(ids) + seq.params.max_tokens)
         if need is not None:
             raise ValueError(f"request {req.index} needs {need} KV blocks ({len(ids)} prompt + {seq.params.max_tokens} "
@@ -90,7 +75,7 @@ class Replica:
         req.replica = self.index
         self.outstanding += len(ids) + seq.params.max_tokens
         self.timeline.add_request(t, rid, "arrived", f"prompt_tokens={len(ids)}")
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, kv_arrived=kv_transferred)
 
     def _propose(self) -> tuple[int, float]:
         """Draft tokens for the decoding sequences, as the engine's proposer attaches them (their
@@ -101,7 +86,7 @@ class Replica:
             return 0, 0.0
         ready = ready_for_drafts(self.scheduler, s.num_speculative_tokens, 1 << 30)  # no context bound here
         for seq, room in ready:
-            seq.spec_tokens = [TOKEN] * room
+            self.scheduler.attach_drafts(seq, [TOKEN] * room)
         seconds = 0.0
         if self.draft_cost is not None:
             for r in range(max((room for _, room in ready), default=0)):

@@ -88,6 +88,43 @@ class SimResult:
     def timelines(self) -> list[Timeline]:
         return [r.timeline.read() for r in self.replicas]
 
+    def replica_names(self) -> list[str]:
+        """"r0", "r1", ...; with disaggregation "prefill-0", ..., "decode-0", ...."""
+        decode = [r for r in self.replicas if r.decode_only]
+        if not decode:
+            return [f"r{r.index}" for r in self.replicas]
+        prefill = [r for r in self.replicas if not r.decode_only]
+        names = {id(r): f"prefill-{i}" for i, r in enumerate(prefill)}
+        names.update({id(r): f"decode-{i}" for i, r in enumerate(decode)})
+        return [names[id(r)] for r in self.replicas]
+
+    def merged_timeline(self) -> Timeline:
+        """Every replica's timeline in one, each event naming its replica, in time order with new
+        sequence numbers: what a cluster's merged timeline is, so the same views draw a band per
+        replica."""
+        import msgspec
+
+        from ..timeline import Timeline
+
+        # a disaggregated request runs on a prefill and then a decode replica: one lane in each
+        split = any(r.decode_only for r in self.replicas)
+        events = []
+        for name, tl in zip(self.replica_names(), self.timelines):
+            def rid(r: str, name=name) -> str:
+                return f"{r}@{name}" if split else r
+
+            events += [(s.start, "steps", msgspec.structs.replace(
+                s, replica=name, batch=[msgspec.structs.replace(b, request_id=rid(b.request_id)) for b in s.batch]))
+                for s in tl.steps]
+            events += [(q.time, "requests", msgspec.structs.replace(q, replica=name, request_id=rid(q.request_id)))
+                       for q in tl.requests]
+            events += [(c.start, "changes", msgspec.structs.replace(c, replica=name)) for c in tl.changes]
+        out = Timeline(steps=[], requests=[], changes=[], cursor=0)
+        for seq, (_, field, ev) in enumerate(sorted(events, key=lambda e: e[0]), 1):
+            getattr(out, field).append(msgspec.structs.replace(ev, seq=seq))
+        out.cursor = len(events)
+        return out
+
     def summary(self) -> dict[str, Any]:
         if self._summary is None:
             self._summary = self._summarize()
