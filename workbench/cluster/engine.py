@@ -503,15 +503,8 @@ def list_clusters() -> list[dict]:
     """The clusters started on this machine whose owner still runs (their files, with `path`)."""
     from ..ipc import connection as conn
 
-    out = []
-    for path in sorted(conn.runtime_dir().glob("cluster-*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if conn.pid_alive(int(data.get("owner_pid") or 0)):
-            out.append({**data, "path": str(path)})
-    return out
+    return [{**data, "path": str(path)} for path, data in conn.runtime_json("cluster-*.json")
+            if conn.pid_alive(int(data.get("owner_pid") or 0))]
 
 
 def _remove_cluster_file(name: str) -> None:

@@ -194,6 +194,16 @@ def resolve(name_or_file: str | os.PathLike | None) -> Path:
     return path
 
 
+def runtime_json(pattern: str = "*.json", directory: Path | None = None):
+    """(path, parsed JSON) of each runtime-dir file matching `pattern`, in name order; files that
+    cannot be read or parsed (half written, removed meanwhile) are skipped."""
+    for p in sorted((directory or runtime_dir()).glob(pattern)):
+        try:
+            yield p, json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+
+
 def list_engines(directory: Path | None = None) -> list[ConnectionInfo]:
     """Connection files of engines that look alive (stale ones on this host are skipped)."""
     out = []

@@ -63,11 +63,7 @@ def list_remotes() -> list[dict]:
     from ..ipc import connection as conn
 
     out = []
-    for p in sorted(conn.runtime_dir().glob("*.json")):
-        try:
-            entry = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
+    for p, entry in conn.runtime_json():
         if isinstance(entry, dict) and isinstance(entry.get("remote_url"), str):
             out.append({"name": entry.get("name") or p.stem, "url": entry["remote_url"], "model": entry.get("model")})
     return out
