@@ -228,16 +228,21 @@ def _show_message(text: str, level: str = "info") -> None:
     display({"text/plain": text, "text/html": f'<div style="color: {color};">{html.escape(text)}</div>'}, raw=True)
 
 
-def show_timeline(client, *, since: int | None = None, only=None, last_s: float | None = None,
-                  title: str | None = None):
-    """Render engine activity (a cursor range, or the last `last_s` seconds) as a static
-    timeline; returns the view (None when there was nothing to show)."""
+def show_timeline(client, *, since: int | None = None, until: int | None = None, only=None,
+                  last_s: float | None = None, title: str | None = None):
+    """Render engine activity (the cursor range after `since`, up to `until` included, or the
+    last `last_s` seconds) as a static timeline; returns the view (None when there was nothing
+    to show)."""
     from IPython.display import display
 
     from .reducer import TimelineReducer
     from .views import static_timeline, to_columns
 
     tl = client.timeline(since=since)
+    if until is not None:
+        tl.steps = [s for s in tl.steps if s.seq <= until]
+        tl.requests = [r for r in tl.requests if r.seq <= until]
+        tl.changes = [c for c in tl.changes if c.seq <= until]
     if last_s is not None:
         cutoff = time.monotonic() - last_s
         tl.steps = [s for s in tl.steps if s.end >= cutoff]
