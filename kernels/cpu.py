@@ -324,7 +324,8 @@ class DecodeStep:
         self._keep = (positions, slot_mapping, block_tables, seq_lens, cos, sin, xf)
         self.t, self.hidden = t, hidden
         self.struct = _Step(t, hidden, heads, kv_heads, head_dim, intermediate, positions.data_ptr(),
-                            slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.shape[1],
+                            slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+                            block_tables.shape[1],
                             block_size, cos.data_ptr(), sin.data_ptr(), scale, *(x.data_ptr() for x in self._scratch),
                             xf.data_ptr())
 

@@ -179,3 +179,37 @@ def test_event_kinds_are_defined_once():
     spelled = re.compile(r"""["']timeline["'],\s*["']settings["'],\s*["']relayout["']""")
     found = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if spelled.search(p.read_text())]
     assert found == ["ipc/protocol.py"], found
+
+
+# The layers, bottom up. The core serves requests (engine, models, transports, HTTP front, the
+# shared structs); the tools measure and model it (bench, sweeps, run log, simulator); the fronts
+# put both in front of a person. Imports point down only; `cluster`, `llm`, `engines` and
+# `gpucheck` compose the core and are imported by fronts and tools, never by the core.
+CORE = {"engine", "models", "ipc", "remote", "http", "events", "interface", "outputs", "reports",
+        "sampling_params", "settings", "timeline", "tokenizer", "bokehjs"}
+TOOLS = {"bench", "tuning", "runs", "sim"}
+FRONTS = {"jupyter", "jupyter_server", "cli"}
+
+
+def _layer_breaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    def top(name: str) -> str:
+        return name.split(".")[1] if "." in name else ""
+
+    out = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if (top(mod) in CORE and top(dep) not in CORE) or (top(mod) in TOOLS and top(dep) in FRONTS):
+                out.append((mod, dep))
+    return out
+
+
+def test_layers_point_down():
+    known = _modules()
+    assert {n.split(".")[1] for n in known if "." in n} >= CORE | TOOLS | FRONTS  # every name is a package
+    graph = {name: _imports(name, path, known) for name, path in known.items()}
+    assert _layer_breaks(graph) == []
+    # the check sees an upward import, lazy or not
+    assert _layer_breaks({"workbench.http.server": {"workbench.cluster"},
+                          "workbench.runs.plots": {"workbench.jupyter.views"},
+                          "workbench.jupyter.magics": {"workbench.runs"}}) == [
+        ("workbench.http.server", "workbench.cluster"), ("workbench.runs.plots", "workbench.jupyter.views")]

@@ -294,9 +294,10 @@ def test_roofline_skips_the_square_gemm_of_a_dtype_far_slower_on_the_batch_shape
 def load_model_config_for_costs():
     from workbench.models.loader import ModelConfig
 
-    return ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                           "vocab_size": 256, "max_position_embeddings": 512, "tie_word_embeddings": True})
+    return ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                       "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+                                       "tie_word_embeddings": True})
 
 
 @pytest.mark.parametrize("rates,expected", [({"bfloat16": 700.0, "float32": 180.0}, torch.bfloat16),

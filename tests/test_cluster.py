@@ -207,7 +207,8 @@ def test_a_sweep_measures_points_in_parallel_one_per_replica(two, tmp_path):
 
 
 def test_another_process_attaches_by_name(two):
-    code = (f"import workbench; from workbench import SamplingParams as S; c = workbench.connect('cluster:{two.name}'); "
+    code = ("import workbench; from workbench import SamplingParams as S; "
+            f"c = workbench.connect('cluster:{two.name}'); "
             "o = c.generate(prompt_token_ids=[[5, 6, 7, 8]], params=S(max_tokens=4, temperature=0)); "
             "print(len(c.replicas()), len(o[0].token_ids)); c.close()")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

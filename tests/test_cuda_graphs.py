@@ -24,7 +24,8 @@ def test_plan_replays_decodes_that_fit_and_says_why_others_do_not():
     assert cg.plan(["decode", "verify"], 2, buckets, 64).bucket is None
     assert "more than the largest bucket (8)" in cg.plan(["decode"] * 9, 1, buckets, 64).reason
     assert "longer than the captured 64" in cg.plan(["decode"], 65, buckets, 64).reason
-    assert cg.unsupported(torch.device("cpu"), "cpu", False) == "CUDA graphs need a CUDA device; this engine runs on cpu"
+    why = cg.unsupported(torch.device("cpu"), "cpu", False)
+    assert why == "CUDA graphs need a CUDA device; this engine runs on cpu"
     assert "graphs need triton" in cg.unsupported(torch.device("cuda"), "torch", False)
     assert "mixture-of-experts" in cg.unsupported(torch.device("cuda"), "triton", True)
     assert cg.unsupported(torch.device("cuda"), "triton", False) is None

@@ -123,7 +123,8 @@ def test_seed_reproducible_alone_and_in_batch(tiny_qwen2):
     others = ragged_prompts(seed=8, lengths=(3, 20, 41))
     batch = llm.generate(
         prompt_token_ids=others[:2] + [prompt] + others[2:],
-        params=[SamplingParams(max_tokens=16, temperature=1.0)] * 2 + [p] + [SamplingParams(max_tokens=16, temperature=0.7)],
+        params=[SamplingParams(max_tokens=16, temperature=1.0)] * 2 + [p]
+        + [SamplingParams(max_tokens=16, temperature=0.7)],
     )
     assert batch[2].token_ids == alone
     again = llm.generate(prompt_token_ids=[prompt], params=p)[0].token_ids
@@ -199,7 +200,8 @@ def test_stop_token_ids_and_max_tokens(tiny_qwen2):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
     stop_at = ref[4]
     first = ref.index(stop_at)
-    out = llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]))[0]
+    out = llm.generate(prompt_token_ids=[prompt],
+                       params=SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]))[0]
     assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
     out = llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=3, temperature=0))[0]
     assert out.token_ids == ref[:3] and out.finish_reason == "length"
@@ -345,7 +347,8 @@ def test_stream_closed_early_aborts(tiny_qwen2):
 def test_last_chunk_carries_its_logprobs(tiny_qwen2):
     path, _ = tiny_qwen2
     llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
-    chunks = list(llm.stream(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=3, temperature=0, logprobs=2)))
+    chunks = list(llm.stream(prompt_token_ids=[5, 6, 7],
+                             params=SamplingParams(max_tokens=3, temperature=0, logprobs=2)))
     streamed = [lp for c in chunks for lp in (c.logprobs_delta or [])]
     assert [lp.token_id for lp in streamed] == chunks[-1].output.token_ids
     assert streamed == chunks[-1].output.logprobs

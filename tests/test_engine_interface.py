@@ -72,6 +72,36 @@ def test_asyncio_twins_equal_generate(llm):
     assert [t for c in streamed for t in c.token_ids_delta] == expected[2]
 
 
+def test_asyncio_control_calls_answer_as_their_blocking_twins(llm):
+    """The control calls the HTTP front and the Jupyter server make are declared on `Engine`
+    (no string RPCs): each asyncio twin answers what its blocking call does, and a rejected
+    change raises the same error and changes nothing."""
+    from workbench.cluster.engine import ClusterEngine
+
+    assert not ClusterEngine.__abstractmethods__
+    for cls in (LLM, EngineClient, RemoteEngineClient, ClusterEngine):
+        assert not hasattr(cls, "acall") or cls is EngineClient, cls  # only the process client has a wire
+
+    async def both():
+        status, settings, metrics, schema, timeline = await asyncio.gather(
+            llm.astatus(), llm.asettings(), llm.ametrics(), llm.aschema(), llm.atimeline(None))
+        changed = await llm.aconfigure(max_num_seqs=8)
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            await llm.aconfigure(max_num_seqs=-1)
+        return status, settings, metrics, schema, timeline, changed
+
+    before = llm.settings()
+    status, settings, metrics, schema, timeline, changed = asyncio.run(both())
+    try:
+        assert status["model"] == llm.status()["model"] and settings == before
+        assert set(metrics) == set(llm.metrics()) and schema == llm.schema()
+        assert timeline.cursor <= llm.timeline().cursor
+        assert changed["max_num_seqs"] == 8 and llm.settings()["max_num_seqs"] == 8
+        assert llm.weights_checksum() == llm.engine.weights_checksum()
+    finally:
+        llm.configure(max_num_seqs=before["max_num_seqs"])
+
+
 def test_in_process_events_and_abort(llm):
     with llm.events(("timeline", "settings")) as sub:
         llm.generate(prompt_token_ids=PROMPTS[:1], params=GREEDY)

@@ -579,7 +579,8 @@ def test_kill_engine_clients_raise(model_path, engine):
             except Exception as e:
                 errors[label] = (type(e), time.monotonic(), str(e))
 
-        threads = [threading.Thread(target=run, args=(k, c), daemon=True) for k, c in (("owner", eng), ("other", other))]
+        pairs = (("owner", eng), ("other", other))
+        threads = [threading.Thread(target=run, args=(k, c), daemon=True) for k, c in pairs]
         for t in threads:
             t.start()
         wait_for(lambda: eng.metrics()["num_running"] >= 2, 30, "both streams to run")
@@ -922,7 +923,8 @@ def test_admission_bounds_the_text_waiting_for_the_tokenizer(tmp_path, runtime_d
         # whole finds its 13,000 tokens (tens of ms: the second prompt arrives meanwhile)
         text = " information" * 13_000
         for rid in ("big1", "big2"):
-            s.send_multipart([HEADER, encode(Submit([NewRequest(rid, prompt=text, params=SamplingParams(max_tokens=1))]))])
+            s.send_multipart([HEADER,
+                              encode(Submit([NewRequest(rid, prompt=text, params=SamplingParams(max_tokens=1))]))])
         answers = {}
         for _ in range(2):
             m = _recv(s, 30_000)
@@ -961,7 +963,8 @@ def test_checksum_and_timeline_answers_are_built_while_steps_go_on():
         end = time.monotonic()
         assert checksum == eng.status()["weights_checksum"]
         timeline = eng.timeline()
-        assert [s for s in timeline.steps if start < s.start and s.end < end], "no step ran while the weights were hashed"
+        during = [s for s in timeline.steps if start < s.start and s.end < end]
+        assert during, "no step ran while the weights were hashed"
         assert all("send" in s.parts for s in timeline.steps)  # an engine process times handing chunks out
         runner.join(120)
         assert chunks[-1].finish_reason == "length"

@@ -51,7 +51,8 @@ def test_every_magic_through_nbclient(engine, tmp_path):
         "%engine set max_num_batched_tokens=256",
         "%timeline --last 120",
         "%dashboard",
-        "_dashboard.pump(); print(sorted(_dashboard.controls)[:3], _dashboard.controls['max_num_batched_tokens'].value)",
+        "_dashboard.pump(); "
+        "print(sorted(_dashboard.controls)[:3], _dashboard.controls['max_num_batched_tokens'].value)",
         "%engine set max_num_batched_tokens=512",
         # the blocking path (no input transformer): a helper thread runs it, output lands in this cell
         "get_ipython().run_cell_magic('generate', '--max-tokens 3 -o outs2', 'Hi')\nprint(len(outs2))",

@@ -200,7 +200,8 @@ def test_extend_attention(d, group, bs, dtype, kv, scenario, blocks, strided):
 
 DECODE_CASES = [
     # d, group, bs, dtype, kv, num_splits (None: automatic), block_n override, strided q
-    (d, g, bs, (F16, F32)[(i + i // 2) % 2], _KVS[(i + j) % 3], splits, 16 if splits == 3 and i % 2 else None, i % 4 == 2)
+    (d, g, bs, (F16, F32)[(i + i // 2) % 2], _KVS[(i + j) % 3], splits, 16 if splits == 3 and i % 2 else None,
+     i % 4 == 2)
     for i, (d, g, bs) in enumerate(_GRID)
     for j, splits in enumerate((1, 3))
 ] + [

@@ -231,7 +231,7 @@ async def test_bokeh_served_from_the_installed_package(jp_fetch, hub):
     info = await fetch_json(jp_fetch, "info")
     assert info["bokeh"] == bokeh.__version__
     # kernels this server starts are told where: bokeh's own server layout, offline
-    from workbench.jupyter.views import BOKEH_ROOT_ENV, bokeh_resources
+    from workbench.bokehjs import BOKEH_ROOT_ENV, bokeh_resources
 
     root = os.environ[BOKEH_ROOT_ENV]
     assert root.endswith("/workbench/bokeh/")

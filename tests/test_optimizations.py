@@ -79,7 +79,8 @@ def test_prefix_cache_shared_blocks_while_running(tiny_llama):
 
 def test_prefix_cache_eviction_under_pressure_keeps_outputs(tiny_qwen2):
     path, _ = tiny_qwen2
-    prompts = prompts_with_shared_prefix(n=8, prefix_len=24, seed=2) + prompts_with_shared_prefix(n=8, prefix_len=40, seed=3)
+    prompts = (prompts_with_shared_prefix(n=8, prefix_len=24, seed=2)
+               + prompts_with_shared_prefix(n=8, prefix_len=40, seed=3))
     _, expected = generate(path, prompts, prefix_caching=False)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=20, block_size=8, max_num_seqs=3)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=GREEDY)]

@@ -233,8 +233,8 @@ def test_named_remote_reaches_the_lab_server_hub(server):
             hub = EngineHub()
             client = await hub.client(name)
             try:
-                tl = await client.acall("timeline", _type=Timeline, since=None)
-                return await client.acall("status"), await client.acall("settings"), tl
+                tl = await client.atimeline(None)
+                return await client.astatus(), await client.asettings(), tl
             finally:
                 hub.forget(name)
 

@@ -61,6 +61,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as e:
             print(f"workbench serve: {e}", file=sys.stderr)
             return 2
+        if getattr(args, "replicas", None) is not None:
+            from .cluster import start as start_cluster
+
+            return run_front(args, settings, start_cluster)
         return run_front(args, settings)
     from .ipc.serve import serve
 
@@ -147,7 +151,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                     "ITL percentiles, ratios and fractions of the roofline. Progress goes to stderr.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
-    p.add_argument("--requests", type=int, default=None, metavar="N", help="number of requests (default 64; 8 with --quick)")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="number of requests (default 64; 8 with --quick)")
     p.add_argument("--systems", default="workbench,hf_sequential,hf_static,llama_server,vllm",
                    help="comma-separated: workbench, hf_sequential, hf_static, llama_server, vllm, workbench_http "
                         "(default: all but workbench_http, which vllm brings along: our engine behind `serve --http`, "

@@ -215,8 +215,8 @@ def _engine(device, dry_run: bool, sizes: dict, log) -> tuple[dict, dict]:
     replayed = (status.get("cuda_graph_steps") or {}).get("replayed", 0)
     graphs.update(single_stream_tok_s_off=ss["triton"], single_stream_tok_s_on=ss["triton_cuda_graphs"],
                   # a speed-up only where graphs replayed (a CPU runs both eagerly: no speed-up to claim)
-                  speedup=ss["triton_cuda_graphs"] / ss["triton"] if replayed and ss["triton"] and ss["triton_cuda_graphs"]
-                  else None,
+                  speedup=(ss["triton_cuda_graphs"] / ss["triton"]
+                           if replayed and ss["triton"] and ss["triton_cuda_graphs"] else None),
                   buckets=status.get("cuda_graph_buckets"), steps=status.get("cuda_graph_steps"),
                   last_eager_reason=status.get("cuda_graph_reason"))
     return out, graphs

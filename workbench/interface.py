@@ -12,7 +12,8 @@ All three are an `Engine`:
 - requests: `generate`, `stream` and their asyncio twins `agenerate`, `astream` (same shapes
   everywhere), `abort`;
 - control and views: `configure`, `settings`, `metrics`, `status`, `schema`, `timeline`, `events`
-  (plus `on_event`), `score`, `reset_prefix_cache`;
+  (plus `on_event`), `score`, `reset_prefix_cache`, `weights_checksum`, and the asyncio twins of
+  the control calls (`aconfigure`, `asettings`, `ametrics`, `astatus`, `aschema`, `atimeline`);
 - lifecycle: `alive`, `close` (detach), `shutdown` (stop the engine where this handle owns it).
 
 The request calls are written once, here, over three primitives each implementation provides:
@@ -117,6 +118,31 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def score(self, token_ids: list[int]) -> list[float]: ...
+
+    @abc.abstractmethod
+    def weights_checksum(self) -> str | None:
+        """A digest of the weights being served (None where the server does not say)."""
+
+    # -- the control calls for asyncio callers (the HTTP front, the Jupyter server) ---------------
+    # Each defaults to its blocking twin on a worker thread; the process and remote clients answer
+    # on their own I/O loops instead.
+    async def aconfigure(self, **changes: Any) -> dict:
+        return await asyncio.to_thread(self.configure, **changes)
+
+    async def asettings(self) -> dict:
+        return await asyncio.to_thread(self.settings)
+
+    async def ametrics(self) -> dict:
+        return await asyncio.to_thread(self.metrics)
+
+    async def astatus(self) -> dict:
+        return await asyncio.to_thread(self.status)
+
+    async def aschema(self) -> list[dict]:
+        return await asyncio.to_thread(self.schema)
+
+    async def atimeline(self, since: int | None = None):
+        return await asyncio.to_thread(self.timeline, since)
 
     @abc.abstractmethod
     def reset_prefix_cache(self) -> int: ...

@@ -31,7 +31,8 @@ for spec in specs:
     so, gomp = tmp / f"{name}.so", cpu._torch_libgomp()
     flags = cpu.COMMON_FLAGS + cpu.VARIANT_FLAGS[variant] + [f"-I{cpu.HERE}"]
     subprocess.run(["gcc", *flags, "-c", src, "-o", f"{so}.o"], check=True)
-    subprocess.run(["gcc", "-shared", f"{so}.o", "-o", str(so), str(gomp), f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True)
+    subprocess.run(["gcc", "-shared", f"{so}.o", "-o", str(so), str(gomp), f"-Wl,-rpath,{gomp.parent}", "-lm"],
+                   check=True)
     libs[name] = ctypes.CDLL(str(so))
 g = torch.Generator().manual_seed(0)
 
@@ -81,4 +82,5 @@ for _ in range(8):
 first = next(iter(outs.values())).float()
 for name, t in best.items():
     figure = scale / t if scale else t * 1e3 / layers
-    print(f"{variant} {what} {name}: {figure:.2f} {unit}  (max |diff| vs the first {(outs[name].float() - first).abs().max().item():.3g})")
+    diff = (outs[name].float() - first).abs().max().item()
+    print(f"{variant} {what} {name}: {figure:.2f} {unit}  (max |diff| vs the first {diff:.3g})")

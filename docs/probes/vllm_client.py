@@ -55,7 +55,8 @@ def main() -> int:
                 r["server"] = server
                 out["runs"].append(r)
                 print(f"{server:10s} rate {rate or 'inf'}: {r['output_throughput']:.1f} tok/s, TTFT median "
-                      f"{r['median_ttft_ms']:.0f} p99 {r['p99_ttft_ms']:.0f} ms, TPOT median {r['median_tpot_ms']:.1f}, "
+                      f"{r['median_ttft_ms']:.0f} p99 {r['p99_ttft_ms']:.0f} ms, "
+                      f"TPOT median {r['median_tpot_ms']:.1f}, "
                       f"ITL median {r['median_itl_ms']:.1f} ms", flush=True)
     for rate in rates:
         pair = {r["server"]: r for r in out["runs"] if r["request_rate"] == rate}

@@ -120,7 +120,8 @@ def run_endpoint_bench(
     workload: Workload = make_workload(num_requests, seed=seed, tokenizer=tok, prompt_len=tuple(prompt_len),
                                        output_len=tuple(output_len), arrival=arrival,
                                        rate=rate if arrival in ("poisson", "bursty") else None)
-    requests = [r if token_ids else dataclasses.replace(r, prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True))
+    requests = [r if token_ids else dataclasses.replace(r,
+                                                        prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True))
                 for r in workload.requests]
     report: dict[str, Any] = {
         "mode": "endpoint",

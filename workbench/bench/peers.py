@@ -124,8 +124,8 @@ def generate_batch(model, batch: list[BenchRequest], arrivals: list[float]) -> l
     max_new = max(r.max_tokens for r in batch)
     clock = _TokenClock()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new,
-                             do_sample=False, streamer=clock)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             max_new_tokens=max_new, do_sample=False, streamer=clock)
     gen = out[:, width:]
     records = []
     for row, (r, arrival) in enumerate(zip(batch, arrivals)):

@@ -33,13 +33,21 @@ def breakdown_line(name: str, b: dict) -> str:
             + f"; {100 * b['between_steps_share']:.0f}% of the time between steps")
 
 
+def arrival_text(w: dict) -> str:
+    """A workload's arrivals in words ("all at t=0", "Poisson, 2.0 req/s")."""
+    if w["arrival"] == "all":
+        return "all at t=0"
+    return f"{'Poisson' if w['arrival'] == 'poisson' else 'bursty'}, {w['rate']} req/s"
+
+
 def format_report(rep: dict) -> str:
     w, roof = rep["workload"], rep["roofline"]
-    arrival = "all at t=0" if w["arrival"] == "all" else f"{'Poisson' if w['arrival'] == 'poisson' else 'bursty'}, {w['rate']} req/s"
+    arrival = arrival_text(w)
     m = rep["machine"]
     lines = [
         f"workbench bench: {rep['model']}, {w['num_requests']} requests ({arrival}), "
-        f"{w['prompt_tokens']:,} prompt + {w['output_tokens']:,} output tokens ({w['source']} prompts, seed {w['seed']})",
+        f"{w['prompt_tokens']:,} prompt + {w['output_tokens']:,} output tokens "
+        f"({w['source']} prompts, seed {w['seed']})",
         f"machine: {m['cpu']}, {m['cpu_count']} CPUs, torch {m['torch']} ({m['torch_threads']} threads)"
         + (f", load avg {rep['loadavg_start']} -> {rep['loadavg_end']}" if rep.get("loadavg_start") else ""),
         f"roofline: {roof['memory_bandwidth_gb_s']:.1f} GB/s read, {roof['peak_gflop_s']:.0f} GFLOP/s "
@@ -60,7 +68,8 @@ def format_report(rep: dict) -> str:
         lines.append(f"  this workload: {_num(wl['tflop'])} TFLOP >= {_num(wl['min_seconds'])} s -> "
                      f"at most {_num(wl['output_tok_s_limit'])} output tok/s")
     lines.append("")
-    header = f"{'system':<26}{'out tok/s':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'ITL p50':>10}{'ITL p99':>10}{'roofline':>10}"
+    header = (f"{'system':<26}{'out tok/s':>10}{'TTFT p50':>11}{'TTFT p99':>11}"
+              f"{'ITL p50':>10}{'ITL p99':>10}{'roofline':>10}")
     lines += [header, "-" * len(header)]
     for name, r in rep["results"].items():
         frac = r.get("roofline_fraction")
@@ -69,7 +78,8 @@ def format_report(rep: dict) -> str:
             f"{_ms(r['itl_p50_ms']):>10}{_ms(r['itl_p99_ms']):>10}"
             + (f"{100 * frac:>9.1f}%" if frac is not None else f"{'':>10}")
         )
-    lines.append("(roofline: throughput vs this workload's compute limit; single streams: decode vs the bandwidth limit)")
+    lines.append("(roofline: throughput vs this workload's compute limit; "
+                 "single streams: decode vs the bandwidth limit)")
     lines.append("")
     for name, r in rep["results"].items():
         if name.endswith("single_stream"):

@@ -153,7 +153,8 @@ def make_workload(
         t = 0.0
         for i in range(1, num_requests):
             # bursty: gamma gaps with the same mean, so requests come in clumps with lulls between
-            t += rng.expovariate(rate) if arrival == "poisson" else rng.gammavariate(BURSTY_SHAPE, 1 / (BURSTY_SHAPE * rate))
+            t += (rng.expovariate(rate) if arrival == "poisson"
+                  else rng.gammavariate(BURSTY_SHAPE, 1 / (BURSTY_SHAPE * rate)))
             arrivals[i] = t
 
     reqs = [BenchRequest(i, p, o, a) for i, (p, o, a) in enumerate(zip(prompts, outputs, arrivals))]

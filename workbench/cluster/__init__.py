@@ -18,8 +18,8 @@ there are nodes) that runs an engine process on its node. Requests and tokens go
 process and the engines over ZeroMQ (tcp, CURVE-encrypted and authenticated), never through
 Ray. `address=None` starts a local Ray cluster (and `shutdown` stops it); "auto" or "HOST:PORT"
 joins a running one; a local cluster listens on loopback only. Ray's token authentication is on
-(`RAY_AUTH_MODE=token`): a local cluster makes its token; to join one, set `RAY_AUTH_TOKEN` (or `RAY_AUTH_TOKEN_PATH`) to the cluster's
-token first (`ray get-auth-token` prints it on the head node).
+(`RAY_AUTH_MODE=token`): a local cluster makes its token; to join one, set `RAY_AUTH_TOKEN` (or
+`RAY_AUTH_TOKEN_PATH`) to the cluster's token first (`ray get-auth-token` prints it on the head node).
 
 Routing policies, fault handling and the merged timeline: `router.py`, `engine.py`.
 """

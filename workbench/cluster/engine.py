@@ -13,7 +13,6 @@ new engine in its actor, or a new actor where the node went away) and taken back
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -346,16 +345,6 @@ class ClusterEngine(Engine):
         if len(sums) != 1:
             raise RuntimeError(f"cluster {self.name!r}: replicas hold different weights ({sorted(sums)})")
         return sums.pop()
-
-    async def acall(self, method: str, *, _type: Any = None, _timeout: float | None = None, **kwargs) -> Any:
-        """The engine-process clients' RPC shape (what the HTTP front and the Jupyter server call),
-        run on a thread."""
-        fn = {"metrics": self.metrics, "settings": self.settings, "status": self.status, "schema": self.schema,
-              "configure": self.configure, "reset_prefix_cache": self.reset_prefix_cache,
-              "timeline": self.timeline, "weights_checksum": self.weights_checksum}.get(method)
-        if fn is None:
-            raise ValueError(f"unknown method {method!r} for a cluster")
-        return await asyncio.to_thread(fn, **kwargs)
 
     # -- faults ---------------------------------------------------------------------------------
     def _replica_down(self, name: str, why: BaseException) -> None:

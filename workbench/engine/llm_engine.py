@@ -138,7 +138,8 @@ class LLMEngine:
                 raise ValueError(self._too_long(len(ids)))
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}")
+                raise ValueError("prompt_token_ids has ids outside the vocabulary "
+                                 f"[0, {self.model_config.vocab_size}): {bad[:5]}")
         else:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")

@@ -137,7 +137,7 @@ class ModelRunner:
             s = scheduled[i]
             seq, n = s.seq, s.num_tokens
             start = seq.num_computed_tokens
-            tokens = (seq.token_ids + seq.spec_tokens)[start:start + n] if seq.spec_tokens else seq.token_ids[start:start + n]
+            tokens = (seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids)[start:start + n]
             flat = len(ids)
             ids.extend(tokens)
             positions = range(start, start + n)

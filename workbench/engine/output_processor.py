@@ -99,7 +99,8 @@ class OutputProcessor:
         self.totals["finished"] += 1
         self.totals["preemptions"] += seq.metrics.num_preemptions
         self.recent.append(out)
-        self.timeline.add_request(now, seq.request_id, "finished", reason if was_running or reason != "abort" else "abort (queued)")
+        self.timeline.add_request(now, seq.request_id, "finished",
+                                  reason if was_running or reason != "abort" else "abort (queued)")
         delta = req.text[req.sent:]
         req.sent = len(req.text)
         return StreamChunk(seq.request_id, delta, list(last_tokens or []), reason,

@@ -120,7 +120,8 @@ class Front:
         self._token_text: dict[int, str] = {}
         # Prompts are tokenized here, off the event loop, at a lower CPU priority than the engine;
         # what waits for that is bounded like the engine's own queue (503 beyond, as the engine would).
-        self._tokenizing = concurrent.futures.ThreadPoolExecutor(2, "wb-http-tokenize", initializer=lower_thread_priority)
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(2, "wb-http-tokenize",
+                                                                 initializer=lower_thread_priority)
         self.max_queued_chars = int(max_queued_chars)
         self.tokenizing_chars = 0
         self.draining = False  # a stop was asked for: new requests get 503, running ones go on
@@ -588,8 +589,8 @@ def create_app(front: Front) -> FastAPI:
     async def metrics():
         engine_metrics = settings = None
         try:
-            engine_metrics, settings = await asyncio.gather(front.engine.acall("metrics"),
-                                                            front.engine.acall("settings"))
+            engine_metrics, settings = await asyncio.gather(front.engine.ametrics(),
+                                                            front.engine.asettings())
         except Exception as e:  # the engine is gone: still serve the histograms
             log.warning("/metrics: engine metrics unavailable: %s", e)
         data = await asyncio.to_thread(front.metrics.render, engine_metrics, settings, front.status)
@@ -608,20 +609,20 @@ def create_app(front: Front) -> FastAPI:
     @app.get("/workbench/status")
     async def wb_status(request: Request):
         front.check_auth(request)
-        status = await front.engine.acall("status")
+        status = await front.engine.astatus()
         return {"server": "workbench", "models": front.model_names, "max_model_len": front.max_model_len,
                 "front_tokenizer": front.tokenizer is not None, "engine": status}
 
     @app.get("/workbench/settings")
     async def wb_settings(request: Request):
         front.check_auth(request)
-        settings, schema = await asyncio.gather(front.engine.acall("settings"), front.engine.acall("schema"))
+        settings, schema = await asyncio.gather(front.engine.asettings(), front.engine.aschema())
         return {"settings": settings, "schema": schema}
 
     @app.get("/workbench/metrics")
     async def wb_metrics(request: Request):
         front.check_auth(request)
-        return await front.engine.acall("metrics")
+        return await front.engine.ametrics()
 
     def counted(route):
         """Count the request in `front.inflight` while the handler runs (a drain waits for it)."""

@@ -247,8 +247,10 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     return os.environ.get(ENV_API_KEY) or None
 
 
-def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
-    """`workbench serve --http`: start (or attach to) the engine, serve HTTP until a signal."""
+def run_front(args: argparse.Namespace, settings: dict | None = None, start_cluster=None) -> int:
+    """`workbench serve --http`: start (or attach to) the engine, serve HTTP until a signal.
+    With `--replicas`, `start_cluster` (the CLI passes `workbench.cluster.start`, a layer above
+    this one) starts the replicas behind the front."""
     from ..ipc.client import EngineClient
     from ..ipc.launch import start_engine
     from .app import create_app
@@ -263,8 +265,6 @@ def run_front(args: argparse.Namespace, settings: dict | None = None) -> int:
         engine = EngineClient.connect(attach)
         owned = False
     elif replicas is not None:
-        from ..cluster import start as start_cluster
-
         print(f"workbench: starting {replicas} replica(s) on Ray ({args.ray_address or 'a local cluster'})...",
               file=sys.stderr, flush=True)
         engine = start_cluster(replicas, address=args.ray_address, name=getattr(args, "name", None), router=args.router,

@@ -190,8 +190,9 @@ class EngineClient(Engine):
     def connect(cls, name_or_connection_file: str | os.PathLike | None = None, *, timeout: float = 10.0,
                 check_pid: bool = True, reconnect: bool = False, client_name: str | None = None) -> EngineClient:
         """Attach to a running engine process by name (looked up in the runtime dir) or connection
-        file (`workbench.connect` also takes http(s):// URLs). With reconnect=True the client follows the name: when the engine dies and another
-        starts under the same name, the next call (or `alive`) attaches to it."""
+        file (`workbench.connect` also takes http(s):// URLs). With reconnect=True the client follows
+        the name: when the engine dies and another starts under the same name, the next call (or
+        `alive`) attaches to it."""
         path = conn.resolve(name_or_connection_file)
         info = conn.read_connection_file(path)
         if check_pid and not info.engine_alive():
@@ -419,6 +420,21 @@ class EngineClient(Engine):
 
     async def aconfigure(self, **changes: Any) -> dict:
         return await self.acall("configure", **changes)
+
+    async def asettings(self) -> dict:
+        return await self.acall("settings")
+
+    async def ametrics(self) -> dict:
+        return await self.acall("metrics")
+
+    async def astatus(self) -> dict:
+        return await self.acall("status")
+
+    async def aschema(self) -> list[dict]:
+        return await self.acall("schema")
+
+    async def atimeline(self, since: int | None = None) -> Timeline:
+        return await self.acall("timeline", since=since, _type=Timeline)
 
     def settings(self) -> dict:
         return self.call("settings")

@@ -40,10 +40,10 @@ def start_engine(model: str | os.PathLike | None = None, *, name: str | None = N
 
     `settings` are engine settings (validated here first). Unless `detach=True`, the engine stops
     when this process exits. `drain_timeout`: how long a SIGTERM lets running requests finish;
-    `max_queued_chars` / `max_queued_tokens`: admission limits (beyond them EngineBusyError). Raises EngineStartError with the engine's last log lines when it
-    fails to start (a bad model path shows the loader's message), or does not become ready within
-    `timeout` seconds (loading, or converting the default model the first time, is the usual
-    cause)."""
+    `max_queued_chars` / `max_queued_tokens`: admission limits (beyond them EngineBusyError).
+    Raises EngineStartError with the engine's last log lines when it fails to start (a bad model
+    path shows the loader's message), or does not become ready within `timeout` seconds (loading,
+    or converting the default model the first time, is the usual cause)."""
     from ..settings import validate
 
     settings = validate(settings)

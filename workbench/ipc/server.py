@@ -141,18 +141,19 @@ class EngineServer:
         self._auth = None
         self.connection_file: Path | None = None
         self.info: conn.ConnectionInfo | None = None
+        # Every method takes the caller's identity first (hello names it, configure records it).
         self._methods = {
             "hello": self._hello,
             "configure": self._configure,
-            "settings": lambda: self.engine.settings.as_dict(),
-            "metrics": lambda **kw: self.engine.metrics(**kw),
-            "status": self.status,
-            "timeline": self._timeline,
-            "reset_prefix_cache": lambda: self.engine.reset_prefix_cache(),
-            "weights_checksum": lambda: lambda: encode_raw(self.engine.weights_checksum()),
-            "schema": _schema,
-            "shutdown": self._shutdown_rpc,
-            "sync_events": self._sync_events,
+            "settings": lambda _who: self.engine.settings.as_dict(),
+            "metrics": lambda _who, **kw: self.engine.metrics(**kw),
+            "status": lambda _who: self.status(),
+            "timeline": lambda _who, **kw: self._timeline(**kw),
+            "reset_prefix_cache": lambda _who: self.engine.reset_prefix_cache(),
+            "weights_checksum": lambda _who: lambda: encode_raw(self.engine.weights_checksum()),
+            "schema": lambda _who: _schema(),
+            "shutdown": lambda _who, **kw: self._shutdown_rpc(**kw),
+            "sync_events": lambda _who, **kw: self._sync_events(**kw),
         }
         # Calls whose answer takes long to build (hashing the weights, encoding a long timeline):
         # the step loop takes what they read and a worker thread builds and sends the answer, so
@@ -160,7 +161,7 @@ class EngineServer:
         self._background_calls = {"timeline", "weights_checksum"}
         self._call_q: queue.SimpleQueue = queue.SimpleQueue()
         if hasattr(engine, "score"):  # log-probabilities of a token sequence (perplexity), between steps
-            self._methods["score"] = lambda token_ids, **kw: self.engine.score(token_ids, **kw)
+            self._methods["score"] = lambda _who, token_ids, **kw: self.engine.score(token_ids, **kw)
         engine.event_hooks.append(self._on_engine_event)
 
     # -- setup ----------------------------------------------------------------------------------
@@ -381,8 +382,8 @@ class EngineServer:
                     log.warning("drain deadline (%.0f s) passed: aborting %d request(s)", self.drain_timeout_s,
                                 len(self.engine.requests))
                     self._stop_mode = "abort"
-                if self._stop_mode == "abort" or (self._stop_mode == "drain" and not self.engine.has_unfinished_requests()
-                                                  and not self._tokenizing):
+                drained = not self.engine.has_unfinished_requests() and not self._tokenizing
+                if self._stop_mode == "abort" or (self._stop_mode == "drain" and drained):
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -552,10 +553,7 @@ class EngineServer:
         try:
             if fn is None:
                 raise ValueError(f"unknown method {call.method!r}; known: {', '.join(sorted(self._methods))}")
-            if call.method in ("hello", "configure"):  # these need to know who asks
-                value = fn(ident, **call.kwargs)
-            else:
-                value = fn(**call.kwargs)
+            value = fn(ident, **call.kwargs)
             if call.method in self._background_calls:
                 self._call_q.put((ident, call.call_id, value))
                 return

@@ -343,7 +343,7 @@ class GenerateRun:
 
 
 def _in_kernel() -> bool:
-    from .views import in_kernel
+    from ..bokehjs import in_kernel
 
     return in_kernel()
 

@@ -308,7 +308,8 @@ class WorkbenchMagics(Magics):
         if holder is not None:
             current = session.client(reconnect=False)
             client = current if current is not None and current.name == name else session.connect(name)
-            msg = f"Engine {name!r} is already running (pid {client.pid}, {client.engine_info.get('model')}): attached to it."
+            msg = (f"Engine {name!r} is already running (pid {client.pid}, {client.engine_info.get('model')}): "
+                   "attached to it.")
             level = "ok"
             if opts.get("model"):
                 msg += (f" It was NOT started on --model {opts['model']}: it keeps serving its own model. "

@@ -62,8 +62,8 @@ COLUMNS: dict[str, tuple[str, ...]] = {
               "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests",
               "routing", "parts", "replica"),
     "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens", "routed"),
-    "series": ("t", "tok_s", "tok_s_avg", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate", "spec_accept_rate",
-               "waiting", "running"),
+    "series": ("t", "tok_s", "tok_s_avg", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate",
+               "spec_accept_rate", "waiting", "running"),
     "ttft": ("t", "ttft_ms", "request", "lane"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
     "host": ("t", "engine_cpu_pct", "host_cpu_pct", "host_mem_pct", "kv_pct", "engine_rss_mb"),
@@ -120,7 +120,8 @@ class TimelineReducer:
     are kept (the per-cell timeline of `%%generate --timeline`).
     """
 
-    def __init__(self, *, bin_s: float = BIN_S, smooth_s: float = SMOOTH_S, t0: float | None = None, max_lanes: int = 48,
+    def __init__(self, *, bin_s: float = BIN_S, smooth_s: float = SMOOTH_S, t0: float | None = None,
+                 max_lanes: int = 48,
                  only: Iterable[str] | None = None, max_listed: int = 8, lanes_per_replica: int = 12):
         if bin_s <= 0:
             raise ValueError("bin_s must be > 0")
@@ -346,7 +347,8 @@ class TimelineReducer:
         kv_used = int(_field(s, "kv_blocks_used", 0) or 0)
         kv_total = int(_field(s, "kv_blocks_total", 0) or 0)
         self.num_lanes = max(self.num_lanes, row)
-        self._emit("steps", left=left, right=right, bottom=row - ROW_HALF, top=row + ROW_HALF, seq=int(_field(s, "seq", 0)),
+        self._emit("steps", left=left, right=right, bottom=row - ROW_HALF, top=row + ROW_HALF,
+                   seq=int(_field(s, "seq", 0)),
                    phase=phase, color=PHASE_COLORS.get(phase, OTHER_COLOR), duration_ms=(end - start) * 1e3,
                    batch_size=len(entries), prefill_tokens=prefill_tok, decode_tokens=decode_tok,
                    prefix_hit_tokens=hits, spec=f"{accepted}/{proposed}" if proposed else "-",
@@ -434,7 +436,8 @@ class TimelineReducer:
 
     def _emit_idle(self, index: int) -> None:
         nan = float("nan")
-        self._emit("series", t=(index + 1) * self.bin_s, tok_s=0.0, tok_s_avg=self._windowed(index, 0), itl_ms=nan, kv_used=nan, kv_total=nan,
+        self._emit("series", t=(index + 1) * self.bin_s, tok_s=0.0, tok_s_avg=self._windowed(index, 0), itl_ms=nan,
+                   kv_used=nan, kv_total=nan,
                    kv_frac=nan, prefix_hit_rate=nan, spec_accept_rate=nan, waiting=0, running=0)
 
 

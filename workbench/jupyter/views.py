@@ -1,54 +1,17 @@
 """Bokeh figures for the reducer's columns, shown through `jupyter_bokeh.BokehModel`.
 
-BokehJS is put on the page inline once per kernel (`ensure_bokehjs`): never from a CDN, so
-the plots work offline. `TimelineView` owns the column data sources and the layout; `push()`
+BokehJS is put on the page once per kernel (`workbench.bokehjs.ensure_bokehjs`): never from a
+CDN, so the plots work offline. `TimelineView` owns the column data sources and the layout; `push()`
 streams a reducer drain into them (one patch per source that has new rows, each bounded by
 the reducer's rollover).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from ..bokehjs import ensure_bokehjs
 from .reducer import BIN_S, CHANGE_COLOR, COLUMNS, PHASE_COLORS, ROLLOVER, ROW_HALF, SMOOTH_S, STATE_COLORS
-
-_BOKEHJS_LOADED = False
-
-
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel (where widgets and BokehJS can render)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover
-        return False
-    ip = get_ipython()
-    return ip is not None and getattr(ip, "kernel", None) is not None
-
-
-BOKEH_ROOT_ENV = "WORKBENCH_BOKEH_ROOT"  # set by the server extension for the kernels it starts
-
-
-def bokeh_resources():
-    """Where a kernel's plots load BokehJS from, never a CDN (an offline machine has none): the
-    server extension's copy of the installed bokeh's files when this kernel runs under it (a
-    saved notebook then holds a script tag), else the files inline (a few MB per notebook)."""
-    from bokeh.resources import INLINE, Resources
-
-    root = os.environ.get(BOKEH_ROOT_ENV)
-    return Resources(mode="server", root_url=root) if root else INLINE
-
-
-def ensure_bokehjs() -> None:
-    """Load BokehJS into the page (`bokeh_resources`), once per kernel; `bokeh.io.show` then
-    draws in the notebook."""
-    global _BOKEHJS_LOADED
-    if _BOKEHJS_LOADED or not in_kernel():
-        return
-    from bokeh.io import output_notebook
-
-    output_notebook(resources=bokeh_resources(), hide_banner=True)
-    _BOKEHJS_LOADED = True
 
 
 class TimelineView:
@@ -149,8 +112,8 @@ class TimelineView:
         changes = self.sources["changes"]
         # A settings change: a dashed line across every plot, a marker on top (hover: what, who,
         # how long), and its re-layout stall hatched in the steps row (zero width for live changes).
-        tl.quad(left="t", right="end", bottom=-ROW_HALF, top=ROW_HALF, source=changes, fill_color=PHASE_COLORS["relayout"],
-                hatch_pattern="/", hatch_color="white", line_color=None)
+        tl.quad(left="t", right="end", bottom=-ROW_HALF, top=ROW_HALF, source=changes,
+                fill_color=PHASE_COLORS["relayout"], hatch_pattern="/", hatch_color="white", line_color=None)
         self._change_lines(tl)
         marks = tl.scatter(x="t", y=-0.5, marker="inverted_triangle", size=11, color="color", source=changes)
         tl.add_tools(HoverTool(renderers=[marks], tooltips=[
@@ -217,8 +180,10 @@ class TimelineView:
                                   ("kv_pct", "KV cache", PHASE_COLORS["decode"])):
             host.line("t", col, source=hs, line_width=2, color=color, legend_label=label)
         host.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("engine CPU", "@engine_cpu_pct{0.0} % of the host"),
-                                           ("host CPU", "@host_cpu_pct{0.0} %"), ("host memory", "@host_mem_pct{0.0} %"),
-                                           ("engine memory", "@engine_rss_mb{0,0} MiB"), ("KV cache", "@kv_pct{0.0} %")],
+                                           ("host CPU", "@host_cpu_pct{0.0} %"),
+                                           ("host memory", "@host_mem_pct{0.0} %"),
+                                           ("engine memory", "@engine_rss_mb{0,0} MiB"),
+                                           ("KV cache", "@kv_pct{0.0} %")],
                                  mode="vline"))
         host.legend.location = "top_left"
         host.legend.label_text_font_size = "8pt"

@@ -302,6 +302,7 @@ def _without_batches(timeline: dict[str, Any]) -> dict[str, Any]:
 
 def _first_time(timeline: dict[str, Any], fallback: float) -> float:
     """The earliest event time in `timeline` (x = 0 of the drawn columns), else `fallback`."""
-    times = [s.get("start") for s in timeline.get("steps") or []] + [r.get("time") for r in timeline.get("requests") or []]
+    times = ([s.get("start") for s in timeline.get("steps") or []]
+             + [r.get("time") for r in timeline.get("requests") or []])
     times = [t for t in times if isinstance(t, (int, float))]
     return min(times) if times else fallback

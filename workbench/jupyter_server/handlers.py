@@ -136,7 +136,7 @@ class EnginesHandler(BaseHandler):
             if model is not None and not isinstance(model, str):
                 raise TypeError("model must be a string (a model directory, a .gguf file or an embedded name)")
             client = await self.hub.start(name=name, model=model, settings=settings, timeout=body.get("timeout"))
-            status = await client.acall("status")
+            status = await client.astatus()
             self.reply({"name": client.name, "status": status}, 201)
         except Exception as e:
             self.fail(e)
@@ -148,7 +148,7 @@ class EngineHandler(BaseHandler):
         try:
             client = await self.hub.client(name)
             status, settings, metrics = await asyncio.gather(
-                client.acall("status"), client.acall("settings"), client.acall("metrics"))
+                client.astatus(), client.asettings(), client.ametrics())
             self.reply({"name": name, "status": status, "settings": settings, "metrics": metrics})
         except Exception as e:
             self.fail(e, name)
@@ -168,7 +168,7 @@ class SettingsHandler(BaseHandler):
     async def get(self, name: str):
         try:
             client = await self.hub.client(name)
-            self.reply({"settings": await client.acall("settings")})
+            self.reply({"settings": await client.asettings()})
         except Exception as e:
             self.fail(e, name)
 
@@ -180,7 +180,7 @@ class SettingsHandler(BaseHandler):
                 raise ValueError("no settings to change; send an object such as {\"max_num_seqs\": 8}")
             client = await self.hub.client(name)
             # The engine validates (same names and messages as configure() everywhere).
-            settings = await client.acall("configure", **changes)
+            settings = await client.aconfigure(**changes)
             self.reply({"settings": settings, "changed": sorted(changes)})
         except Exception as e:
             self.fail(e, name)
@@ -200,9 +200,7 @@ class TimelineHandler(BaseHandler):
                 except ValueError:
                     raise ValueError(f"since must be an integer cursor, got {since_arg!r}") from None
             client = await self.hub.client(name)
-            from ..timeline import Timeline
-
-            timeline = await client.acall("timeline", _type=Timeline, since=since)
+            timeline = await client.atimeline(since)
             self.reply(timeline)
         except Exception as e:
             self.fail(e, name)
@@ -323,15 +321,13 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
                 self.close()
 
     async def _snapshot(self, client, window: int) -> dict[str, Any]:
-        from ..timeline import Timeline
-
         # Only the newest events: read the cursor first (an empty read), then a bounded tail
         # (each step comes with up to a few request events).
-        head = await client.acall("timeline", _type=Timeline, since=1 << 62)
+        head = await client.atimeline(1 << 62)
         since = max(0, head.cursor - 5 * window)
         status, settings, metrics, timeline = await asyncio.gather(
-            client.acall("status"), client.acall("settings"), client.acall("metrics"),
-            client.acall("timeline", _type=Timeline, since=since))
+            client.astatus(), client.asettings(), client.ametrics(),
+            client.atimeline(since))
         first = min([e.seq for e in (*timeline.steps[:1], *timeline.requests[:1])], default=0)
         older = since > 0 and first == since + 1  # the ring buffer goes on before what was read
         return self.coalescer.snapshot(engine=self.engine_name, status=_jsonable(status),
@@ -433,7 +429,7 @@ def route_patterns(base_url: str) -> list[tuple]:
         (u("api/runs/compare"), RunsCompareHandler),
         (u("static/bokeh/(.*)"), BokehFileHandler, {"path": bokeh_static_dir()}),
         # the same files where bokeh's Resources(mode="server", root_url=...) asks for them: what
-        # a kernel's plots load (`workbench.jupyter.views.bokeh_resources`)
+        # a kernel's plots load (`workbench.bokehjs.bokeh_resources`)
         (u("bokeh/static/js/(.*)"), BokehFileHandler, {"path": bokeh_static_dir()}),
     ]
 
@@ -444,7 +440,7 @@ def setup_handlers(web_app, hub: EngineHub | None = None) -> EngineHub:
     web_app.add_handlers(".*$", route_patterns(web_app.settings["base_url"]))
     # kernels this server starts inherit it: their plots load BokehJS from here (offline, and a
     # saved notebook holds a script tag rather than megabytes of inline BokehJS)
-    from ..jupyter.views import BOKEH_ROOT_ENV
+    from ..bokehjs import BOKEH_ROOT_ENV
 
     os.environ[BOKEH_ROOT_ENV] = url_path_join(web_app.settings["base_url"], "workbench", "bokeh") + "/"
     return hub

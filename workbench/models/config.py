@@ -244,7 +244,8 @@ class ModelConfig:
             out["query_pre_attn_scalar"] = round(self.attention_scale ** -2)
             out["final_logit_softcapping"] = self.final_logit_softcapping
             out["rope_parameters"] = {"full_attention": rope_parameters,
-                                      "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_theta}}
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": self.rope_local_theta}}
         return out
 
 

@@ -62,8 +62,8 @@ _GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight":
 # llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> how the original tokenizer splits text.
 _GPT2_PRE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"}
 _DIGITS_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501  (one regex, as llama.cpp spells it)
+_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
 _REGEX_PRE = {
     "qwen2": _QWEN2_REGEX,
     "stablelm2": _QWEN2_REGEX,
@@ -210,7 +210,8 @@ def _sentencepiece_tokenizer(reader) -> Tokenizer:
         tmp.replace(cached)
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos_ids = [int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
+    eos_ids = [int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"),
+                                _field(reader, "tokenizer.ggml.eot_token_id"))
                if v is not None]
     if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos_ids:
         eos_ids.append(tokens.index("<end_of_turn>"))  # Gemma's chat turns end there
@@ -290,7 +291,8 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         qk_norm_per_head=architecture != "olmoe",
         num_experts=experts,
         num_experts_per_tok=int(meta("expert_used_count", 0) or 0),
-        moe_intermediate_size=int(meta("expert_feed_forward_length", 0) or meta("feed_forward_length")) if experts else 0,
+        moe_intermediate_size=int(meta("expert_feed_forward_length",
+                                       0) or meta("feed_forward_length")) if experts else 0,
         norm_topk_prob=architecture == "mixtral" or bool(meta("expert_weights_norm", False)),
         moe_layers=moe_layers,
     )

@@ -32,7 +32,8 @@ class Linear:
         self.mode = "none"
         self.group_size = 0
         self._packed: torch.Tensor | None | bool = False  # oneDNN's layout, made on first use (False: not yet)
-        self._wide: tuple | None = None  # fp32 (packed or None, plain or None, bias) for `wide` steps, made on first use
+        # fp32 (packed or None, plain or None, bias) for `wide` steps, made on first use
+        self._wide: tuple | None = None
         self._q: tuple = ()
         self._deq: tuple | None = None  # (dequantised weights, their oneDNN layout or None): see the module doc
         self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel

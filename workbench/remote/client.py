@@ -263,7 +263,7 @@ class RemoteEngineClient(Engine):
         return {k: v for k, v in out.items() if k in known and v is not None}
 
     async def asettings(self) -> dict:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._asettings(), self._loop))
+        return await self._on_loop(self._asettings())
 
     def schema(self) -> list[dict]:
         """Our settings schema for the settings this server reports, each marked read-only."""
@@ -287,7 +287,8 @@ class RemoteEngineClient(Engine):
             "pid": None, "model": self.model, "device": f"remote ({self.kind})",
             "uptime_s": rs.get("uptime_s"), "weights_checksum": rs.get("weights_checksum"),
             "remote": self.base, "server": self.kind, "models": self.models, "max_model_len": self.max_model_len,
-            "metrics_endpoint": self.has_metrics, "read_only": True, "connected_s": time.monotonic() - self._connected_at,
+            "metrics_endpoint": self.has_metrics, "read_only": True,
+              "connected_s": time.monotonic() - self._connected_at,
             "num_requests": len(self._pending),
             **({"remote_engine": {k: v for k, v in rs.items() if k not in ("pid", "connection_file")}} if rs else {}),
         }
@@ -355,27 +356,18 @@ class RemoteEngineClient(Engine):
     def score(self, token_ids: list[int]) -> list[float]:
         raise NotImplementedError(f"score() needs the engine's own API; {self.base} is a remote OpenAI server")
 
-    # -- EngineClient.call / acall (used by the Jupyter server extension) -----------------------
-    _METHODS = ("status", "settings", "metrics", "timeline", "configure", "schema", "weights_checksum",
-                "reset_prefix_cache", "score")
+    # -- the asyncio control calls (the Jupyter server extension's), answered on the HTTP loop ---
+    def _on_loop(self, coro):
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
-    def call(self, method: str, *, _timeout: float | None = None, _type: Any = Any, **kwargs) -> Any:
-        if method not in self._METHODS:
-            raise NotImplementedError(f"{method}() is not available on a remote OpenAI-compatible server")
-        return getattr(self, method)(**kwargs)
+    async def astatus(self) -> dict:
+        return await self._on_loop(self._astatus())
 
-    async def acall(self, method: str, *, _timeout: float | None = None, _type: Any = Any, **kwargs) -> Any:
-        if method not in self._METHODS:
-            raise NotImplementedError(f"{method}() is not available on a remote OpenAI-compatible server")
-        if method == "metrics":
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._ametrics(), self._loop))
-        if method == "settings":
-            return await self.asettings()
-        if method == "status":
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._astatus(), self._loop))
-        if method in ("timeline", "configure"):
-            return getattr(self, method)(**kwargs)  # local, non-blocking
-        return await asyncio.to_thread(getattr(self, method), **kwargs)
+    async def ametrics(self) -> dict:
+        return await self._on_loop(self._ametrics())
+
+    async def atimeline(self, since: int | None = None) -> Timeline:
+        return self.timeline(since)  # local: this client's own records
 
     # -- requests -------------------------------------------------------------------------------
     def _record(self, t: float, rid: str, kind: str, detail: str | None = None, label: str | None = None) -> None:
@@ -476,8 +468,9 @@ class RemoteEngineClient(Engine):
             self._pending.pop(rid, None)
             self._recent.append(out)
             self._totals["finished"] += 1
-            self._totals["output_tokens"] += (usage or {}).get("completion_tokens") or len(token_ids) or len(token_times)
-            self._totals["prompt_tokens"] += (usage or {}).get("prompt_tokens") or len(prompt_ids)
+            told = usage or {}  # what the server counted, else what came back
+            self._totals["output_tokens"] += told.get("completion_tokens") or len(token_ids) or len(token_times)
+            self._totals["prompt_tokens"] += told.get("prompt_tokens") or len(prompt_ids)
         if sink is not None:
             deliver(sink, error if error is not None else StreamChunk(rid, "", [], out.finish_reason, output=out))
 

@@ -342,7 +342,8 @@ class RunLog:
         """Runs of `kind` with resume key `key`, newest first."""
         self.reap()
         with self._read() as conn:
-            rows = conn.execute("SELECT * FROM runs WHERE kind = ? AND key = ? ORDER BY id DESC", (kind, key)).fetchall()
+            rows = conn.execute("SELECT * FROM runs WHERE kind = ? AND key = ? ORDER BY id DESC",
+                                (kind, key)).fetchall()
         return [self._row(r) for r in rows]
 
     def children(self, run_id: int) -> list[dict[str, Any]]:
@@ -384,7 +385,8 @@ class RunLog:
                    if any(isinstance(f.get(n), (int, float)) and not isinstance(f.get(n), bool) for f in flat)}
         sets = [r.get("settings") or {} for r in runs]
         keys = _ordered_union(sets, ())
-        differ = {k: [s.get(k) for s in sets] for k in keys if len({json.dumps(s.get(k), default=str) for s in sets}) > 1}
+        differ = {k: [s.get(k) for s in sets] for k in keys if len({json.dumps(s.get(k),
+                                                                               default=str) for s in sets}) > 1}
         checksums = {r.get("weights_checksum") for r in runs}
         return {
             "runs": [{**{k: r.get(k) for k in ("id", "kind", "parent_id", "status", "started_at", "label", "model",

@@ -129,7 +129,7 @@ def plot(ids: Iterable[int], *, db=None):
             return layout
         from jupyter_bokeh import BokehModel
 
-        from ..jupyter.views import ensure_bokehjs
+        from ..bokehjs import ensure_bokehjs
     except ImportError:
         return layout
     ensure_bokehjs()

@@ -59,7 +59,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser, *, calibrate_help: str) -
                         "host's speed drifts; one calibration sees one moment of it). Default 1")
     p.add_argument("--model", default=None, help="the model whose shape the roofline uses (default: the embedded one)")
     p.add_argument("--requests", type=int, default=64, metavar="N", help="number of requests (default 64)")
-    p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default="poisson", help="arrivals (default poisson)")
+    p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default="poisson",
+                   help="arrivals (default poisson)")
     p.add_argument("--rate", type=float, default=4.0, help="poisson arrivals: requests per second (default 4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--prompt-len", type=_pair, default=None, metavar="LO,HI", help="prompt lengths (default 32,512)")
@@ -111,7 +112,8 @@ def simulate_from_args(args: argparse.Namespace, settings: dict[str, Any], engin
         sims = [Simulator.calibrate(engine) for _ in range(args.calibrations)]
         sim = sims[0] if len(sims) == 1 else Simulator.pooled(sims)
         cal = sim.calibration or {}
-        _log(f"fitted on {cal.get('steps')} steps: mean error {cal.get('mape', 0) * 100:.1f}%, r2 {cal.get('r2', 0):.3f}")
+        _log(f"fitted on {cal.get('steps')} steps: mean error {cal.get('mape', 0) * 100:.1f}%, "
+             f"r2 {cal.get('r2', 0):.3f}")
     else:
         # this host's own fit, once one is recorded, replaces its measured roofline
         found = Simulator.latest_fit(args.model) if args.profile == "cpu" else None
@@ -146,9 +148,11 @@ def _log(message: str) -> None:
 
 
 def format_report(rep: dict) -> str:
+    from ..bench.report import arrival_text
+
     s = rep["results"]["simulated"]
     cfg, sim, w = rep["config"], rep["simulator"], rep["workload"]
-    arrival = "all at t=0" if w["arrival"] == "all" else f"{'Poisson' if w['arrival'] == 'poisson' else 'bursty'}, {w['rate']} req/s"
+    arrival = arrival_text(w)
     layout = (f"disaggregated {cfg['disaggregated'][0]} prefill + {cfg['disaggregated'][1]} decode"
               if cfg["disaggregated"] else f"{cfg['replicas']} replica(s), {cfg['router']}")
     cost = sim.get("cost", {})

@@ -73,8 +73,8 @@ def calibration_workloads(workload, vocab: int, max_len: int, max_num_seqs: int 
     if max_num_seqs > 16:
         yield make_workload(16, seed=15, vocab_size=vocab, prompt_len=(32, longest), output_len=(32, 64))
     yield make_workload(8, seed=12, vocab_size=vocab, prompt_len=(32, longest // 2), output_len=(32, 32))
-    yield make_workload(4, seed=14, vocab_size=vocab, prompt_len=(longest, max(longest, min(2 * longest, max_len - 160))),
-                        output_len=(32, 96))
+    yield make_workload(4, seed=14, vocab_size=vocab,
+                        prompt_len=(longest, max(longest, min(2 * longest, max_len - 160))), output_len=(32, 96))
     yield make_workload(1, seed=13, vocab_size=vocab, prompt_len=(32, 64), output_len=(64, 64))
 
 

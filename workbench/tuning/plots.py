@@ -137,7 +137,7 @@ def widget(records, engine=None):
         from bokeh.io import output_notebook
         from bokeh.io import show as bshow
 
-        from ..jupyter.views import bokeh_resources
+        from ..bokehjs import bokeh_resources
 
         output_notebook(resources=bokeh_resources(), hide_banner=True)  # never a CDN
         bshow(layout)
@@ -146,7 +146,7 @@ def widget(records, engine=None):
     try:
         from jupyter_bokeh.widgets import BokehModel
 
-        from ..jupyter.views import ensure_bokehjs
+        from ..bokehjs import ensure_bokehjs
 
         ensure_bokehjs()  # all of BokehJS, widget models (the Div) included, from the installed bokeh
         plot_widget = BokehModel(layout)
@@ -154,7 +154,7 @@ def widget(records, engine=None):
         from bokeh.io import output_notebook
         from bokeh.io import show as bshow
 
-        from ..jupyter.views import bokeh_resources
+        from ..bokehjs import bokeh_resources
 
         output_notebook(resources=bokeh_resources(), hide_banner=True)  # never a CDN
         bshow(layout)

@@ -186,8 +186,8 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
     bar = _make_progress(progress, len(measure) * repeats * len(w))
     records: list[dict] = []
     result = SweepResult(engine=engine, grid=grid_values,
-                         workload=wdef, run_id=parent_id, price_per_hour=prices["price_per_hour"], watts=prices["watts"],
-                         status="running", key=sweep_key)
+                         workload=wdef, run_id=parent_id, price_per_hour=prices["price_per_hour"],
+                         watts=prices["watts"], status="running", key=sweep_key)
     touched: set[str] = set()
     outcome, error = "completed", None
     child_id = None
@@ -232,7 +232,8 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
                 agg = aggregate(runs)
                 ppl = None
                 if ppl_ids and is_quantised(settings_now):
-                    qkey = json.dumps([settings_now.get(k) for k in ("quantization", "quant_group_size", "kv_cache_dtype")])
+                    qkey = json.dumps([settings_now.get(k) for k in ("quantization", "quant_group_size",
+                                                                     "kv_cache_dtype")])
                     if qkey not in ppl_cache:  # the same weights give the same perplexity at every other setting
                         ppl_cache[qkey] = perplexity(target, ppl_ids)
                     ppl = ppl_cache[qkey]
@@ -302,7 +303,8 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
             "points": len(todo), "completed_points": len(result),
             "measured_now": sum(not r.get("resumed") for r in result),
             "best": None if best is None else {k: best.get(k) for k in ("label", "output_tok_s", "ttft_p99_ms",
-                                                                        "itl_p99_ms", "cost_per_mtok", "joules_per_token")},
+                                                                        "itl_p99_ms", "cost_per_mtok",
+                                                                        "joules_per_token")},
             "pareto": [r["label"] for r in result if r.get("pareto")],
             "noisy": [r["label"] for r in result if r.get("noisy")],
             "baseline_ppl": result.baseline_ppl, **prices})
