@@ -374,6 +374,22 @@ def test_draw_samples_the_distribution_and_never_a_filtered_token():
     assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]
 
 
+def test_greedy_takes_the_first_of_tied_maxima_in_every_dtype():
+    """Greedy rows pick the lowest index among equal top logits (argmax's rule, which
+    transformers' greedy follows), in fp32 and bf16, whether or not other rows sample."""
+    from types import SimpleNamespace
+
+    from workbench.engine.sampler import sample
+
+    greedy = SimpleNamespace(params=SamplingParams(temperature=0, max_tokens=1))
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.zeros(3, 49152, dtype=dtype)
+        logits[:, 7] = logits[:, 40_000] = 2.0
+        logits[1, 5] = 2.0
+        logits[2, 7] = 1.0
+        assert sample(logits, [greedy] * 3) == [7, 5, 40_000], dtype
+
+
 def test_qwen3_from_a_gguf_file(tiny_qwen3, tmp_path):
     """A Qwen3 GGUF (llama.cpp's names, attn_q_norm / attn_k_norm, no q/k permutation for qwen
     architectures) loads into the same weights and generates what transformers does."""

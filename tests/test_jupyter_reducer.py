@@ -60,6 +60,44 @@ def two_requests() -> Fake:
     return f
 
 
+def test_a_reused_lane_takes_the_new_requests_label():
+    """A lane freed by one request and taken by the next is named after the newcomer, in the
+    reducer's lane names and on every row it draws, whether the events come in one batch or
+    one by one (as a live dashboard gets them)."""
+    def events() -> Fake:
+        f = Fake()
+        for k, (rid, text) in enumerate((("old00000", "the first prompt"), ("new00000", "a second prompt"))):
+            t0 = 10.0 + 2 * k
+            f.req(t0, rid, "arrived")
+            f.requests[-1].label = text
+            f.req(t0 + 0.1, rid, "scheduled")
+            f.step(t0 + 0.1, t0 + 0.3, "prefill", [(rid, 6, "prefill")])
+            f.req(t0 + 0.3, rid, "first_token")
+            f.step(t0 + 0.3, t0 + 0.4, "decode", [(rid, 1, "decode")])
+            f.req(t0 + 0.4, rid, "finished", "length")
+        return f
+
+    whole, live = TimelineReducer(), TimelineReducer()
+    whole.add(events().timeline())
+    drained = [whole.drain()["lanes"]]
+    f = events()
+    live_rows = {"lane": [], "request": [], "label": []}
+    for ev in sorted(f.steps + f.requests, key=lambda e: e.seq):
+        live.add(Timeline(steps=[ev] if isinstance(ev, StepEvent) else [],
+                          requests=[ev] if isinstance(ev, RequestEvent) else [], cursor=ev.seq))
+        lanes = live.drain().get("lanes") or {}
+        for c in live_rows:
+            live_rows[c] += lanes.get(c, [])
+    drained.append(live_rows)
+    for r in (whole, live):
+        assert r.lane_labels == {0: "a second prompt"}
+    for lanes in drained:
+        assert set(lanes["lane"]) == {0}  # the second request did take the first one's lane
+        by_request = {req: {lab for lab, q in zip(lanes["label"], lanes["request"]) if q == req}
+                      for req in set(lanes["request"])}
+        assert by_request == {"old000": {"the first prompt"}, "new000": {"a second prompt"}}
+
+
 def test_columns_steps_lanes_and_ttft():
     r = TimelineReducer(bin_s=0.5)
     r.add(two_requests().timeline())

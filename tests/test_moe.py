@@ -51,6 +51,10 @@ def test_expert_counts_sum_to_tokens_times_top_k(moe_model):
     assert llm.status()["kernel_variant"] == "torch"
     m = llm.metrics()  # the recent window's load, with the other metrics
     assert len(m["expert_load"]) == len(cfg.moe_layers) and m["moe_imbalance"] >= 1.0
+    from workbench.timeline import imbalance
+
+    assert m["moe_layer_imbalance"] == [imbalance(row) for row in m["expert_load"]]  # what the panel draws
+    assert max(m["moe_layer_imbalance"]) == m["moe_imbalance"]
     assert sum(m["expert_load"][0]) == sum(sum(e.num_tokens for e in s.batch) for s in steps) * cfg.num_experts_per_tok
 
 

@@ -35,9 +35,11 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
-    # MoE models, over the same window: tokens per expert of each MoE layer, and the worst layer's
-    # imbalance (busiest expert's load / the mean; None on dense models or when idle)
+    # MoE models, over the same window: tokens per expert of each MoE layer, each layer's imbalance
+    # (busiest expert's load / the mean; None for a layer no token reached) and the worst layer's
+    # (None on dense models or when idle). Views draw these; none re-derives them.
     expert_load: list[list[int]] = msgspec.field(default_factory=list)
+    moe_layer_imbalance: list[float | None] = msgspec.field(default_factory=list)
     moe_imbalance: float | None = None
     # What serving costs the machine (`workbench.engine.hostload`; None where not measured, e.g. a remote
     # server): the engine process's CPU in cores and memory, and the whole host's

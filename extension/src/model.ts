@@ -645,7 +645,8 @@ export interface IExpertRow {
 
 /**
  * The routing heatmap of a mixture-of-experts engine from its metrics (`expert_load`: tokens per
- * expert of each MoE layer over the recent window, computed by the engine); null on dense models.
+ * expert of each MoE layer over the recent window, `moe_layer_imbalance` and `moe_imbalance`, all
+ * computed by the engine); null on dense models.
  * Cells shade from white to the prefill blue by share of the busiest cell.
  */
 export function expertHeatmap(metrics: Dict): { rows: IExpertRow[]; worst: number | null } | null {
@@ -662,12 +663,11 @@ export function expertHeatmap(metrics: Dict): { rows: IExpertRow[]; worst: numbe
     const mix = (a: number, b: number) => Math.round(a + (b - a) * f);
     return `rgb(${mix(245, 76)}, ${mix(245, 114)}, ${mix(245, 176)})`; // #f5f5f5 -> #4C72B0
   };
+  const perLayer = Array.isArray(metrics.moe_layer_imbalance) ? metrics.moe_layer_imbalance : [];
   const rows = load.map((row: number[], layer: number) => {
-    const total = row.reduce((a, b) => a + b, 0);
-    const imbalance = total ? (Math.max(...row) * row.length) / total : null;
     return {
       layer,
-      imbalance,
+      imbalance: typeof perLayer[layer] === 'number' ? perLayer[layer] : null,
       cells: row.map((tokens, expert) => ({
         expert,
         tokens,

@@ -248,7 +248,11 @@ describe('markers and lanes', () => {
 
 describe('expert routing heatmap', () => {
   it('draws the engine\'s expert_load, one row per MoE layer', () => {
-    const heat = expertHeatmap({ expert_load: [[6, 2, 0, 0], [2, 2, 2, 2]], moe_imbalance: 3 })!;
+    const heat = expertHeatmap({
+      expert_load: [[6, 2, 0, 0], [2, 2, 2, 2]],
+      moe_layer_imbalance: [3, 1],
+      moe_imbalance: 3
+    })!;
     expect(heat.rows.map(r => r.layer)).toEqual([0, 1]);
     expect(heat.rows[0].cells.map(c => c.tokens)).toEqual([6, 2, 0, 0]);
     expect(heat.rows[0].cells[0].share).toBeCloseTo(0.75);

@@ -406,7 +406,8 @@ class LLMEngine:
         t = self.totals
         used, total = self.scheduler.kv_blocks
         load = expert_totals(st.expert_counts for st in recent_steps)
-        worst = max((imbalance(row) for row in load if sum(row)), default=None)
+        per_layer = [imbalance(row) if sum(row) else None for row in load]
+        worst = max((x for x in per_layer if x is not None), default=None)
         breakdown = step_breakdown(recent_steps)
         return as_dict(EngineMetrics(
             output_tok_s=out_tokens / span if span > 0 else 0.0,
@@ -420,7 +421,7 @@ class LLMEngine:
             spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
             ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
             itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
-            expert_load=load, moe_imbalance=worst, **self.host.sample(),
+            expert_load=load, moe_layer_imbalance=per_layer, moe_imbalance=worst, **self.host.sample(),
             step_parts_share=breakdown.get("parts_share", {}), step_limit=breakdown.get("limit"),
             **{f"total_{k}": v for k, v in t.items()},
         ))
