@@ -145,6 +145,7 @@ _SIGNATURES = {
     "wb_silu_mul": [_P, _P, _I, _I],
     "wb_rope_write_kv": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
     "wb_paged_decode": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
+    "wb_paged_decode_i8": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
     "wb_paged_extend": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
     "wb_decode_layer": [_P, _P, _P, _P, _P, _P, _P],
     "wb_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P],
@@ -428,9 +429,16 @@ def _bf16_cache(q, k_cache, k_scale) -> bool:
     return k_scale is None and k_cache.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
 
 
+def _int8_cache(q, k_cache, k_scale) -> bool:
+    """An 8-bit cache (kv_cache_dtype=int8: int8 rows, an fp32 scale per slot and KV head) under
+    a bf16 query."""
+    return k_scale is not None and k_cache.dtype == torch.int8 and q.dtype == torch.bfloat16
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None):
-    """Same contract as reference.decode_attention_ref, for bf16 caches."""
-    if not _bf16_cache(q, k_cache, k_scale):
+    """Same contract as reference.decode_attention_ref, for bf16 and int8 caches."""
+    int8 = _int8_cache(q, k_cache, k_scale)
+    if not int8 and not _bf16_cache(q, k_cache, k_scale):
         from .reference import decode_attention_ref
 
         return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale, v_scale)
@@ -440,8 +448,11 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_sc
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    _require().wb_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                         out.data_ptr(), b, hq, hkv, d, bs, tables.shape[1], sm_scale)
+    caches = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()]
+    if int8:
+        caches += [k_scale.contiguous().data_ptr(), v_scale.contiguous().data_ptr()]
+    kernel = _require().wb_paged_decode_i8 if int8 else _require().wb_paged_decode
+    kernel(*caches, tables.data_ptr(), lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, bs, tables.shape[1], sm_scale)
     return out
 
 
@@ -453,7 +464,13 @@ def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
     """Same contract as reference.extend_attention_ref, for bf16 caches: each sequence's new
     tokens in tiles of 16 consecutive queries against its cached keys (wb_paged_extend: causal, no
     gathered copy, keys past a tile's last query never computed). Where G x head_dim exceeds the
-    tile kernel's buffers, every new token is a one-query decode over its own causal context."""
+    tile kernel's buffers, every new token is a one-query decode over its own causal context. An
+    int8 cache is widened to bf16 first, only the blocks these sequences read (a prefill's few
+    sequences: a small copy beside the step's matmuls), as the torch reference computes it."""
+    if _int8_cache(q, k_cache, k_scale):
+        k_cache, v_cache, block_tables = _widened_blocks(k_cache, v_cache, k_scale, v_scale, block_tables,
+                                                         seq_lens)
+        k_scale = v_scale = None
     if not _bf16_cache(q, k_cache, k_scale):
         from .reference import extend_attention_ref
 
@@ -478,6 +495,22 @@ def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
     offset = torch.arange(owner.shape[0]) - cu_seqlens_q[:-1].long()[owner]
     lens = (first + offset + 1).to(torch.int32)
     return decode_attention(q, k_cache, v_cache, block_tables[owner], lens, sm_scale)
+
+
+def _widened_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens):
+    """The blocks `block_tables` uses up to each sequence's length, dequantised to bf16 into a
+    compact cache of their own, and the tables renumbered to it."""
+    bs = k_cache.shape[1]
+    used = torch.clamp((seq_lens.long() + bs - 1) // bs, min=1)
+    width = int(used.max())
+    tables = block_tables[:, :width].long()
+    live = torch.arange(width).unsqueeze(0) < used.unsqueeze(1)
+    blocks, renumbered = torch.unique(tables[live], return_inverse=True)
+    compact = torch.zeros_like(tables)
+    compact[live] = renumbered
+    k = (k_cache[blocks].float() * k_scale[blocks].unsqueeze(-1)).to(torch.bfloat16)
+    v = (v_cache[blocks].float() * v_scale[blocks].unsqueeze(-1)).to(torch.bfloat16)
+    return k, v, compact.to(torch.int32)
 
 
 def supports_decode(head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:

@@ -547,15 +547,31 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         }
     }
 }
-#else
-// The same steps with the keys and values widened to fp32 in registers: q.k and P.V as fp32
-// multiply-adds (a bf16 x bf16 product is exact in fp32, so only the summation order differs).
-static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
-                        const int32_t *lens, bf16 *out, int64_t b, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t bs, int64_t W, float scale) {
+#endif
+
+// The decode steps with each cached row widened to fp32 in registers: bf16 rows (no scales; q.k
+// and P.V as fp32 multiply-adds, a bf16 x bf16 product being exact in fp32, so only the summation
+// order differs from the AVX-512 BF16 build) or, for kv_cache_dtype=int8, int8 rows with an fp32
+// scale per (slot, KV head), half a bf16 row's bytes, the scale multiplying the key's score and
+// the value's probability once, not each element.
+static inline void widen_row(vf *dst, const void *cache, int64_t off, int64_t DW, int i8) {
+    for (int64_t c = 0; c < DW; c++)
+        dst[c] = i8 ? vf_load_i8((const int8_t *)cache + off + c * 16) : vf_load_bf((const bf16 *)cache + off + c * 16);
+}
+
+static inline void prefetch_any(const void *cache, int64_t off, int64_t D, int i8) {
+    const char *row = (const char *)cache + off * (i8 ? 1 : 2);
+    for (int64_t o = 0; o < D * (i8 ? 1 : 2); o += 64) PREFETCH(row + o);
+}
+
+static void decode_task_widened(const bf16 *q, const void *k_cache, const void *v_cache, const float *k_scale,
+                                const float *v_scale, const int32_t *tables, const int32_t *lens, bf16 *out,
+                                int64_t b, int64_t h, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t W,
+                                float scale) {
     int64_t G = Hq / Hkv;
     int64_t L = lens[b];
     if (L <= 0) return;
+    int i8 = k_scale != NULL;
     int64_t DW = D / 16;
     float scores[MAX_G][KV_CHUNK];
     vf qf[MAX_G][DV], acc[MAX_G][DV];
@@ -572,16 +588,16 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
     int64_t rows[KV_CHUNK];
     for (int64_t c0 = 0; c0 < L; c0 += KV_CHUNK) {
         int64_t cn = L - c0 < KV_CHUNK ? L - c0 : KV_CHUNK;
-        chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);
+        chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);  // element offsets; a row's scale is at offset / D
         for (int64_t t = 0; t < cn; t++) {
-            const bf16 *kr = k_cache + rows[t];
-            if (t + KV_AHEAD < cn) prefetch_row(k_cache + rows[t + KV_AHEAD], D);
+            if (t + KV_AHEAD < cn) prefetch_any(k_cache, rows[t + KV_AHEAD], D, i8);
+            float s = (i8 ? k_scale[rows[t] / D] : 1.f) * scale;
             vf kv[DV];
-            for (int64_t c = 0; c < DW; c++) kv[c] = vf_load_bf(kr + c * 16);
+            widen_row(kv, k_cache, rows[t], DW, i8);
             for (int64_t g = 0; g < G; g++) {
                 vf dot = vf_mul(kv[0], qf[g][0]);
                 for (int64_t c = 1; c < DW; c++) dot = vf_fma(kv[c], qf[g][c], dot);
-                scores[g][t] = vf_sum(dot) * scale;
+                scores[g][t] = vf_sum(dot) * s;
             }
         }
         for (int64_t g = 0; g < G; g++) {
@@ -589,12 +605,12 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             for (int64_t c = 0; c < DW; c++) acc[g][c] = vf_mul(acc[g][c], corr);
         }
         for (int64_t t = 0; t < cn; t++) {
-            const bf16 *vr = v_cache + rows[t];
-            if (t + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + KV_AHEAD], D);
+            if (t + KV_AHEAD < cn) prefetch_any(v_cache, rows[t + KV_AHEAD], D, i8);
+            float s = i8 ? v_scale[rows[t] / D] : 1.f;
             vf vv[DV];
-            for (int64_t c = 0; c < DW; c++) vv[c] = vf_load_bf(vr + c * 16);
+            widen_row(vv, v_cache, rows[t], DW, i8);
             for (int64_t g = 0; g < G; g++) {
-                vf p = vf_set1(scores[g][t]);
+                vf p = vf_set1(scores[g][t] * s);
                 for (int64_t c = 0; c < DW; c++) acc[g][c] = vf_fma(p, vv[c], acc[g][c]);
             }
         }
@@ -610,14 +626,35 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         }
     }
 }
+
+// One (sequence, KV head) of a decode over a bf16 cache: vdpbf16ps where the CPU has it.
+static inline void decode_bf16_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
+                                    const int32_t *lens, bf16 *out, int64_t b, int64_t h, int64_t Hq, int64_t Hkv,
+                                    int64_t D, int64_t bs, int64_t W, float scale) {
+#if WB_BF16_DOT
+    decode_task(q, k_cache, v_cache, tables, lens, out, b, h, Hq, Hkv, D, bs, W, scale);
+#else
+    decode_task_widened(q, k_cache, v_cache, NULL, NULL, tables, lens, out, b, h, Hq, Hkv, D, bs, W, scale);
 #endif
+}
 
 void wb_paged_decode(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
                      const int32_t *lens, bf16 *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                      int64_t W, float scale) {
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hkv; h++) decode_task(q, k_cache, v_cache, tables, lens, out, b, h, Hq, Hkv, D, bs, W, scale);
+        for (int64_t h = 0; h < Hkv; h++)
+            decode_bf16_task(q, k_cache, v_cache, tables, lens, out, b, h, Hq, Hkv, D, bs, W, scale);
+}
+
+void wb_paged_decode_i8(const bf16 *q, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,
+                        const float *v_scale, const int32_t *tables, const int32_t *lens, bf16 *out, int64_t B,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t W, float scale) {
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hkv; h++)
+            decode_task_widened(q, k_cache, v_cache, k_scale, v_scale, tables, lens, out, b, h, Hq, Hkv, D, bs, W,
+                                scale);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -880,8 +917,8 @@ static void layer_body(const wb_layer *L, const wb_step *S, bf16 *x, const bf16 
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < T; b++)
         for (int64_t h = 0; h < S->Hkv; h++)
-            decode_task(S->q, k_cache, v_cache, S->tables, S->lens, S->att, b, h, S->Hq, S->Hkv, S->D, S->bs,
-                        S->W, S->scale);
+            decode_bf16_task(S->q, k_cache, v_cache, S->tables, S->lens, S->att, b, h, S->Hq, S->Hkv, S->D, S->bs,
+                             S->W, S->scale);
     linear_shared(&L->o, S->att, S->o, T, S->xf);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) norm_row(x + t * H, S->o + t * H, L->ln2, S->h + t * H, H, L->eps);

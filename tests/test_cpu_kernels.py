@@ -253,8 +253,58 @@ def test_paged_extend_matches_torch(kern, hq, hkv, d, bs):
     assert bool(((out.float() - ref.float()).abs() <= 2 * ulp(scale)).all())
 
 
-def test_decode_attention_quantised_cache_falls_back():
-    kc = torch.zeros(4, 16, 1, 16, dtype=torch.int8)
+def _int8_cache(g, nb, bs, hkv, d):
+    """A random 8-bit paged cache as kv_cache_dtype=int8 stores it (reference.write_kv_ref)."""
+    from workbench_kernels.reference import quantize_kv
+
+    kc, ks = quantize_kv((torch.randn(nb * bs, hkv, d, generator=g) * 2).to(BF), torch.int8)
+    vc, vs = quantize_kv(torch.randn(nb * bs, hkv, d, generator=g).to(BF), torch.int8)
+    return (kc.view(nb, bs, hkv, d), vc.view(nb, bs, hkv, d), ks.view(nb, bs, hkv).float(),
+            vs.view(nb, bs, hkv).float())
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 16, 32), (8, 2, 128, 16)])
+def test_paged_decode_over_an_int8_cache(native_variant, hq, hkv, d, bs):
+    """kv_cache_dtype=int8: our kernel reads the 8-bit rows and their scales (half a bf16 row's
+    bytes) and is as close to exact attention over that cache as the torch reference (which
+    widens the cache to bf16 first), within a few bf16 ulps of it, past a 512-key chunk too."""
+    g = torch.Generator().manual_seed(hq * d + 1)
+    nb = 96
+    kc, vc, ks, vs = _int8_cache(g, nb, bs, hkv, d)
+    lens = torch.tensor([1, 17, bs, 300, 700 if bs == 16 else 1100], dtype=torch.int32)
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in lens]).int()
+    q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(BF)
+    out = cpu.decode_attention(q, kc, vc, tables, lens, d**-0.5, ks, vs)
+    ref = reference.decode_attention_ref(q, kc, vc, tables, lens, d**-0.5, ks, vs)
+    # exact attention over the same 8-bit cache, widened in fp32: ours is as close as torch's
+    exact = reference.decode_attention_ref(q.float(), kc, vc, tables, lens, d**-0.5, ks, vs)
+    assert (out.float() - exact).abs().max() <= (ref.float() - exact).abs().max() * 1.5 + 1e-3
+    scale = ref.float().abs().amax(-1, keepdim=True)
+    assert bool(((out.float() - ref.float()).abs() <= 4 * ulp(scale)).all())
+
+
+def test_paged_extend_over_an_int8_cache(native_variant):
+    """A prefill over an int8 cache widens just the blocks its sequences read to bf16 and runs the
+    tiled kernel: the torch reference's numbers, from mid-sequence and from 0."""
+    g = torch.Generator().manual_seed(5)
+    nb, bs, hq, hkv, d = 96, 16, 9, 3, 64
+    kc, vc, ks, vs = _int8_cache(g, nb, bs, hkv, d)
+    new = [5, 1, 40, 600]
+    lens = torch.tensor([5, 30, 57, 700], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in lens]).int()
+    q = (torch.randn(int(cu[-1]), hq, d, generator=g) * 2).to(BF)
+    out = cpu.extend_attention(q, kc, vc, tables, cu, lens, d**-0.5, ks, vs)
+    ref = reference.extend_attention_ref(q, kc, vc, tables, cu, lens, d**-0.5, ks, vs)
+    scale = ref.float().abs().amax(-1, keepdim=True)
+    assert bool(((out.float() - ref.float()).abs() <= 2 * ulp(scale)).all())
+
+
+def test_decode_attention_fp8_cache_falls_back():
+    """An fp8 cache has no kernel of ours: the torch reference runs, exactly."""
+    kc = torch.zeros(4, 16, 1, 16, dtype=torch.float8_e4m3fn)
     scale = torch.ones(4, 16, 1)
     q = torch.randn(1, 2, 16).to(BF)
     tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
