@@ -44,8 +44,9 @@ def longest_step(outs):
     ids = {o.request_id for o in outs}
     return max(s.end - s.start for s in timeline.steps if any(b.request_id in ids for b in s.batch))
 # one big prefill step against many small ones (a short request that arrives a moment before
-# the long one can get a step of its own first, so their TTFTs are not compared)
-assert longest_step(whole) > 4 * longest_step(chunked), (longest_step(whole), longest_step(chunked))
+# the long one can get a step of its own first, so their TTFTs are not compared); 2x, not more:
+# on a CPU with AMX a 278-token step took only 3.4x a 32-token one (one big matmul is cheap)
+assert longest_step(whole) > 2 * longest_step(chunked), (longest_step(whole), longest_step(chunked))
 rid = chunked[2].request_id
 steps = [s for s in timeline.steps if any(b.request_id == rid for b in s.batch)]
 mixed = [s for s in steps if s.phase == "mixed"]
