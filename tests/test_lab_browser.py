@@ -671,41 +671,6 @@ def test_panel_steers_one_replica_of_a_cluster(lab, runtime_dir, browser, ray_cl
         c.shutdown()
 
 
-DASHBOARD_CELLS = [
-    "%load_ext workbench\n%engine connect e2e",
-    "%dashboard",
-    "%%generate --max-tokens 12 --ignore-eos\nOnce upon a time\n---\nThe capital of France is",
-]
-
-
-def test_a_dashboard_beside_the_panel_lives_through_pings(lab, engine, browser):
-    """A newcomer's session: the panel open, a notebook's `%dashboard` live and `%%generate`
-    streaming, all on websockets the server pings every second; the dashboard draws and stays
-    attached for 15 s more (the module's last test reads the server log for tracebacks)."""
-    if not lab["magics"]:
-        pytest.skip("workbench.jupyter.magics is missing")
-    (lab["root"] / "dashboard.ipynb").write_text(json.dumps(notebook(DASHBOARD_CELLS)))
-    page, problems = _new_page(browser, 1100)
-    try:
-        _open_panel(page, lab)
-        _run_all(page, lab, "dashboard.ipynb", len(DASHBOARD_CELLS))
-        dash = page.locator(".jp-Notebook .jp-Cell").nth(1)
-        dash.locator("select").first.wait_for(timeout=90_000)  # the dashboard's controls
-        dash.locator("canvas").first.wait_for(state="attached", timeout=60_000)
-        page.locator(".jp-Notebook .jp-Cell").nth(2).locator("text=finish: length").first.wait_for(timeout=180_000)
-        page.wait_for_timeout(15_000)  # ~15 pings on every socket while the dashboard polls
-        text = dash.text_content()
-        assert "Error displaying widget" not in text and "Could not create a view" not in text, text
-        assert "is gone" not in text, text  # still attached to the engine
-        page.screenshot(path=str(ARTIFACTS / "lab-dashboard.png"))
-    except BaseException:
-        page.screenshot(path=str(ARTIFACTS / "lab-dashboard-failure.png"))
-        raise
-    finally:
-        (ARTIFACTS / "lab-dashboard-console.txt").write_text("\n".join(problems))
-        page.close()
-
-
 def test_panel_fits_its_default_width_and_is_in_the_view_menu(lab, engine, browser):
     """At the side panel's default width no control is cut off and nothing scrolls sideways; the
     time axis asks for few ticks; the sidebar icon says what it is; the View menu opens it."""
