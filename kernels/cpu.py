@@ -508,8 +508,9 @@ def _widened_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens):
     blocks, renumbered = torch.unique(tables[live], return_inverse=True)
     compact = torch.zeros_like(tables)
     compact[live] = renumbered
-    k = (k_cache[blocks].float() * k_scale[blocks].unsqueeze(-1)).to(torch.bfloat16)
-    v = (v_cache[blocks].float() * v_scale[blocks].unsqueeze(-1)).to(torch.bfloat16)
+    from .reference import _dequant
+
+    k, v = (_dequant(c[blocks], s[blocks], torch.bfloat16) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
     return k, v, compact.to(torch.int32)
 
 

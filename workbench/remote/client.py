@@ -217,9 +217,6 @@ class RemoteEngineClient(Engine):
             f"settings of the remote {self.kind} server at {self.base} cannot be changed from here ({names}); "
             "restart that server with the settings you want. settings() shows what it reports (read-only).")
 
-    async def aconfigure(self, **changes: Any) -> dict:
-        return self.configure(**changes)
-
     def settings(self) -> dict:
         """What the server reports about itself, under our setting names (read-only)."""
         return self._run(self._asettings(), self.rpc_timeout)
@@ -288,7 +285,7 @@ class RemoteEngineClient(Engine):
             "uptime_s": rs.get("uptime_s"), "weights_checksum": rs.get("weights_checksum"),
             "remote": self.base, "server": self.kind, "models": self.models, "max_model_len": self.max_model_len,
             "metrics_endpoint": self.has_metrics, "read_only": True,
-              "connected_s": time.monotonic() - self._connected_at,
+            "connected_s": time.monotonic() - self._connected_at,
             "num_requests": len(self._pending),
             **({"remote_engine": {k: v for k, v in rs.items() if k not in ("pid", "connection_file")}} if rs else {}),
         }
