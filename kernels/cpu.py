@@ -149,6 +149,7 @@ _SIGNATURES = {
     "wb_paged_extend": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float],
     "wb_decode_layer": [_P, _P, _P, _P, _P, _P, _P],
     "wb_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P],
+    "wb_set_gemv_ymm": [_I],
 }
 
 _libs: dict[str, ctypes.CDLL] = {}
@@ -169,6 +170,7 @@ def load(variant: str) -> ctypes.CDLL:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, None
             lib.wb_variant.restype = ctypes.c_char_p
+            lib.wb_gemv_ymm.argtypes, lib.wb_gemv_ymm.restype = [], _I
             assert lib.wb_variant().decode() == variant, "the library was built for another variant"
             _libs[variant] = lib
             return lib
@@ -214,6 +216,7 @@ def _choose() -> None:
             failures.append((v, str(e).splitlines()[0]))
             continue
         _sel.variant = v
+        _apply_gemv_width()
         if v == forced:
             _sel.reason = f"forced by WORKBENCH_CPU_ISA={forced}"
         elif not failures:
@@ -232,6 +235,7 @@ def use(variant: str | None) -> None:
         _choose()
         return
     _sel.lib, _sel.variant, _sel.reason, _sel.chosen = load(variant), variant, "chosen by use()", True
+    _apply_gemv_width()
 
 
 def available() -> bool:
@@ -586,3 +590,69 @@ def gemm_path() -> tuple[str, str, dict]:
             best = "bf16" if rates["bf16"] >= rates["fp32"] else "fp32"
             _gemm = (best, f"measured: {measured}", rates)
     return _gemm
+
+
+# -- the register width of the bf16 GEMVs ----------------------------------------------------------
+# The AVX-512 BF16 build multiplies bf16 weights in zmm or ymm registers. A core whose AVX-512 units
+# are 512 bits wide streams weights best in zmm; Zen 4 splits each zmm operation in two 256-bit
+# halves and streams faster in ymm (docs/benchmarks.md). Which is faster is measured once per
+# process, on weights larger than the last-level cache; WORKBENCH_CPU_GEMV=zmm|ymm forces it.
+GEMV_WIDTHS = ("zmm", "ymm")
+_gemv: tuple[str, str, dict] | None = None
+
+
+def gemv_stream_rate(lib: ctypes.CDLL, ymm: bool, rounds: int = 4) -> float:
+    """GB/s of one activation row against 48 MB of bf16 weights (more than a last-level cache holds)
+    through `lib`'s bf16 GEMV at the given register width, best of `rounds`."""
+    import time
+
+    n, k = 42 * 1024, 576
+    w = torch.empty(n, k, dtype=torch.bfloat16).fill_(0.01)  # written, so every page is its own
+    x, y = torch.ones(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+    was = lib.wb_gemv_ymm()
+    lib.wb_set_gemv_ymm(int(ymm))
+    try:
+        best = float("inf")
+        for _ in range(rounds):
+            t = time.perf_counter()
+            lib.wb_gemv_bf16(x.data_ptr(), w.data_ptr(), None, None, y.data_ptr(), 1, n, k, 0)
+            best = min(best, time.perf_counter() - t)
+    finally:
+        lib.wb_set_gemv_ymm(was)
+    return w.numel() * 2 / best / 1e9
+
+
+def gemv_width() -> tuple[str, str, dict]:
+    """("zmm" | "ymm", why, {width: GB/s}) for the AVX-512 BF16 build's bf16 GEMVs; ("", why, {})
+    where the build in use has one width."""
+    global _gemv
+    if _gemv is not None:
+        return _gemv
+    if variant() != "avx512_bf16":
+        return "", f"one register width in the {variant() or 'no'} build", {}
+    lib = load("avx512_bf16")
+    rates: dict[str, float] = {}
+    for _ in range(2):  # interleaved: a shared host's speed moves between runs
+        for width in GEMV_WIDTHS:
+            rates[width] = max(rates.get(width, 0.0), round(gemv_stream_rate(lib, width == "ymm"), 1))
+    measured = f"zmm {rates['zmm']:g} GB/s, ymm {rates['ymm']:g} on this CPU"
+    forced = os.environ.get("WORKBENCH_CPU_GEMV", "").strip().lower()
+    if forced in GEMV_WIDTHS:
+        _gemv = (forced, f"forced by WORKBENCH_CPU_GEMV={forced} ({measured})", rates)
+    else:
+        _gemv = (max(GEMV_WIDTHS, key=rates.get), f"measured: {measured}", rates)
+    return _gemv
+
+
+def set_gemv_width(width: str | None) -> None:
+    """Use `width` for the AVX-512 BF16 build's bf16 GEMVs from now on (None: measure again)."""
+    global _gemv
+    if width is not None and width not in GEMV_WIDTHS:
+        raise ValueError(f"invalid GEMV width {width!r}; allowed: {', '.join(GEMV_WIDTHS)}")
+    _gemv = None if width is None else (width, "set by set_gemv_width()", {})
+    _apply_gemv_width()
+
+
+def _apply_gemv_width() -> None:
+    if _sel.variant == "avx512_bf16":
+        _sel.lib.wb_set_gemv_ymm(int(gemv_width()[0] == "ymm"))

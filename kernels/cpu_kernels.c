@@ -32,7 +32,7 @@
 #define WB_VARIANT WB_ISA
 #endif
 
-int wb_abi_version(void) { return 2; }
+int wb_abi_version(void) { return 3; }
 // The instruction set this build was compiled for, as cpu.py names the variants.
 const char *wb_variant(void) { return WB_VARIANT; }
 
@@ -136,33 +136,87 @@ static float *to_f32(const bf16 *x, int64_t n) {
 
 #if WB_BF16_DOT
 #include <immintrin.h>
-// bf16 weights: vdpbf16ps does 32 multiply-adds per instruction on bf16 pairs. x is bf16 here.
+// bf16 weights: vdpbf16ps does 16 (ymm) or 32 (zmm) multiply-adds per instruction on bf16 pairs; x
+// is bf16 here. The register width is the host's, chosen by measurement (cpu.gemv_width): a core
+// whose AVX-512 units are 256 bits wide (Zen 4) streams the weights faster in ymm registers, with
+// half the prefetch distance: SmolLM2's 121 GEMVs of a token at 21.6-21.8 GB/s in zmm, 25.9-31.2
+// in ymm on a 2-vCPU Zen 4 guest (zmm with the shorter distance: 23.2).
+static int gemv_ymm = 0;
+void wb_set_gemv_ymm(int64_t on) { gemv_ymm = on != 0; }
+int64_t wb_gemv_ymm(void) { return gemv_ymm; }
+#define BF16_AHEAD_YMM 1024
+
+static inline float hsum256(__m256 t) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline void gemv_bf16_row_ymm(const bf16 *x, const bf16 *wr, const bf16 *bias, bf16 *y, int64_t N,
+                                     int64_t K, int64_t m0, int64_t n, const int M) {
+    const int U = row_accs(M);
+    __m256 acc[MAX_M][ROW_ACCS];
+    for (int m = 0; m < M; m++)
+        for (int u = 0; u < U; u++) acc[m][u] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U) {
+        for (int u = 0; u < U; u++) {
+            if (!(u & 1)) PREFETCH(wr + BF16_AHEAD_YMM + k + 16 * u);  // a cache line per 32 values
+            __m256bh wv = (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k + 16 * u));
+            for (int m = 0; m < M; m++)
+                acc[m][u] = _mm256_dpbf16_ps(acc[m][u], wv,
+                                             (__m256bh)_mm256_loadu_si256((const __m256i *)(x + (m0 + m) * K + k + 16 * u)));
+        }
+    }
+    for (; k < K; k += 16) {
+        __mmask16 mk = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+        __m256bh wv = (__m256bh)_mm256_maskz_loadu_epi16(mk, wr + k);
+        for (int m = 0; m < M; m++)
+            acc[m][0] = _mm256_dpbf16_ps(acc[m][0], wv, (__m256bh)_mm256_maskz_loadu_epi16(mk, x + (m0 + m) * K + k));
+    }
+    for (int m = 0; m < M; m++) {
+        __m256 t = acc[m][0];
+        for (int u = 1; u < U; u++) t = _mm256_add_ps(t, acc[m][u]);
+        store_row(y, N, m0 + m, n, hsum256(t), bias);
+    }
+}
+
+static inline void gemv_bf16_row_zmm(const bf16 *x, const bf16 *wr, const bf16 *bias, bf16 *y, int64_t N,
+                                     int64_t K, int64_t m0, int64_t n, const int M) {
+    const int U = row_accs(M);
+    vf acc[MAX_M][ROW_ACCS];  // vf is __m512 in this build
+    row_acc_clear(acc, M, U);
+    int64_t k = 0;
+    for (; k + 32 * U <= K; k += 32 * U) {
+        for (int u = 0; u < U; u++) {
+            PREFETCH(wr + BF16_AHEAD + k + 32 * u);
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
+            for (int m = 0; m < M; m++)
+                acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + (m0 + m) * K + k + 32 * u));
+        }
+    }
+    for (; k < K; k += 32) {
+        __mmask32 mk = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+        __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + k);
+        for (int m = 0; m < M; m++)
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mk, x + (m0 + m) * K + k));
+    }
+    row_acc_store(acc, M, U, y, N, m0, n, bias);
+}
+
 static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
                                    int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
-    const int U = row_accs(M);
     for (int r = 0; r < nr; r++) {
-        const bf16 *wr = w + (n0 + r) * K;
-        vf acc[MAX_M][ROW_ACCS];  // vf is __m512 in this build
-        row_acc_clear(acc, M, U);
-        int64_t k = 0;
-        for (; k + 32 * U <= K; k += 32 * U) {
-            for (int u = 0; u < U; u++) {
-                PREFETCH(wr + BF16_AHEAD + k + 32 * u);
-                __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
-                for (int m = 0; m < M; m++)
-                    acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + (m0 + m) * K + k + 32 * u));
-            }
-        }
-        for (; k < K; k += 32) {
-            __mmask32 mk = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
-            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, wr + k);
-            for (int m = 0; m < M; m++)
-                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_maskz_loadu_epi16(mk, x + (m0 + m) * K + k));
-        }
-        row_acc_store(acc, M, U, y, N, m0, n0 + r, bias);
+        if (gemv_ymm)
+            gemv_bf16_row_ymm(x, w + (n0 + r) * K, bias, y, N, K, m0, n0 + r, M);
+        else
+            gemv_bf16_row_zmm(x, w + (n0 + r) * K, bias, y, N, K, m0, n0 + r, M);
     }
 }
 #else
+// Without vdpbf16ps the register width is the build's (one choice): the switch says so.
+void wb_set_gemv_ymm(int64_t on) { (void)on; }
+int64_t wb_gemv_ymm(void) { return 0; }
 // bf16 weights widened to fp32 in registers; x is fp32 here (converted once per call).
 static inline void gemv_bf16_block(const float *xf, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
                                    int64_t K, int64_t m0, int64_t n0, int nr, const int M) {

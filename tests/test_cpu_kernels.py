@@ -85,6 +85,10 @@ def assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, max_fraction: float
 @pytest.mark.parametrize("n,k", [(7, 40), (13, 64), (96, 576), (33, 100)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv_bf16(kern, m, n, k):
+    check_gemv_bf16(kern, m, n, k)
+
+
+def check_gemv_bf16(kern, m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
     x = torch.randn(m, k, generator=g).to(BF)
@@ -95,6 +99,45 @@ def test_gemv_bf16(kern, m, n, k):
         assert out.shape == (m, n) and out.dtype == BF
         # fp32 accumulation, one rounding: within an ulp of the exact result
         assert bool(((out.float() - ref).abs() <= ulp(ref) + 1e-6).all())
+
+
+@pytest.fixture(params=cpu.GEMV_WIDTHS)
+def bf16_dot_width(request):
+    """The AVX-512 BF16 build with its bf16 GEMVs in one register width (the other is the host's
+    measured choice, so both run here whichever this host picks)."""
+    lacks = cpu.missing("avx512_bf16")
+    if lacks:
+        pytest.skip(f"the GEMV widths are the avx512_bf16 build's: this CPU lacks {', '.join(lacks)}")
+    cpu.use("avx512_bf16")
+    cpu.set_gemv_width(request.param)
+    try:
+        yield request.param
+    finally:
+        cpu.set_gemv_width(None)
+        cpu.use(None)
+
+
+@pytest.mark.parametrize("n,k", [(7, 40), (13, 64), (96, 576), (33, 100), (5, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_gemv_bf16_in_either_register_width(bf16_dot_width, m, n, k):
+    assert cpu._sel.lib.wb_gemv_ymm() == (bf16_dot_width == "ymm")
+    check_gemv_bf16(cpu, m, n, k)
+
+
+def test_gemv_width_is_measured_and_can_be_forced():
+    width, why, rates = cpu.gemv_width()
+    if cpu.variant() != "avx512_bf16":
+        assert (width, rates) == ("", {}) and "one register width" in why
+        return
+    assert width == max(rates, key=rates.get) or "forced" in why
+    assert why.startswith(("measured:", "forced")) and "GB/s" in why
+    code = "from workbench_kernels import cpu; print(cpu.gemv_width()[0]); print(cpu._sel.lib.wb_gemv_ymm())"
+    for forced in cpu.GEMV_WIDTHS:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "WORKBENCH_CPU_GEMV": forced})
+        assert r.stdout.split() == [forced, str(int(forced == "ymm"))], r.stderr
+    with pytest.raises(ValueError, match="allowed: zmm, ymm"):
+        cpu.set_gemv_width("xmm")
 
 
 @pytest.mark.parametrize("m", [1, 4])
@@ -353,7 +396,10 @@ def test_engine_uses_cpu_kernels_and_agrees_with_torch_ops(tiny_bf16):
     llm.configure(cpu_kernels=True)
     status = llm.status()
     assert status["cpu_kernels"] is True and status["attention_backend"] == "cpu"
-    assert status["kernel_variant"] == cpu.variant() and status["kernel_variant_reason"] == cpu.variant_reason()
+    assert status["kernel_variant"] == cpu.variant()
+    assert status["kernel_variant_reason"].startswith(cpu.variant_reason())
+    width, width_why, _ = cpu.gemv_width()
+    assert (f"bf16 GEMVs in {width} registers ({width_why})" in status["kernel_variant_reason"]) == bool(width)
     assert status["compute_path"] == cpu.gemm_path()[0] and "GFLOP/s" in status["compute_path_reason"]
     native = llm.generate(None, sp, prompt_token_ids=_prompts())
     llm.configure(cpu_kernels=False)
@@ -379,6 +425,21 @@ def test_engine_on_every_variant_and_compute_path(tmp_path_factory, native_varia
     status = llm.status()
     assert (status["kernel_variant"], status["compute_path"]) == (native_variant, gemm)
     assert all(lin.wide == (gemm == "fp32") for lin in llm.engine.runner.model.linears())
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    native = llm.generate(None, sp, prompt_token_ids=_prompts())
+    llm.configure(cpu_kernels=False)
+    assert_agree_up_to_near_ties(native, llm.generate(None, sp, prompt_token_ids=_prompts()))
+
+
+def test_engine_in_either_gemv_width(tmp_path_factory, bf16_dot_width):
+    """The one-call layer and stack (decode steps) run the same GEMVs: in either register width the
+    engine serves what torch's ops serve, up to near-ties."""
+    from workbench import LLM, SamplingParams
+
+    path = tmp_path_factory.mktemp("tiny-llama-width")
+    make_tiny_model(path, "llama", seed=4)
+    llm = LLM(str(path), dtype="bfloat16")
+    assert f"bf16 GEMVs in {bf16_dot_width} registers" in llm.status()["kernel_variant_reason"]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     native = llm.generate(None, sp, prompt_token_ids=_prompts())
     llm.configure(cpu_kernels=False)

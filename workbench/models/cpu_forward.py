@@ -68,7 +68,9 @@ class CpuKernelForward:
     @staticmethod
     def report(unfused: str | None = None) -> dict:
         path, why, _ = cpu.gemm_path()
-        reason = cpu.variant_reason() + (f"; layers not fused: {unfused}" if unfused else "")
+        width, width_why, _ = cpu.gemv_width()
+        reason = cpu.variant_reason() + (f"; bf16 GEMVs in {width} registers ({width_why})" if width else "")
+        reason += f"; layers not fused: {unfused}" if unfused else ""
         return {"kernel_variant": cpu.variant(), "kernel_variant_reason": reason,
                 "compute_path": path, "compute_path_reason": why}
 
