@@ -150,6 +150,7 @@ _SIGNATURES = {
     "wb_decode_layer": [_P, _P, _P, _P, _P, _P, _P],
     "wb_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P],
     "wb_set_gemv_ymm": [_I],
+    "wb_gemm_tiles": [_P, _P, _P, _P, _I, _I, _I],
 }
 
 _libs: dict[str, ctypes.CDLL] = {}
@@ -523,12 +524,15 @@ def supports_decode(head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
 
 
 # -- the compute path of large steps ------------------------------------------------------------
-# Prefills and big decode batches are matmuls, not GEMVs: they stay with oneDNN/torch. In bf16
-# that is fast only where the CPU has bf16 instructions (AVX-512 BF16, AMX); elsewhere torch's
-# bf16 GEMM is a slow fallback (1.3 GFLOP/s against 74 in fp32 on an AVX2 Zen 3), so large steps
-# multiply in fp32 over an fp32 copy of the bf16 weights. Which is faster is measured, once per
-# process, on a step-shaped matmul; WORKBENCH_CPU_GEMM=bf16|fp32 forces it.
+# Prefills and big decode batches are matmuls, not GEMVs. Three paths: oneDNN in bf16 ("bf16"),
+# fast only where the CPU has bf16 instructions (AVX-512 BF16, AMX); oneDNN in fp32 over an fp32
+# copy of the bf16 weights ("fp32"), where torch's bf16 GEMM is a slow fallback (1.3 GFLOP/s
+# against 74 in fp32 on an AVX2 Zen 3); and our bf16 tiles ("tiles", `Tiles`: AVX-512 BF16 builds),
+# which beat oneDNN's AVX-512 kernels on a Zen 4 (not its AMX ones). Which is fastest is measured,
+# once per process, on a step-shaped matmul; WORKBENCH_CPU_GEMM=bf16|fp32|tiles forces it.
 GEMM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GEMM_PATHS = ("bf16", "fp32", "tiles")
+TILE_OUTPUTS = 64  # outputs per packed group (TN in cpu_kernels.c)
 _gemm: tuple[str, str, dict] | None = None
 WIDE_BATCH_HINT = 64  # oneDNN's blocking for the fp32 path (pack_linear)
 
@@ -555,7 +559,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def gemm_rate(dtype: torch.dtype, m: int = 64, k: int = 1024, n: int = 1024, budget_s: float = 0.15) -> float:
     """GFLOP/s of an m x k @ k x n linear in `dtype` the way the engine runs it (oneDNN's packed
     weights where torch has them: bf16 for the model's own linears, fp32 for the wide path)."""
-    import time
 
     import torch.nn.functional as F
 
@@ -564,6 +567,13 @@ def gemm_rate(dtype: torch.dtype, m: int = 64, k: int = 1024, n: int = 1024, bud
     x = torch.randn(m, k, generator=g).to(dtype)
     packed = pack_linear(w, WIDE_BATCH_HINT if dtype == torch.float32 else 1)
     fn = (lambda: F.linear(x, w)) if packed is None else (lambda: packed_linear(x, packed))  # noqa: E731
+    return _best_rate(fn, 2.0 * m * k * n, budget_s)
+
+
+def _best_rate(fn, flop: float, budget_s: float) -> float:
+    """GFLOP/s of the fastest of up to 20 calls of `fn` (after one warm-up) within `budget_s`."""
+    import time
+
     fn()
     best, spent = 0.0, 0.0
     for _ in range(20):
@@ -571,25 +581,74 @@ def gemm_rate(dtype: torch.dtype, m: int = 64, k: int = 1024, n: int = 1024, bud
         fn()
         dt = time.perf_counter() - t
         spent += dt
-        best = max(best, 2.0 * m * k * n / dt / 1e9)
+        best = max(best, flop / dt / 1e9)
         if spent > budget_s:
             break
     return best
 
 
 def gemm_path() -> tuple[str, str, dict]:
-    """("bf16" | "fp32", why, {"bf16": GFLOP/s, "fp32": GFLOP/s}) for steps above MAX_ROWS rows."""
+    """("bf16" | "fp32" | "tiles", why, {path: GFLOP/s}) for steps above MAX_ROWS rows."""
     global _gemm
     if _gemm is None:
         rates = {name: round(gemm_rate(dt), 1) for name, dt in GEMM_DTYPES.items()}
+        if tiles_available():
+            rates["tiles"] = round(tiles_rate(), 1)
         forced = os.environ.get("WORKBENCH_CPU_GEMM", "").strip().lower()
-        measured = f"bf16 matmul {rates['bf16']:g} GFLOP/s, fp32 {rates['fp32']:g} on this CPU"
-        if forced in GEMM_DTYPES:
+        measured = ", ".join(f"{_PATH_NAMES[p]} {r:g}" for p, r in rates.items()) + " GFLOP/s on this CPU"
+        if forced in rates:
             _gemm = (forced, f"forced by WORKBENCH_CPU_GEMM={forced} ({measured})", rates)
         else:
-            best = "bf16" if rates["bf16"] >= rates["fp32"] else "fp32"
-            _gemm = (best, f"measured: {measured}", rates)
+            _gemm = (max(rates, key=rates.get), f"measured: {measured}", rates)
     return _gemm
+
+
+_PATH_NAMES = {"bf16": "oneDNN bf16", "fp32": "oneDNN fp32", "tiles": "our bf16 tiles"}
+
+
+def tiles_available() -> bool:
+    """Whether `Tiles` runs here: the AVX-512 BF16 build."""
+    return variant() == "avx512_bf16"
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 (K even) -> the layout of wb_gemm_tiles: [N / 64][K / 2][4][16][2], zero-padded
+    to whole groups of 64 outputs."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"the tiles take an even number of inputs; got {k}")
+    groups = (n + TILE_OUTPUTS - 1) // TILE_OUTPUTS
+    padded = torch.zeros(groups * TILE_OUTPUTS, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+
+
+class Tiles:
+    """A bf16 weight packed for `wb_gemm_tiles` (steps of more than MAX_ROWS rows): `tiles(x)` for
+    x [M, K] contiguous bf16 returns [M, N] bf16, fp32 sums rounded once, as the GEMVs do."""
+
+    __slots__ = ("_fn", "_packed", "_bias", "n", "k")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if not tiles_available():
+            raise RuntimeError(f"the bf16 tiles need the avx512_bf16 build; this one is {variant()}")
+        self._fn = _require().wb_gemm_tiles
+        self._packed, self._bias = pack_tiles(weight), bias
+        self.n, self.k = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        y = torch.empty((m, self.n), dtype=torch.bfloat16)
+        self._fn(x.data_ptr(), self._packed.data_ptr(), _ptr(self._bias), y.data_ptr(), m, self.n, self.k)
+        return y
+
+
+def tiles_rate(m: int = 64, k: int = 1024, n: int = 1024, budget_s: float = 0.15) -> float:
+    """GFLOP/s of `Tiles` on an m x k @ k x n step, as `gemm_rate` measures oneDNN's."""
+    g = torch.Generator().manual_seed(0)
+    tiles = Tiles((torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    return _best_rate(lambda: tiles(x), 2.0 * m * k * n, budget_s)
 
 
 # -- the register width of the bf16 GEMVs ----------------------------------------------------------

@@ -345,6 +345,74 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const
 }
 
 // ---------------------------------------------------------------------------------------------
+// Batched decode steps (tens of rows) on AVX-512 BF16: a GEMM over weights packed for it. At these
+// sizes the work is compute-bound, and a weight row dotted with one activation row at a time leaves
+// vdpbf16ps waiting on its own latency. Here each weight pair is broadcast-free: the packed layout
+// puts 16 outputs' (k, k+1) pairs in one register, each activation pair is broadcast, and a tile of
+// TM rows x 64 outputs keeps 24 accumulators with no horizontal sums. Layout (wb_pack_tiles):
+// [N / 64][K / 2][4][16][2] bf16, zero-padded to whole groups of 64 outputs, so one group's step
+// is 256 contiguous bytes and a thread's groups are one stream.
+#define TN 64
+#define TM 6
+#if WB_BF16_DOT
+static inline void tile_group(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                              int64_t K, int64_t g, const bf16 *next, int64_t m0, const int MR) {
+    int64_t KP = K / 2;
+    __m512 acc[TM][4];
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    const bf16 *w = wp + g * KP * TN * 2;
+    for (int64_t kp = 0; kp < KP; kp++) {
+        if (next) {  // the first rows of a group fetch the next group's weights, 4 lines a step
+            for (int j = 0; j < 4; j++) PREFETCH(next + kp * TN * 2 + 32 * j);
+        }
+        __m512bh wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + kp * TN * 2 + 32 * j);
+        for (int m = 0; m < MR; m++) {
+            int32_t pair;
+            memcpy(&pair, x + (m0 + m) * K + 2 * kp, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        int64_t n0 = g * TN + 16 * j;
+        if (n0 >= N) break;
+        __mmask16 mk = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        __m512 b = bias ? wb_widen_bf(_mm256_maskz_loadu_epi16(mk, bias + n0)) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++)
+            _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, mk, wb_narrow_bf(_mm512_add_ps(acc[m][j], b)));
+    }
+}
+#endif
+
+// y [M, N] = x [M, K] @ W^T (+ bias), W packed by wb_pack_tiles; K even. Groups of 64 outputs are
+// handed out dynamically: a thread preempted by another process does not hold the other at a
+// static share's end.
+void wb_gemm_tiles(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
+#if WB_BF16_DOT
+    int64_t groups = (N + TN - 1) / TN, KP = K / 2;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const bf16 *next = g + 1 < groups ? wp + (g + 1) * KP * TN * 2 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += TM) {
+            const bf16 *pf = m0 == 0 ? next : NULL;
+            switch (M - m0 < TM ? M - m0 : TM) {
+            case 1: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 1); break;
+            case 2: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 2); break;
+            case 3: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 3); break;
+            case 4: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 4); break;
+            case 5: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 5); break;
+            default: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 6); break;
+            }
+        }
+    }
+#else
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K;  // cpu.py binds it on avx512_bf16 only
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Elementwise ops with torch's bf16 rounding points.
 
 // x += delta (if given, rounded to bf16), then out = w * bf16(x * rsqrt(mean(x^2) + eps)).

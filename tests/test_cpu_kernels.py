@@ -85,17 +85,18 @@ def assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, max_fraction: float
 @pytest.mark.parametrize("n,k", [(7, 40), (13, 64), (96, 576), (33, 100)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv_bf16(kern, m, n, k):
-    check_gemv_bf16(kern, m, n, k)
+    check_bf16_product(kern.gemv_bf16, m, n, k)
 
 
-def check_gemv_bf16(kern, m, n, k):
+def check_bf16_product(multiply, m, n, k):
+    """multiply(x [m, k], w [n, k], bias or None) against the exact product, with and without bias."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = (torch.randn(n, k, generator=g) * 0.1).to(BF)
     x = torch.randn(m, k, generator=g).to(BF)
     bias = torch.randn(n, generator=g).to(BF)
     for b in (None, bias):
         ref = x.float() @ w.float().t() + (0 if b is None else b.float())
-        out = kern.gemv_bf16(x, w, b)
+        out = multiply(x, w, b)
         assert out.shape == (m, n) and out.dtype == BF
         # fp32 accumulation, one rounding: within an ulp of the exact result
         assert bool(((out.float() - ref).abs() <= ulp(ref) + 1e-6).all())
@@ -121,7 +122,7 @@ def bf16_dot_width(request):
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
 def test_gemv_bf16_in_either_register_width(bf16_dot_width, m, n, k):
     assert cpu._sel.lib.wb_gemv_ymm() == (bf16_dot_width == "ymm")
-    check_gemv_bf16(cpu, m, n, k)
+    check_bf16_product(cpu.gemv_bf16, m, n, k)
 
 
 def test_gemv_width_is_measured_and_can_be_forced():
@@ -186,6 +187,36 @@ def test_linear_native_switch_keeps_results(native_variant):
     ref = lin(big)
     lin.native = True
     assert torch.equal(lin(big), ref)
+
+
+@pytest.mark.parametrize("m,n,k", [(9, 576, 576), (13, 100, 64), (64, 3072, 576), (70, 576, 1536), (300, 17, 2),
+                                   (6, 64, 40), (1, 130, 98)])
+def test_bf16_tiles_equal_the_exact_product(m, n, k):
+    """Whole and partial tiles (rows past a multiple of 6, outputs past a multiple of 64 and of 16),
+    with and without bias: fp32 sums, one rounding, within an ulp of the exact result."""
+    if not cpu.tiles_available():
+        pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
+    check_bf16_product(lambda x, w, b: cpu.Tiles(w, b)(x), m, n, k)
+    with pytest.raises(ValueError, match="even number of inputs"):
+        cpu.pack_tiles(torch.zeros(4, 3, dtype=BF))
+
+
+def test_tiled_linear_keeps_no_onednn_copy():
+    """On the tiles path a large step packs the weights once for the tiles and never asks oneDNN
+    for its layout (one extra copy, as before); quantised modes keep their own kernels."""
+    if not cpu.tiles_available():
+        pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(BF)
+    lin = Linear(w)
+    lin.native, lin.tiled = True, True
+    x = torch.randn(cpu.MAX_ROWS + 3, 64, generator=g).to(BF)
+    y = lin(x)
+    assert lin._tiles is not None and lin._packed is False
+    assert bool(((y.float() - x.float() @ w.float().t()).abs() <= ulp(y.float()) + 1e-6).all())
+    lin.quantize("int8")
+    lin.tiled = True
+    assert lin(x).shape == (cpu.MAX_ROWS + 3, 96) and lin._tiles is not None  # int8: torch's packed kernel
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -411,22 +442,28 @@ def test_engine_uses_cpu_kernels_and_agrees_with_torch_ops(tiny_bf16):
     llm.configure(cpu_kernels=True)
 
 
-@pytest.mark.parametrize("gemm", ["bf16", "fp32"])
+@pytest.mark.parametrize("gemm", cpu.GEMM_PATHS)
 def test_engine_on_every_variant_and_compute_path(tmp_path_factory, native_variant, gemm, monkeypatch):
-    """Each variant the CPU runs, with large steps (prefills of more than MAX_ROWS tokens) in bf16
-    and in fp32 over the bf16 weights, serves what torch's ops serve, up to near-ties."""
+    """Each variant the CPU runs, with large steps (prefills of more than MAX_ROWS tokens) in bf16,
+    in fp32 over the bf16 weights and (AVX-512 BF16) on our bf16 tiles, serves what torch's ops
+    serve, up to near-ties."""
     from workbench import LLM, SamplingParams
 
+    if gemm == "tiles" and not cpu.tiles_available():
+        pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; {native_variant} has none")
     path = tmp_path_factory.mktemp("tiny-llama-variant")
     make_tiny_model(path, "llama", seed=3)
-    rates = {"bf16": 1.0, "fp32": 1.0}
+    rates = dict.fromkeys(cpu.GEMM_PATHS, 1.0)
     monkeypatch.setattr(cpu, "_gemm", (gemm, f"forced to {gemm} by the test", rates))
     llm = LLM(str(path), dtype="bfloat16")
     status = llm.status()
     assert (status["kernel_variant"], status["compute_path"]) == (native_variant, gemm)
-    assert all(lin.wide == (gemm == "fp32") for lin in llm.engine.runner.model.linears())
+    linears = llm.engine.runner.model.linears()
+    assert all((lin.wide, lin.tiled) == (gemm == "fp32", gemm == "tiles") for lin in linears)
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     native = llm.generate(None, sp, prompt_token_ids=_prompts())
+    prefilled = [lin for layer in llm.engine.runner.model.layers for lin in layer.linears()]
+    assert all((lin._tiles is not None) == (gemm == "tiles") for lin in prefilled)  # the prefills took them
     llm.configure(cpu_kernels=False)
     assert_agree_up_to_near_ties(native, llm.generate(None, sp, prompt_token_ids=_prompts()))
 
@@ -595,7 +632,8 @@ def test_gemm_path_is_measured_and_can_be_forced():
     assert path == max(rates, key=rates.get) or "forced" in why
     assert why.startswith(("measured:", "forced")) and "GFLOP/s" in why
     code = "from workbench_kernels import cpu; print(cpu.gemm_path()[0]); print(cpu.gemm_path()[1])"
-    for forced in ("bf16", "fp32"):
+    assert set(rates) == set(cpu.GEMM_PATHS) if cpu.tiles_available() else set(rates) == {"bf16", "fp32"}
+    for forced in rates:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "WORKBENCH_CPU_GEMM": forced})
         assert r.stdout.splitlines()[0] == forced and f"forced by WORKBENCH_CPU_GEMM={forced}" in r.stdout

@@ -76,7 +76,7 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     cpu_kernels: bool  # whether the C kernels serve (the setting may ask for them where they cannot)
     kernel_variant: str  # "avx512_bf16", "avx2", "neon", "portable", "torch", "cuda", ...
     kernel_variant_reason: str | None
-    compute_path: str  # the dtype large steps multiply in
+    compute_path: str  # how large steps multiply: "bf16" / "fp32" (oneDNN in that dtype), "tiles" (our bf16 tiles)
     compute_path_reason: str | None
     max_token_chars: int | None  # longest text one token stands for (None: no bound is provable)
     num_layers: int

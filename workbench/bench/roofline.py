@@ -75,12 +75,15 @@ def measure_matmul(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, 
 
 
 def _packed_rate(dtype: torch.dtype, m: int, k: int, n: int) -> float:
-    """GFLOP/s of the linear as the engine runs it on a CPU (oneDNN's packed layout, bf16 or fp32),
-    0 where unavailable."""
+    """GFLOP/s of the linear as the engine runs it on a CPU (oneDNN's packed layout, bf16 or fp32;
+    in bf16 also our tiles where this build has them), 0 where unavailable."""
     from workbench_kernels import cpu
 
     try:
-        return cpu.gemm_rate(dtype, m, k, n, budget_s=0.25)
+        rate = cpu.gemm_rate(dtype, m, k, n, budget_s=0.25)
+        if dtype == torch.bfloat16 and cpu.tiles_available():
+            rate = max(rate, cpu.tiles_rate(m, k, n, budget_s=0.25))
+        return rate
     except RuntimeError:
         return 0.0
 

@@ -59,11 +59,11 @@ class CpuKernelForward:
 
     @staticmethod
     def bind_linears(model, on: bool) -> None:
-        """Route the linears through the C GEMVs (and, where the host multiplies large steps in
-        fp32, its wide path) or back to torch."""
-        wide = on and cpu.gemm_path()[0] == "fp32"
+        """Route the linears through the C GEMVs and large steps through the path measured fastest
+        here (`cpu.gemm_path`: our bf16 tiles, or oneDNN in bf16 or fp32), or all back to torch."""
+        path = cpu.gemm_path()[0] if on else None
         for lin in model.linears():
-            lin.native, lin.wide = on, wide
+            lin.native, lin.wide, lin.tiled = on, path == "fp32", path == "tiles"
 
     @staticmethod
     def report(unfused: str | None = None) -> dict:

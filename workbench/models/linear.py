@@ -11,9 +11,10 @@ weights, kept beside the codes: the quantised values at that dtype's speed and m
 With `native` set (the engine's `cpu_kernels` setting, bf16 on a CPU), batches of up to
 `cpu.MAX_ROWS` rows -- decode steps -- take our GEMV kernels instead (workbench_kernels.cpu):
 they stream the weights at the memory's rate, where oneDNN's and torch's kernels lose a third to
-per-call overhead and short rows. Larger batches keep torch's GEMM kernels, in bf16 where this CPU
-multiplies bf16 natively, else (`wide`, chosen by measurement in `cpu.gemm_path`) in fp32 over an
-fp32 copy of the weights in oneDNN's layout, made on first use.
+per-call overhead and short rows. Larger batches take the path `cpu.gemm_path` measured fastest:
+our bf16 tiles (`tiled`, over a copy packed for them on first use), oneDNN in bf16 where this CPU
+multiplies bf16 natively, or (`wide`) oneDNN in fp32 over an fp32 copy of the weights, made on
+first use.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ class Linear:
         self._q: tuple = ()
         self._deq: tuple | None = None  # (dequantised weights, their oneDNN layout or None): see the module doc
         self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel
+        self._tiles: cpu.Tiles | None = None  # the original weights packed for our tiles, made on first use
         self.native = False
         self.wide = False
+        self.tiled = False
         self.quantize("none")
 
     def quantize(self, mode: str, group_size: int = 128) -> None:
@@ -100,6 +103,10 @@ class Linear:
             w, packed = self._deq
             return F.linear(x, w, self.bias) if packed is None else cpu.packed_linear(x, packed, self.bias)
         if mode == "none":
+            if self.native and self.tiled and x.dim() == 2 and self.weight.shape[1] % 2 == 0:
+                if self._tiles is None:
+                    self._tiles = cpu.Tiles(self.weight, self.bias)
+                return self._tiles(x if x.is_contiguous() else x.contiguous())
             if self.native and self.wide:
                 return self._wide_linear(x)
             if self._packed is False:
