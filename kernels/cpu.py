@@ -56,9 +56,11 @@ VARIANT_NEEDS = {
     "portable": (),
 }
 ARCH_VARIANTS = {"x86_64": ("avx512_bf16", "avx512", "avx2", "portable"), "aarch64": ("neon", "portable")}
-# Most activation rows (tokens) the GEMV kernels and the one-call layer take: decode steps of a
-# few sequences and speculative verifies (k + 1 tokens); more rows go to oneDNN / torch.
+# Most activation rows (tokens) the GEMV kernels take: decode steps of a few sequences and
+# speculative verifies (k + 1 tokens); more rows go to the GEMM path (`gemm_path`). The one-call
+# layer takes as many, or FUSED_MAX_ROWS where every linear of the layer has its bf16 tiles.
 MAX_ROWS = 8
+FUSED_MAX_ROWS = 64
 
 
 def _arch() -> str:
@@ -295,12 +297,16 @@ class Gemv:
         self._fn(x.data_ptr(), self._w, self._aux, self._bias, y.data_ptr(), m, self.n, self.k, self.group)
         return y
 
-    def descriptor(self) -> _Linear:
-        return _Linear(self.KINDS.index(self.kind), self._w, self._aux, self._bias, self.n, self.k, self.group)
+    def descriptor(self, tiles: Tiles | None = None) -> _Linear:
+        """This weight for the one-call layer; with `tiles` (the same bf16 weights packed for the
+        tiles), steps of more than MAX_ROWS rows multiply on them."""
+        return _Linear(self.KINDS.index(self.kind), self._w, self._aux, self._bias, self.n, self.k, self.group,
+                       tiles.ptr if tiles is not None else None)
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("w", _P), ("aux", _P), ("bias", _P), ("n", _I), ("k", _I), ("group", _I)]
+    _fields_ = [("kind", _I), ("w", _P), ("aux", _P), ("bias", _P), ("n", _I), ("k", _I), ("group", _I),
+                ("tiles", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -341,10 +347,11 @@ class DecodeLayer:
     attention, o, norm, gate/up, SiLU*up, down, in one call and one parallel region."""
 
     def __init__(self, qkv: Gemv, o: Gemv, gate_up: Gemv, down: Gemv, ln1: torch.Tensor, ln2: torch.Tensor,
-                 eps: float):
-        self._keep = (qkv, o, gate_up, down, ln1, ln2)
-        self.struct = _Layer(qkv.descriptor(), o.descriptor(), gate_up.descriptor(), down.descriptor(),
+                 eps: float, tiles: tuple[Tiles | None, ...] = (None,) * 4):
+        self._keep = (qkv, o, gate_up, down, ln1, ln2, tiles)
+        self.struct = _Layer(*(g.descriptor(t) for g, t in zip((qkv, o, gate_up, down), tiles)),
                              ln1.data_ptr(), ln2.data_ptr(), eps)
+        self.max_rows = FUSED_MAX_ROWS if all(t is not None for t in tiles) else MAX_ROWS
         self._fn = _require().wb_decode_layer
 
     def __call__(self, step: DecodeStep, x: torch.Tensor, delta: torch.Tensor | None, k_cache: torch.Tensor,
@@ -600,6 +607,10 @@ def gemm_path() -> tuple[str, str, dict]:
             _gemm = (forced, f"forced by WORKBENCH_CPU_GEMM={forced} ({measured})", rates)
         else:
             _gemm = (max(rates, key=rates.get), f"measured: {measured}", rates)
+    path, why, rates = _gemm
+    if path == "tiles" and not tiles_available():  # a variant forced since (use()) has no tiles
+        others = {p: r for p, r in rates.items() if p != "tiles"}
+        return max(others, key=others.get), f"the {variant()} build has no tiles; {why}", rates
     return _gemm
 
 
@@ -636,11 +647,21 @@ class Tiles:
         self._packed, self._bias = pack_tiles(weight), bias
         self.n, self.k = weight.shape
 
+    @property
+    def ptr(self) -> int:
+        return self._packed.data_ptr()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         y = torch.empty((m, self.n), dtype=torch.bfloat16)
         self._fn(x.data_ptr(), self._packed.data_ptr(), _ptr(self._bias), y.data_ptr(), m, self.n, self.k)
         return y
+
+
+def fused_max_rows() -> int:
+    """Most tokens a step may have for the CPU attention backend to describe it for the one-call
+    layer: FUSED_MAX_ROWS on the tiles path, else MAX_ROWS (the layer itself checks its linears)."""
+    return FUSED_MAX_ROWS if available() and gemm_path()[0] == "tiles" else MAX_ROWS
 
 
 def tiles_rate(m: int = 64, k: int = 1024, n: int = 1024, budget_s: float = 0.15) -> float:

@@ -349,7 +349,7 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const
 // sizes the work is compute-bound, and a weight row dotted with one activation row at a time leaves
 // vdpbf16ps waiting on its own latency. Here each weight pair is broadcast-free: the packed layout
 // puts 16 outputs' (k, k+1) pairs in one register, each activation pair is broadcast, and a tile of
-// TM rows x 64 outputs keeps 24 accumulators with no horizontal sums. Layout (wb_pack_tiles):
+// TM rows x 64 outputs keeps 24 accumulators with no horizontal sums. Layout (cpu.pack_tiles):
 // [N / 64][K / 2][4][16][2] bf16, zero-padded to whole groups of 64 outputs, so one group's step
 // is 256 contiguous bytes and a thread's groups are one stream.
 #define TN 64
@@ -386,13 +386,13 @@ static inline void tile_group(const bf16 *x, const bf16 *wp, const bf16 *bias, b
 }
 #endif
 
-// y [M, N] = x [M, K] @ W^T (+ bias), W packed by wb_pack_tiles; K even. Groups of 64 outputs are
-// handed out dynamically: a thread preempted by another process does not hold the other at a
-// static share's end.
-void wb_gemm_tiles(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
+// y [M, N] = x [M, K] @ W^T (+ bias), W packed by cpu.pack_tiles; K even. Inside the caller's
+// parallel region (all threads call it). Groups of 64 outputs are handed out dynamically: a thread
+// preempted by another process does not hold the other at a static share's end.
+static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
 #if WB_BF16_DOT
     int64_t groups = (N + TN - 1) / TN, KP = K / 2;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < groups; g++) {
         const bf16 *next = g + 1 < groups ? wp + (g + 1) * KP * TN * 2 : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += TM) {
@@ -408,8 +408,13 @@ void wb_gemm_tiles(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int
         }
     }
 #else
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K;  // cpu.py binds it on avx512_bf16 only
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K;  // cpu.py uses tiles on avx512_bf16 only
 #endif
+}
+
+void wb_gemm_tiles(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel
+    tile_groups(x, wp, bias, y, M, N, K);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -981,7 +986,11 @@ typedef struct {
     const void *w, *aux;
     const bf16 *bias;
     int64_t n, k, group;
+    const bf16 *tiles; // bf16 weights packed for the tiles (steps of more than GEMV_ROWS rows), or NULL
 } wb_linear;
+
+// Most rows the GEMVs take in a layer (cpu.MAX_ROWS); a longer step of bf16 layers runs the tiles.
+#define GEMV_ROWS 8
 
 typedef struct {
     wb_linear qkv, o, gate_up, down;
@@ -1004,6 +1013,10 @@ typedef struct {
 static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M, float *xf) {
     int64_t N = L->n, K = L->k;
 #if WB_BF16_DOT
+    if (L->kind == 0 && M > GEMV_ROWS && L->tiles) {
+        tile_groups(x, L->tiles, L->bias, y, M, N, K);
+        return;
+    }
     if (L->kind == 0) {
         ROW_BLOCKS(SHARED, gemv_bf16_block, x, (const bf16 *)L->w, L->bias, y, N, K);
         return;

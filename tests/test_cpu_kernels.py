@@ -601,30 +601,57 @@ def test_cpu_kernels_toggle_mid_stream_keeps_requests(tiny_bf16):
 def test_one_call_layer_equals_op_by_op(tiny_bf16, quantization, monkeypatch):
     """Decode steps of up to MAX_ROWS sequences run each layer in one C call; that call must give
     exactly what the op-by-op C path gives (same kernels, same order)."""
+    tiny_bf16.configure(cpu_kernels=True, quantization=quantization)
+    calls = _fused_against_op_by_op(tiny_bf16, _prompts()[:cpu.MAX_ROWS], monkeypatch)
+    assert calls and all(fused for fused, _ in calls)
+    tiny_bf16.configure(quantization="none")
+
+
+def test_one_call_layer_takes_tiled_steps_of_up_to_64_rows(tiny_bf16, monkeypatch):
+    """On the tiles path decode steps of 9..64 sequences run in one call too (the tiles inside the
+    layer's parallel region), exactly as op by op; a quantised layer has no tiles and goes op by op."""
+    if not cpu.tiles_available():
+        pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
+    monkeypatch.setattr(cpu, "_gemm", ("tiles", "forced by the test", dict.fromkeys(cpu.GEMM_PATHS, 1.0)))
+    tiny_bf16.configure(cpu_kernels=False)
+    tiny_bf16.configure(cpu_kernels=True)  # binds the linears to the tiles path
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (70,), generator=g).tolist() for _ in range(12)]  # prefills of > 64 tokens
+    calls = _fused_against_op_by_op(tiny_bf16, prompts, monkeypatch)
+    assert any(fused and rows == 12 for fused, rows in calls)
+    tiny_bf16.configure(quantization="int8")
+    assert tiny_bf16.engine.runner.model.layers[0].qkv.fused_tiles() is None
+    calls = _fused_against_op_by_op(tiny_bf16, prompts, monkeypatch)
+    assert not any(fused for fused, rows in calls if rows > cpu.MAX_ROWS)
+    tiny_bf16.configure(quantization="none", cpu_kernels=False)
+    monkeypatch.undo()
+    tiny_bf16.configure(cpu_kernels=True)
+
+
+def _fused_against_op_by_op(llm, prompts, monkeypatch) -> list[tuple[bool, int]]:
+    """Generate with the one-call layer where it applies, then with every layer op by op: the same
+    tokens and log-probabilities. Returns (one call?, rows) for each layer of the first run."""
     from workbench import SamplingParams
     from workbench.models.cpu_forward import CpuKernelForward
 
-    llm = tiny_bf16
-    llm.configure(cpu_kernels=True, quantization=quantization)
     calls = []
     original = CpuKernelForward._one_call
 
-    def counting(self, layer):
-        fused = original(self, layer)
-        calls.append(fused is not None)
+    def counting(self, layer, rows):
+        fused = original(self, layer, rows)
+        calls.append((fused is not None, rows))
         return fused
 
     monkeypatch.setattr(CpuKernelForward, "_one_call", counting)
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    prompts = _prompts()[:cpu.MAX_ROWS]
     fused = llm.generate(None, sp, prompt_token_ids=prompts)
-    assert calls and all(calls)
-    monkeypatch.setattr(CpuKernelForward, "_one_call", lambda self, layer: None)
+    monkeypatch.setattr(CpuKernelForward, "_one_call", lambda self, layer, rows: None)
     op_by_op = llm.generate(None, sp, prompt_token_ids=prompts)
+    monkeypatch.setattr(CpuKernelForward, "_one_call", original)
     for a, b in zip(fused, op_by_op):
         assert a.token_ids == b.token_ids
         assert [t.logprob for t in a.logprobs] == [t.logprob for t in b.logprobs]
-    llm.configure(quantization="none")
+    return calls
 
 
 def test_gemm_path_is_measured_and_can_be_forced():

@@ -112,9 +112,9 @@ class CpuKernelAttention(AttentionBackend):
     """Our C attention kernels, which also serve the one-call layer kernel's small steps."""
 
     def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
-        from workbench_kernels.cpu import MAX_ROWS
+        from workbench_kernels.cpu import fused_max_rows
 
-        if len(positions) > MAX_ROWS:
+        if len(positions) > fused_max_rows():
             return
         dev = meta.slot_mapping.device
         meta.token_block_tables = pad_tables([t for t, n in tables for _ in range(n)], dev)

@@ -6,7 +6,8 @@ keeping torch's bf16 rounding points. Three shapes, fastest first:
 
 - the whole stack in one C call (`DecodeStack`), when every layer has its one-call kernel;
 - each layer in one call (`DecodeLayer`): a step of at most `cpu.MAX_ROWS` tokens on the CPU
-  attention backend, every token attending as a one-query decode (the backend's metadata);
+  attention backend (`cpu.FUSED_MAX_ROWS` where every linear has its bf16 tiles), every token
+  attending as a one-query decode (the backend's metadata);
 - op by op (`_layer`): longer steps, or layers whose linears have no GEMV kernel.
 """
 
@@ -78,12 +79,12 @@ class CpuKernelForward:
         m = self.model
         eps = m.config.rms_norm_eps
         step = self._step(positions, attention, meta)
-        stack = self._decode_stack(attention.kv) if step is not None else None
+        stack = self._decode_stack(attention.kv, step.t) if step is not None else None
         if stack is not None:
             return cpu.add_rms_norm(x, stack(step, x, None), m.norm, eps)
         delta = None
         for layer in m.layers:
-            one_call = self._one_call(layer) if step is not None else None
+            one_call = self._one_call(layer, step.t) if step is not None else None
             if one_call is not None:
                 k_cache, v_cache, _, _ = attention.kv.layer(layer.index)
                 delta = one_call(step, x, delta, k_cache, v_cache)
@@ -103,21 +104,24 @@ class CpuKernelForward:
         h = cpu.add_rms_norm(x, layer.o(o.view(-1, layer.nq * layer.d)), layer.ln2, layer.eps)
         return layer.down(cpu.silu_mul(layer.gate_up(h)))
 
-    def _one_call(self, layer) -> cpu.DecodeLayer | None:
-        """The layer bound to the one-call kernel, if every matmul has a GEMV kernel; bound again
-        whenever a re-layout (quantisation) gave the linears new GEMVs."""
-        gemvs = tuple(lin._native for lin in layer.linears())
-        if any(g is None for g in gemvs):
+    def _one_call(self, layer, rows: int) -> cpu.DecodeLayer | None:
+        """The layer bound to the one-call kernel, if every matmul has a GEMV kernel (and, for more
+        than MAX_ROWS rows, its tiles); bound again whenever a re-layout (quantisation) gave the
+        linears new kernels."""
+        linears = layer.linears()
+        kernels = tuple(lin._native for lin in linears) + tuple(lin.fused_tiles() for lin in linears)
+        if any(g is None for g in kernels[:4]):
             return None
         bound = self._layers.get(layer.index)
-        if bound is None or any(a is not b for a, b in zip(bound[0], gemvs)):
-            bound = self._layers[layer.index] = (gemvs, cpu.DecodeLayer(*gemvs, layer.ln1, layer.ln2, layer.eps))
-        return bound[1]
+        if bound is None or any(a is not b for a, b in zip(bound[0], kernels)):
+            one_call = cpu.DecodeLayer(*kernels[:4], layer.ln1, layer.ln2, layer.eps, tiles=kernels[4:])
+            bound = self._layers[layer.index] = (kernels, one_call)
+        return bound[1] if rows <= bound[1].max_rows else None
 
-    def _decode_stack(self, kv) -> cpu.DecodeStack | None:
+    def _decode_stack(self, kv, rows: int) -> cpu.DecodeStack | None:
         """Every layer in one C call, when every layer has its one-call kernel; rebuilt when a
         layer's kernel or the cache changes (re-layouts)."""
-        one_calls = [self._one_call(layer) for layer in self.model.layers]
+        one_calls = [self._one_call(layer, rows) for layer in self.model.layers]
         if any(f is None for f in one_calls):
             return None
         key = (tuple(map(id, one_calls)), tuple(map(id, kv.k)), tuple(map(id, kv.v)))

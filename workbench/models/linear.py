@@ -103,10 +103,9 @@ class Linear:
             w, packed = self._deq
             return F.linear(x, w, self.bias) if packed is None else cpu.packed_linear(x, packed, self.bias)
         if mode == "none":
-            if self.native and self.tiled and x.dim() == 2 and self.weight.shape[1] % 2 == 0:
-                if self._tiles is None:
-                    self._tiles = cpu.Tiles(self.weight, self.bias)
-                return self._tiles(x if x.is_contiguous() else x.contiguous())
+            tiles = self.fused_tiles() if x.dim() == 2 else None
+            if tiles is not None:
+                return tiles(x if x.is_contiguous() else x.contiguous())
             if self.native and self.wide:
                 return self._wide_linear(x)
             if self._packed is False:
@@ -133,6 +132,15 @@ class Linear:
             q, s = self._q
             y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def fused_tiles(self) -> cpu.Tiles | None:
+        """The original bf16 weights packed for our tiles (made on first use), when large steps take
+        them: on the tiles path, unquantised, an even number of inputs."""
+        if not (self.native and self.tiled and self.mode == "none" and self.weight.shape[1] % 2 == 0):
+            return None
+        if self._tiles is None:
+            self._tiles = cpu.Tiles(self.weight, self.bias)
+        return self._tiles
 
     def _wide_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self._wide is None:
