@@ -596,6 +596,9 @@ class RemoteEngineClient(Engine):
             http = getattr(self, "_http", None)
             if http is not None:
                 await http.aclose()
+            # close the response streams' async generators here: finalised later, on a stopped loop,
+            # asyncio prints "Task was destroyed but it is pending! ... async_generator_athrow"
+            await self._loop.shutdown_asyncgens()
 
         if self._loop.is_running():
             try:
