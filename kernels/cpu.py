@@ -617,6 +617,15 @@ def gemm_path() -> tuple[str, str, dict]:
 _PATH_NAMES = {"bf16": "oneDNN bf16", "fp32": "oneDNN fp32", "tiles": "our bf16 tiles"}
 
 
+def engine_gemm_rate(m: int, k: int, n: int, budget_s: float = 0.15) -> float:
+    """GFLOP/s of an m x k @ k x n step on the fastest path the engine can take here (oneDNN bf16
+    or fp32, our tiles): what the simulator's CPU profile and the roofline count as the peak."""
+    rates = [gemm_rate(dt, m, k, n, budget_s) for dt in GEMM_DTYPES.values()]
+    if tiles_available():
+        rates.append(tiles_rate(m, k, n, budget_s))
+    return max(rates)
+
+
 def tiles_available() -> bool:
     """Whether `Tiles` runs here: the AVX-512 BF16 build."""
     return variant() == "avx512_bf16"

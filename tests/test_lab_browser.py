@@ -593,7 +593,9 @@ def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tm
         assert panel.get_attribute("data-live") == "1"
         # the engine dies under the panel: it says so, clears its numbers and disables its controls
         moe.process.kill()
-        page.wait_for_selector('#serving-workbench-panel[data-live="0"]', timeout=30_000)
+        # 60 s: in one of several full-suite runs on a loaded 2-core host the panel took over 30 s
+        # to say so (it passes in ~1 s alone); the slow path is not found yet (issue 31)
+        page.wait_for_selector('#serving-workbench-panel[data-live="0"]', timeout=60_000)
         # read in one go: the panel's next refresh may move on to the engine still running (e2e)
         seen = page.evaluate("""() => {
             const p = document.querySelector('#serving-workbench-panel');
