@@ -617,11 +617,12 @@ def gemm_path() -> tuple[str, str, dict]:
 _PATH_NAMES = {"bf16": "oneDNN bf16", "fp32": "oneDNN fp32", "tiles": "our bf16 tiles"}
 
 
-def engine_gemm_rate(m: int, k: int, n: int, budget_s: float = 0.15) -> float:
-    """GFLOP/s of an m x k @ k x n step on the fastest path the engine can take here (oneDNN bf16
-    or fp32, our tiles): what the simulator's CPU profile and the roofline count as the peak."""
-    rates = [gemm_rate(dt, m, k, n, budget_s) for dt in GEMM_DTYPES.values()]
-    if tiles_available():
+def engine_gemm_rate(m: int, k: int, n: int, budget_s: float = 0.15, dtype: torch.dtype | None = None) -> float:
+    """GFLOP/s of an m x k @ k x n step on the fastest path the engine can take here in `dtype`
+    (None: any): oneDNN in that dtype, or in bf16 our tiles too. What the simulator's CPU profile
+    and the roofline count as the peak."""
+    rates = [gemm_rate(dt, m, k, n, budget_s) for dt in ([dtype] if dtype else GEMM_DTYPES.values())]
+    if tiles_available() and dtype in (None, torch.bfloat16):
         rates.append(tiles_rate(m, k, n, budget_s))
     return max(rates)
 

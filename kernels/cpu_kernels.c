@@ -355,8 +355,8 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const
 #define TN 64
 #define TM 6
 #if WB_BF16_DOT
-static inline void tile_group(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
-                              int64_t K, int64_t g, const bf16 *next, int64_t m0, const int MR) {
+static inline void tile_group(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t N, int64_t K,
+                              int64_t g, const bf16 *next, int64_t m0, const int MR) {
     int64_t KP = K / 2;
     __m512 acc[TM][4];
     for (int m = 0; m < MR; m++)
@@ -398,12 +398,12 @@ static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y
         for (int64_t m0 = 0; m0 < M; m0 += TM) {
             const bf16 *pf = m0 == 0 ? next : NULL;
             switch (M - m0 < TM ? M - m0 : TM) {
-            case 1: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 1); break;
-            case 2: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 2); break;
-            case 3: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 3); break;
-            case 4: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 4); break;
-            case 5: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 5); break;
-            default: tile_group(x, wp, bias, y, M, N, K, g, pf, m0, 6); break;
+            case 1: tile_group(x, wp, bias, y, N, K, g, pf, m0, 1); break;
+            case 2: tile_group(x, wp, bias, y, N, K, g, pf, m0, 2); break;
+            case 3: tile_group(x, wp, bias, y, N, K, g, pf, m0, 3); break;
+            case 4: tile_group(x, wp, bias, y, N, K, g, pf, m0, 4); break;
+            case 5: tile_group(x, wp, bias, y, N, K, g, pf, m0, 5); break;
+            default: tile_group(x, wp, bias, y, N, K, g, pf, m0, 6); break;
             }
         }
     }

@@ -80,10 +80,7 @@ def _packed_rate(dtype: torch.dtype, m: int, k: int, n: int) -> float:
     from workbench_kernels import cpu
 
     try:
-        rate = cpu.gemm_rate(dtype, m, k, n, budget_s=0.25)
-        if dtype == torch.bfloat16 and cpu.tiles_available():
-            rate = max(rate, cpu.tiles_rate(m, k, n, budget_s=0.25))
-        return rate
+        return cpu.engine_gemm_rate(m, k, n, budget_s=0.25, dtype=dtype)
     except RuntimeError:
         return 0.0
 
