@@ -250,10 +250,26 @@ def test_speculative_acceptance_and_idle_gap():
     s = r.drain()["series"]
     assert s["spec_accept_rate"][0] == pytest.approx(0.75)
     assert s["spec_accept_rate"][-1] == pytest.approx(0.25)
-    # the idle gap drops throughput to zero right after the first bin and just before the last
-    assert s["t"] == [0.5, 1.0, 3.0, 3.5]
-    assert s["tok_s"][1] == 0.0 and s["tok_s"][2] == 0.0
+    # the idle gap: the 2 s average decays over its window (4 bins) to zero, then a zero just
+    # before the next busy bin, so no line slopes across the gap
+    assert s["t"] == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    assert s["tok_s"][1:6] == [0.0] * 5
+    assert s["tok_s_avg"][:6] == pytest.approx([8.0, 4.0, 8 / 3, 2.0, 0.0, 0.0])
     assert r.drain() == {}
+
+
+def test_a_long_idle_gap_is_flat_at_zero():
+    """70 s idle: the average is zero two seconds after the last token; one row marks the end."""
+    f = Fake()
+    f.req(0.0, "s", "arrived")
+    f.step(0.0, 0.1, "decode", [("s", 1, "decode")], output_tokens=10)
+    f.step(70.0, 70.1, "decode", [("s", 1, "decode")], output_tokens=10)
+    r = TimelineReducer(bin_s=0.5, smooth_s=2.0)
+    r.add(f.timeline())
+    r.tick(100.0)
+    s = r.drain()["series"]
+    assert s["t"] == [0.5, 1.0, 1.5, 2.0, 2.5, 70.0, 70.5]
+    assert s["tok_s_avg"][4:6] == [0.0, 0.0]
 
 
 def test_tick_closes_bins_and_late_events_join_the_next_bin():

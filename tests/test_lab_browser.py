@@ -704,6 +704,37 @@ def test_panel_fits_its_default_width_and_is_in_the_view_menu(lab, engine, brows
         page.close()
 
 
+DASHBOARD_CELLS = [
+    "%load_ext workbench\n%engine connect e2e",
+    "%dashboard --hz 20",
+    "%%generate --max-tokens 400 --temperature 0 --ignore-eos --hz 20\nOnce upon a time, there was a little",
+]
+
+
+def test_closing_a_page_under_a_live_dashboard(lab, engine, browser):
+    """A page with a `%dashboard` at 20 Hz and a streaming `%%generate` is closed while both
+    still send: the kernel's messages keep arriving for a socket that is going away, and the server
+    must drop them quietly (the log check after this test reads its log). Three times, as the
+    browser.s close and the next message race."""
+    (lab["root"] / "dash.ipynb").write_text(json.dumps(notebook(DASHBOARD_CELLS)))
+    for _round in range(2):
+        page, _problems = _new_page(browser, 950)
+        page.goto(f"{lab['url']}/lab/tree/dash.ipynb?token={lab['token']}", wait_until="domcontentloaded")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        _run_cells(page, len(DASHBOARD_CELLS))
+        # streaming: the generate cell's output is growing
+        page.wait_for_selector(".jp-Notebook .jp-Cell:nth-child(3) .jp-OutputArea-output", timeout=60_000)
+        page.wait_for_timeout(1500)
+        page.screenshot(path=str(ARTIFACTS / "lab-dash-close.png"))
+        page.close()
+        time.sleep(2)
+    # the engine kept serving: the closed page's request ran or was abandoned, nothing else is lost
+    from workbench.sampling_params import SamplingParams
+
+    out = engine.generate(prompt_token_ids=[[1, 2, 3]], params=SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].token_ids) == 4
+
+
 def test_the_server_log_has_no_traceback(lab):
     """Last in this module: after every test above held websockets open (pinged each second), the
     lab's log has no traceback and no failed callback."""

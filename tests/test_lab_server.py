@@ -476,3 +476,77 @@ async def test_events_socket_refuses_a_foreign_origin(jp_fetch, jp_serverapp, jp
         assert json.loads(await asyncio.wait_for(ws.read_message(), 30))["type"] == "snapshot"
     finally:
         ws.close()
+
+
+# A kernel client that floods the kernel's output, then freezes: it reads nothing and answers no
+# close frame, as a page does that is being closed or is reloaded while its kernel still prints.
+FROZEN_KERNEL_CLIENT = r"""
+import asyncio, sys, time
+from jupyter_client.session import Session
+from jupyter_server.services.kernels.connection.base import serialize_msg_to_ws_v1
+from tornado.websocket import websocket_connect
+
+async def main():
+    ws = await websocket_connect(sys.argv[1], subprotocols=["v1.kernel.websocket.jupyter.org"])
+    session = Session()
+    code = "import time\nt = time.time()\nwhile time.time() - t < 8: print('x' * 50, flush=True)"
+    msg = session.msg("execute_request", {"code": code, "silent": False, "store_history": False,
+                                          "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+    await ws.write_message(serialize_msg_to_ws_v1(msg, "shell", session.pack), binary=True)
+    for _ in range(50):
+        await ws.read_message()
+    print("flooding", flush=True)
+    time.sleep(10)
+
+asyncio.run(main())
+"""
+
+
+@aio
+async def test_a_kernel_socket_closed_while_its_kernel_prints_logs_no_traceback(
+        jp_fetch, jp_serverapp, jp_http_port, jp_base_url, hub):
+    """A second connection for the same kernel session makes the server close the first; while
+    tornado waits for that client's close frame, the kernel's output for it keeps coming. The
+    server drops it quietly (jupyter_server alone logged a WebSocketClosedError traceback for each
+    message) and the new connection is served."""
+    import logging
+    import sys
+    import uuid
+
+    from tornado.websocket import websocket_connect
+
+    class Errors(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.ERROR)
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    errors = Errors()
+    loggers = [jp_serverapp.log, logging.getLogger("tornado"), logging.getLogger("asyncio")]
+    for logger in loggers:
+        logger.addHandler(errors)
+    r = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
+    kernel = json.loads(r.body)["id"]
+    token = jp_serverapp.identity_provider.token
+    url = (f"ws://127.0.0.1:{jp_http_port}{jp_base_url}api/kernels/{kernel}/channels"
+           f"?session_id={uuid.uuid4()}&token={token}")
+    frozen = await asyncio.create_subprocess_exec(sys.executable, "-c", FROZEN_KERNEL_CLIENT, url,
+                                                  stdout=asyncio.subprocess.PIPE)
+    try:
+        assert (await asyncio.wait_for(frozen.stdout.readline(), 90)).strip() == b"flooding"
+        newer = await websocket_connect(url, subprotocols=["v1.kernel.websocket.jupyter.org"])
+        try:
+            await asyncio.sleep(3)  # the old socket closing, the kernel still printing for it
+            assert await asyncio.wait_for(newer.read_message(), 30) is not None  # the newer one is served
+        finally:
+            newer.close()
+    finally:
+        frozen.kill()
+        await frozen.wait()
+        for logger in loggers:
+            logger.removeHandler(errors)
+        await jp_fetch("api", "kernels", kernel, method="DELETE")
+    seen = [f"{r.getMessage()}: {r.exc_info[1]!r}" if r.exc_info else r.getMessage() for r in errors.records]
+    assert not seen, "\n".join(seen[:5])

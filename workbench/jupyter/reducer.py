@@ -408,9 +408,12 @@ class TimelineReducer:
         self._bin = None
         prev = self._last_emitted_bin
         if prev is not None and b.index - prev > 1:
-            # idle gap: drop throughput to zero right after the last bin and just before this one
-            self._emit_idle(prev + 1)
-            if b.index - prev > 2:
+            # idle gap: the smoothed throughput decays bin by bin to zero after the last busy bin,
+            # then stays there until just before this one (never a slope across the gap)
+            last_decay = min(prev + self.smooth_bins, b.index - 1)
+            for index in range(prev + 1, last_decay + 1):
+                self._emit_idle(index)
+            if b.index - 1 > last_decay:
                 self._emit_idle(b.index - 1)
         nan = float("nan")
         self._emit(

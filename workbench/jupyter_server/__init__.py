@@ -24,9 +24,11 @@ class _PingTimeoutClampNote(logging.Filter):
 
 
 def _load_jupyter_server_extension(serverapp) -> None:
+    from . import kernel_socket
     from .handlers import setup_handlers
 
     logging.getLogger("tornado.general").addFilter(_PingTimeoutClampNote())
+    kernel_socket.use_for(serverapp)
 
     hub = setup_handlers(serverapp.web_app)
     serverapp.log.info("Serving Workbench server extension loaded (engines in %s)", hub.runtime_dir())
