@@ -213,3 +213,29 @@ def test_layers_point_down():
                           "workbench.runs.plots": {"workbench.jupyter.views"},
                           "workbench.jupyter.magics": {"workbench.runs"}}) == [
         ("workbench.http.server", "workbench.cluster"), ("workbench.runs.plots", "workbench.jupyter.views")]
+
+
+def _imports_c_kernels(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name == "workbench_kernels.cpu" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module in ("workbench_kernels", "workbench_kernels.cpu") and \
+                (node.module.endswith(".cpu") or any(a.name == "cpu" for a in node.names)):
+            return True
+    return False
+
+
+def test_one_owner_of_the_cpu_fast_path():
+    """Our C kernels are entered through the CPU fast path (models/cpu_forward.py: binding,
+    attention ops and metadata, forward, report, matmul rate) and the linear layer's own weights;
+    the attention backends, the roofline and the simulator go through the fast path."""
+    users = sorted(str(path.relative_to(ROOT)) for path in _modules().values() if _imports_c_kernels(path))
+    assert users == ["models/cpu_forward.py", "models/linear.py"], users
+    # the check sees both spellings
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        for text in ("from workbench_kernels import cpu\n", "import workbench_kernels.cpu as c\n",
+                     "def f():\n    from workbench_kernels.cpu import fused_max_rows\n"):
+            (Path(d) / "m.py").write_text(text)
+            assert _imports_c_kernels(Path(d) / "m.py"), text

@@ -763,7 +763,7 @@ def test_cli_help_lists_every_setting(capsys):
     text = capsys.readouterr().out
     for name in setting_names():
         assert f"--{name.replace('_', '-')}" in text
-    from workbench.ipc.serve import add_serve_arguments, settings_from_args
+    from workbench.ipc.engine_main import add_serve_arguments, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -21,7 +21,7 @@ from .settings import add_setting_flags, settings_from_flags
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from .ipc.serve import add_serve_arguments
+    from .ipc.engine_main import add_serve_arguments
 
     p = sub.add_parser(
         "serve", help="run a long-lived engine that clients attach to (EngineClient.connect(name))",
@@ -53,7 +53,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "http", None):  # engine process + OpenAI-compatible HTTP front (workbench/http/)
         from .http.server import parse_host_port, run_front
-        from .ipc.serve import settings_from_args
+        from .ipc.engine_main import settings_from_args
 
         try:
             settings = settings_from_args(args)
@@ -66,7 +66,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
             return run_front(args, settings, start_cluster)
         return run_front(args, settings)
-    from .ipc.serve import serve
+    from .ipc.engine_main import serve
 
     return serve(args)
 

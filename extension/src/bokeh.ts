@@ -461,7 +461,7 @@ export class TimelineChart {
     for (const [kind, n] of Object.entries(counts.spans)) {
       d[`spans${kind[0].toUpperCase()}${kind.slice(1)}`] = String(n);
     }
-    d.requests = String(this.state.requests.size);
+    d.requests = String(this.state.requestCount);
     d.cursor = String(this.state.cursor);
   }
 

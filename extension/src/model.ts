@@ -123,24 +123,9 @@ export interface IChange {
   error?: string;
 }
 
-/** Lifecycle times of one request (engine clock). */
-export interface IRequestInfo {
-  id: string;
-  order: number;
-  arrived?: number;
-  scheduled?: number;
-  first_token?: number;
-  finished?: number;
-  finishReason?: string | null;
-  preemptions: number;
-  lastTime: number;
-}
-
 export interface IStateOptions {
   /** Steps kept in memory (the newest). */
   maxSteps?: number;
-  /** Requests kept in memory (the newest by arrival). */
-  maxRequests?: number;
   /** Lane rectangles kept in memory (the newest). */
   maxLaneRows?: number;
 }
@@ -148,12 +133,10 @@ export interface IStateOptions {
 export class EngineState {
   constructor(options: IStateOptions = {}) {
     this.maxSteps = options.maxSteps ?? 20000;
-    this.maxRequests = options.maxRequests ?? 500;
     this.maxLaneRows = options.maxLaneRows ?? 20000;
   }
 
   readonly maxSteps: number;
-  readonly maxRequests: number;
   readonly maxLaneRows: number;
   engine = '';
   status: Dict = {};
@@ -168,7 +151,6 @@ export class EngineState {
   /** Engine time drawn as x = 0. */
   origin: number | null = null;
   steps: IStepEvent[] = [];
-  requests = new Map<string, IRequestInfo>();
   /** What the chart draws: the reducer's rows, newest kept. */
   columns: Record<string, Columns> = { steps: {}, lanes: {}, changes: {}, host: {} };
   palette: IPalette = { phase: {}, state: {} };
@@ -180,7 +162,6 @@ export class EngineState {
   lastSeq = -1;
   /** Deltas that arrived out of order or before the snapshot (ignored). */
   ignored = 0;
-  private _order = 0;
 
   get hasSnapshot(): boolean {
     return this.lastSeq >= 0;
@@ -272,9 +253,7 @@ export class EngineState {
 
   private _reset(): void {
     this.steps = [];
-    this.requests = new Map();
     this.columns = { steps: {}, lanes: {}, changes: {}, host: {} };
-    this._order = 0;
     this.cursor = 0;
     this.dropped = 0;
     this.relayout = [];
@@ -309,12 +288,9 @@ export class EngineState {
       change.newSteps = steps;
     }
     if (events.length) {
-      events.sort((a, b) => a.seq - b.seq);
       for (const ev of events) {
         this._noteTime(ev.time);
-        this._applyRequestEvent(ev);
       }
-      this._trimRequests();
       change.requestsChanged = true;
     }
     this.cursor = Math.max(this.cursor, part.cursor ?? 0, ...steps.map(s => s.seq), ...events.map(e => e.seq));
@@ -346,64 +322,20 @@ export class EngineState {
     }
   }
 
-  private _applyRequestEvent(ev: IRequestEvent): void {
-    let info = this.requests.get(ev.request_id);
-    if (!info) {
-      info = {
-        id: ev.request_id,
-        order: this._order++,
-        preemptions: 0,
-        lastTime: ev.time
-      };
-      this.requests.set(ev.request_id, info);
-    }
-    info.lastTime = Math.max(info.lastTime, ev.time);
-    switch (ev.kind) {
-      case 'arrived':
-        info.arrived = info.arrived ?? ev.time;
-        break;
-      case 'scheduled':
-        info.scheduled = info.scheduled ?? ev.time;
-        break;
-      case 'first_token':
-        info.first_token = info.first_token ?? ev.time;
-        break;
-      case 'preempted':
-        info.preemptions += 1;
-        break;
-      case 'finished':
-        info.finished = info.finished ?? ev.time;
-        info.finishReason = ev.detail ?? null;
-        break;
-      default:
-        break;
-    }
-  }
-
-  private _trimRequests(): void {
-    if (this.requests.size <= this.maxRequests) {
-      return;
-    }
-    const byOrder = [...this.requests.values()].sort((a, b) => a.order - b.order);
-    for (const info of byOrder.slice(0, this.requests.size - this.maxRequests)) {
-      this.requests.delete(info.id);
-    }
-  }
-
   /** Seconds since `origin` (the chart's x). */
   x(t: number): number {
     return t - (this.origin ?? 0);
   }
 
-  /** Requests not finished yet. */
+  /** Requests on the chart: the reducer's lanes (the newest rows kept). */
+  get requestCount(): number {
+    return new Set(this.columns.lanes?.request ?? []).size;
+  }
+
+  /** Requests running or waiting, as the engine counts them. */
   get activeRequests(): number {
-    let n = 0;
-    for (const r of this.requests.values()) {
-      if (r.finished === undefined) {
-        n++;
-      }
-    }
-    return n;
+    const n = (v: any): number => (typeof v === 'number' && isFinite(v) ? v : 0);
+    return n(this.metrics.num_running) + n(this.metrics.num_waiting);
   }
 }
 

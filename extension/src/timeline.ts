@@ -204,7 +204,7 @@ export class TimelineView extends Widget {
     }
     const st = conn.state;
     const counts = spanCounts(st);
-    const parts = [`${st.state}`, `${st.steps.length} steps`, `${st.requests.size} requests`];
+    const parts = [`${st.state}`, `${st.steps.length} steps`, `${st.requestCount} requests`];
     if (counts.spans.decode || counts.spans.prefill) {
       parts.push(`${st.activeRequests} active`);
     }

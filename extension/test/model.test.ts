@@ -59,7 +59,6 @@ describe('EngineState', () => {
     expect(st.cursor).toBe(4);
     expect(st.steps.map(s => s.seq)).toEqual([2, 4]);
     expect(st.origin).toBeCloseTo(99.99);
-    expect(st.requests.get('r1')!.scheduled).toBe(100.0);
     expect(ch.settingsChanged.sort()).toEqual(['batching', 'max_num_seqs']);
   });
 
@@ -146,6 +145,19 @@ describe('EngineState', () => {
 });
 
 describe('drawn columns: the Python reducer\'s', () => {
+  it('counts requests from the reducer\'s lanes and active ones from the engine\'s metrics', () => {
+    const st = new EngineState();
+    const [snap, delta] = reducerMessages;
+    st.apply({ ...snap, metrics: { num_running: 2, num_waiting: 1 } });
+    st.apply(delta);
+    const ids = new Set(st.columns.lanes.request);
+    expect(ids.size).toBeGreaterThan(0);
+    expect(st.requestCount).toBe(ids.size);
+    expect(st.activeRequests).toBe(3);
+    st.apply({ ...delta, seq: (delta.seq ?? 0) + 1, columns: undefined, metrics: { num_running: 0, num_waiting: 0 } });
+    expect(st.activeRequests).toBe(0);
+  });
+
   it('keeps the snapshot\'s columns, palette and origin', () => {
     const st = new EngineState();
     const [snap] = reducerMessages;

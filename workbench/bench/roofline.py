@@ -77,10 +77,10 @@ def measure_matmul(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, 
 def _packed_rate(dtype: torch.dtype, m: int, k: int, n: int) -> float:
     """GFLOP/s of the linear as the engine runs it on a CPU (oneDNN's packed layout, bf16 or fp32;
     in bf16 also our tiles where this build has them), 0 where unavailable."""
-    from workbench_kernels import cpu
+    from ..models.cpu_forward import CpuKernelForward
 
     try:
-        return cpu.engine_gemm_rate(m, k, n, budget_s=0.25, dtype=dtype)
+        return CpuKernelForward.gemm_rate(m, k, n, budget_s=0.25, dtype=dtype)
     except RuntimeError:
         return 0.0
 

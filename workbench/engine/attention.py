@@ -2,8 +2,9 @@
 
 A backend is three functions with the signatures of `workbench_kernels.reference`
 (write_kv, extend_attention, decode_attention); `torch` runs those references, `triton` runs
-our Triton kernels, `cpu` our C kernels. Each backend prepares the metadata it needs beyond the
-common part (`prepare`). The cache layout is documented in `kernels/reference.py`.
+our Triton kernels, `cpu` our C kernels (the CPU fast path's, `models/cpu_forward.py`). Each
+backend prepares the metadata it needs beyond the common part (`prepare`). The cache layout is
+documented in `kernels/reference.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from types import SimpleNamespace
 
 import torch
 from workbench_kernels import reference
+
+from ..models.cpu_forward import CpuKernelForward, TokenQueries
 
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -53,11 +56,9 @@ class AttnMetadata:
     ext_cu_seqlens_q: torch.Tensor | None  # the remaining tokens: prefill chunks and verifies
     ext_seq_lens: torch.Tensor | None
     ext_block_tables: torch.Tensor | None
-    # The CPU backend also describes each token of a small step as a one-query attention of its own:
-    # its sequence's block table and its causal context length (position + 1). Decodes and short
-    # verifies/prefills then share the one-call layer kernel (`models/cpu_forward.py`).
-    token_block_tables: torch.Tensor | None = None
-    token_seq_lens: torch.Tensor | None = None
+    # The CPU backend's small steps, each token a one-query attention of its own (decodes and
+    # short verifies/prefills then share the one-call layer kernel); owned by the CPU fast path
+    cpu_tokens: TokenQueries | None = None
     # A CUDA graph's decode: the split-KV count fixed at capture (the Triton kernel then reads no
     # length on the host); None: chosen per step
     decode_num_splits: int | None = None
@@ -109,16 +110,10 @@ class AttentionBackend:
 
 
 class CpuKernelAttention(AttentionBackend):
-    """Our C attention kernels, which also serve the one-call layer kernel's small steps."""
+    """Our C attention kernels (the CPU fast path's), which also serve the one-call layer kernel's small steps."""
 
     def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
-        from workbench_kernels.cpu import fused_max_rows
-
-        if len(positions) > fused_max_rows():
-            return
-        dev = meta.slot_mapping.device
-        meta.token_block_tables = pad_tables([t for t, n in tables for _ in range(n)], dev)
-        meta.token_seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev)
+        meta.cpu_tokens = CpuKernelForward.token_queries(tables, positions, meta.slot_mapping.device)
 
 
 def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
@@ -131,19 +126,6 @@ _TORCH_OPS = SimpleNamespace(
     extend_attention=reference.extend_attention_ref,
     decode_attention=reference.decode_attention_ref,
 )
-
-
-def _cpu_ops():
-    from workbench_kernels import cpu
-
-    # Our C attention kernels have no sliding window: those layers take the torch reference.
-    def extend(*args, window=0):
-        return (reference.extend_attention_ref(*args, window=window) if window else cpu.extend_attention(*args))
-
-    def decode(*args, window=0):
-        return (reference.decode_attention_ref(*args, window=window) if window else cpu.decode_attention(*args))
-
-    return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=extend, decode_attention=decode)
 
 
 def make_backend(name: str, device: torch.device, cpu_kernels: bool, kv: KVCache, head_dim: int,
@@ -162,7 +144,7 @@ def backend_ops(name: str, device: torch.device, cpu_kernels: bool = False):
         if device.type == "cuda":
             name = "triton"
         elif cpu_kernels:
-            return "cpu", _cpu_ops()
+            return "cpu", CpuKernelForward.attention_ops()
         else:
             name = "torch"
     if name == "torch":

@@ -21,16 +21,15 @@ from typing import Any
 
 import torch
 
-from ..models.linear import fp8_supported
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
 from ..outputs import StreamChunk
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
-from ..settings import RELAYOUT, RESTART, EngineSettings, kv_salt, setting_kind, validate
+from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
-from . import sampler
-from .attention import KVCache, backend_ops
+from . import live_settings, sampler
+from .attention import KVCache
 from .hostload import HostSampler
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -69,10 +68,10 @@ class LLMEngine:
         self._weights = weights
         self.runner.set_cuda_graphs(s.cuda_graphs, s.max_num_seqs)
         if s.moe_top_k is not None:
-            self._check_moe_top_k(s.moe_top_k)
+            live_settings.check_moe_top_k(s.moe_top_k, self.model_config, self.model_name)
             self.runner.model.set_moe_top_k(s.moe_top_k)
         if s.quantization != "none":
-            self._check_quantization(s.quantization)
+            live_settings.check_quantization(s.quantization, self.device)
             self.runner.model.quantize(s.quantization, s.quant_group_size)
         self.timeline = TimelineRecorder()
         self.host = HostSampler()
@@ -85,7 +84,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, c.eos_token_ids, self.max_model_len, self.scheduler,
                                        self.timeline, self.totals)
         self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
-        self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self._load_draft, self.totals)
+        self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self.load_draft, self.totals)
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
 
     # -- requests -----------------------------------------------------------------------------
@@ -219,7 +218,8 @@ class LLMEngine:
         return [c for c in chunks if c is not None]
 
     # -- speculative decoding ------------------------------------------------------------------
-    def _load_draft(self, draft_model: str | None) -> DraftProposer:
+    def load_draft(self, draft_model: str | None) -> DraftProposer:
+        """The draft for `speculative='draft'`: the named model, else this model in int4."""
         s = self.settings
         if draft_model is None:
             config, weights, source = self.model_config, self._weights, "self-int4"
@@ -255,86 +255,8 @@ class LLMEngine:
         return self.apply_settings(changes, by=f"in-process (pid {os.getpid()})")
 
     def apply_settings(self, changes: dict[str, Any], by: str) -> dict[str, Any]:
-        """Validate all changes, then apply them (between steps). Returns the effective settings.
-
-        Anything that can fail (validation, an unsupported mode, loading a draft model) runs
-        before the first change is applied, so a rejected call changes nothing. An accepted
-        change is recorded on the timeline (old -> new, `by` whom, how long applying it took)."""
-        started = time.monotonic()
-        changes = validate(changes, self.settings)
-        for name in changes:
-            if setting_kind(name) == RESTART and changes[name] != getattr(self.settings, name):
-                raise ValueError(f"setting {name!r} is fixed when the engine starts; restart the engine to change it")
-        applied = {k: v for k, v in changes.items() if getattr(self.settings, k) != v}
-        before = self.settings.as_dict()
-        merged = {**before, **applied}
-        if "quantization" in applied:
-            self._check_quantization(applied["quantization"])
-        if applied.get("moe_top_k") is not None:
-            self._check_moe_top_k(applied["moe_top_k"])
-        if "attention_backend" in applied:
-            backend_ops(applied["attention_backend"], self.device)
-        new_draft = None
-        if "draft_model" in applied or (merged["speculative"] == "draft" and self.spec.draft is None):
-            self._emit_event("relayout", {"setting": "draft_model", "value": merged["draft_model"], "state": "started"})
-            new_draft = self._load_draft(merged["draft_model"])
-
-        for name, value in applied.items():
-            if setting_kind(name) == RELAYOUT:
-                self._emit_event("relayout", {"setting": name, "value": value, "state": "started"})
-        if new_draft is not None:
-            self.spec.draft = new_draft
-            self._emit_event("relayout", {"setting": "draft_model", "value": new_draft.source, "state": "done"})
-        # A new draft was built with the settings before this call: it takes these like the target.
-        for runner in (self.runner, *((self.spec.draft.runner,) if self.spec.draft is not None else ())):
-            if "attention_backend" in applied:
-                runner.set_backend(applied["attention_backend"])
-            if "cpu_kernels" in applied:
-                runner.set_cpu_kernels(applied["cpu_kernels"])
-        if "kv_cache_dtype" in applied:
-            self.scheduler.preempt_all()  # the cache is rebuilt: every running sequence recomputes
-            self.runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
-        if {"quantization", "quant_group_size"} & applied.keys():
-            self.runner.model.quantize(merged["quantization"], merged["quant_group_size"])
-            self.runner.drop_graphs()  # they captured the old weights' kernels
-        if {"cuda_graphs", "max_num_seqs"} & applied.keys():
-            self.runner.set_cuda_graphs(merged["cuda_graphs"], merged["max_num_seqs"])
-        if "moe_top_k" in applied:
-            self.runner.model.set_moe_top_k(applied["moe_top_k"])
-        for name, value in applied.items():
-            setattr(self.settings, name, value)
-        if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
-            # a new cache dtype re-lays out the storage: no block's contents survive it
-            self.scheduler.set_prefix_caching(self.settings.prefix_caching and self.settings.kv_cache,
-                                              reset="kv_cache_dtype" in applied)
-        self.scheduler.set_kv_salt(kv_salt(self.settings))  # new weights or kernels: new KV values
-        if "speculative" in applied or "num_speculative_tokens" in applied:
-            self.scheduler.clear_drafts()
-        for name, value in applied.items():
-            if setting_kind(name) == RELAYOUT:
-                self._emit_event("relayout", {"setting": name, "value": value, "state": "done"})
-        if applied:
-            relayout = new_draft is not None or any(setting_kind(n) == RELAYOUT for n in applied)
-            self.timeline.add_change(started, time.monotonic(), {k: [before[k], v] for k, v in applied.items()},
-                                     by=by, relayout=relayout)
-            self._emit_event("settings", {"changes": applied, "settings": self.settings.as_dict(), "by": by})
-        return self.settings.as_dict()
-
-    def _check_moe_top_k(self, value: int) -> None:
-        c = self.model_config
-        if not c.num_experts:
-            raise ValueError(f"invalid value {value!r} for setting 'moe_top_k': {self.model_name} is not a "
-                             "mixture-of-experts model; allowed: None")
-        if not 1 <= value <= c.num_experts:
-            raise ValueError(f"invalid value {value!r} for setting 'moe_top_k': allowed None or 1..{c.num_experts} "
-                             f"(this model has {c.num_experts} experts, {c.num_experts_per_tok} per token by default)")
-
-    def _check_quantization(self, mode: str) -> None:
-        if mode == "fp8" and not fp8_supported(self.device):
-            raise ValueError(
-                f"quantization='fp8' is not supported on this device ({self.device}): it needs a CUDA GPU "
-                "with fp8 support (compute capability 8.9+); allowed here: 'none', 'int8', 'int4'"
-            )
+        """Validate all changes, then apply them (between steps; `live_settings.apply`)."""
+        return live_settings.apply(self, changes, by)
 
     def score(self, token_ids: list[int], chunk: int = 128) -> list[float]:
         """Log-probability of each token after the first, given those before it (for perplexity
@@ -364,7 +286,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         return self.scheduler.reset_prefix_cache()
 
-    def _emit_event(self, kind: str, payload: dict) -> None:
+    def emit_event(self, kind: str, payload: dict) -> None:
+        """Tell the hooks (the engine process's event stream) what happened: settings, re-layouts."""
         for hook in list(self.event_hooks):
             hook(kind, payload)
 

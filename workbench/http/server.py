@@ -318,7 +318,7 @@ def _watch_engine(engine, server) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m workbench.http --attach NAME --http HOST:PORT` (or --model M to start one)."""
-    from ..ipc.serve import add_serve_arguments, settings_from_args
+    from ..ipc.engine_main import add_serve_arguments, settings_from_args
 
     parser = argparse.ArgumentParser(prog="python -m workbench.http", description="OpenAI-compatible HTTP front.")
     add_serve_arguments(parser)

@@ -1,6 +1,6 @@
 """`start_engine`: spawn an engine process, wait until it serves, and hand back its client.
 
-The child runs `python -m workbench.ipc.serve` with the settings as flags; its log goes to a
+The child runs `python -m workbench.ipc.engine_main` with the settings as flags; its log goes to a
 file beside the connection file, so a start that fails says why (the log's last lines).
 """
 
@@ -56,7 +56,7 @@ def start_engine(model: str | os.PathLike | None = None, *, name: str | None = N
         raise FileExistsError(f"an engine named {name!r} is already running (pid {holder.pid}); connect with "
                               f"EngineClient.connect({name!r}) or pass another name")
     log_file = conn.log_path(name, directory)
-    cmd = [sys.executable, "-m", "workbench.ipc.serve", "--name", name, "--transport", transport,
+    cmd = [sys.executable, "-m", "workbench.ipc.engine_main", "--name", name, "--transport", transport,
            "--host", host, "--port", str(int(port)), "--client-timeout", str(float(client_timeout)),
            "--max-message-mb", str(float(max_message_mb)), "--settings-json", json.dumps(settings),
            "--drain-timeout", str(float(drain_timeout)), "--max-queued-chars", str(int(max_queued_chars)),

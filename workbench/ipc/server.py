@@ -1,6 +1,6 @@
 """The engine process: one `LLMEngine` served to many clients over ZeroMQ.
 
-    python -m workbench.ipc.serve [--model M] [--name N] [--<setting> value ...]   (`serve.py`)
+    python -m workbench.ipc.engine_main [--model M] [--name N] [--<setting> value ...]   (`engine_main.py`)
     workbench serve ...          (the same, from the CLI)
 
 Over 600 lines on purpose: `EngineServer` is one class whose four threads share an inbox and

@@ -1,6 +1,10 @@
-"""The transformer's forward on our C kernels (bf16 on a CPU; `workbench_kernels/cpu_kernels.c`).
+"""The CPU fast path: everything the engine does on our C kernels (bf16 on a CPU;
+`workbench_kernels/cpu_kernels.c`), owned by `CpuKernelForward`: binding the linears to them, the
+attention ops and the per-token metadata they read, the forward itself, the report of what serves
+and why, and the matmul rate the roofline and the simulator's CPU profile read. Apart from the
+linear layer's own weights (`linear.py`), nothing else in the engine calls the C kernels.
 
-The same arithmetic as `llama.py`'s torch layers, in fewer and fused calls: the residual add goes
+The forward is the same arithmetic as `llama.py`'s torch layers, in fewer and fused calls: the residual add goes
 into the next RMSNorm, RoPE into the KV-cache write and SiLU into the up projection's product,
 keeping torch's bf16 rounding points. Three shapes, fastest first:
 
@@ -13,8 +17,20 @@ keeping torch's bf16 rounding points. Three shapes, fastest first:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import torch
-from workbench_kernels import cpu
+from workbench_kernels import cpu, reference
+
+
+@dataclass
+class TokenQueries:
+    """A small step described for the one-call layer kernel: each token attends as a one-query
+    decode of its own, over its sequence's block table up to its causal length (position + 1)."""
+
+    block_tables: torch.Tensor  # [T, max blocks] int32, zero-padded
+    seq_lens: torch.Tensor  # [T] int32
 
 
 def why_not(model, on: bool) -> str | None:
@@ -53,6 +69,9 @@ def why_not_fused(model) -> str | None:
 
 
 class CpuKernelForward:
+    """The fast path of one model (its forward), and the path's choices for the whole engine
+    (static: binding, attention ops, metadata, report, matmul rate)."""
+
     def __init__(self, model):
         self.model = model
         self._layers: dict[int, tuple[tuple, cpu.DecodeLayer]] = {}  # index -> (the GEMVs it binds, the layer)
@@ -74,6 +93,37 @@ class CpuKernelForward:
         reason += f"; layers not fused: {unfused}" if unfused else ""
         return {"kernel_variant": cpu.variant(), "kernel_variant_reason": reason,
                 "compute_path": path, "compute_path_reason": why}
+
+    @staticmethod
+    def attention_ops() -> SimpleNamespace:
+        """The attention backend's three ops on our C kernels. They have no sliding window: such
+        layers take the torch reference."""
+
+        def extend(*args, window=0):
+            return reference.extend_attention_ref(*args, window=window) if window else cpu.extend_attention(*args)
+
+        def decode(*args, window=0):
+            return reference.decode_attention_ref(*args, window=window) if window else cpu.decode_attention(*args)
+
+        return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=extend, decode_attention=decode)
+
+    @staticmethod
+    def token_queries(tables: list[tuple[list[int], int]], positions: list[int],
+                      device: torch.device) -> TokenQueries | None:
+        """The step's tokens as one-query decodes (`tables`: each scheduled sequence's block table
+        and token count, in token order), when the one-call layer can take that many rows."""
+        if len(positions) > cpu.fused_max_rows():
+            return None
+        width = max(len(t) for t, _ in tables)
+        rows = [t + [0] * (width - len(t)) for t, n in tables for _ in range(n)]
+        return TokenQueries(block_tables=torch.tensor(rows, dtype=torch.int32, device=device),
+                            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device))
+
+    @staticmethod
+    def gemm_rate(m: int, k: int, n: int, budget_s: float = 0.25, dtype: torch.dtype = torch.bfloat16) -> float:
+        """GFLOP/s of an m x k x n linear as the engine runs it on this CPU (oneDNN's packed layout
+        in bf16 or fp32, our tiles in bf16), the best of them (RuntimeError: no C kernels here)."""
+        return cpu.engine_gemm_rate(m, k, n, budget_s=budget_s, dtype=dtype)
 
     def __call__(self, x, positions, attention, meta) -> torch.Tensor:
         m = self.model
@@ -109,7 +159,7 @@ class CpuKernelForward:
         than MAX_ROWS rows, its tiles); bound again whenever a re-layout (quantisation) gave the
         linears new kernels."""
         linears = layer.linears()
-        kernels = tuple(lin._native for lin in linears) + tuple(lin.fused_tiles() for lin in linears)
+        kernels = tuple(lin.gemv for lin in linears) + tuple(lin.fused_tiles() for lin in linears)
         if any(g is None for g in kernels[:4]):
             return None
         bound = self._layers.get(layer.index)
@@ -132,11 +182,12 @@ class CpuKernelForward:
     def _step(self, positions, attention, meta) -> cpu.DecodeStep | None:
         """The shared state of the one-call layer kernel, when the attention backend described each
         token as a one-query decode (small steps on the CPU backend); None: op by op."""
-        if meta.token_seq_lens is None:
+        tokens = meta.cpu_tokens
+        if tokens is None:
             return None
         c, rope = self.model.config, self.model.rope
         return cpu.DecodeStep(
             hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
             intermediate=c.intermediate_size, block_size=attention.kv.k[0].shape[1], positions=positions,
-            slot_mapping=meta.slot_mapping, block_tables=meta.token_block_tables, seq_lens=meta.token_seq_lens,
+            slot_mapping=meta.slot_mapping, block_tables=tokens.block_tables, seq_lens=tokens.seq_lens,
             cos=rope.cos, sin=rope.sin, scale=attention.scale)

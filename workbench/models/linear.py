@@ -78,6 +78,11 @@ class Linear:
             self._q = ((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale.to(w.dtype))
         self.mode = mode
 
+    @property
+    def gemv(self) -> cpu.Gemv | None:
+        """The current mode's weights bound to our GEMV kernel (None: no kernel for this mode here)."""
+        return self._native
+
     def dequantized(self) -> torch.Tensor:
         """The weights this layer effectively multiplies by (for error reports)."""
         if self.mode == "none":

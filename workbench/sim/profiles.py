@@ -43,14 +43,13 @@ PROFILES: dict[str, Profile] = {
 
 def cpu_profile(quick: bool = True) -> Profile:
     """This host, measured now: read bandwidth (bench.roofline) and the best batch-shaped matmul
-    rate as the engine runs it (`cpu.engine_gemm_rate`: oneDNN bf16 or fp32, our tiles), the
-    engine's typical per-step overhead on a CPU (2 ms) at full efficiency (they are measured)."""
-    from workbench_kernels import cpu
-
+    rate as the engine runs it (the CPU fast path's `gemm_rate`: oneDNN bf16 or fp32, our tiles),
+    the engine's typical per-step overhead on a CPU (2 ms) at full efficiency (they are measured)."""
     from ..bench.roofline import measure_bandwidth
+    from ..models.cpu_forward import CpuKernelForward
 
     bw = max(measure_bandwidth(1 << 28 if quick else 1 << 30, repeats=3))
-    flops = cpu.engine_gemm_rate(64, 576, 2304, budget_s=0.05 if quick else 0.25)
+    flops = CpuKernelForward.gemm_rate(64, 576, 2304, budget_s=0.05 if quick else 0.25)
     return Profile("cpu", bw, flops / 1e3, 2.0, device="cpu", bandwidth_efficiency=1.0, compute_efficiency=1.0,
                    source="measured on this host")
 

@@ -1,4 +1,4 @@
-"""The engine process's entry point: `python -m workbench.ipc.serve` (what `start_engine` runs)
+"""The engine process's entry point: `python -m workbench.ipc.engine_main` (what `start_engine` runs)
 and `workbench serve`: flags (one per setting, from the settings schema), load the model, serve."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ log = logging.getLogger("workbench.engine")
 
 # -- command line -------------------------------------------------------------------------------
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `workbench serve` (also `python -m workbench.ipc.serve`); one flag per setting,
+    """Options of `workbench serve` (also `python -m workbench.ipc.engine_main`); one flag per setting,
     generated from `workbench.settings.schema()`."""
     from ..settings import add_setting_flags
 
@@ -110,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench.ipc.serve", description="Run a workbench engine.")
+    parser = argparse.ArgumentParser(prog="python -m workbench.ipc.engine_main", description="Run a workbench engine.")
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
     return serve(args)
