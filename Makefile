@@ -41,6 +41,7 @@ generate: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Debian's chromium for the browser test (Playwright drives it via executable_path; never run
 # `playwright install`). Skipped when /usr/bin/chromium exists; without apt/root the test skips.

@@ -35,8 +35,9 @@ def quant_kind(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
 def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale, v_scale) -> int:
     """Validate a paged cache pair; returns the quantisation kind."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache/v_cache must be equal 4-d tensors, "
-                         f"got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache/v_cache must be equal 4-d tensors, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
+        )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must share a dtype")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:

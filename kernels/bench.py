@@ -94,8 +94,12 @@ def _matmul_TFLOPs(timer: Timer, device, m: int) -> float:
 
 
 def measure_limits(timer: Timer, device, copy_bytes: int = 1 << 30, matmul_n: int = 8192) -> dict:
-    limits = {"copy_GBps": _copy_GBps(timer, device, copy_bytes), "copy_bytes": 2 * copy_bytes,
-              "matmul_TFLOPs": _matmul_TFLOPs(timer, device, matmul_n), "matmul_n": matmul_n}
+    limits = {
+        "copy_GBps": _copy_GBps(timer, device, copy_bytes),
+        "copy_bytes": 2 * copy_bytes,
+        "matmul_TFLOPs": _matmul_TFLOPs(timer, device, matmul_n),
+        "matmul_n": matmul_n,
+    }
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return limits
@@ -127,8 +131,22 @@ def _random_cache(num_blocks, hkv, d, kv, device, gen, dtype=torch.bfloat16):
     return kc, vc, ks, vs
 
 
-def decode_case(ops, ref, timer, hq, hkv, d, kv, device, iters, config=None, *, batch: int = DECODE_BATCH,
-                ctx: int = DECODE_CTX, dtype=torch.bfloat16) -> dict:
+def decode_case(
+    ops,
+    ref,
+    timer,
+    hq,
+    hkv,
+    d,
+    kv,
+    device,
+    iters,
+    config=None,
+    *,
+    batch: int = DECODE_BATCH,
+    ctx: int = DECODE_CTX,
+    dtype=torch.bfloat16,
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     per_seq = ctx // BLOCK_SIZE
     num_blocks = batch * per_seq
@@ -143,8 +161,9 @@ def decode_case(ops, ref, timer, hq, hkv, d, kv, device, iters, config=None, *, 
     total_bytes = kv_bytes + 2 * q.numel() * q.element_size() + bt.numel() * 4
 
     def run(splits, cfg=None):
-        return ops.decode_attention(q, kc, vc, bt, lens, scale, ks, vs, num_splits=splits,
-                                    max_seq_len=ctx, **(cfg or {}))
+        return ops.decode_attention(
+            q, kc, vc, bt, lens, scale, ks, vs, num_splits=splits, max_seq_len=ctx, **(cfg or {})
+        )
 
     if config is not None:  # sweep mode: one configuration, automatic splits
         return {"time_s": timer(lambda: run(None, config), iters=iters)}
@@ -157,15 +176,21 @@ def decode_case(ops, ref, timer, hq, hkv, d, kv, device, iters, config=None, *, 
     t_auto = timer(lambda: run(None), iters=iters)
     t_one = timer(lambda: run(1), iters=iters) if auto != 1 else t_auto
     return {
-        "kv_bytes": kv_bytes, "bytes": total_bytes, "splits_auto": auto,
-        "time_auto_s": t_auto, "GBps_auto": total_bytes / t_auto / 1e9,
-        "time_nosplit_s": t_one, "GBps_nosplit": total_bytes / t_one / 1e9,
-        "max_abs_err": err, "max_rel_err": rel,
+        "kv_bytes": kv_bytes,
+        "bytes": total_bytes,
+        "splits_auto": auto,
+        "time_auto_s": t_auto,
+        "GBps_auto": total_bytes / t_auto / 1e9,
+        "time_nosplit_s": t_one,
+        "GBps_nosplit": total_bytes / t_one / 1e9,
+        "max_abs_err": err,
+        "max_rel_err": rel,
     }
 
 
-def prefill_case(ops, timer, hq, hkv, d, device, iters, config=None, *, n: int = PREFILL_LEN,
-                 dtype=torch.bfloat16) -> dict:
+def prefill_case(
+    ops, timer, hq, hkv, d, device, iters, config=None, *, n: int = PREFILL_LEN, dtype=torch.bfloat16
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     group = hq // hkv
     q = torch.randn(n, hq, d, dtype=dtype, device=device, generator=gen)
@@ -204,14 +229,32 @@ def prefill_case(ops, timer, hq, hkv, d, device, iters, config=None, *, n: int =
     # bytes the kernel must move at least: q, k, v in and the output out
     moved = (2 * q.numel() + k.numel() + v.numel()) * q.element_size()
     return {
-        "time_triton_s": t_tri, "time_sdpa_s": t_sdpa, "ratio_sdpa_over_triton": t_sdpa / t_tri,
-        "TFLOPs_triton": flops / t_tri / 1e12, "TFLOPs_sdpa": flops / t_sdpa / 1e12, "bytes": moved,
-        "GBps": moved / t_tri / 1e9, "max_abs_err": err, "max_rel_err": rel,
+        "time_triton_s": t_tri,
+        "time_sdpa_s": t_sdpa,
+        "ratio_sdpa_over_triton": t_sdpa / t_tri,
+        "TFLOPs_triton": flops / t_tri / 1e12,
+        "TFLOPs_sdpa": flops / t_sdpa / 1e12,
+        "bytes": moved,
+        "GBps": moved / t_tri / 1e9,
+        "max_abs_err": err,
+        "max_rel_err": rel,
     }
 
 
-def kv_write_case(ops, ref, timer, hkv, d, kv, device, iters, *, tokens: int = DECODE_BATCH * 16,
-                  num_blocks: int = 4096, dtype=torch.bfloat16) -> dict:
+def kv_write_case(
+    ops,
+    ref,
+    timer,
+    hkv,
+    d,
+    kv,
+    device,
+    iters,
+    *,
+    tokens: int = DECODE_BATCH * 16,
+    num_blocks: int = 4096,
+    dtype=torch.bfloat16,
+) -> dict:
     """Scattering `tokens` new keys and values into random slots of the paged cache."""
     gen = torch.Generator(device=device).manual_seed(2)
     k = torch.randn(tokens, hkv, d, dtype=dtype, device=device, generator=gen)
@@ -227,8 +270,20 @@ def kv_write_case(ops, ref, timer, hkv, d, kv, device, iters, *, tokens: int = D
     return {"time_s": t, "bytes": moved, "GBps": moved / t / 1e9, "max_abs_err": err}
 
 
-def fused_moe_case(ops, ref, timer, device, iters, *, tokens: int = 256, hidden: int = 2048,
-                   inter: int = 768, experts: int = 64, top_k: int = 8, dtype=torch.bfloat16) -> dict:
+def fused_moe_case(
+    ops,
+    ref,
+    timer,
+    device,
+    iters,
+    *,
+    tokens: int = 256,
+    hidden: int = 2048,
+    inter: int = 768,
+    experts: int = 64,
+    top_k: int = 8,
+    dtype=torch.bfloat16,
+) -> dict:
     """The MoE MLP of `tokens` tokens routed to `top_k` of `experts` (Qwen3-30B-A3B's shape by
     default): bytes = the chosen experts' weights, read once."""
     gen = torch.Generator(device=device).manual_seed(3)
@@ -249,10 +304,13 @@ def fused_moe_case(ops, ref, timer, device, iters, *, tokens: int = 256, hidden:
 
 def sweep(ops, timer, device, log) -> dict:
     best = {}
-    decode_grid = [dict(block_n=bn, num_warps=w, num_stages=s)
-                   for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
-    prefill_grid = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-                    for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    decode_grid = [
+        dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
+    ]
+    prefill_grid = [
+        dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+        for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    ]
     for label, hq, hkv, d in SHAPES:
         for kind, grid in (("decode", decode_grid), ("prefill", prefill_grid)):
             rows = []
@@ -270,8 +328,7 @@ def sweep(ops, timer, device, log) -> dict:
             key = f"{kind} {label} {hq}q/{hkv}kv d{d}"
             best[key] = [{"time_us": t * 1e6, **cfg} for t, cfg in rows[:3]]
             if rows:
-                log(f"  {key}: best {rows[0][1]} {rows[0][0] * 1e6:.1f} us"
-                    f" (default-config run above for comparison)")
+                log(f"  {key}: best {rows[0][1]} {rows[0][0] * 1e6:.1f} us (default-config run above for comparison)")
             torch.cuda.empty_cache()
     return best
 
@@ -284,8 +341,11 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configurations")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels/bench.py measures GPU kernels and needs CUDA, which this machine does not have "
-              "(torch.cuda.is_available() is False). Nothing to do.", file=sys.stderr)
+        print(
+            "kernels/bench.py measures GPU kernels and needs CUDA, which this machine does not have "
+            "(torch.cuda.is_available() is False). Nothing to do.",
+            file=sys.stderr,
+        )
         return 2
     kvs = [s.strip() for s in args.kv.split(",") if s.strip()]
     for s in kvs:
@@ -302,9 +362,13 @@ def main(argv=None) -> int:
     device = torch.device(DEVICE)
     props = torch.cuda.get_device_properties(device)
     result = {
-        "device": props.name, "sms": props.multi_processor_count,
-        "torch": torch.__version__, "triton": triton.__version__,
-        "decode_batch": DECODE_BATCH, "decode_ctx": DECODE_CTX, "prefill_len": PREFILL_LEN,
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "decode_batch": DECODE_BATCH,
+        "decode_ctx": DECODE_CTX,
+        "prefill_len": PREFILL_LEN,
         "block_size": BLOCK_SIZE,
     }
     timer = Timer(device)
@@ -312,12 +376,16 @@ def main(argv=None) -> int:
     log(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     limits = measure_limits(timer, device)
     result["limits"] = limits
-    log(f"limits: device copy {limits['copy_GBps']:.0f} GB/s (read + write), "
-        f"bf16 matmul {limits['matmul_n']}^3 {limits['matmul_TFLOPs']:.0f} TFLOP/s")
+    log(
+        f"limits: device copy {limits['copy_GBps']:.0f} GB/s (read + write), "
+        f"bf16 matmul {limits['matmul_n']}^3 {limits['matmul_TFLOPs']:.0f} TFLOP/s"
+    )
 
     log(f"\ndecode: batch {DECODE_BATCH} x {DECODE_CTX} context, bf16 queries, {BLOCK_SIZE}-token blocks")
-    head = (f"{'shape':<10}{'heads':>7}{'d':>5}{'kv':>6}{'splits':>7}{'us':>9}{'GB/s':>8}{'%copy':>7}"
-            f"{'us(1)':>9}{'GB/s(1)':>9}{'%copy':>7}{'rel err':>10}")
+    head = (
+        f"{'shape':<10}{'heads':>7}{'d':>5}{'kv':>6}{'splits':>7}{'us':>9}{'GB/s':>8}{'%copy':>7}"
+        f"{'us(1)':>9}{'GB/s(1)':>9}{'%copy':>7}{'rel err':>10}"
+    )
     log(head)
     result["decode"] = []
     for (label, hq, hkv, d), kv in itertools.product(SHAPES, kvs):
@@ -327,10 +395,12 @@ def main(argv=None) -> int:
             row["frac_copy_auto"] = row["GBps_auto"] / limits["copy_GBps"]
             row["frac_copy_nosplit"] = row["GBps_nosplit"] / limits["copy_GBps"]
             flag = "" if row["max_rel_err"] < REL_TOL else "  MISMATCH"
-            log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{kv:>6}{row['splits_auto']:>7}"
+            log(
+                f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{kv:>6}{row['splits_auto']:>7}"
                 f"{row['time_auto_s'] * 1e6:>9.1f}{row['GBps_auto']:>8.0f}{100 * row['frac_copy_auto']:>6.0f}%"
                 f"{row['time_nosplit_s'] * 1e6:>9.1f}{row['GBps_nosplit']:>9.0f}{100 * row['frac_copy_nosplit']:>6.0f}%"
-                f"{row['max_rel_err']:>10.2e}{flag}")
+                f"{row['max_rel_err']:>10.2e}{flag}"
+            )
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{kv:>6}  FAILED {row['error'][:200]}")
@@ -338,17 +408,21 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     log(f"\nprefill: one causal {PREFILL_LEN}-token prompt, bf16; SDPA on contiguous head-expanded K/V")
-    log(f"{'shape':<10}{'heads':>7}{'d':>5}{'triton us':>11}{'TFLOP/s':>9}{'sdpa us':>10}{'TFLOP/s':>9}"
-        f"{'sdpa/triton':>13}{'rel err':>10}")
+    log(
+        f"{'shape':<10}{'heads':>7}{'d':>5}{'triton us':>11}{'TFLOP/s':>9}{'sdpa us':>10}{'TFLOP/s':>9}"
+        f"{'sdpa/triton':>13}{'rel err':>10}"
+    )
     result["prefill"] = []
     for label, hq, hkv, d in SHAPES:
         row = {"shape": label, "q_heads": hq, "kv_heads": hkv, "head_dim": d}
         try:
             row.update(prefill_case(ops, timer, hq, hkv, d, device, max(5, args.iters // 2)))
             flag = "" if row["max_rel_err"] < REL_TOL else "  MISMATCH"
-            log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{row['time_triton_s'] * 1e6:>11.1f}{row['TFLOPs_triton']:>9.0f}"
+            log(
+                f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}{row['time_triton_s'] * 1e6:>11.1f}{row['TFLOPs_triton']:>9.0f}"
                 f"{row['time_sdpa_s'] * 1e6:>10.1f}{row['TFLOPs_sdpa']:>9.0f}{row['ratio_sdpa_over_triton']:>13.2f}"
-                f"{row['max_rel_err']:>10.2e}{flag}")
+                f"{row['max_rel_err']:>10.2e}{flag}"
+            )
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             log(f"{label:<10}{f'{hq}/{hkv}':>7}{d:>5}  FAILED {row['error'][:200]}")

@@ -129,8 +129,10 @@ def build(variant: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
         # Compile with -fopenmp but link torch's libgomp by path: one OpenMP runtime in the process.
-        for cmd in ([cc, *flags, "-c", str(SOURCES[0]), "-o", str(obj)],
-                    [cc, "-shared", str(obj), "-o", str(so), *link, "-lm"]):
+        for cmd in (
+            [cc, *flags, "-c", str(SOURCES[0]), "-o", str(obj)],
+            [cc, "-shared", str(obj), "-o", str(so), *link, "-lm"],
+        ):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(f"building the {variant} CPU kernels failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
@@ -280,8 +282,14 @@ class Gemv:
     __slots__ = ("_fn", "_w", "_aux", "_bias", "_keep", "kind", "n", "k", "group")
     KINDS = ("bf16", "int8", "int4")
 
-    def __init__(self, kind: str, weight: torch.Tensor, aux: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, group: int = 0):
+    def __init__(
+        self,
+        kind: str,
+        weight: torch.Tensor,
+        aux: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        group: int = 0,
+    ):
         lib = _require()
         self._fn = {"bf16": lib.wb_gemv_bf16, "int8": lib.wb_gemv_int8, "int4": lib.wb_gemv_int4}[kind]
         self._keep = (weight, aux, bias)  # the pointers below stay valid while these live
@@ -300,24 +308,50 @@ class Gemv:
     def descriptor(self, tiles: Tiles | None = None) -> _Linear:
         """This weight for the one-call layer; with `tiles` (the same bf16 weights packed for the
         tiles), steps of more than MAX_ROWS rows multiply on them."""
-        return _Linear(self.KINDS.index(self.kind), self._w, self._aux, self._bias, self.n, self.k, self.group,
-                       tiles.ptr if tiles is not None else None)
+        return _Linear(
+            self.KINDS.index(self.kind),
+            self._w,
+            self._aux,
+            self._bias,
+            self.n,
+            self.k,
+            self.group,
+            tiles.ptr if tiles is not None else None,
+        )
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("w", _P), ("aux", _P), ("bias", _P), ("n", _I), ("k", _I), ("group", _I),
-                ("tiles", _P)]
+    _fields_ = [("kind", _I), ("w", _P), ("aux", _P), ("bias", _P), ("n", _I), ("k", _I), ("group", _I), ("tiles", _P)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("ln1", _P), ("ln2", _P), ("eps", ctypes.c_float)]
+    _fields_ = [
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("ln1", _P),
+        ("ln2", _P),
+        ("eps", ctypes.c_float),
+    ]
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [(n, _I) for n in ("T", "H", "Hq", "Hkv", "D", "I")] + [
-        ("pos", _P), ("slots", _P), ("tables", _P), ("lens", _P), ("W", _I), ("bs", _I), ("cos", _P), ("sin", _P),
-        ("scale", ctypes.c_float)] + [(n, _P) for n in ("h", "qkv", "q", "att", "o", "gu", "act", "xf")]
+    _fields_ = (
+        [(n, _I) for n in ("T", "H", "Hq", "Hkv", "D", "I")]
+        + [
+            ("pos", _P),
+            ("slots", _P),
+            ("tables", _P),
+            ("lens", _P),
+            ("W", _I),
+            ("bs", _I),
+            ("cos", _P),
+            ("sin", _P),
+            ("scale", ctypes.c_float),
+        ]
+        + [(n, _P) for n in ("h", "qkv", "q", "att", "o", "gu", "act", "xf")]
+    )
 
 
 class DecodeStep:
@@ -325,41 +359,102 @@ class DecodeStep:
     scratch activations of `wb_decode_layer` (T <= MAX_ROWS tokens, each attending as a one-query
     decode over its own causal context)."""
 
-    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                 block_size: int, positions, slot_mapping, block_tables, seq_lens, cos, sin, scale: float):
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        block_size: int,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        cos,
+        sin,
+        scale: float,
+    ):
         t = positions.shape[0]
         bf = torch.bfloat16
-        self._scratch = [torch.empty(t, n, dtype=bf) for n in (
-            hidden, (heads + 2 * kv_heads) * head_dim, heads * head_dim, heads * head_dim, hidden, 2 * intermediate,
-            intermediate)]
+        self._scratch = [
+            torch.empty(t, n, dtype=bf)
+            for n in (
+                hidden,
+                (heads + 2 * kv_heads) * head_dim,
+                heads * head_dim,
+                heads * head_dim,
+                hidden,
+                2 * intermediate,
+                intermediate,
+            )
+        ]
         xf = torch.empty(t * max(hidden, heads * head_dim, intermediate), dtype=torch.float32)
         self._keep = (positions, slot_mapping, block_tables, seq_lens, cos, sin, xf)
         self.t, self.hidden = t, hidden
-        self.struct = _Step(t, hidden, heads, kv_heads, head_dim, intermediate, positions.data_ptr(),
-                            slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-                            block_tables.shape[1],
-                            block_size, cos.data_ptr(), sin.data_ptr(), scale, *(x.data_ptr() for x in self._scratch),
-                            xf.data_ptr())
+        self.struct = _Step(
+            t,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            intermediate,
+            positions.data_ptr(),
+            slot_mapping.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.shape[1],
+            block_size,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            scale,
+            *(x.data_ptr() for x in self._scratch),
+            xf.data_ptr(),
+        )
 
 
 class DecodeLayer:
     """A decoder layer's weights bound to `wb_decode_layer`: norm, fused qkv, RoPE + KV write, paged
     attention, o, norm, gate/up, SiLU*up, down, in one call and one parallel region."""
 
-    def __init__(self, qkv: Gemv, o: Gemv, gate_up: Gemv, down: Gemv, ln1: torch.Tensor, ln2: torch.Tensor,
-                 eps: float, tiles: tuple[Tiles | None, ...] = (None,) * 4):
+    def __init__(
+        self,
+        qkv: Gemv,
+        o: Gemv,
+        gate_up: Gemv,
+        down: Gemv,
+        ln1: torch.Tensor,
+        ln2: torch.Tensor,
+        eps: float,
+        tiles: tuple[Tiles | None, ...] = (None,) * 4,
+    ):
         self._keep = (qkv, o, gate_up, down, ln1, ln2, tiles)
-        self.struct = _Layer(*(g.descriptor(t) for g, t in zip((qkv, o, gate_up, down), tiles)),
-                             ln1.data_ptr(), ln2.data_ptr(), eps)
+        self.struct = _Layer(
+            *(g.descriptor(t) for g, t in zip((qkv, o, gate_up, down), tiles)), ln1.data_ptr(), ln2.data_ptr(), eps
+        )
         self.max_rows = FUSED_MAX_ROWS if all(t is not None for t in tiles) else MAX_ROWS
         self._fn = _require().wb_decode_layer
 
-    def __call__(self, step: DecodeStep, x: torch.Tensor, delta: torch.Tensor | None, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        step: DecodeStep,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
         """Adds `delta` into the residual stream `x` (in place); returns this layer's MLP output."""
         out = torch.empty(step.t, step.hidden, dtype=torch.bfloat16)
-        self._fn(ctypes.byref(self.struct), ctypes.byref(step.struct), x.data_ptr(), _ptr(delta), out.data_ptr(),
-                 k_cache.data_ptr(), v_cache.data_ptr())
+        self._fn(
+            ctypes.byref(self.struct),
+            ctypes.byref(step.struct),
+            x.data_ptr(),
+            _ptr(delta),
+            out.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        )
         return out
 
 
@@ -381,8 +476,17 @@ class DecodeStack:
         which it returns."""
         out = torch.empty(step.t, step.hidden, dtype=torch.bfloat16)
         tmp = torch.empty_like(out)
-        self._fn(self._layers, self.n, ctypes.byref(step.struct), x.data_ptr(), _ptr(delta), out.data_ptr(),
-                 tmp.data_ptr(), self._k, self._v)
+        self._fn(
+            self._layers,
+            self.n,
+            ctypes.byref(step.struct),
+            x.data_ptr(),
+            _ptr(delta),
+            out.data_ptr(),
+            tmp.data_ptr(),
+            self._k,
+            self._v,
+        )
         return out
 
 
@@ -395,8 +499,9 @@ def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     return Gemv("int8", q, scale, bias)(x.contiguous())
 
 
-def gemv_int4(x: torch.Tensor, q: torch.Tensor, scale_low: torch.Tensor, group: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_int4(
+    x: torch.Tensor, q: torch.Tensor, scale_low: torch.Tensor, group: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     return Gemv("int4", q, scale_low, bias, group)(x.contiguous())
 
 
@@ -429,9 +534,20 @@ def rope_write_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, num_
     _, _, hkv, d = k_cache.shape
     t = qkv.shape[0]
     q = torch.empty(t, num_q_heads, d, dtype=qkv.dtype)
-    _require().wb_rope_write_kv(qkv.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                          slot_mapping.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                          t, num_q_heads, hkv, d)
+    _require().wb_rope_write_kv(
+        qkv.data_ptr(),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slot_mapping.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        t,
+        num_q_heads,
+        hkv,
+        d,
+    )
     return q
 
 
@@ -471,8 +587,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_sc
 EXTEND_MAX_GD = 512  # the tiled prefill kernel's most query heads per KV head x head dim (EXT_GD)
 
 
-def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None,
-                     v_scale=None):
+def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None, v_scale=None):
     """Same contract as reference.extend_attention_ref, for bf16 caches: each sequence's new
     tokens in tiles of 16 consecutive queries against its cached keys (wb_paged_extend: causal, no
     gathered copy, keys past a tile's last query never computed). Where G x head_dim exceeds the
@@ -480,14 +595,14 @@ def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
     int8 cache is widened to bf16 first, only the blocks these sequences read (a prefill's few
     sequences: a small copy beside the step's matmuls), as the torch reference computes it."""
     if _int8_cache(q, k_cache, k_scale):
-        k_cache, v_cache, block_tables = _widened_blocks(k_cache, v_cache, k_scale, v_scale, block_tables,
-                                                         seq_lens)
+        k_cache, v_cache, block_tables = _widened_blocks(k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
         k_scale = v_scale = None
     if not _bf16_cache(q, k_cache, k_scale):
         from .reference import extend_attention_ref
 
-        return extend_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale,
-                                    k_scale, v_scale)
+        return extend_attention_ref(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale, v_scale
+        )
     _, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     if hq // hkv * d <= EXTEND_MAX_GD:
@@ -496,9 +611,22 @@ def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, 
         cu = cu_seqlens_q.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         out = torch.empty_like(q)
-        _require().wb_paged_extend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                   cu.data_ptr(), lens.data_ptr(), out.data_ptr(), lens.shape[0], hq, hkv, d, bs,
-                                   tables.shape[1], sm_scale)
+        _require().wb_paged_extend(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            cu.data_ptr(),
+            lens.data_ptr(),
+            out.data_ptr(),
+            lens.shape[0],
+            hq,
+            hkv,
+            d,
+            bs,
+            tables.shape[1],
+            sm_scale,
+        )
         return out
     counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     owner = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
@@ -549,8 +677,11 @@ def pack_linear(weight: torch.Tensor, batch_hint: int = 1) -> torch.Tensor | Non
     oneDNN. In bf16 it is ~1.4x faster than F.linear; in fp32 it beats torch's default fp32 GEMM
     (MKL's) 1.3-3x on 9-512 rows at these widths, on AVX2 and AVX-512 alike (docs/benchmarks.md).
     `batch_hint` picks the blocking: 64 measured best for every fp32 step from 9 to 512 rows."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) \
-            or not torch.backends.mkldnn.is_available():
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.bfloat16, torch.float32)
+        or not torch.backends.mkldnn.is_available()
+    ):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)

@@ -34,13 +34,40 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr,
-    bt_ptr, seq_lens_ptr, qk_scale, window,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt,
-    s_cb, s_co, s_ch, ss_b, ss_o, ss_h,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    QUANT: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    o_ptr,
+    lse_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_bt,
+    s_cb,
+    s_co,
+    s_ch,
+    ss_b,
+    ss_o,
+    ss_h,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,7 +91,8 @@ def _decode_kernel(
     dmask = d < HEAD_DIM
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
-        mask=gmask[:, None] & dmask[None, :], other=0.0,
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
     )
 
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
@@ -113,9 +141,20 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    po_ptr, lse_ptr, o_ptr,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    po_ptr,
+    lse_ptr,
+    o_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -129,7 +168,8 @@ def _decode_reduce_kernel(
     w = tl.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
     po = tl.load(
         po_ptr + b * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=smask[:, None] & dmask[None, :], other=0.0,
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
     )
     total = tl.sum(w, 0)
     out = tl.sum(po * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
@@ -168,9 +208,21 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: in
 
 
 def decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale=None, v_scale=None, window=0,
-    *, num_splits: int | None = None, max_seq_len: int | None = None,
-    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    sm_scale,
+    k_scale=None,
+    v_scale=None,
+    window=0,
+    *,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its cache, batched: q [B, Hq, D] -> [B, Hq, D].
 
@@ -208,34 +260,85 @@ def decode_attention(
     ks, vs = (k_scale, v_scale) if kind else (k_cache, v_cache)
     d_pad = max(16, next_pow2(d))
     common = dict(
-        HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=max(16, next_pow2(group)),
-        BLOCK_N=bn, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        QUANT=kind, PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        GROUP=group,
+        G_PAD=max(16, next_pow2(group)),
+        BLOCK_N=bn,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        QUANT=kind,
+        PRECISION=dot_precision(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     strides = (*k_cache.stride()[:3], *scale_strides(k_scale, kind))
     grid = (bsz, hkv, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](
-            q, k_cache, v_cache, ks, vs, out, out,
-            block_tables, lens, float(sm_scale) * LOG2E, int(window),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, 0, block_tables.stride(0),
-            *strides, **common,
+            q,
+            k_cache,
+            v_cache,
+            ks,
+            vs,
+            out,
+            out,
+            block_tables,
+            lens,
+            float(sm_scale) * LOG2E,
+            int(window),
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            0,
+            0,
+            0,
+            block_tables.stride(0),
+            *strides,
+            **common,
         )
         return out
     part = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_kernel[grid](
-        q, k_cache, v_cache, ks, vs, part, lse,
-        block_tables, lens, float(sm_scale) * LOG2E, int(window),
-        q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1), block_tables.stride(0),
-        *strides, **common,
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        part,
+        lse,
+        block_tables,
+        lens,
+        float(sm_scale) * LOG2E,
+        int(window),
+        q.stride(0),
+        q.stride(1),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        block_tables.stride(0),
+        *strides,
+        **common,
     )
     _decode_reduce_kernel[(bsz, hq)](
-        part, lse, out,
-        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=max(2, next_pow2(num_splits)),
+        part,
+        lse,
+        out,
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        NUM_SPLITS=num_splits,
+        S_PAD=max(2, next_pow2(num_splits)),
         num_warps=4,
     )
     return out

@@ -32,18 +32,34 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     rank = torch.arange(pairs, device=flat.device) - first[flat[order]]
     sorted_ids = torch.full((int(padded.sum()),), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device, dtype=torch.int32),
-                                           padded // block_m)
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_experts, device=flat.device, dtype=torch.int32), padded // block_m
+    )
     return sorted_ids, block_expert
 
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
-    num_pairs, N, K, top_k,
-    stride_am, stride_we, stride_wn, stride_cm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A_PER_TOKEN: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    weight_ptr,
+    num_pairs,
+    N,
+    K,
+    top_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """C[pair, :] = A[row(pair), :] @ W[expert]^T (x the pair's routing weight), for BLOCK_M pairs of
     one expert; A's row is the pair's token (the first GEMM) or the pair itself (the second)."""
@@ -60,15 +76,24 @@ def _moe_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
-        a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_am + k[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None],
-                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        a = tl.load(
+            a_ptr + a_row[:, None].to(tl.int64) * stride_am + k[None, :],
+            mask=valid[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + expert * stride_we + n[None, :] * stride_wn + k[:, None],
+            mask=n_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )
         acc += tl.dot(a, w, input_precision=PRECISION)
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
-    tl.store(c_ptr + pair[:, None].to(tl.int64) * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_mask[None, :])
+    tl.store(
+        c_ptr + pair[:, None].to(tl.int64) * stride_cm + n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_mask[None, :],
+    )
 
 
 def moe_config(dtype: torch.dtype) -> dict:
@@ -85,11 +110,26 @@ def _grouped_gemm(a, w, sorted_ids, block_expert, num_pairs, top_k, *, per_token
     c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     grid = (block_expert.numel(), triton.cdiv(n, cfg["block_n"]))
     _moe_gemm_kernel[grid](
-        a, w, c, sorted_ids, block_expert, weights if weights is not None else a,
-        num_pairs, n, k, top_k,
-        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        A_PER_TOKEN=per_token, MUL_WEIGHT=weights is not None, PRECISION=dot_precision(a.dtype),
+        a,
+        w,
+        c,
+        sorted_ids,
+        block_expert,
+        weights if weights is not None else a,
+        num_pairs,
+        n,
+        k,
+        top_k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        c.stride(0),
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
+        A_PER_TOKEN=per_token,
+        MUL_WEIGHT=weights is not None,
+        PRECISION=dot_precision(a.dtype),
         num_warps=cfg["num_warps"],
     )
     return c
@@ -101,8 +141,10 @@ def fused_moe(h, w13, w2, topk_weights, topk_ids, *, block_m: int | None = None)
     t, hidden = h.shape
     experts, two_i, kh = w13.shape
     if kh != hidden or w2.shape != (experts, hidden, two_i // 2) or topk_ids.shape != topk_weights.shape:
-        raise ValueError(f"fused_moe shapes do not fit: h {tuple(h.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}, topk {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"fused_moe shapes do not fit: h {tuple(h.shape)}, w13 {tuple(w13.shape)}, "
+            f"w2 {tuple(w2.shape)}, topk {tuple(topk_ids.shape)}"
+        )
     if t == 0:
         return torch.zeros_like(h)
     for x in (h, w13, w2):

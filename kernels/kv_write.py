@@ -43,9 +43,25 @@ def _fp8e4m3_bits(y):
 
 @triton.jit
 def _write_one(
-    x_ptr, stride_xt, stride_xh, cache_ptr, scale_ptr,
-    tok, blk, off, h, d, tmask, hmask, dmask,
-    s_cb, s_co, s_ch, ss_b, ss_o, ss_h,
+    x_ptr,
+    stride_xt,
+    stride_xh,
+    cache_ptr,
+    scale_ptr,
+    tok,
+    blk,
+    off,
+    h,
+    d,
+    tmask,
+    hmask,
+    dmask,
+    s_cb,
+    s_co,
+    s_ch,
+    ss_b,
+    ss_o,
+    ss_h,
     QUANT: tl.constexpr,
 ):
     m2 = tmask[:, None] & hmask[None, :]
@@ -74,12 +90,31 @@ def _write_one(
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    slot_ptr,
     num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    s_cb, s_co, s_ch, ss_b, ss_o, ss_h,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    s_cb,
+    s_co,
+    s_ch,
+    ss_b,
+    ss_o,
+    ss_h,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.arange(0, H_PAD)
@@ -92,10 +127,50 @@ def _write_kv_kernel(
     tok = t.to(tl.int64)
     hmask = h < NUM_HEADS
     dmask = d < HEAD_DIM
-    _write_one(k_ptr, stride_kt, stride_kh, kc_ptr, ks_ptr, tok, blk, off, h, d, tmask, hmask, dmask,
-               s_cb, s_co, s_ch, ss_b, ss_o, ss_h, QUANT)
-    _write_one(v_ptr, stride_vt, stride_vh, vc_ptr, vs_ptr, tok, blk, off, h, d, tmask, hmask, dmask,
-               s_cb, s_co, s_ch, ss_b, ss_o, ss_h, QUANT)
+    _write_one(
+        k_ptr,
+        stride_kt,
+        stride_kh,
+        kc_ptr,
+        ks_ptr,
+        tok,
+        blk,
+        off,
+        h,
+        d,
+        tmask,
+        hmask,
+        dmask,
+        s_cb,
+        s_co,
+        s_ch,
+        ss_b,
+        ss_o,
+        ss_h,
+        QUANT,
+    )
+    _write_one(
+        v_ptr,
+        stride_vt,
+        stride_vh,
+        vc_ptr,
+        vs_ptr,
+        tok,
+        blk,
+        off,
+        h,
+        d,
+        tmask,
+        hmask,
+        dmask,
+        s_cb,
+        s_co,
+        s_ch,
+        ss_b,
+        ss_o,
+        ss_h,
+        QUANT,
+    )
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -127,12 +202,27 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -
     block_t = max(1, min(next_pow2(num_tokens), budget // per_token))
     grid = (triton.cdiv(num_tokens, block_t),)
     _write_kv_kernel[grid](
-        k, v, kc, vc, ks, vs, slot_mapping,
+        k,
+        v,
+        kc,
+        vc,
+        ks,
+        vs,
+        slot_mapping,
         num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *sstr,
-        NUM_HEADS=hkv, HEAD_DIM=d, H_PAD=h_pad, D_PAD=d_pad,
-        BLOCK_T=block_t, BLOCK_SIZE=block_size, QUANT=kind,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *k_cache.stride()[:3],
+        *sstr,
+        NUM_HEADS=hkv,
+        HEAD_DIM=d,
+        H_PAD=h_pad,
+        D_PAD=d_pad,
+        BLOCK_T=block_t,
+        BLOCK_SIZE=block_size,
+        QUANT=kind,
         num_warps=4,
     )
 

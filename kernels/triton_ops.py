@@ -21,6 +21,11 @@ from .fused_moe import fused_moe  # noqa: E402
 from .kv_write import write_kv  # noqa: E402
 
 __all__ = [
-    "write_kv", "extend_attention", "decode_attention", "extend_config", "decode_config", "pick_num_splits",
+    "write_kv",
+    "extend_attention",
+    "decode_attention",
+    "extend_config",
+    "decode_config",
+    "pick_num_splits",
     "fused_moe",
 ]

@@ -44,9 +44,17 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
     )
     if arch == "llama":
         common.update(tie_word_embeddings=True, rope_theta=10000.0)
@@ -69,15 +77,29 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
         cfg = transformers.MixtralConfig(**common)
         model = transformers.MixtralForCausalLM(cfg)
     elif arch == "qwen3_moe":
-        common.update(head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0, num_experts=8,
-                      num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
-                      norm_topk_prob=False)
+        common.update(
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        )
         common.update(overrides)
         cfg = transformers.Qwen3MoeConfig(**common)
         model = transformers.Qwen3MoeForCausalLM(cfg)
     elif arch == "olmoe":
-        common.update(tie_word_embeddings=False, num_experts=16, num_experts_per_tok=4, intermediate_size=32,
-                      norm_topk_prob=False, clip_qkv=None)
+        common.update(
+            tie_word_embeddings=False,
+            num_experts=16,
+            num_experts_per_tok=4,
+            intermediate_size=32,
+            norm_topk_prob=False,
+            clip_qkv=None,
+        )
         common.update(overrides)
         cfg = transformers.OlmoeConfig(**common)
         model = transformers.OlmoeForCausalLM(cfg)
@@ -88,11 +110,20 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, vocab: int = 256, 
         model = transformers.MistralForCausalLM(cfg)
     elif arch == "gemma3":
         # three layers: sliding, global, sliding; a window shorter than the tests' prompts
-        common.update(head_dim=16, tie_word_embeddings=True, num_hidden_layers=3, sliding_window=6,
-                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                      query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", pad_token_id=0,
-                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+        common.update(
+            head_dim=16,
+            tie_word_embeddings=True,
+            num_hidden_layers=3,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        )
         common.update(overrides)
         cfg = transformers.Gemma3TextConfig(**common)
         model = transformers.Gemma3ForCausalLM(cfg)
@@ -184,17 +215,34 @@ def write_gguf(path, model, arch: str, folder):
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if getattr(cfg, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
-             "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}
-    expert = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
-              "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    }
+    expert = {
+        "w1": "ffn_gate_exps",
+        "w3": "ffn_up_exps",
+        "w2": "ffn_down_exps",
+        "gate_proj": "ffn_gate_exps",
+        "up_proj": "ffn_up_exps",
+        "down_proj": "ffn_down_exps",
+    }
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, a in sd.items():
         if name in glob:
@@ -237,10 +285,13 @@ def hf_greedy(model, prompt_ids, max_new_tokens):
 
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), pad_token_id=0,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            pad_token_id=0,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="session")

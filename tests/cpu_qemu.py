@@ -27,8 +27,10 @@ def unavailable_reason() -> str | None:
         return "an aarch64 host runs the neon variant in-process"
     missing = [t for t in (CROSS_CC, QEMU) if shutil.which(t) is None]
     if missing:
-        return (f"NEON variant not tested: {' and '.join(missing)} not on PATH "
-                "(apt-get install gcc-aarch64-linux-gnu qemu-user; `make test` does where apt works)")
+        return (
+            f"NEON variant not tested: {' and '.join(missing)} not on PATH "
+            "(apt-get install gcc-aarch64-linux-gnu qemu-user; `make test` does where apt works)"
+        )
     return None
 
 
@@ -68,8 +70,9 @@ class QemuKernels:
         with tempfile.TemporaryDirectory() as tmp:
             src, dst = Path(tmp) / "in", Path(tmp) / "out"
             src.write_bytes(b"".join(payload))
-            r = subprocess.run([QEMU, "-L", SYSROOT, str(self.exe), str(src), str(dst)], capture_output=True,
-                               text=True, timeout=120)
+            r = subprocess.run(
+                [QEMU, "-L", SYSROOT, str(self.exe), str(src), str(dst)], capture_output=True, text=True, timeout=120
+            )
             assert r.returncode == 0, f"the NEON driver failed ({r.returncode}): {r.stderr[-1000:]}"
             assert r.stdout.strip() == "neon", f"the driver was built for {r.stdout.strip()!r}"
             data = dst.read_bytes()
@@ -77,7 +80,7 @@ class QemuKernels:
         for b in bufs:
             n = len(_raw(b))
             if n:
-                b.view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8))
+                b.view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data[off : off + n]), dtype=torch.uint8))
             off += n
 
     def gemv_bf16(self, x, w, bias=None):
@@ -122,8 +125,12 @@ class QemuKernels:
         _, bs, hkv, _ = k_cache.shape
         tables = block_tables.to(torch.int32).contiguous()
         out = torch.empty_like(q)
-        self._call(6, [q, k_cache, v_cache, tables, seq_lens.to(torch.int32), out],
-                   [b, hq, hkv, d, bs, tables.shape[1]], [sm_scale])
+        self._call(
+            6,
+            [q, k_cache, v_cache, tables, seq_lens.to(torch.int32), out],
+            [b, hq, hkv, d, bs, tables.shape[1]],
+            [sm_scale],
+        )
         return out
 
     def extend_attention(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale):
@@ -131,8 +138,12 @@ class QemuKernels:
         _, bs, hkv, _ = k_cache.shape
         tables = block_tables.to(torch.int32).contiguous()
         out = torch.empty_like(q)
-        self._call(8, [q, k_cache, v_cache, tables, cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32), out],
-                   [seq_lens.shape[0], hq, hkv, d, bs, tables.shape[1]], [sm_scale])
+        self._call(
+            8,
+            [q, k_cache, v_cache, tables, cu_seqlens_q.to(torch.int32), seq_lens.to(torch.int32), out],
+            [seq_lens.shape[0], hq, hkv, d, bs, tables.shape[1]],
+            [sm_scale],
+        )
         return out
 
     def decode_layer(self, weights, ln1, ln2, eps, step: dict, x, delta, k_cache, v_cache):
@@ -141,8 +152,25 @@ class QemuKernels:
         t, h = x.shape
         out = torch.empty_like(x)
         s = step
-        self._call(7, [*weights, ln1, ln2, s["positions"], s["slots"], s["tables"], s["lens"], s["cos"], s["sin"],
-                       x, delta, out, k_cache, v_cache],
-                   [t, h, s["heads"], s["kv_heads"], s["head_dim"], s["intermediate"], s["tables"].shape[1],
-                    k_cache.shape[1]], [eps, s["scale"]])
+        self._call(
+            7,
+            [
+                *weights,
+                ln1,
+                ln2,
+                s["positions"],
+                s["slots"],
+                s["tables"],
+                s["lens"],
+                s["cos"],
+                s["sin"],
+                x,
+                delta,
+                out,
+                k_cache,
+                v_cache,
+            ],
+            [t, h, s["heads"], s["kv_heads"], s["head_dim"], s["intermediate"], s["tables"].shape[1], k_cache.shape[1]],
+            [eps, s["scale"]],
+        )
         return out

@@ -40,11 +40,25 @@ def make_tiny_tokenized_model(path: Path, *, seed: int = 0, max_len: int = MAX_L
 
     path.mkdir(parents=True, exist_ok=True)
     vocab, hidden, inter, layers, heads, kv, hd = 49152, 64, 128, 2, 4, 2, 16
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "head_dim": hd, "max_position_embeddings": max_len, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-           "hidden_act": "silu", "torch_dtype": "float32"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "max_position_embeddings": max_len,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
     (path / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(seed)
 
@@ -54,13 +68,19 @@ def make_tiny_tokenized_model(path: Path, *, seed: int = 0, max_len: int = MAX_L
     weights = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        weights.update({
-            p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.k_proj.weight": w(kv * hd, hidden),
-            p + "self_attn.v_proj.weight": w(kv * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * hd),
-            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter), p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-        })
+        weights.update(
+            {
+                p + "self_attn.q_proj.weight": w(heads * hd, hidden),
+                p + "self_attn.k_proj.weight": w(kv * hd, hidden),
+                p + "self_attn.v_proj.weight": w(kv * hd, hidden),
+                p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+                p + "mlp.gate_proj.weight": w(inter, hidden),
+                p + "mlp.up_proj.weight": w(inter, hidden),
+                p + "mlp.down_proj.weight": w(hidden, inter),
+                p + "input_layernorm.weight": torch.ones(hidden),
+                p + "post_attention_layernorm.weight": torch.ones(hidden),
+            }
+        )
     save_file(weights, str(path / "model.safetensors"))
     src = loader.ensure_converted(loader.default_gguf_path(), loader.DEFAULT_MODEL)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -113,9 +133,26 @@ def shared_server(config, tmp_root: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     key_file = tmp_root / "api-key"
     key_file.write_text(API_KEY + "\n")
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--http", f"127.0.0.1:{port}", "--model", str(model),
-           "--name", name, "--api-key-file", str(key_file), "--http-log-level", "warning", "--max-request-mb", "1",
-           "--request-read-timeout", "5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "workbench.cli",
+        "serve",
+        "--http",
+        f"127.0.0.1:{port}",
+        "--model",
+        str(model),
+        "--name",
+        name,
+        "--api-key-file",
+        str(key_file),
+        "--http-log-level",
+        "warning",
+        "--max-request-mb",
+        "1",
+        "--request-read-timeout",
+        "5",
+    ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
     atexit.register(stop_process, proc, 10.0)
@@ -133,6 +170,13 @@ def shared_server(config, tmp_root: Path) -> dict:
     except BaseException:
         stop_process(proc)
         raise
-    _server = {"url": url, "key": API_KEY, "name": name, "model": model, "proc": proc, "log": log,
-               "model_name": model.name}
+    _server = {
+        "url": url,
+        "key": API_KEY,
+        "name": name,
+        "model": model,
+        "proc": proc,
+        "log": log,
+        "model_name": model.name,
+    }
     return _server

@@ -96,8 +96,9 @@ class Kernel:
     def __init__(self, env: dict[str, str], cwd: str | None = None, startup_timeout: float = 90):
         from jupyter_client.manager import start_new_kernel
 
-        self.km, self.kc = start_new_kernel(kernel_name="python3", env=env, cwd=cwd or str(REPO),
-                                            startup_timeout=startup_timeout)
+        self.km, self.kc = start_new_kernel(
+            kernel_name="python3", env=env, cwd=cwd or str(REPO), startup_timeout=startup_timeout
+        )
 
     def execute(self, code: str) -> str:
         return self.kc.execute(code)
@@ -131,8 +132,11 @@ class Kernel:
         return msgs
 
     def stdout(self, code: str, timeout: float = 60) -> str:
-        return "".join(m["content"]["text"] for m in self.run(code, timeout)
-                       if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+        return "".join(
+            m["content"]["text"]
+            for m in self.run(code, timeout)
+            if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
+        )
 
     def send_comm(self, comm_id: str, data: dict) -> None:
         msg = self.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
@@ -168,10 +172,13 @@ def free_port() -> int:
 def notebook(cells: list[str]) -> dict:
     """An nbformat 4 notebook of code cells (python3 kernel)."""
     return {
-        "cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
-                   "source": src} for i, src in enumerate(cells)],
+        "cells": [
+            {"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [], "source": src}
+            for i, src in enumerate(cells)
+        ],
         "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
-        "nbformat": 4, "nbformat_minor": 5,
+        "nbformat": 4,
+        "nbformat_minor": 5,
     }
 
 

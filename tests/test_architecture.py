@@ -89,8 +89,18 @@ def test_only_the_scheduler_changes_kv_blocks():
 
 # What a Sequence holds that the scheduler owns: its state, its progress through the KV cache
 # and the draft tokens a step verifies. (`metrics` is timing, written where it is measured.)
-SEQUENCE_STATE = {"state", "finish_reason", "num_computed_tokens", "num_cached_tokens", "block_table",
-                  "num_hashed_blocks", "spec_tokens", "spec_probs", "draft_computed", "token_ids"}
+SEQUENCE_STATE = {
+    "state",
+    "finish_reason",
+    "num_computed_tokens",
+    "num_cached_tokens",
+    "block_table",
+    "num_hashed_blocks",
+    "spec_tokens",
+    "spec_probs",
+    "draft_computed",
+    "token_ids",
+}
 KV_OWNERS = {"engine/scheduler.py", "engine/block_manager.py", "engine/sequence.py"}
 
 
@@ -116,12 +126,18 @@ def _state_writes(tree: ast.AST) -> list[tuple[int, str]]:
             found = list(targets(node.target))
         elif isinstance(node, ast.Delete):
             found = [t for tgt in node.targets for t in targets(tgt)]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr in {"append", "extend", "pop", "clear", "insert", "remove"}):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"append", "extend", "pop", "clear", "insert", "remove"}
+        ):
             found = [node.func.value]
         for t in found:
-            if (isinstance(t, ast.Attribute) and t.attr in SEQUENCE_STATE
-                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+            if (
+                isinstance(t, ast.Attribute)
+                and t.attr in SEQUENCE_STATE
+                and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+            ):
                 out.append((t.lineno, t.attr))
     return sorted(out)
 
@@ -139,12 +155,16 @@ def test_only_the_scheduler_changes_a_sequences_state():
         checked.append(rel)
         writes = _state_writes(ast.parse(text))
         assert not writes, f"{rel} changes sequence state itself: {writes}"
-    assert {"engine/output_processor.py", "engine/speculative.py", "engine/llm_engine.py",
-            "sim/replica.py"} <= set(checked)
+    assert {"engine/output_processor.py", "engine/speculative.py", "engine/llm_engine.py", "sim/replica.py"} <= set(
+        checked
+    )
     # the checker sees what it looks for
-    assert _state_writes(ast.parse("seq.finish_reason = 'stop'\nreq.seq.spec_tokens, x = [], 1\n"
-                                   "s.token_ids.append(3)\ndel seq.token_ids[-1:]\nself.state = 1")) == [
-        (1, "finish_reason"), (2, "spec_tokens"), (3, "token_ids"), (4, "token_ids")]
+    assert _state_writes(
+        ast.parse(
+            "seq.finish_reason = 'stop'\nreq.seq.spec_tokens, x = [], 1\n"
+            "s.token_ids.append(3)\ndel seq.token_ids[-1:]\nself.state = 1"
+        )
+    ) == [(1, "finish_reason"), (2, "spec_tokens"), (3, "token_ids"), (4, "token_ids")]
 
 
 def test_metric_and_status_keys_are_defined_once():
@@ -161,7 +181,8 @@ def test_metric_and_status_keys_are_defined_once():
     vllm = parse_prometheus(
         "vllm:num_requests_running 3\nvllm:num_requests_waiting 2\nvllm:kv_cache_usage_perc 0.5\n"
         "vllm:prefix_cache_hits_total 5\nvllm:prefix_cache_queries_total 10\nvllm:generation_tokens_total 7\n"
-        "vllm:prompt_tokens_total 9\n")
+        "vllm:prompt_tokens_total 9\n"
+    )
     assert set(server_metrics(vllm)) <= fields and server_metrics(vllm)["num_running"] == 3
     model_ts = (ROOT.parent / "extension" / "src" / "model.ts").read_text()
     panel_reads = set(re.findall(r"metrics\.([a-z_0-9]+)", model_ts))
@@ -185,8 +206,22 @@ def test_event_kinds_are_defined_once():
 # shared structs); the tools measure and model it (bench, sweeps, run log, simulator); the fronts
 # put both in front of a person. Imports point down only; `cluster`, `llm`, `engines` and
 # `gpucheck` compose the core and are imported by fronts and tools, never by the core.
-CORE = {"engine", "models", "ipc", "remote", "http", "events", "interface", "outputs", "reports",
-        "sampling_params", "settings", "timeline", "tokenizer", "bokehjs"}
+CORE = {
+    "engine",
+    "models",
+    "ipc",
+    "remote",
+    "http",
+    "events",
+    "interface",
+    "outputs",
+    "reports",
+    "sampling_params",
+    "settings",
+    "timeline",
+    "tokenizer",
+    "bokehjs",
+}
 TOOLS = {"bench", "tuning", "runs", "sim"}
 FRONTS = {"jupyter", "jupyter_server", "cli"}
 
@@ -209,18 +244,24 @@ def test_layers_point_down():
     graph = {name: _imports(name, path, known) for name, path in known.items()}
     assert _layer_breaks(graph) == []
     # the check sees an upward import, lazy or not
-    assert _layer_breaks({"workbench.http.server": {"workbench.cluster"},
-                          "workbench.runs.plots": {"workbench.jupyter.views"},
-                          "workbench.jupyter.magics": {"workbench.runs"}}) == [
-        ("workbench.http.server", "workbench.cluster"), ("workbench.runs.plots", "workbench.jupyter.views")]
+    assert _layer_breaks(
+        {
+            "workbench.http.server": {"workbench.cluster"},
+            "workbench.runs.plots": {"workbench.jupyter.views"},
+            "workbench.jupyter.magics": {"workbench.runs"},
+        }
+    ) == [("workbench.http.server", "workbench.cluster"), ("workbench.runs.plots", "workbench.jupyter.views")]
 
 
 def _imports_c_kernels(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import) and any(a.name == "workbench_kernels.cpu" for a in node.names):
             return True
-        if isinstance(node, ast.ImportFrom) and node.module in ("workbench_kernels", "workbench_kernels.cpu") and \
-                (node.module.endswith(".cpu") or any(a.name == "cpu" for a in node.names)):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module in ("workbench_kernels", "workbench_kernels.cpu")
+            and (node.module.endswith(".cpu") or any(a.name == "cpu" for a in node.names))
+        ):
             return True
     return False
 
@@ -235,7 +276,10 @@ def test_one_owner_of_the_cpu_fast_path():
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        for text in ("from workbench_kernels import cpu\n", "import workbench_kernels.cpu as c\n",
-                     "def f():\n    from workbench_kernels.cpu import fused_max_rows\n"):
+        for text in (
+            "from workbench_kernels import cpu\n",
+            "import workbench_kernels.cpu as c\n",
+            "def f():\n    from workbench_kernels.cpu import fused_max_rows\n",
+        ):
             (Path(d) / "m.py").write_text(text)
             assert _imports_c_kernels(Path(d) / "m.py"), text

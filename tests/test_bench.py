@@ -68,19 +68,24 @@ def test_poisson_arrivals_are_seeded_and_increasing():
     assert arr[0] == 0.0 and all(b >= a for a, b in zip(arr, arr[1:]))
     mean_gap = arr[-1] / (len(arr) - 1)
     assert 0.2 < mean_gap < 0.3  # 1/rate = 0.25 s
-    assert make_workload(400, seed=1, vocab_size=100, arrival="poisson", rate=4.0,
-                         output_len=(1, 2)).to_dict() == w.to_dict()
+    assert (
+        make_workload(400, seed=1, vocab_size=100, arrival="poisson", rate=4.0, output_len=(1, 2)).to_dict()
+        == w.to_dict()
+    )
     assert w.describe()["rate"] == 4.0 and w.describe()["arrival"] == "poisson"
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_requests=0, vocab_size=10),
-    dict(vocab_size=10, prompt_len=(5, 4)),
-    dict(vocab_size=10, output_len=(0, 4)),
-    dict(vocab_size=10, arrival="poisson"),
-    dict(vocab_size=10, arrival="burst"),
-    dict(),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_requests=0, vocab_size=10),
+        dict(vocab_size=10, prompt_len=(5, 4)),
+        dict(vocab_size=10, output_len=(0, 4)),
+        dict(vocab_size=10, arrival="poisson"),
+        dict(vocab_size=10, arrival="burst"),
+        dict(),
+    ],
+)
 def test_bad_workload_arguments_raise(kwargs):
     with pytest.raises(ValueError):
         make_workload(**kwargs)
@@ -108,8 +113,9 @@ def test_percentile_matches_linear_interpolation():
 
 def test_summarize_counts_from_release():
     recs = [
-        RequestRecord(0, arrival=10.0, prompt_tokens=5, token_ids=[1, 2, 3], token_times=[10.5, 10.6, 10.8],
-                      finished=10.8),
+        RequestRecord(
+            0, arrival=10.0, prompt_tokens=5, token_ids=[1, 2, 3], token_times=[10.5, 10.6, 10.8], finished=10.8
+        ),
         RequestRecord(1, arrival=10.0, prompt_tokens=7, token_ids=[4, 5], token_times=[11.0, 12.0], finished=12.0),
     ]
     s = summarize(recs, start=10.0)
@@ -138,11 +144,18 @@ def test_model_costs_for_smollm2_shape():
     from workbench.bench.roofline import model_costs, workload_limit
     from workbench.models.loader import ModelConfig
 
-    cfg = ModelConfig.from_hf_config({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "tie_word_embeddings": True,
-    })
+    cfg = ModelConfig.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "tie_word_embeddings": True,
+        }
+    )
     bf16 = model_costs(cfg, torch.bfloat16)
     assert 134e6 < bf16["params"] < 135e6
     assert bf16["matmul_params"] == bf16["params"] - 61 * 576  # everything but the 61 norm vectors
@@ -177,9 +190,25 @@ def tiny_bench_model(tmp_path_factory):
 def test_bench_cli_end_to_end_on_a_tiny_model(tiny_bench_model, capsys, tmp_path):
     pytest.importorskip("transformers")
     out_file = tmp_path / "report.json"
-    rc = main(["bench", "--json", "--quick", "--requests", "4", "--model", str(tiny_bench_model),
-               "--systems", "workbench,hf_sequential,hf_static", "--dtype", "float32",
-               "--max-num-seqs", "8", "--output", str(out_file)])
+    rc = main(
+        [
+            "bench",
+            "--json",
+            "--quick",
+            "--requests",
+            "4",
+            "--model",
+            str(tiny_bench_model),
+            "--systems",
+            "workbench,hf_sequential,hf_static",
+            "--dtype",
+            "float32",
+            "--max-num-seqs",
+            "8",
+            "--output",
+            str(out_file),
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)  # stdout is exactly one JSON object
@@ -198,11 +227,18 @@ def test_bench_cli_end_to_end_on_a_tiny_model(tiny_bench_model, capsys, tmp_path
     # the fraction is of the bandwidth measured around the run; the roofline's (the start's) beside it
     assert ss["bandwidth_fraction"] == pytest.approx(ss["achieved_gb_s"] / ss["bandwidth_gb_s"])
     assert ss["bandwidth_fraction_of_roofline"] == pytest.approx(
-        ss["achieved_gb_s"] / report["roofline"]["memory_bandwidth_gb_s"])
+        ss["achieved_gb_s"] / report["roofline"]["memory_bandwidth_gb_s"]
+    )
     assert report["roofline_fraction"]["workbench_single_stream"] == ss["bandwidth_fraction"]
     roof = report["roofline"]
-    for key in ("memory_bandwidth_gb_s", "peak_gflop_s", "decode_limit_tok_s", "compute_limit_tok_s",
-                "weight_bytes", "workload"):
+    for key in (
+        "memory_bandwidth_gb_s",
+        "peak_gflop_s",
+        "decode_limit_tok_s",
+        "compute_limit_tok_s",
+        "weight_bytes",
+        "workload",
+    ):
         assert key in roof
     assert roof["memory_bandwidth_gb_s"] > 0 and roof["peak_gflop_s"] > 0
     assert report["settings"]["max_num_seqs"] == 8 and report["settings"]["dtype"] == "float32"
@@ -216,8 +252,25 @@ def test_bench_cli_end_to_end_on_a_tiny_model(tiny_bench_model, capsys, tmp_path
 
 
 def test_bench_table_output(tiny_bench_model, capsys):
-    rc = main(["bench", "--quick", "--requests", "2", "--model", str(tiny_bench_model), "--systems", "workbench",
-               "--dtype", "float32", "--no-single-stream", "--arrival", "poisson", "--rate", "20"])
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--requests",
+            "2",
+            "--model",
+            str(tiny_bench_model),
+            "--systems",
+            "workbench",
+            "--dtype",
+            "float32",
+            "--no-single-stream",
+            "--arrival",
+            "poisson",
+            "--rate",
+            "20",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "out tok/s" in out and "workbench" in out and "roofline" in out
@@ -228,8 +281,7 @@ def test_engine_runner_honours_arrival_times(tiny_bench_model):
     from workbench import LLM
 
     llm = LLM(str(tiny_bench_model), dtype="float32")
-    w = make_workload(3, seed=0, vocab_size=256, prompt_len=(8, 16), output_len=(4, 6),
-                      arrival="poisson", rate=10.0)
+    w = make_workload(3, seed=0, vocab_size=256, prompt_len=(8, 16), output_len=(4, 6), arrival="poisson", rate=10.0)
     records, start = run_workload(llm, w.requests)
     assert [r.index for r in records] == [0, 1, 2]
     for req, rec in zip(w.requests, records):
@@ -283,8 +335,12 @@ def test_roofline_skips_the_square_gemm_of_a_dtype_far_slower_on_the_batch_shape
     monkeypatch.setattr(roofline, "_packed_rate", lambda dt, m, k, n: rate[dt])
     calls = []
     monkeypatch.setattr(roofline, "measure_matmul", lambda m, k, n, dt, **kw: calls.append((m, dt)) or rate[dt] * 2)
-    roof = roofline.measure_roofline(roofline.model_costs(load_model_config_for_costs(), torch.bfloat16),
-                                     dtype=torch.bfloat16, quick=True, hidden_size=64)
+    roof = roofline.measure_roofline(
+        roofline.model_costs(load_model_config_for_costs(), torch.bfloat16),
+        dtype=torch.bfloat16,
+        quick=True,
+        hidden_size=64,
+    )
     assert (1024, torch.bfloat16) not in calls and (1024, torch.float32) in calls
     assert list(roof["matmul_skipped"]) == ["bfloat16 1024x1024 @ 1024x1024"]
     assert "under 1/4 of the best" in roof["matmul_skipped"]["bfloat16 1024x1024 @ 1024x1024"]
@@ -294,14 +350,25 @@ def test_roofline_skips_the_square_gemm_of_a_dtype_far_slower_on_the_batch_shape
 def load_model_config_for_costs():
     from workbench.models.loader import ModelConfig
 
-    return ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                       "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
-                                       "tie_word_embeddings": True})
+    return ModelConfig.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+        }
+    )
 
 
-@pytest.mark.parametrize("rates,expected", [({"bfloat16": 700.0, "float32": 180.0}, torch.bfloat16),
-                                            ({"bfloat16": 1.3, "float32": 74.0}, torch.float32)])
+@pytest.mark.parametrize(
+    "rates,expected",
+    [({"bfloat16": 700.0, "float32": 180.0}, torch.bfloat16), ({"bfloat16": 1.3, "float32": 74.0}, torch.float32)],
+)
 def test_transformers_peers_run_in_the_faster_dtype(rates, expected):
     from workbench.bench.runner import _hf_dtype
 
@@ -314,8 +381,22 @@ def test_transformers_peers_run_in_the_faster_dtype(rates, expected):
 def test_llama_server_peer_without_a_binary_says_how_to_get_it(tiny_bench_model, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no llama-server anywhere
     monkeypatch.delenv("WORKBENCH_LLAMA_SERVER", raising=False)
-    rc = main(["bench", "--quick", "--requests", "2", "--model", str(tiny_bench_model), "--systems",
-               "workbench,llama_server", "--dtype", "float32", "--no-single-stream", "--json"])
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--requests",
+            "2",
+            "--model",
+            str(tiny_bench_model),
+            "--systems",
+            "workbench,llama_server",
+            "--dtype",
+            "float32",
+            "--no-single-stream",
+            "--json",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert "llama_server" not in report["results"]
@@ -328,8 +409,22 @@ def test_vllm_peer_without_a_venv_says_how_to_get_it(tiny_bench_model, capsys, m
 
     monkeypatch.delenv("WORKBENCH_VLLM_PYTHON", raising=False)
     monkeypatch.setattr(vllm_peer, "REPO_VENV", tmp_path / "no-venv" / "bin" / "python")  # no `make peers` here
-    rc = main(["bench", "--quick", "--requests", "2", "--model", str(tiny_bench_model), "--systems",
-               "workbench,vllm", "--dtype", "float32", "--no-single-stream", "--json"])
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--requests",
+            "2",
+            "--model",
+            str(tiny_bench_model),
+            "--systems",
+            "workbench,vllm",
+            "--dtype",
+            "float32",
+            "--no-single-stream",
+            "--json",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     assert "vllm" not in report["results"] and "workbench_http" not in report["results"]
@@ -342,8 +437,15 @@ def test_our_server_as_a_bench_system_serves_the_same_tokens(tiny_bench_model):
     time went, "send" included."""
     from workbench.bench import run_bench
 
-    rep = run_bench(str(tiny_bench_model), systems=["workbench", "workbench_http"], num_requests=3, quick=True,
-                    settings={"dtype": "float32"}, single_stream=False, record=False)
+    rep = run_bench(
+        str(tiny_bench_model),
+        systems=["workbench", "workbench_http"],
+        num_requests=3,
+        quick=True,
+        settings={"dtype": "float32"},
+        single_stream=False,
+        record=False,
+    )
     assert rep["results"]["workbench_http"]["errors"] == 0
     assert rep["results"]["workbench_http"]["output_tokens"] == rep["results"]["workbench"]["output_tokens"]
     assert rep["workbench_http"]["server"] == "workbench" and "serve" in rep["workbench_http"]["command"]

@@ -83,8 +83,9 @@ def test_every_policy_routes_as_it_says(two):
     assert any("seen there" in (ev.detail or "") for ev in routed if ev.request_id in {o.request_id for o in outs})
 
     two.configure(router="least_loaded")
-    stream = two.stream(prompt_token_ids=prompts(1, 9, 60)[0],
-                        params=SamplingParams(max_tokens=440, temperature=0, ignore_eos=True))
+    stream = two.stream(
+        prompt_token_ids=prompts(1, 9, 60)[0], params=SamplingParams(max_tokens=440, temperature=0, ignore_eos=True)
+    )
     first = next(stream)  # running, ~440 tokens still to come on its replica
     busy = routed_to(two, first.request_id)
     small = two.generate(prompt_token_ids=prompts(2, 4), params=GREEDY)
@@ -130,8 +131,9 @@ def test_the_timeline_is_merged_with_the_replica_on_each_event(two):
 
 
 def routed_to(two, request_id: str) -> str | None:
-    return next((ev.replica for ev in two.timeline().requests if ev.kind == "routed" and ev.request_id == request_id),
-                None)
+    return next(
+        (ev.replica for ev in two.timeline().requests if ev.kind == "routed" and ev.request_id == request_id), None
+    )
 
 
 def test_a_killed_replica_is_routed_around_and_restarted(two):
@@ -192,9 +194,15 @@ def test_a_sweep_measures_points_in_parallel_one_per_replica(two, tmp_path):
     from workbench.runs import RunLog
 
     log = RunLog(tmp_path / "runs.sqlite")
-    res = workbench.sweep(two, grid={"max_num_seqs": [2, 4, 8, 16]},
-                          workload={"num_requests": 4, "prompt_len": (16, 32), "output_len": (16, 24)},
-                          repeats=1, warmup=0, progress=False, run_log=log)
+    res = workbench.sweep(
+        two,
+        grid={"max_num_seqs": [2, 4, 8, 16]},
+        workload={"num_requests": 4, "prompt_len": (16, 32), "output_len": (16, 24)},
+        repeats=1,
+        warmup=0,
+        progress=False,
+        run_log=log,
+    )
     assert len(res) == 4 and res.status == "completed"
     assert {r["replica"] for r in res} == {r["name"] for r in two.replicas()}
     spans = sorted((r["runs"][0]["started_at"], r["runs"][0]["finished_at"]) for r in res)
@@ -207,10 +215,12 @@ def test_a_sweep_measures_points_in_parallel_one_per_replica(two, tmp_path):
 
 
 def test_another_process_attaches_by_name(two):
-    code = ("import workbench; from workbench import SamplingParams as S; "
-            f"c = workbench.connect('cluster:{two.name}'); "
-            "o = c.generate(prompt_token_ids=[[5, 6, 7, 8]], params=S(max_tokens=4, temperature=0)); "
-            "print(len(c.replicas()), len(o[0].token_ids)); c.close()")
+    code = (
+        "import workbench; from workbench import SamplingParams as S; "
+        f"c = workbench.connect('cluster:{two.name}'); "
+        "o = c.generate(prompt_token_ids=[[5, 6, 7, 8]], params=S(max_tokens=4, temperature=0)); "
+        "print(len(c.replicas()), len(o[0].token_ids)); c.close()"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2", "4"]
@@ -232,7 +242,8 @@ def test_shutdown_leaves_no_process(ray_cluster, tiny_llama):
 
     assert not _cluster_file(c.name).exists()
     assert ray.util.placement_group_table() == {} or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )
 
 
 def test_bad_arguments_are_refused_before_anything_starts(ray_cluster):
@@ -254,10 +265,32 @@ def test_serve_replicas_behind_one_openai_endpoint(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--replicas", "2", "--router",
-                                 "round_robin", "--http", f"127.0.0.1:{port}", "--model", str(model), "--name",
-                                 f"srv{secrets.token_hex(2)}", "--dtype", "float32", "--http-log-level", "warning"],
-                                cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workbench.cli",
+                "serve",
+                "--replicas",
+                "2",
+                "--router",
+                "round_robin",
+                "--http",
+                f"127.0.0.1:{port}",
+                "--model",
+                str(model),
+                "--name",
+                f"srv{secrets.token_hex(2)}",
+                "--dtype",
+                "float32",
+                "--http-log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url, proc, 300, log)
@@ -283,8 +316,13 @@ def test_serve_replicas_behind_one_openai_endpoint(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    done = subprocess.run([sys.executable, "-m", "workbench.cli", "serve", "--replicas", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "serve", "--replicas", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "give --http HOST:PORT too" in done.stderr
 
 

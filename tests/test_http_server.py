@@ -41,8 +41,9 @@ def test_prompt_forms_and_params():
         with pytest.raises(APIError) as e:
             completion_prompts(bad)
         assert e.value.status == 400 and e.value.param == "prompt"
-    req = decode_request(b'{"prompt": "x", "temperature": 0, "seed": 7, "stop": "\\n", "top_k": 5, "n": 2}',
-                         CompletionRequest)
+    req = decode_request(
+        b'{"prompt": "x", "temperature": 0, "seed": 7, "stop": "\\n", "top_k": 5, "n": 2}', CompletionRequest
+    )
     sp = sampling_params(req, max_tokens=8, logprobs=None, choice=1)
     assert (sp.temperature, sp.seed, sp.stop, sp.top_k, sp.max_tokens) == (0.0, 8, ["\n"], 5, 8)
     with pytest.raises(APIError) as e:
@@ -54,9 +55,11 @@ def test_prompt_forms_and_params():
     with pytest.raises(APIError) as e:
         decode_request(b"{oops", CompletionRequest)
     assert e.value.code == "invalid_json"
-    for body in (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-                 b'{"messages": [], "frequency_penalty": 0.5}',
-                 b'{"messages": [], "response_format": {"type": "json_object"}}'):
+    for body in (
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+        b'{"messages": [], "frequency_penalty": 0.5}',
+        b'{"messages": [], "response_format": {"type": "json_object"}}',
+    ):
         with pytest.raises(APIError):
             check_unsupported(decode_request(body, ChatCompletionRequest))
     assert parse_host_port("127.0.0.1:8000") == ("127.0.0.1", 8000)
@@ -88,8 +91,15 @@ def _engine(server):
 def test_openai_client_non_streaming(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [server["model_name"]] and models.data[0].owned_by == "workbench"
-    r = client.completions.create(model=server["model_name"], prompt=["Hello there", "Good night"], max_tokens=5,
-                                  temperature=0, n=2, logprobs=2, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=server["model_name"],
+        prompt=["Hello there", "Good night"],
+        max_tokens=5,
+        temperature=0,
+        n=2,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert r.object == "text_completion" and [c.index for c in r.choices] == [0, 1, 2, 3]
     assert all(c.finish_reason == "length" for c in r.choices)
     assert r.choices[0].text == r.choices[1].text  # greedy choices of one prompt agree
@@ -99,17 +109,22 @@ def test_openai_client_non_streaming(server, client):
     if "\ufffd" not in "".join(lp.tokens):  # a lone byte of a UTF-8 character decodes as U+FFFD alone
         assert "".join(lp.tokens) == r.choices[0].text
     # seeded sampling is reproducible, choices of one request differ by seed
-    a = client.completions.create(model=server["model_name"], prompt="Once", max_tokens=6, temperature=1.0, seed=3,
-                                  n=2)
+    a = client.completions.create(model=server["model_name"], prompt="Once", max_tokens=6, temperature=1.0, seed=3, n=2)
     b = client.completions.create(model=server["model_name"], prompt="Once", max_tokens=6, temperature=1.0, seed=3)
     assert a.choices[0].text == b.choices[0].text
     # token-id prompts and echo
-    e = client.completions.create(model=server["model_name"], prompt=[19556, 665], max_tokens=2, echo=True,
-                                  temperature=0)
+    e = client.completions.create(
+        model=server["model_name"], prompt=[19556, 665], max_tokens=2, echo=True, temperature=0
+    )
     assert e.choices[0].text.startswith("Hello there")
-    chat = client.chat.completions.create(model=server["model_name"], temperature=0, max_tokens=4, logprobs=True,
-                                          top_logprobs=2, messages=[{"role": "system", "content": "Be brief."},
-                                                                    {"role": "user", "content": "Hi!"}])
+    chat = client.chat.completions.create(
+        model=server["model_name"],
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}],
+    )
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
     assert len(chat.choices[0].logprobs.content) == 4 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
     assert chat.usage.prompt_tokens > 10 and chat.usage.completion_tokens == 4
@@ -117,17 +132,26 @@ def test_openai_client_non_streaming(server, client):
     g = client.completions.create(model=server["model_name"], prompt="a b c", max_tokens=6, temperature=0, logprobs=0)
     word = g.choices[0].logprobs.tokens[2]
     if word.strip() and "\ufffd" not in word:
-        st = client.completions.create(model=server["model_name"], prompt="a b c", max_tokens=6, temperature=0,
-                                       stop=[word])
+        st = client.completions.create(
+            model=server["model_name"], prompt="a b c", max_tokens=6, temperature=0, stop=[word]
+        )
         assert st.choices[0].finish_reason == "stop"
-        assert st.choices[0].text == g.choices[0].text[:g.choices[0].text.find(word)]
+        assert st.choices[0].text == g.choices[0].text[: g.choices[0].text.find(word)]
 
 
 @pytest.mark.timeout(300)
 def test_openai_client_streaming(server, client):
-    chunks = list(client.chat.completions.create(
-        model=server["model_name"], messages=[{"role": "user", "content": "Tell me"}], max_tokens=5, temperature=0,
-        stream=True, stream_options={"include_usage": True}, n=2))
+    chunks = list(
+        client.chat.completions.create(
+            model=server["model_name"],
+            messages=[{"role": "user", "content": "Tell me"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            n=2,
+        )
+    )
     roles = [c for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
     assert sorted(c.choices[0].index for c in roles) == [0, 1]
     text = {0: "", 1: ""}
@@ -139,13 +163,21 @@ def test_openai_client_streaming(server, client):
                 finishes[ch.index] = ch.finish_reason
     assert finishes == {0: "length", 1: "length"} and text[0] == text[1] != ""
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
-    full = client.chat.completions.create(model=server["model_name"], messages=[{"role": "user", "content": "Tell me"}],
-                                          max_tokens=5, temperature=0)
+    full = client.chat.completions.create(
+        model=server["model_name"], messages=[{"role": "user", "content": "Tell me"}], max_tokens=5, temperature=0
+    )
     assert full.choices[0].message.content == text[0]
-    comp = list(client.completions.create(model=server["model_name"], prompt="The sky", max_tokens=4, temperature=0,
-                                          stream=True))
-    assert "".join(c.choices[0].text for c in comp if c.choices) == client.completions.create(
-        model=server["model_name"], prompt="The sky", max_tokens=4, temperature=0).choices[0].text
+    comp = list(
+        client.completions.create(
+            model=server["model_name"], prompt="The sky", max_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert (
+        "".join(c.choices[0].text for c in comp if c.choices)
+        == client.completions.create(model=server["model_name"], prompt="The sky", max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+    )
 
 
 @pytest.mark.timeout(300)
@@ -162,13 +194,14 @@ def test_errors_are_openai_objects(server, client):
         client.completions.create(model=name, prompt="x", max_tokens=2, temperature=-1)
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=name, messages=[{"role": "user", "content": "word " * (MAX_LEN + 50)}],
-                                       max_tokens=4)
+        client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "word " * (MAX_LEN + 50)}], max_tokens=4
+        )
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):  # prompt fits, prompt + max_tokens does not
         client.completions.create(model=name, prompt="word " * (MAX_LEN - 100), max_tokens=200)
     with pytest.raises(openai.BadRequestError):  # token ids outside the vocabulary: rejected by the engine
-        client.completions.create(model=name, prompt=[10 ** 7], max_tokens=1)
+        client.completions.create(model=name, prompt=[10**7], max_tokens=1)
     h = {"Authorization": f"Bearer {server['key']}", "Content-Type": "application/json"}
     r = httpx.post(url + "/v1/chat/completions", content=b'{"messages": [', headers=h)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
@@ -194,8 +227,9 @@ def test_client_disconnect_aborts_in_engine(server):
         body = {"prompt": "Go on", "max_tokens": MAX_LEN - 16, "ignore_eos": True, "temperature": 0}
         # streaming: read one event, then hang up
         since = engine.timeline(1 << 62).cursor
-        with httpx.stream("POST", server["url"] + "/v1/completions", json={**body, "stream": True}, headers=h,
-                          timeout=60) as resp:
+        with httpx.stream(
+            "POST", server["url"] + "/v1/completions", json={**body, "stream": True}, headers=h, timeout=60
+        ) as resp:
             assert resp.status_code == 200
             for line in resp.iter_lines():
                 if line.startswith("data:"):
@@ -225,12 +259,20 @@ def test_prometheus_metrics(server, client):
     text = httpx.get(server["url"] + "/metrics").text
     samples = parse_prometheus(text)
     model = server["model_name"]
-    for name in ("workbench:num_requests_running", "workbench:num_requests_waiting", "workbench:kv_cache_usage_perc",
-                 "workbench:prefix_cache_hit_rate", "workbench:spec_decode_draft_acceptance_rate",
-                 "workbench:generation_tokens_total", "workbench:prompt_tokens_total",
-                 "workbench:time_to_first_token_seconds_bucket", "workbench:inter_token_latency_seconds_count",
-                 "workbench:e2e_request_latency_seconds_sum", "workbench:request_success_total",
-                 "workbench:cache_config_info"):
+    for name in (
+        "workbench:num_requests_running",
+        "workbench:num_requests_waiting",
+        "workbench:kv_cache_usage_perc",
+        "workbench:prefix_cache_hit_rate",
+        "workbench:spec_decode_draft_acceptance_rate",
+        "workbench:generation_tokens_total",
+        "workbench:prompt_tokens_total",
+        "workbench:time_to_first_token_seconds_bucket",
+        "workbench:inter_token_latency_seconds_count",
+        "workbench:e2e_request_latency_seconds_sum",
+        "workbench:request_success_total",
+        "workbench:cache_config_info",
+    ):
         assert name in samples, name
         assert all(labels.get("model_name") == model for labels, _ in samples[name])
     assert samples["workbench:time_to_first_token_seconds_count"][0][1] >= 1
@@ -284,8 +326,13 @@ LOAD_SCRIPT = textwrap.dedent("""
 def test_64_concurrent_streams_from_another_process(server):
     """64 streams at once from a separate process: every answer is complete, echoes its own prompt,
     has its own length (1..6 tokens) and one response id -- nothing lost or crossed."""
-    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, server["url"], server["key"], server["model_name"], "64"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, server["url"], server["key"], server["model_name"], "64"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     bad = [r for r in report["results"] if not r["ok"]]
@@ -302,26 +349,42 @@ def test_64_concurrent_streams_from_another_process(server):
 @pytest.mark.timeout(300)
 def test_bad_numbers_and_bounds_are_400s_naming_the_field(server):
     url, h = server["url"], {"Authorization": f"Bearer {server['key']}"}
-    cases = [('"seed": 18446744073709551616', "seed", "seed must be in"),  # 2**64: was a 500
-             ('"temperature": 1e400', "temperature", "out of range"),
-             ('"stop": [' + ",".join(f'"s{i}"' for i in range(17)) + "]", "stop", "at most 16"),
-             ('"stop": ["' + "x" * 5000 + '"]', "stop", "at most 4096")]
+    cases = [
+        ('"seed": 18446744073709551616', "seed", "seed must be in"),  # 2**64: was a 500
+        ('"temperature": 1e400', "temperature", "out of range"),
+        ('"stop": [' + ",".join(f'"s{i}"' for i in range(17)) + "]", "stop", "at most 16"),
+        ('"stop": ["' + "x" * 5000 + '"]', "stop", "at most 4096"),
+    ]
     for extra, param, words in cases:
-        r = httpx.post(url + "/v1/completions", headers={**h, "content-type": "application/json"},
-                       content=('{"prompt": "hi", "max_tokens": 2, ' + extra + "}").encode())
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={**h, "content-type": "application/json"},
+            content=('{"prompt": "hi", "max_tokens": 2, ' + extra + "}").encode(),
+        )
         assert r.status_code == 400, (extra[:40], r.text)
         err = r.json()["error"]
         assert words in err["message"] and err["param"] == param, (extra[:40], err)
-    r = httpx.post(url + "/v1/completions", headers={**h, "content-type": "application/json"},
-                   content=b'{"prompt": "hi", "temperature": NaN}')  # not JSON at all
+    r = httpx.post(
+        url + "/v1/completions",
+        headers={**h, "content-type": "application/json"},
+        content=b'{"prompt": "hi", "temperature": NaN}',
+    )  # not JSON at all
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "seed": 2**64 - 1,
-                                                   "stop": ["zz"] * 16}, headers=h, timeout=60)
+    ok = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2, "seed": 2**64 - 1, "stop": ["zz"] * 16},
+        headers=h,
+        timeout=60,
+    )
     assert ok.status_code == 200, ok.text  # the edges of the ranges are allowed
     # n seeded choices take seed, seed + 1, ...: past 2**64 - 1 that wraps around, as a uint64 does
     # (it was refused, quoting 2**64, a value the client never sent)
-    two = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "seed": 2**64 - 1, "n": 2,
-                                                    "temperature": 1.0}, headers=h, timeout=60)
+    two = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 4, "seed": 2**64 - 1, "n": 2, "temperature": 1.0},
+        headers=h,
+        timeout=60,
+    )
     assert two.status_code == 200 and len(two.json()["choices"]) == 2, two.text
 
 
@@ -333,8 +396,13 @@ def test_oversized_prompts_are_refused_while_a_stream_runs(server):
     lines: list[str] = []
 
     def stream():
-        with httpx.stream("POST", url + "/v1/completions", headers=h, timeout=120,
-                          json={**body, "stream": True, "return_token_ids": True}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            headers=h,
+            timeout=120,
+            json={**body, "stream": True, "return_token_ids": True},
+        ) as r:
             lines.extend(x for x in r.iter_lines() if x)
 
     t = threading.Thread(target=stream)
@@ -359,9 +427,27 @@ def _own_front(tmp_path, *flags: str):
     name = f"drain-{port}"
     log = tmp_path / "front.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--http", f"127.0.0.1:{port}",
-                                 "--model", str(model), "--name", name, "--http-log-level", "warning", *flags],
-                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workbench.cli",
+                "serve",
+                "--http",
+                f"127.0.0.1:{port}",
+                "--model",
+                str(model),
+                "--name",
+                name,
+                "--http-log-level",
+                "warning",
+                *flags,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
     url = f"http://127.0.0.1:{port}"
     wait_http(url, proc, 240, log)
     return proc, url, name, log
@@ -430,8 +516,9 @@ def test_second_sigterm_stops_the_front_at_once(tmp_path):
         lines, st, plain = [], [], []
         body = {"prompt": "Once", "max_tokens": 2000, "ignore_eos": True}
         t = threading.Thread(target=lambda: _ignore_errors(_sse_lines, url, body, lines, st))
-        waiting = threading.Thread(target=lambda: plain.append(httpx.post(url + "/v1/completions", json=body,
-                                                                          timeout=60)))
+        waiting = threading.Thread(
+            target=lambda: plain.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+        )
         t.start()
         waiting.start()
         time.sleep(1.0)
@@ -463,9 +550,26 @@ def test_attached_front_answers_503_while_its_engine_drains(tmp_path):
 
     model = make_tiny_tokenized_model(tmp_path / "m")
     name = f"drained-{free_port()}"
-    engine = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", "--model", str(model), "--name", name,
-                               "--drain-timeout", "20", "--max-num-seqs", "1"], cwd=ROOT, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--name",
+            name,
+            "--drain-timeout",
+            "20",
+            "--max-num-seqs",
+            "1",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     front = None
@@ -476,14 +580,30 @@ def test_attached_front_answers_503_while_its_engine_drains(tmp_path):
         while not conn.connection_path(name).exists():  # written once the engine is ready
             assert engine.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        front = subprocess.Popen([sys.executable, "-m", "workbench.http", "--attach", name, "--http",
-                                  f"127.0.0.1:{port}", "--model", str(model), "--http-log-level", "warning"],
-                                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.STDOUT)
+        front = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workbench.http",
+                "--attach",
+                name,
+                "--http",
+                f"127.0.0.1:{port}",
+                "--model",
+                str(model),
+                "--http-log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         wait_http(url, front, 240)
         lines, st = [], []
-        t = threading.Thread(target=_sse_lines, args=(url, {"prompt": "Once", "max_tokens": 1900, "ignore_eos": True},
-                                                      lines, st))
+        t = threading.Thread(
+            target=_sse_lines, args=(url, {"prompt": "Once", "max_tokens": 1900, "ignore_eos": True}, lines, st)
+        )
         t.start()
         time.sleep(1.0)
         engine.send_signal(signal.SIGTERM)
@@ -525,8 +645,12 @@ def _keepalive_posts(url: str, key: str, bodies: list[bytes]) -> list[tuple[int,
     out, sock = [], None
     try:
         for body in bodies:
-            connection.request("POST", "/v1/completions", body=body,
-                               headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            connection.request(
+                "POST",
+                "/v1/completions",
+                body=body,
+                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            )
             response = connection.getresponse()
             data = response.read()
             assert sock is None or connection.sock is sock, "the server dropped the keep-alive connection"
@@ -541,7 +665,7 @@ def _keepalive_posts(url: str, key: str, bodies: list[bytes]) -> list[tuple[int,
 def test_hostile_json_gets_400s_naming_the_field_and_keeps_the_connection(server):
     deep = "[" * 10_000 + "]" * 10_000
     cases = [
-        (b'{"prompt": [' + str(2**64).encode() + b"], \"max_tokens\": 1}", "prompt", "outside the vocabulary"),
+        (b'{"prompt": [' + str(2**64).encode() + b'], "max_tokens": 1}', "prompt", "outside the vocabulary"),
         (b'{"prompt": [-1], "max_tokens": 1}', "prompt", "outside the vocabulary"),
         (b'{"prompt": "x", "stop_token_ids": [' + str(2**64).encode() + b"]}", "stop_token_ids", "2**63"),
         (('{"prompt": ' + deep + "}").encode(), "prompt", "nests"),
@@ -557,8 +681,11 @@ def test_hostile_json_gets_400s_naming_the_field_and_keeps_the_connection(server
             continue
         assert status == 400, (body[:60], answer)
         assert answer["error"]["param"] == param and words in answer["error"]["message"], (body[:60], answer)
-    r = httpx.post(server["url"] + "/v1/chat/completions", headers={"Authorization": f"Bearer {server['key']}"},
-                   content=('{"messages": [{"role": "user", "content": ' + deep + "}]}").encode())
+    r = httpx.post(
+        server["url"] + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {server['key']}"},
+        content=('{"messages": [{"role": "user", "content": ' + deep + "}]}").encode(),
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
@@ -585,13 +712,66 @@ def test_fuzzed_requests_never_get_a_500(server):
     import random
 
     rng = random.Random(7)
-    values = [None, True, False, 0, 1, -1, 7, 2**31, 2**63, 2**64, -(2**64), 1e308, -0.0, 0.5, "", "x", "é😀",
-              "word " * 50, [], [1], [[1, 2]], [1, "a"], [[]], {}, {"type": "text"}, {"a": [1]}, [None],
-              "[" * 64 + "]" * 64]
-    fields = ["model", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "min_p",
-              "repetition_penalty", "ignore_eos", "stop_token_ids", "logprobs", "echo", "return_token_ids",
-              "stream_options", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice",
-              "tools", "presence_penalty", "logit_bias", "min_tokens", "best_of", "suffix", "user"]
+    values = [
+        None,
+        True,
+        False,
+        0,
+        1,
+        -1,
+        7,
+        2**31,
+        2**63,
+        2**64,
+        -(2**64),
+        1e308,
+        -0.0,
+        0.5,
+        "",
+        "x",
+        "é😀",
+        "word " * 50,
+        [],
+        [1],
+        [[1, 2]],
+        [1, "a"],
+        [[]],
+        {},
+        {"type": "text"},
+        {"a": [1]},
+        [None],
+        "[" * 64 + "]" * 64,
+    ]
+    fields = [
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stop",
+        "seed",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "logprobs",
+        "echo",
+        "return_token_ids",
+        "stream_options",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "tool_choice",
+        "tools",
+        "presence_penalty",
+        "logit_bias",
+        "min_tokens",
+        "best_of",
+        "suffix",
+        "user",
+    ]
 
     def value():
         return rng.choice(values)
@@ -601,8 +781,15 @@ def test_fuzzed_requests_never_get_a_500(server):
             return rng.choice([b"", b"[]", b"null", b"{", b'{"prompt": "x",}', b"\xff\xfe", b'"x"', b"1e999"])
         obj = {"max_tokens": rng.choice([1, 2, 3, 0, -5, 10**9, "2"])}
         if chat:
-            obj["messages"] = rng.choice([[{"role": "user", "content": value()}], [{"role": value(), "content": "x"}],
-                                          value(), [{"content": "x"}], [{"role": "user", "content": [value()]}]])
+            obj["messages"] = rng.choice(
+                [
+                    [{"role": "user", "content": value()}],
+                    [{"role": value(), "content": "x"}],
+                    value(),
+                    [{"content": "x"}],
+                    [{"role": "user", "content": [value()]}],
+                ]
+            )
         else:
             obj["prompt"] = rng.choice([value(), "hello", [5, 6], [[5], [6, 7]], [rng.randint(-5, 10**6)]])
         for name in rng.sample(fields, rng.randint(0, 5)):
@@ -653,8 +840,10 @@ def test_a_body_that_never_arrives_gets_a_408(server):
 
     parts = urlsplit(server["url"])
     with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + server["key"].encode() + b"\r\nContent-Length: 100\r\n\r\n{\"pro")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + server["key"].encode() + b'\r\nContent-Length: 100\r\n\r\n{"pro'
+        )
         reply = b""
         while b"\r\n\r\n" not in reply:
             chunk = sock.recv(4096)
@@ -673,13 +862,19 @@ def test_the_front_bounds_the_text_it_tokenizes():
     from workbench.http.app import Front
     from workbench.http.server import load_front_tokenizer
 
-    front = Front(None, model_names=["m"], tokenizer=load_front_tokenizer("smollm2-135m"), max_model_len=8192,
-                  max_queued_chars=2_000_000)
+    front = Front(
+        None,
+        model_names=["m"],
+        tokenizer=load_front_tokenizer("smollm2-135m"),
+        max_model_len=8192,
+        max_queued_chars=2_000_000,
+    )
     text = "7" * 650_000
 
     async def attack():
-        return await asyncio.gather(*(front.encode(text, add_special_tokens=True, param="prompt") for _ in range(40)),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *(front.encode(text, add_special_tokens=True, param="prompt") for _ in range(40)), return_exceptions=True
+        )
 
     results = asyncio.run(attack())
     busy = [r for r in results if isinstance(r, APIError) and r.status == 503]

@@ -28,8 +28,16 @@ from jupyter_helpers import (
 )
 
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -57,18 +65,35 @@ def setup(tmp_path_factory):
         port = free_port()
         env = dict(os.environ, JUPYTER_CONFIG_DIR=str(cfg), IPYTHONDIR=str(ipy), JUPYTER_RUNTIME_DIR=str(base / "jrt"))
         log = open(base / "lab.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
-                                 "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
-                                 f"--ServerApp.root_dir={root}", "--allow-root", "--ServerApp.port_retries=0"],
-                                cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                f"--port={port}",
+                "--ServerApp.ip=127.0.0.1",
+                f"--IdentityProvider.token={token}",
+                f"--ServerApp.root_dir={root}",
+                "--allow-root",
+                "--ServerApp.port_retries=0",
+            ],
+            cwd=root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
+
             def up():
                 try:
                     with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
                         return r.status == 200
                 except OSError:
                     return False
+
             wait_for(up, 90, "jupyter lab to answer", every=0.3)
             yield {"url": url, "token": token, "engine": eng}
         finally:
@@ -101,8 +126,11 @@ def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):
                 for _ in CELLS:
                     page.keyboard.press("Shift+Enter")
                 try:
-                    page.wait_for_function("el => /\\[(\\d+|\\*)\\]/.test(el.textContent)",
-                                           arg=first.locator(".jp-InputPrompt").element_handle(), timeout=15_000)
+                    page.wait_for_function(
+                        "el => /\\[(\\d+|\\*)\\]/.test(el.textContent)",
+                        arg=first.locator(".jp-InputPrompt").element_handle(),
+                        timeout=15_000,
+                    )
                     break
                 except Exception:  # noqa: BLE001 - the kernel was not ready: again
                     continue
@@ -124,8 +152,11 @@ def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):
                     }
                 return null; }"""
             prompts = ["Once upon a time", "The capital of France is", "Red, green,", "Why is the sky blue?"]
-            lanes = wait_for(lambda: (lambda got: got if got and all(p in got for p in prompts) else None)(
-                page.evaluate(lanes_js)), 30, "a lane per prompt in the dashboard")
+            lanes = wait_for(
+                lambda: (lambda got: got if got and all(p in got for p in prompts) else None)(page.evaluate(lanes_js)),
+                30,
+                "a lane per prompt in the dashboard",
+            )
             assert sorted(lanes[p][0] for p in prompts) == [0, 1, 2, 3] and all(len(lanes[p]) == 1 for p in prompts)
             # and the plot shows all four: its (flipped) y range reaches past the fourth lane
             y_start = page.evaluate("""() => {
@@ -153,12 +184,16 @@ def test_dashboard_renders_and_a_dropdown_reaches_the_engine(setup):
                 for (const d of window.Bokeh.documents) for (const m of d.all_models)
                     if (m.type === 'ColumnDataSource' && m.data.apply_ms) return [m.data.label, m.data.by];
                 return null; }"""
-            marks = wait_for(lambda: (lambda got: got if got and got[0] else None)(page.evaluate(marks_js)), 20,
-                             "the change marker on the dashboard")
+            marks = wait_for(
+                lambda: (lambda got: got if got and got[0] else None)(page.evaluate(marks_js)),
+                20,
+                "the change marker on the dashboard",
+            )
             assert marks[0][-1] == "batching: 'continuous' → 'static'" and marks[1][-1].startswith("notebook kernel")
             eng.configure(batching="continuous")
-            page.wait_for_function("el => el.value !== undefined && el.selectedIndex === 0",
-                                   arg=select.element_handle(), timeout=20_000)  # and back, from the engine
+            page.wait_for_function(
+                "el => el.value !== undefined && el.selectedIndex === 0", arg=select.element_handle(), timeout=20_000
+            )  # and back, from the engine
         except BaseException:
             try:
                 page.screenshot(path=str(ARTIFACTS / "dashboard-failure.png"), full_page=True)

@@ -95,8 +95,11 @@ def test_iopub_rate_of_16_prompts_with_a_dashboard_open(kernel, engine):
         times.append(time.monotonic())
         counts[m["msg_type"]] = counts.get(m["msg_type"], 0) + 1
         assert m["msg_type"] != "error", m["content"]
-        if (m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "status"
-                and m["content"]["execution_state"] == "idle"):
+        if (
+            m["parent_header"].get("msg_id") == msg_id
+            and m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle"
+        ):
             break
     wall = times[-1] - t0
     peak = max(sum(1 for t in times if s <= t < s + 1.0) for s in times)

@@ -74,8 +74,9 @@ def test_without_engine_says_what_to_run_then_autostarts(shell):
 def test_generate_concurrent_prompts_sections_and_output_var(shell, client):
     cursor = client.timeline(since=1 << 62).cursor
     with capture_output() as cap:
-        shell.run_cell("%%generate --max-tokens 5 --ignore-eos -o outs\nThe sky is\n---\nOne, two,\n---\n"
-                       "Paris is the capital of")
+        shell.run_cell(
+            "%%generate --max-tokens 5 --ignore-eos -o outs\nThe sky is\n---\nOne, two,\n---\nParis is the capital of"
+        )
     text = shown(cap)
     outs = shell.user_ns["outs"]
     assert [o.prompt for o in outs] == ["The sky is", "One, two,", "Paris is the capital of"]
@@ -92,8 +93,7 @@ def test_generate_concurrent_prompts_sections_and_output_var(shell, client):
 
 def test_generate_sync_path_n_samples_stop_and_chat(shell):
     with capture_output() as cap:
-        shell.run_cell_magic("generate", "--max-tokens 4 --n 2 --temperature 0.8 --seed 1 --chat -o outs",
-                             "Say hi")
+        shell.run_cell_magic("generate", "--max-tokens 4 --n 2 --temperature 0.8 --seed 1 --chat -o outs", "Say hi")
     outs = shell.user_ns["outs"]
     assert len(outs) == 2 and all(o.token_ids for o in outs)
     assert "sample 2" in shown(cap)
@@ -180,11 +180,21 @@ def test_dashboard_controls_bound_to_engine(shell, client):
     live = [e["name"] for e in schema() if e["kind"] == "live" and not e["headline"]]
     changeable = [e["name"] for e in schema() if e["kind"] != "restart"]
     assert sorted(d1.controls) == sorted(changeable)
-    assert list(d1.controls)[:len(headline) + len(live)] == headline + live  # the headline toggles first
+    assert list(d1.controls)[: len(headline) + len(live)] == headline + live  # the headline toggles first
     assert d1.controls["prefix_caching"].description == "Prefix caching"  # a label for people
     assert "prefix_caching" in d1.controls["prefix_caching"].tooltip  # the name for code
-    for name in ("batching", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "prefix_caching", "quantization",
-                 "kv_cache_dtype", "speculative", "num_speculative_tokens", "attention_backend"):
+    for name in (
+        "batching",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache",
+        "prefix_caching",
+        "quantization",
+        "kv_cache_dtype",
+        "speculative",
+        "num_speculative_tokens",
+        "attention_backend",
+    ):
         assert name in d1.controls
     assert d1.controls["batching"].options[1][1] == "static"
     # which kernels serve and why, from the engine's status; it follows a cpu_kernels flip
@@ -227,8 +237,11 @@ def test_dashboard_controls_bound_to_engine(shell, client):
 
     # a re-layout shows progress (started / done)
     d2.controls["kv_cache_dtype"].value = "int8"
-    wait_for(lambda: (d2.pump(), any("Re-layout: kv_cache_dtype" in m and "done" in m for m in d2.messages))[1],
-             30, "re-layout progress")
+    wait_for(
+        lambda: (d2.pump(), any("Re-layout: kv_cache_dtype" in m and "done" in m for m in d2.messages))[1],
+        30,
+        "re-layout progress",
+    )
     assert any("in progress" in m for m in d2.messages)
     client.configure(kv_cache_dtype="auto")
 

@@ -29,9 +29,18 @@ class Fake:
     def step(self, start, end, phase, batch, **kw):
         self.seq += 1
         entries = [BatchEntry(r, n, k) for r, n, k in batch]
-        self.steps.append(StepEvent(self.seq, start, end, phase, batch=entries,
-                                    num_prefill_tokens=sum(n for _, n, k in batch if k == "prefill"),
-                                    num_decode_tokens=sum(n for _, n, k in batch if k != "prefill"), **kw))
+        self.steps.append(
+            StepEvent(
+                self.seq,
+                start,
+                end,
+                phase,
+                batch=entries,
+                num_prefill_tokens=sum(n for _, n, k in batch if k == "prefill"),
+                num_decode_tokens=sum(n for _, n, k in batch if k != "prefill"),
+                **kw,
+            )
+        )
 
     def timeline(self):
         return Timeline(steps=list(self.steps), requests=list(self.requests), cursor=self.seq)
@@ -46,15 +55,24 @@ def two_requests() -> Fake:
     f.req(10.10, "bbbbbbbb", "scheduled")
     f.req(10.30, "aaaaaaaa", "first_token")
     f.req(10.30, "bbbbbbbb", "first_token")
-    f.step(10.10, 10.30, "prefill", [("aaaaaaaa", 8, "prefill"), ("bbbbbbbb", 4, "prefill")],
-           kv_blocks_used=2, kv_blocks_total=100, output_tokens=2, prefix_hit_tokens=4)
+    f.step(
+        10.10,
+        10.30,
+        "prefill",
+        [("aaaaaaaa", 8, "prefill"), ("bbbbbbbb", 4, "prefill")],
+        kv_blocks_used=2,
+        kv_blocks_total=100,
+        output_tokens=2,
+        prefix_hit_tokens=4,
+    )
     t = 10.30
     for i in range(6):
         batch = [("aaaaaaaa", 1, "decode"), ("bbbbbbbb", 1, "decode")] if i < 3 else [("bbbbbbbb", 1, "decode")]
         if i == 2:
             f.req(t + 0.1, "aaaaaaaa", "finished", "length")
-        f.step(t, t + 0.1, "decode", batch, kv_blocks_used=2 if i < 3 else 1, kv_blocks_total=100,
-               output_tokens=len(batch))
+        f.step(
+            t, t + 0.1, "decode", batch, kv_blocks_used=2 if i < 3 else 1, kv_blocks_total=100, output_tokens=len(batch)
+        )
         t += 0.1
     f.req(t, "bbbbbbbb", "finished", "stop")
     return f
@@ -64,6 +82,7 @@ def test_a_reused_lane_takes_the_new_requests_label():
     """A lane freed by one request and taken by the next is named after the newcomer, in the
     reducer's lane names and on every row it draws, whether the events come in one batch or
     one by one (as a live dashboard gets them)."""
+
     def events() -> Fake:
         f = Fake()
         for k, (rid, text) in enumerate((("old00000", "the first prompt"), ("new00000", "a second prompt"))):
@@ -83,8 +102,13 @@ def test_a_reused_lane_takes_the_new_requests_label():
     f = events()
     live_rows = {"lane": [], "request": [], "label": []}
     for ev in sorted(f.steps + f.requests, key=lambda e: e.seq):
-        live.add(Timeline(steps=[ev] if isinstance(ev, StepEvent) else [],
-                          requests=[ev] if isinstance(ev, RequestEvent) else [], cursor=ev.seq))
+        live.add(
+            Timeline(
+                steps=[ev] if isinstance(ev, StepEvent) else [],
+                requests=[ev] if isinstance(ev, RequestEvent) else [],
+                cursor=ev.seq,
+            )
+        )
         lanes = live.drain().get("lanes") or {}
         for c in live_rows:
             live_rows[c] += lanes.get(c, [])
@@ -93,8 +117,9 @@ def test_a_reused_lane_takes_the_new_requests_label():
         assert r.lane_labels == {0: "a second prompt"}
     for lanes in drained:
         assert set(lanes["lane"]) == {0}  # the second request did take the first one's lane
-        by_request = {req: {lab for lab, q in zip(lanes["label"], lanes["request"]) if q == req}
-                      for req in set(lanes["request"])}
+        by_request = {
+            req: {lab for lab, q in zip(lanes["label"], lanes["request"]) if q == req} for req in set(lanes["request"])
+        }
         assert by_request == {"old000": {"the first prompt"}, "new000": {"a second prompt"}}
 
 
@@ -119,8 +144,9 @@ def test_columns_steps_lanes_and_ttft():
 
     lanes = d["lanes"]
     by_req = {}
-    for req, state, lane, left, right in zip(lanes["request"], lanes["state"], lanes["lane"], lanes["left"],
-                                             lanes["right"]):
+    for req, state, lane, left, right in zip(
+        lanes["request"], lanes["state"], lanes["lane"], lanes["left"], lanes["right"]
+    ):
         by_req.setdefault(req, []).append((state, lane, left, right))
     a, b = by_req["aaaaaa"], by_req["bbbbbb"]
     assert a[0] == ("queued", 0, pytest.approx(0.0), pytest.approx(0.10))
@@ -161,9 +187,12 @@ def test_incremental_feeding_matches_one_shot_and_skips_repeats():
     got: dict = {}
     events = sorted([(s.seq, s) for s in f.steps] + [(q.seq, q) for q in f.requests], key=lambda x: x[0])
     for i in range(0, len(events), 3):  # increments of 3 events, each fed twice (overlapping reads)
-        chunk = [e for _, e in events[i:i + 3]]
-        tl = Timeline(steps=[e for e in chunk if isinstance(e, StepEvent)],
-                      requests=[e for e in chunk if isinstance(e, RequestEvent)], cursor=0)
+        chunk = [e for _, e in events[i : i + 3]]
+        tl = Timeline(
+            steps=[e for e in chunk if isinstance(e, StepEvent)],
+            requests=[e for e in chunk if isinstance(e, RequestEvent)],
+            cursor=0,
+        )
         parts.add(tl)
         parts.add(tl)
         for name, cols in parts.drain().items():
@@ -232,8 +261,10 @@ def test_preemption_shows_queued_again_and_abort_while_queued():
     r = TimelineReducer()
     r.add(f.timeline())
     lanes = r.drain()["lanes"]
-    rows = [(req, st, round(a, 2), round(b, 2)) for req, st, a, b in
-            zip(lanes["request"], lanes["state"], lanes["left"], lanes["right"])]
+    rows = [
+        (req, st, round(a, 2), round(b, 2))
+        for req, st, a, b in zip(lanes["request"], lanes["state"], lanes["left"], lanes["right"])
+    ]
     assert ("p", "queued", 0.0, 0.1) in rows
     assert ("p", "queued", 0.25, 0.5) in rows
     assert ("q", "queued", 0.0, 0.7) in rows
@@ -289,14 +320,28 @@ def test_tick_closes_bins_and_late_events_join_the_next_bin():
 
 def test_accepts_dicts_and_is_pure():
     r = TimelineReducer()
-    r.add({"steps": [{"seq": 1, "start": 1.0, "end": 1.5, "phase": "mixed",
-                      "batch": [["abc", 3, "prefill"], ["def", 1, "decode"]], "output_tokens": 2}],
-           "requests": []})
+    r.add(
+        {
+            "steps": [
+                {
+                    "seq": 1,
+                    "start": 1.0,
+                    "end": 1.5,
+                    "phase": "mixed",
+                    "batch": [["abc", 3, "prefill"], ["def", 1, "decode"]],
+                    "output_tokens": 2,
+                }
+            ],
+            "requests": [],
+        }
+    )
     d = r.drain()
     assert d["steps"]["composition"] == ["1 prefill (3 tok) · 1 decode (1 tok)"]
-    code = ("import sys, workbench.jupyter.reducer; "
-            "bad = [m for m in ('bokeh', 'ipywidgets', 'IPython', 'torch', 'zmq') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, workbench.jupyter.reducer; "
+        "bad = [m for m in ('bokeh', 'ipywidgets', 'IPython', 'torch', 'zmq') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -305,8 +350,10 @@ def test_accepts_dicts_and_is_pure():
 def test_expert_load_over_a_window_and_each_layers_imbalance():
     from workbench.jupyter.reducer import ExpertLoad, imbalance, routing_text
 
-    steps = [{"seq": i + 1, "start": i, "end": i + 0.5, "phase": "decode",
-              "expert_counts": [[4, 0, 0, 0], [1, 1, 1, 1]]} for i in range(3)]
+    steps = [
+        {"seq": i + 1, "start": i, "end": i + 0.5, "phase": "decode", "expert_counts": [[4, 0, 0, 0], [1, 1, 1, 1]]}
+        for i in range(3)
+    ]
     load = ExpertLoad(window=2)
     assert load.add({"steps": steps}) and not load.add({"steps": steps})  # seen already: nothing new
     cols = load.columns()
@@ -325,8 +372,21 @@ def test_the_step_tooltip_and_the_heatmap_show_the_routing():
     from workbench.jupyter.views import ExpertHeatmap
 
     red = TimelineReducer()
-    red.add({"steps": [{"seq": 1, "start": 0.0, "end": 0.1, "phase": "decode", "batch": [["r", 1, "decode"]],
-                        "expert_counts": [[0, 2], [1, 1]]}], "requests": []})
+    red.add(
+        {
+            "steps": [
+                {
+                    "seq": 1,
+                    "start": 0.0,
+                    "end": 0.1,
+                    "phase": "decode",
+                    "batch": [["r", 1, "decode"]],
+                    "expert_counts": [[0, 2], [1, 1]],
+                }
+            ],
+            "requests": [],
+        }
+    )
     assert red.drain()["steps"]["routing"] == ["L0 e1:2 (2.0x) · L1 e0:1 (1.0x)"]
     load = ExpertLoad()
     load.add({"steps": [{"seq": 1, "start": 0.0, "end": 0.1, "phase": "decode", "expert_counts": [[0, 2], [1, 1]]}]})
@@ -353,8 +413,14 @@ def test_lanes_are_named_by_prompt_and_changes_are_markers():
     f = two_requests()
     f.requests[0].label = "Once upon a time"  # A's "arrived"; B has no text: its id names it
     f.seq += 1
-    change = ChangeEvent(f.seq, 10.5, 10.9, {"quantization": ["none", "int8"], "max_num_seqs": [4, 8]},
-                         by="notebook kernel (pid 7)", relayout=True)
+    change = ChangeEvent(
+        f.seq,
+        10.5,
+        10.9,
+        {"quantization": ["none", "int8"], "max_num_seqs": [4, 8]},
+        by="notebook kernel (pid 7)",
+        relayout=True,
+    )
     tl = f.timeline()
     tl.changes = [change]
     r = TimelineReducer()
@@ -379,8 +445,10 @@ def test_chrome_trace_marks_each_change():
     from workbench.timeline import ChangeEvent
 
     tl = two_requests().timeline()
-    tl.changes = [ChangeEvent(99, 10.5, 10.9, {"kv_cache_dtype": ["auto", "int8"]}, by="cli", relayout=True),
-                  ChangeEvent(100, 11.0, 11.0, {"max_num_seqs": [4, 8]}, by="cli")]
+    tl.changes = [
+        ChangeEvent(99, 10.5, 10.9, {"kv_cache_dtype": ["auto", "int8"]}, by="cli", relayout=True),
+        ChangeEvent(100, 11.0, 11.0, {"max_num_seqs": [4, 8]}, by="cli"),
+    ]
     events = [e for e in tl.to_chrome_trace()["traceEvents"] if e.get("cat") == "settings"]
     marks = [e for e in events if e["ph"] == "i"]
     assert [m["name"] for m in marks] == ["kv_cache_dtype: 'auto' → 'int8'", "max_num_seqs: 4 → 8"]
@@ -415,15 +483,22 @@ def test_where_each_step_spent_its_time():
     from workbench.timeline import STEP_PARTS, step_breakdown
 
     f = Fake()
-    f.step(0.0, 0.010, "decode", [("a", 1, "decode")],
-           parts={"schedule": 0.5, "prepare": 0.5, "layers": 7.0, "lm_head": 1.5, "sample": 0.2, "outputs": 0.3})
+    f.step(
+        0.0,
+        0.010,
+        "decode",
+        [("a", 1, "decode")],
+        parts={"schedule": 0.5, "prepare": 0.5, "layers": 7.0, "lm_head": 1.5, "sample": 0.2, "outputs": 0.3},
+    )
     f.step(0.012, 0.020, "decode", [("a", 1, "decode")], parts={"layers": 6.0, "lm_head": 1.0, "send": 1.0})
     f.step(0.020, 0.021, "decode", [("a", 1, "decode")])  # a simulated step: no parts
     r = TimelineReducer(t0=0.0)
     r.add(f.timeline())
     parts = r.drain()["steps"]["parts"]
-    assert parts[0] == ("layers 7.0 ms (70%), lm_head 1.5 ms (15%), schedule 0.5 ms (5%), prepare 0.5 ms (5%), "
-                        "outputs 0.3 ms (3%), sample 0.2 ms (2%)")
+    assert parts[0] == (
+        "layers 7.0 ms (70%), lm_head 1.5 ms (15%), schedule 0.5 ms (5%), prepare 0.5 ms (5%), "
+        "outputs 0.3 ms (3%), sample 0.2 ms (2%)"
+    )
     assert parts[1].startswith("layers 6.0 ms (75%)") and parts[2] == "-"
     b = step_breakdown(f.steps)
     assert b["steps"] == 3 and b["limit"] == "layers" and set(b["parts_ms"]) == set(STEP_PARTS)
@@ -476,7 +551,9 @@ def test_the_host_plot_shows_only_with_samples():
     live = TimelineView(live=True)
     live.push({"steps": {}})
     assert not live.figures["host"].visible
-    red.add_metrics({"engine_cpu_pct": 50.0, "host_cpu_pct": 60.0, "host_mem_pct": 40.0, "kv_blocks_used": 1,
-                     "kv_blocks_total": 8}, 11.0)
+    red.add_metrics(
+        {"engine_cpu_pct": 50.0, "host_cpu_pct": 60.0, "host_mem_pct": 40.0, "kv_blocks_used": 1, "kv_blocks_total": 8},
+        11.0,
+    )
     live.push(red.drain())
     assert live.figures["host"].visible

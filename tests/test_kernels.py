@@ -200,8 +200,16 @@ def test_extend_attention(d, group, bs, dtype, kv, scenario, blocks, strided):
 
 DECODE_CASES = [
     # d, group, bs, dtype, kv, num_splits (None: automatic), block_n override, strided q
-    (d, g, bs, (F16, F32)[(i + i // 2) % 2], _KVS[(i + j) % 3], splits, 16 if splits == 3 and i % 2 else None,
-     i % 4 == 2)
+    (
+        d,
+        g,
+        bs,
+        (F16, F32)[(i + i // 2) % 2],
+        _KVS[(i + j) % 3],
+        splits,
+        16 if splits == 3 and i % 2 else None,
+        i % 4 == 2,
+    )
     for i, (d, g, bs) in enumerate(_GRID)
     for j, splits in enumerate((1, 3))
 ] + [
@@ -386,11 +394,14 @@ def test_moe_align_groups_pairs_by_expert():
     assert s[0:2] == [1, 4] and s[2:4] == [3, 6] and s[4:8] == [0, 2, 5, 6]  # 6 = the padding sentinel
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter, block_m", [
-    (1, 4, 2, 32, 48, None),      # a single decode token
-    (37, 8, 2, 64, 96, 16),       # ragged: several blocks per expert, padding, unused experts
-    (20, 16, 4, 48, 32, 32),      # many small experts (OLMoE-like), odd hidden size
-])
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter, block_m",
+    [
+        (1, 4, 2, 32, 48, None),  # a single decode token
+        (37, 8, 2, 64, 96, 16),  # ragged: several blocks per expert, padding, unused experts
+        (20, 16, 4, 48, 32, 32),  # many small experts (OLMoE-like), odd hidden size
+    ],
+)
 def test_fused_moe_matches_reference(tokens, experts, top_k, hidden, inter, block_m):
     from workbench_kernels.triton_ops import fused_moe
 

@@ -30,9 +30,17 @@ from jupyter_helpers import (
 )
 
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", REPO / "test-artifacts"))
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 DEV_LABEXTENSION = REPO / "workbench" / "labextension"
 PREFIX = "/user/e2e/"
 
@@ -129,9 +137,13 @@ def lab(tmp_path_factory, runtime_dir, engine):
     root, cfg, settings, user, work, ipy = (base / n for n in ("root", "config", "settings", "user", "ws", "ipython"))
     for d in (root, cfg, settings, user, work, ipy):
         d.mkdir()
-    (settings / "overrides.json").write_text(json.dumps({
-        "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
-    }))
+    (settings / "overrides.json").write_text(
+        json.dumps(
+            {
+                "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+            }
+        )
+    )
     extra = []
     if (DEV_LABEXTENSION / "package.json").exists():  # the working tree's build wins over an installed one
         (base / "labext").mkdir()
@@ -139,36 +151,71 @@ def lab(tmp_path_factory, runtime_dir, engine):
         extra = [str(base / "labext")]
     token = "e2e-" + os.urandom(8).hex()
     port = free_port()
-    (cfg / "jupyter_server_config.json").write_text(json.dumps({
-        "ServerApp": {"jpserver_extensions": {"workbench": True}, "ip": "127.0.0.1", "port": port,
-                      "open_browser": False, "root_dir": str(root), "port_retries": 0,
-                      "allow_root": True, "base_url": PREFIX},
-        "IdentityProvider": {"token": token},
-        "LabApp": {"app_settings_dir": str(settings), "user_settings_dir": str(user),
-                   "workspaces_dir": str(work), "extra_labextensions_path": extra},
-        "LabServerApp": {"app_settings_dir": str(settings)},
-    }))
+    (cfg / "jupyter_server_config.json").write_text(
+        json.dumps(
+            {
+                "ServerApp": {
+                    "jpserver_extensions": {"workbench": True},
+                    "ip": "127.0.0.1",
+                    "port": port,
+                    "open_browser": False,
+                    "root_dir": str(root),
+                    "port_retries": 0,
+                    "allow_root": True,
+                    "base_url": PREFIX,
+                },
+                "IdentityProvider": {"token": token},
+                "LabApp": {
+                    "app_settings_dir": str(settings),
+                    "user_settings_dir": str(user),
+                    "workspaces_dir": str(work),
+                    "extra_labextensions_path": extra,
+                },
+                "LabServerApp": {"app_settings_dir": str(settings)},
+            }
+        )
+    )
     cells = NOTEBOOK_CELLS if _have_magics() else FALLBACK_CELLS
     (root / "e2e.ipynb").write_text(json.dumps(notebook(cells)))
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(cfg), IPYTHONDIR=str(ipy), JUPYTER_RUNTIME_DIR=str(base / "jrt"),
-               PYTHONUNBUFFERED="1", WORKBENCH_RUNS_DB=str(base / "runs.sqlite"))  # the lab's and its kernels'
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(cfg),
+        IPYTHONDIR=str(ipy),
+        JUPYTER_RUNTIME_DIR=str(base / "jrt"),
+        PYTHONUNBUFFERED="1",
+        WORKBENCH_RUNS_DB=str(base / "runs.sqlite"),
+    )  # the lab's and its kernels'
 
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(base / "lab.log", "wb")
     # keep-alive pings every second (30 s by default), so the module's minutes see many
     pings = "--ServerApp.tornado_settings=" + json.dumps({"ws_ping_interval": 1000})
-    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", pings], cwd=root, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", pings],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}{PREFIX.rstrip('/')}"  # under a prefix, as behind JupyterHub
     try:
+
         def up():
             if proc.poll() is not None:
                 raise AssertionError("jupyter lab exited: " + (base / "lab.log").read_text()[-3000:])
             with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as r:
                 return r.status == 200
+
         _wait_for(up, 90, "jupyter lab to answer")
-        yield {"url": url, "token": token, "root": root, "log": base / "lab.log", "magics": cells is NOTEBOOK_CELLS,
-               "runs_db": base / "runs.sqlite"}
+        yield {
+            "url": url,
+            "token": token,
+            "root": root,
+            "log": base / "lab.log",
+            "magics": cells is NOTEBOOK_CELLS,
+            "runs_db": base / "runs.sqlite",
+        }
     finally:
         stop_process_group(proc)
         log.close()
@@ -220,7 +267,8 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         panel = _open_panel(page, lab)
         assert panel.get_attribute("data-engine") == "e2e"
         page.wait_for_function(
-            "() => document.querySelector('#serving-workbench-panel .wb-Info-model')?.textContent.length > 1")
+            "() => document.querySelector('#serving-workbench-panel .wb-Info-model')?.textContent.length > 1"
+        )
         # which kernels serve, and why on hover
         st = engine.status()
         kernels = panel.locator(".wb-Info-kernels")
@@ -238,9 +286,11 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         # never cut off, the setting's name is in the tooltip
         headline = panel.locator(".wb-group-headline")
         assert headline.get_attribute("open") is not None
-        assert [r.get_attribute("data-setting") for r in headline.locator(".wb-Setting").all()] == \
-            [s["name"] for s in schema() if s["headline"]] == \
-            ["batching", "kv_cache", "prefix_caching", "quantization", "speculative"]
+        assert (
+            [r.get_attribute("data-setting") for r in headline.locator(".wb-Setting").all()]
+            == [s["name"] for s in schema() if s["headline"]]
+            == ["batching", "kv_cache", "prefix_caching", "quantization", "speculative"]
+        )
         for spec in schema():
             row = panel.locator(f'.wb-Setting[data-setting="{spec["name"]}"]')
             label = row.locator(".wb-Setting-label")
@@ -260,7 +310,8 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         err = panel.locator('.wb-Setting[data-setting="max_num_seqs"] .wb-Setting-error')
         page.wait_for_function(
             "() => document.querySelector('.wb-Setting[data-setting=\"max_num_seqs\"] .wb-Setting-error')"
-            "?.textContent.includes('max_num_seqs')")
+            "?.textContent.includes('max_num_seqs')"
+        )
         assert "allowed" in err.text_content()
         assert engine.settings()["max_num_seqs"] == 5
         # a select and a checkbox too
@@ -274,11 +325,12 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         # a change made elsewhere shows up in the panel
         engine.configure(max_num_seqs=6)
         page.wait_for_function(
-            "() => document.querySelector('.wb-Setting[data-setting=\"max_num_seqs\"] input').value === '6'")
+            "() => document.querySelector('.wb-Setting[data-setting=\"max_num_seqs\"] input').value === '6'"
+        )
         page.screenshot(path=str(ARTIFACTS / "lab-panel.png"))
 
         # run the notebook: its requests appear live in the panel's timeline
-        page.wait_for_selector('#serving-workbench-panel .wb-Timeline-chart[data-cursor]')
+        page.wait_for_selector("#serving-workbench-panel .wb-Timeline-chart[data-cursor]")
         before = _counts(page, "#serving-workbench-panel")
         page.goto(f"{lab['url']}/lab/tree/e2e.ipynb?token={lab['token']}", wait_until="domcontentloaded")
         # restored (the workspace may restore the sidebar collapsed: open it again if so)
@@ -292,8 +344,14 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
 
         def grown():
             now = _counts(page, "#serving-workbench-panel")
-            return all(now.get(k, 0) > before.get(k, 0)
-                       for k in ("spansPrefill", "spansDecode", "stepsPrefill", "stepsDecode")) and now
+            return (
+                all(
+                    now.get(k, 0) > before.get(k, 0)
+                    for k in ("spansPrefill", "spansDecode", "stepsPrefill", "stepsDecode")
+                )
+                and now
+            )
+
         after = _wait_for(grown, 120, "the panel timeline to gain prefill and decode spans", every=0.5)
         assert after["spansDecode"] >= before.get("spansDecode", 0) + 2  # two prompts, two lanes
         page.wait_for_selector(".jp-Notebook .jp-Cell:nth-child(2) .jp-OutputArea-output", timeout=60_000)
@@ -311,16 +369,24 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
 
         assert bokeh_version == bokeh.__version__
         page.wait_for_selector(".wb-TimelineWidget canvas", state="attached")
-        _wait_for(lambda: (lambda c: c.get("spansDecode", 0) >= 2 and c.get("stepsPrefill", 0) >= 1)(
-            _counts(page, ".wb-TimelineWidget")), 30, "the main-area timeline to show the requests")
+        _wait_for(
+            lambda: (lambda c: c.get("spansDecode", 0) >= 2 and c.get("stepsPrefill", 0) >= 1)(
+                _counts(page, ".wb-TimelineWidget")
+            ),
+            30,
+            "the main-area timeline to show the requests",
+        )
         page.wait_for_timeout(700)
         page.screenshot(path=str(ARTIFACTS / "lab-timeline.png"))
 
         # restored on reload
         page.reload(wait_until="domcontentloaded")
         page.wait_for_selector(".wb-TimelineWidget .wb-Timeline-chart[data-spans-decode]", timeout=60_000)
-        _wait_for(lambda: _counts(page, ".wb-TimelineWidget").get("spansDecode", 0) >= 2, 30,
-                  "the restored timeline to show the requests again")
+        _wait_for(
+            lambda: _counts(page, ".wb-TimelineWidget").get("spansDecode", 0) >= 2,
+            30,
+            "the restored timeline to show the requests again",
+        )
         assert page.locator(".wb-TimelineWidget").first.locator(".wb-Timeline").get_attribute("data-engine") == "e2e"
         page.screenshot(path=str(ARTIFACTS / "lab-restored.png"))
 
@@ -328,8 +394,11 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         from workbench.jupyter_server.coalesce import SNAPSHOT_STEPS
         from workbench.sampling_params import SamplingParams
 
-        engine.generate(prompt_token_ids=[[1, 2, 3, 4]], params=SamplingParams(
-            max_tokens=SNAPSHOT_STEPS + 100, temperature=0, ignore_eos=True), timeout=300)
+        engine.generate(
+            prompt_token_ids=[[1, 2, 3, 4]],
+            params=SamplingParams(max_tokens=SNAPSHOT_STEPS + 100, temperature=0, ignore_eos=True),
+            timeout=300,
+        )
         page.reload(wait_until="domcontentloaded")
         earlier = page.locator(".wb-TimelineWidget .wb-Timeline-earlier").first
         earlier.wait_for(state="visible", timeout=60_000)
@@ -352,8 +421,9 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         (ARTIFACTS / "lab-console.txt").write_text("\n".join(problems))
         page.close()
     if not lab["magics"]:
-        pytest.xfail("workbench.jupyter.magics is missing: ran the notebook's requests from plain Python "
-                     "instead of %%generate")
+        pytest.xfail(
+            "workbench.jupyter.magics is missing: ran the notebook's requests from plain Python instead of %%generate"
+        )
 
 
 def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
@@ -377,9 +447,11 @@ def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
         from workbench.jupyter.reducer import PHASE_COLORS, STATE_COLORS
 
         def rgb(hex_color: str) -> str:
-            return "rgb({}, {}, {})".format(*(int(hex_color[i:i + 2], 16) for i in (1, 3, 5)))
+            return "rgb({}, {}, {})".format(*(int(hex_color[i : i + 2], 16) for i in (1, 3, 5)))
+
         swatches = page.locator(".wb-TimelineWidget .wb-Legend-item").evaluate_all(
-            "items => items.map(i => [i.textContent, i.firstChild.style.background])")
+            "items => items.map(i => [i.textContent, i.firstChild.style.background])"
+        )
         expected = {**STATE_COLORS, "mixed": PHASE_COLORS["mixed"], "relayout": PHASE_COLORS["relayout"]}
         assert {name: color for name, color in swatches if color} == {k: rgb(v) for k, v in expected.items()}
         assert swatches[-1][0].endswith("settings change")
@@ -389,8 +461,11 @@ def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
         engine.generate(["After int8: tell me a story"], params=params)
         engine.configure(quantization="none")
         for scope in (chart, "#serving-workbench-panel .wb-Timeline-chart"):
-            _wait_for(lambda s=scope: int(page.get_attribute(s, "data-changes") or 0) >= before + 2, 30,
-                      f"two more change markers on {scope}")
+            _wait_for(
+                lambda s=scope: int(page.get_attribute(s, "data-changes") or 0) >= before + 2,
+                30,
+                f"two more change markers on {scope}",
+            )
         changes = [c for c in engine.timeline().changes if "quantization" in c.changes][-2:]
         assert [c.changes["quantization"] for c in changes] == [["none", "int8"], ["int8", "none"]]
         assert changes[0].relayout and changes[0].by.endswith(f"(pid {os.getpid()})")  # this test's client
@@ -400,10 +475,12 @@ def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
                 if (m.type === 'ColumnDataSource' && m.data.label && m.data.apply_ms) return m.data.label;
             return null; }""")
         assert "quantization: 'none' → 'int8'" in labels and "quantization: 'int8' → 'none'" in labels
+
         # lanes named by prompt start (24 characters in the main area)
         def lane_names():
             names = json.loads(page.get_attribute(chart, "data-lane-labels"))
             return names if any(v.startswith("After int8") for v in names.values()) else ValueError(names)
+
         _wait_for(lane_names, 30, "a lane named after its prompt")
         # what serving costs the machine, next to the timeline: a host row per metrics sample
         _wait_for(lambda: int(page.get_attribute(chart, "data-host-rows") or 0) >= 2, 30, "host plot rows")
@@ -458,8 +535,9 @@ def _run_cells(page, cells: int) -> None:
         for _ in range(cells):
             page.keyboard.press("Shift+Enter")
         try:
-            page.wait_for_function("el => /\\[(\\d+|\\*)\\]/.test(el.textContent)", arg=prompt.element_handle(),
-                                   timeout=15_000)
+            page.wait_for_function(
+                "el => /\\[(\\d+|\\*)\\]/.test(el.textContent)", arg=prompt.element_handle(), timeout=15_000
+            )
             return
         except Exception:  # noqa: BLE001 - the kernel was not ready yet: try again
             continue
@@ -501,12 +579,25 @@ def test_run_log_compares_runs_side_by_side(lab, browser):
     from workbench.runs import RunLog
 
     log = RunLog(lab["runs_db"])
-    a = log.start("bench", label="static batching", settings={"batching": "static", "max_num_seqs": 8},
-                  workload={"n": 16})
-    log.finish(a, metrics={"results": {"workbench": {"output_tok_s": 120.0, "ttft_p50_ms": 300.0,
-                                                     "itl_p50_ms": 12.0, "ttft_p99_ms": float("nan")}}})
-    b = log.start("bench", label="continuous batching", settings={"batching": "continuous", "max_num_seqs": 8},
-                  workload={"n": 16})
+    a = log.start(
+        "bench", label="static batching", settings={"batching": "static", "max_num_seqs": 8}, workload={"n": 16}
+    )
+    log.finish(
+        a,
+        metrics={
+            "results": {
+                "workbench": {
+                    "output_tok_s": 120.0,
+                    "ttft_p50_ms": 300.0,
+                    "itl_p50_ms": 12.0,
+                    "ttft_p99_ms": float("nan"),
+                }
+            }
+        },
+    )
+    b = log.start(
+        "bench", label="continuous batching", settings={"batching": "continuous", "max_num_seqs": 8}, workload={"n": 16}
+    )
     log.finish(b, metrics={"results": {"workbench": {"output_tok_s": 200.0, "ttft_p50_ms": 150.0, "itl_p50_ms": 14.0}}})
     page, problems = _new_page(browser, 1000)
     try:
@@ -532,8 +623,13 @@ def test_run_log_compares_runs_side_by_side(lab, browser):
         sweep = log.start("sweep", label="sweep max_num_seqs[2]")
         points = []
         for index, n in enumerate((4, 8)):
-            pid = log.start("sweep_point", parent_id=sweep, label=f"max_num_seqs={n}", settings={"max_num_seqs": n},
-                            extra={"index": index, "label": f"max_num_seqs={n}"})
+            pid = log.start(
+                "sweep_point",
+                parent_id=sweep,
+                label=f"max_num_seqs={n}",
+                settings={"max_num_seqs": n},
+                extra={"index": index, "label": f"max_num_seqs={n}"},
+            )
             log.finish(pid, metrics={"output_tok_s": 50.0 * (index + 1), "ttft_p50_ms": 100.0, "itl_p50_ms": 10.0})
             points.append(pid)
         log.finish(sweep)
@@ -630,8 +726,14 @@ def test_panel_steers_one_replica_of_a_cluster(lab, runtime_dir, browser, ray_cl
     from workbench import SamplingParams, cluster
 
     path, _ = tiny_llama
-    c = cluster.start(replicas=2, name=f"lab{secrets.token_hex(2)}", model=str(path), dtype="float32",
-                      num_kv_blocks=64, host="127.0.0.1")
+    c = cluster.start(
+        replicas=2,
+        name=f"lab{secrets.token_hex(2)}",
+        model=str(path),
+        dtype="float32",
+        num_kv_blocks=64,
+        host="127.0.0.1",
+    )
     page = browser.new_page(viewport={"width": 1500, "height": 950})
     page.set_default_timeout(30_000)
     try:
@@ -654,14 +756,20 @@ def test_panel_steers_one_replica_of_a_cluster(lab, runtime_dir, browser, ray_cl
         box = panel.locator('.wb-Setting[data-setting="max_num_seqs"] .wb-Setting-input')
         box.fill("3")
         box.press("Enter")
-        _wait_for(lambda: f"on {names[1]}" in panel.locator(".wb-Message").inner_text(), 30,
-                  "the panel to say the change went to one replica")
+        _wait_for(
+            lambda: f"on {names[1]}" in panel.locator(".wb-Message").inner_text(),
+            30,
+            "the panel to say the change went to one replica",
+        )
         seqs = [c.replica(n).settings()["max_num_seqs"] for n in names]
         assert seqs[1] == 3 and seqs[0] != 3, seqs
         assert row.locator(".wb-RouterPicker").input_value() == "least_loaded"
         row.locator(".wb-RouterPicker").select_option("round_robin")
-        _wait_for(lambda: "router = round_robin" in panel.locator(".wb-Message").inner_text(), 30,
-                  "the panel to confirm the router")
+        _wait_for(
+            lambda: "router = round_robin" in panel.locator(".wb-Message").inner_text(),
+            30,
+            "the panel to confirm the router",
+        )
         before = {r["name"]: r["served"] for r in c.replicas()}
         c.generate(prompt_token_ids=[[5, 6, 7], [8, 9, 10]], params=SamplingParams(max_tokens=4, temperature=0))
         assert c.router.policy == "round_robin"  # the owner routes by what the panel picked
@@ -686,8 +794,7 @@ def test_panel_fits_its_default_width_and_is_in_the_view_menu(lab, engine, brows
         for button in panel.locator("button:visible").all():
             b = button.bounding_box()
             name = button.text_content() or button.get_attribute("title")
-            assert b["x"] >= box["x"] - 1 and b["x"] + b["width"] <= box["x"] + box["width"] + 1, \
-                (name, b, box)
+            assert b["x"] >= box["x"] - 1 and b["x"] + b["width"] <= box["x"] + box["width"] + 1, (name, b, box)
             assert button.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), f"{name!r} is cut off"
         assert panel.locator(".wb-OpenRuns").is_visible()
         assert panel.locator(".wb-Timeline-chart").get_attribute("data-x-ticks") == "3"
@@ -739,6 +846,9 @@ def test_the_server_log_has_no_traceback(lab):
     """Last in this module: after every test above held websockets open (pinged each second), the
     lab's log has no traceback and no failed callback."""
     log = lab["log"].read_text(errors="replace")
-    bad = [line for line in log.splitlines() if any(
-        s in line for s in ("Traceback", "Exception in callback", "ping timeout", "websocket_ping_timeout"))]
+    bad = [
+        line
+        for line in log.splitlines()
+        if any(s in line for s in ("Traceback", "Exception in callback", "ping timeout", "websocket_ping_timeout"))
+    ]
     assert not bad, "\n".join(bad[:5]) + "\n" + log[-3000:]

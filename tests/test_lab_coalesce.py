@@ -24,8 +24,9 @@ from workbench.timeline import BatchEntry, ChangeEvent, RequestEvent, StepEvent,
 
 
 def tl(steps=(), requests=(), cursor=None) -> dict:
-    steps = [StepEvent(seq=s, start=float(s), end=s + 0.5, phase=p,
-                       batch=[BatchEntry("r", 1, "decode")]) for s, p in steps]
+    steps = [
+        StepEvent(seq=s, start=float(s), end=s + 0.5, phase=p, batch=[BatchEntry("r", 1, "decode")]) for s, p in steps
+    ]
     requests = [RequestEvent(seq=s, time=float(s), request_id=r, kind=k) for s, r, k in requests]
     seqs = [s.seq for s in steps] + [r.seq for r in requests]
     t = Timeline(steps=steps, requests=requests, cursor=cursor if cursor is not None else max(seqs, default=0))
@@ -33,8 +34,15 @@ def tl(steps=(), requests=(), cursor=None) -> dict:
 
 
 def snap(c: EventCoalescer, timeline=None, now=0.0, **kw):
-    return c.snapshot(engine="e", status={"model": "m"}, settings={"max_num_seqs": 64},
-                      metrics={"output_tok_s": 0.0}, timeline=timeline or tl(), now=now, **kw)
+    return c.snapshot(
+        engine="e",
+        status={"model": "m"},
+        settings={"max_num_seqs": 64},
+        metrics={"output_tok_s": 0.0},
+        timeline=timeline or tl(),
+        now=now,
+        **kw,
+    )
 
 
 def test_timeline_structs_json_through_msgspec():
@@ -76,8 +84,9 @@ def test_every_view_of_an_engine_shares_one_clock():
     minutes later (a snapshot whose oldest event is later) put the same event at the same x."""
     early, late = EventCoalescer(10), EventCoalescer(10)
     status = {"model": "m", "started_monotonic": 2.0}
-    a = early.snapshot(engine="e", status=status, settings={}, metrics={},
-                       timeline=tl(steps=[(3, "prefill"), (9, "decode")]), now=10.0)
+    a = early.snapshot(
+        engine="e", status=status, settings={}, metrics={}, timeline=tl(steps=[(3, "prefill"), (9, "decode")]), now=10.0
+    )
     b = late.snapshot(engine="e", status=status, settings={}, metrics={}, timeline=tl(steps=[(9, "decode")]), now=10.0)
     assert a["t0"] == b["t0"] == 2.0
     assert a["columns"]["steps"]["left"][-1] == b["columns"]["steps"]["left"][-1] == 7.0
@@ -173,9 +182,18 @@ def test_unknown_kinds_are_not_relayed():
     assert not c.pending()
 
 
-@pytest.mark.parametrize("given,expected", [
-    (5, 5.0), ("20", 20.0), ("x", 10.0), (None, 10.0), (0, MIN_RATE_HZ), (1e6, MAX_RATE_HZ), (float("nan"), 10.0),
-])
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        (5, 5.0),
+        ("20", 20.0),
+        ("x", 10.0),
+        (None, 10.0),
+        (0, MIN_RATE_HZ),
+        (1e6, MAX_RATE_HZ),
+        (float("nan"), 10.0),
+    ],
+)
 def test_clamp_rate(given, expected):
     assert clamp_rate(given) == expected
 
@@ -186,10 +204,17 @@ def test_set_rate_changes_interval():
     assert c.set_rate("bogus") == 4.0
 
 
-@pytest.mark.parametrize("given,expected", [
-    (None, SNAPSHOT_STEPS), ("x", SNAPSHOT_STEPS), (10, SNAPSHOT_STEPS), (2000, 2000),
-    (10**9, MAX_HISTORY_STEPS), (float("inf"), SNAPSHOT_STEPS),
-])
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        (None, SNAPSHOT_STEPS),
+        ("x", SNAPSHOT_STEPS),
+        (10, SNAPSHOT_STEPS),
+        (2000, 2000),
+        (10**9, MAX_HISTORY_STEPS),
+        (float("inf"), SNAPSHOT_STEPS),
+    ],
+)
 def test_history_window_is_bounded(given, expected):
     assert history_window(given) == expected
 
@@ -202,25 +227,50 @@ def _reducer_messages(with_sources: bool = False):
     """A snapshot and a delta for two requests (one queued behind the other), as the websocket
     sends them: the jest tests apply exactly these (`extension/test/fixtures`). `with_sources`:
     also the engine timelines they came from."""
-    def step(seq, start, phase, batch, **kw):
-        return StepEvent(seq=seq, start=start, end=start + 0.05, phase=phase,
-                         batch=[BatchEntry(*b) for b in batch], **kw)
 
-    first = Timeline(steps=[step(3, 10.0, "prefill", [("aaaaaa1", 5, "prefill")], num_prefill_tokens=5)],
-                     requests=[RequestEvent(seq=1, time=9.9, request_id="aaaaaa1", kind="arrived",
-                                            label="Once upon a time"),
-                               RequestEvent(seq=2, time=10.0, request_id="aaaaaa1", kind="scheduled")], cursor=3)
+    def step(seq, start, phase, batch, **kw):
+        return StepEvent(
+            seq=seq, start=start, end=start + 0.05, phase=phase, batch=[BatchEntry(*b) for b in batch], **kw
+        )
+
+    first = Timeline(
+        steps=[step(3, 10.0, "prefill", [("aaaaaa1", 5, "prefill")], num_prefill_tokens=5)],
+        requests=[
+            RequestEvent(seq=1, time=9.9, request_id="aaaaaa1", kind="arrived", label="Once upon a time"),
+            RequestEvent(seq=2, time=10.0, request_id="aaaaaa1", kind="scheduled"),
+        ],
+        cursor=3,
+    )
     second = Timeline(
-        steps=[step(6, 10.1, "mixed", [("aaaaaa1", 1, "decode"), ("bbbbbb2", 4, "prefill")], num_prefill_tokens=4,
-                    num_decode_tokens=1),
-               step(8, 10.2, "decode", [("aaaaaa1", 1, "decode"), ("bbbbbb2", 1, "decode")], num_decode_tokens=2)],
-        requests=[RequestEvent(seq=4, time=10.05, request_id="bbbbbb2", kind="arrived"),
-                  RequestEvent(seq=5, time=10.1, request_id="bbbbbb2", kind="scheduled"),
-                  RequestEvent(seq=7, time=10.15, request_id="aaaaaa1", kind="first_token"),
-                  RequestEvent(seq=9, time=10.25, request_id="aaaaaa1", kind="finished", detail="length")],
-        changes=[ChangeEvent(seq=10, start=10.21, end=10.24, changes={"quantization": ["none", "int8"]},
-                             by="notebook kernel (pid 1)", relayout=True)],
-        cursor=10)
+        steps=[
+            step(
+                6,
+                10.1,
+                "mixed",
+                [("aaaaaa1", 1, "decode"), ("bbbbbb2", 4, "prefill")],
+                num_prefill_tokens=4,
+                num_decode_tokens=1,
+            ),
+            step(8, 10.2, "decode", [("aaaaaa1", 1, "decode"), ("bbbbbb2", 1, "decode")], num_decode_tokens=2),
+        ],
+        requests=[
+            RequestEvent(seq=4, time=10.05, request_id="bbbbbb2", kind="arrived"),
+            RequestEvent(seq=5, time=10.1, request_id="bbbbbb2", kind="scheduled"),
+            RequestEvent(seq=7, time=10.15, request_id="aaaaaa1", kind="first_token"),
+            RequestEvent(seq=9, time=10.25, request_id="aaaaaa1", kind="finished", detail="length"),
+        ],
+        changes=[
+            ChangeEvent(
+                seq=10,
+                start=10.21,
+                end=10.24,
+                changes={"quantization": ["none", "int8"]},
+                by="notebook kernel (pid 1)",
+                relayout=True,
+            )
+        ],
+        cursor=10,
+    )
     c = EventCoalescer(rate_hz=10)
     messages = [snap(c, msgspec.to_builtins(first), now=10.06)]
     c.add("timeline", msgspec.to_builtins(second), time=10.25)
@@ -268,10 +318,23 @@ def test_metrics_samples_become_the_host_plots_rows():
     """Each metrics event after the snapshot is a row of the host plot (x on the timeline's axis);
     a figure the engine did not measure is null (JSON has no NaN), a gap in the line."""
     c = EventCoalescer(rate_hz=10)
-    snap(c, {"steps": [], "requests": [{"seq": 1, "time": 100.0, "request_id": "a", "kind": "arrived"}],
-             "cursor": 1}, now=100.0)
-    c.add("metrics", {"process_cpu_cores": 1.0, "host_cpus": 4, "host_cpu_percent": 50.0, "host_mem_percent": 20.0,
-                      "kv_usage": 0.25, "process_rss_mb": 900.0}, time=101.5)
+    snap(
+        c,
+        {"steps": [], "requests": [{"seq": 1, "time": 100.0, "request_id": "a", "kind": "arrived"}], "cursor": 1},
+        now=100.0,
+    )
+    c.add(
+        "metrics",
+        {
+            "process_cpu_cores": 1.0,
+            "host_cpus": 4,
+            "host_cpu_percent": 50.0,
+            "host_mem_percent": 20.0,
+            "kv_usage": 0.25,
+            "process_rss_mb": 900.0,
+        },
+        time=101.5,
+    )
     c.add("metrics", {"kv_usage": 0.5}, time=102.5)  # a remote server: no host figures
     msg = c.flush(now=103.0)
     host = msg["columns"]["host"]

@@ -43,24 +43,44 @@ def test_one_version_for_wheel_and_extension():
 
 
 def test_extension_hooks_are_cheap_to_import():
-    code = ("import sys, workbench; "
-            "assert workbench._jupyter_server_extension_points() == [{'module': 'workbench.jupyter_server'}]; "
-            "assert workbench._jupyter_labextension_paths()[0]['dest'] == 'serving-workbench'; "
-            "import workbench.jupyter_server; "
-            "heavy = [m for m in ('torch', 'zmq', 'jupyter_server', 'tornado', 'bokeh') if m in sys.modules]; "
-            "assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=REPO,
-                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    code = (
+        "import sys, workbench; "
+        "assert workbench._jupyter_server_extension_points() == [{'module': 'workbench.jupyter_server'}]; "
+        "assert workbench._jupyter_labextension_paths()[0]['dest'] == 'serving-workbench'; "
+        "import workbench.jupyter_server; "
+        "heavy = [m for m in ('torch', 'zmq', 'jupyter_server', 'tornado', 'bokeh') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=60, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO))
+    )
 
 
 @pytest.mark.skipif(not (LABEXT / "static" / "style.js").exists(), reason="lab extension not built")
-@pytest.mark.skipif(importlib.util.find_spec("hatch_jupyter_builder") is None
-                    or importlib.util.find_spec("hatch_nodejs_version") is None,
-                    reason="needs the test extra (hatch-jupyter-builder, hatch-nodejs-version)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("hatch_jupyter_builder") is None
+    or importlib.util.find_spec("hatch_nodejs_version") is None,
+    reason="needs the test extra (hatch-jupyter-builder, hatch-nodejs-version)",
+)
 def test_wheel_ships_labextension_and_server_config(tmp_path):
     # The build hook skips npm when the lab extension is already built (skip-if-exists).
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     [wheel] = tmp_path.glob("serving_workbench-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     data = [n.split(".data/data/", 1)[1] for n in names if ".data/data/" in n]
@@ -79,13 +99,15 @@ def test_wheel_ships_labextension_and_server_config(tmp_path):
 @pytest.mark.skipif(not _installed(), reason="serving-workbench is not pip-installed in this environment")
 def test_installed_extensions_are_enabled():
     env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_")}
-    out = subprocess.run([str(BIN / "jupyter"), "labextension", "list"], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run(
+        [str(BIN / "jupyter"), "labextension", "list"], capture_output=True, text=True, timeout=120, env=env
+    )
     text = ANSI.sub("", out.stdout + out.stderr)
     line = next((x for x in text.splitlines() if "serving-workbench" in x), "")
     assert "enabled" in line and "OK" in line, text
-    out = subprocess.run([str(BIN / "jupyter"), "server", "extension", "list"], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run(
+        [str(BIN / "jupyter"), "server", "extension", "list"], capture_output=True, text=True, timeout=120, env=env
+    )
     text = ANSI.sub("", out.stdout + out.stderr)
     assert re.search(r"^\s*workbench enabled", text, re.M), text
     assert re.search(r"workbench \S+ OK", text), text

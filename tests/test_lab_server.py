@@ -150,8 +150,14 @@ async def test_registered_remote_is_listed(jp_fetch, hub, engine):
 async def test_set_settings_reaches_the_engine(jp_fetch, hub, engine):
     before = engine.settings()["max_num_seqs"]
     try:
-        data = await fetch_json(jp_fetch, "engines", "lab", "settings", method="PATCH",
-                                body=json.dumps({"max_num_seqs": 7, "prefix_caching": False}))
+        data = await fetch_json(
+            jp_fetch,
+            "engines",
+            "lab",
+            "settings",
+            method="PATCH",
+            body=json.dumps({"max_num_seqs": 7, "prefix_caching": False}),
+        )
         assert data["settings"]["max_num_seqs"] == 7
         assert engine.settings()["max_num_seqs"] == 7
         assert engine.settings()["prefix_caching"] is False
@@ -161,14 +167,14 @@ async def test_set_settings_reaches_the_engine(jp_fetch, hub, engine):
         engine.configure(max_num_seqs=before, prefix_caching=True)
 
 
-@pytest.mark.parametrize("changes", [{"max_num_seqs": 0}, {"batching": "fastest"}, {"no_such_setting": 1},
-                                     {"kv_cache": "yes"}])
+@pytest.mark.parametrize(
+    "changes", [{"max_num_seqs": 0}, {"batching": "fastest"}, {"no_such_setting": 1}, {"kv_cache": "yes"}]
+)
 @aio
 async def test_engine_errors_pass_through(jp_fetch, hub, engine, changes):
     with pytest.raises((ValueError, TypeError)) as direct:
         engine.configure(**changes)
-    code, body = await fetch_error(jp_fetch, "engines", "lab", "settings", method="PATCH",
-                                   body=json.dumps(changes))
+    code, body = await fetch_error(jp_fetch, "engines", "lab", "settings", method="PATCH", body=json.dumps(changes))
     assert code == 400
     assert body["message"] == str(direct.value)  # the engine's own words
     assert body["type"] == type(direct.value).__name__
@@ -245,15 +251,23 @@ async def test_bokeh_served_from_the_installed_package(jp_fetch, hub):
 
 @aio
 async def test_start_and_stop_an_engine(jp_fetch, hub, engine, tiny_llama):
-    code, body = await fetch_error(jp_fetch, "engines", method="POST",
-                                   body=json.dumps({"name": "spawned", "settings": {"batching": "fastest"}}))
+    code, body = await fetch_error(
+        jp_fetch, "engines", method="POST", body=json.dumps({"name": "spawned", "settings": {"batching": "fastest"}})
+    )
     assert code == 400 and "batching" in body["message"]
     assert conn.live_engine("spawned") is None  # rejected before spawning
     code, body = await fetch_error(jp_fetch, "engines", method="POST", body=json.dumps({"name": "lab"}))
     assert code == 409  # the name is taken
 
-    data = await fetch_json(jp_fetch, "engines", method="POST", request_timeout=120, body=json.dumps(
-        {"name": "spawned", "model": str(tiny_llama[0]), "settings": {"dtype": "float32", "num_kv_blocks": 32}}))
+    data = await fetch_json(
+        jp_fetch,
+        "engines",
+        method="POST",
+        request_timeout=120,
+        body=json.dumps(
+            {"name": "spawned", "model": str(tiny_llama[0]), "settings": {"dtype": "float32", "num_kv_blocks": 32}}
+        ),
+    )
     assert data["name"] == "spawned"
     pid = data["status"]["pid"]
     listed = {e["name"]: e for e in (await fetch_json(jp_fetch, "engines"))["engines"]}
@@ -319,8 +333,15 @@ async def test_relayout_progress_is_relayed(jp_fetch, jp_ws_fetch, hub, engine):
             states.extend(r["state"] for r in msg.get("relayout", []) if r.get("setting") == "quantization")
             return "done" in states
 
-        await fetch_json(jp_fetch, "engines", "lab", "settings", method="PATCH", request_timeout=120,
-                         body=json.dumps({"quantization": "int8"}))
+        await fetch_json(
+            jp_fetch,
+            "engines",
+            "lab",
+            "settings",
+            method="PATCH",
+            request_timeout=120,
+            body=json.dumps({"quantization": "int8"}),
+        )
         await ws_messages(ws, done, timeout=60)
         assert states[0] == "started"
         out = await generate(engine, 4)  # still serving after the re-layout
@@ -356,8 +377,15 @@ async def test_events_are_coalesced_at_the_chosen_rate(jp_ws_fetch, hub, engine)
 
 @aio
 async def test_events_end_when_the_engine_stops(jp_fetch, jp_ws_fetch, hub, tiny_llama):
-    data = await fetch_json(jp_fetch, "engines", method="POST", request_timeout=120, body=json.dumps(
-        {"name": "short", "model": str(tiny_llama[0]), "settings": {"dtype": "float32", "num_kv_blocks": 16}}))
+    data = await fetch_json(
+        jp_fetch,
+        "engines",
+        method="POST",
+        request_timeout=120,
+        body=json.dumps(
+            {"name": "short", "model": str(tiny_llama[0]), "settings": {"dtype": "float32", "num_kv_blocks": 16}}
+        ),
+    )
     assert data["name"] == "short"
     ws = await jp_ws_fetch("workbench", "api", "engines", "short", "events", params={"rate": "0.5"})
     try:
@@ -424,8 +452,9 @@ async def test_first_snapshot_is_a_bounded_window_and_pages_back(jp_ws_fetch, hu
     from workbench.jupyter_server.coalesce import SNAPSHOT_STEPS
 
     for _ in range(3):  # more steps than a first snapshot holds (each request within the context)
-        await engine.agenerate(prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=300, temperature=0,
-                                                                              ignore_eos=True))
+        await engine.agenerate(
+            prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+        )
     ws = await jp_ws_fetch("workbench", "api", "engines", "lab", "events", params={"rate": "20"})
     try:
         raw = await asyncio.wait_for(ws.read_message(), 30)
@@ -462,8 +491,14 @@ async def test_events_socket_refuses_a_foreign_origin(jp_fetch, jp_serverapp, jp
     page = await http.fetch(f"http://{base}login")
     jar = {c.split("=", 1)[0]: c.split(";", 1)[0] for c in page.headers.get_list("Set-Cookie")}
     body = f"_xsrf={jar['_xsrf'].split('=', 1)[1]}&password={jp_serverapp.identity_provider.token}"
-    login = await http.fetch(f"http://{base}login", method="POST", body=body, follow_redirects=False,
-                             raise_error=False, headers={"Cookie": "; ".join(jar.values())})
+    login = await http.fetch(
+        f"http://{base}login",
+        method="POST",
+        body=body,
+        follow_redirects=False,
+        raise_error=False,
+        headers={"Cookie": "; ".join(jar.values())},
+    )
     assert login.code == 302, login.code
     jar.update({c.split("=", 1)[0]: c.split(";", 1)[0] for c in login.headers.get_list("Set-Cookie")})
     cookies = "; ".join(jar.values())
@@ -471,7 +506,9 @@ async def test_events_socket_refuses_a_foreign_origin(jp_fetch, jp_serverapp, jp
     with pytest.raises(tornado.httpclient.HTTPClientError) as e:
         await websocket_connect(HTTPRequest(url, headers={"Cookie": cookies, "Origin": "http://evil.example"}))
     assert e.value.code == 403
-    ws = await websocket_connect(HTTPRequest(url, headers={"Cookie": cookies, "Origin": f"http://{base.split('/')[0]}"}))
+    ws = await websocket_connect(
+        HTTPRequest(url, headers={"Cookie": cookies, "Origin": f"http://{base.split('/')[0]}"})
+    )
     try:  # the same cookie from the server's own origin is let in
         assert json.loads(await asyncio.wait_for(ws.read_message(), 30))["type"] == "snapshot"
     finally:
@@ -504,7 +541,8 @@ asyncio.run(main())
 
 @aio
 async def test_a_kernel_socket_closed_while_its_kernel_prints_logs_no_traceback(
-        jp_fetch, jp_serverapp, jp_http_port, jp_base_url, hub):
+    jp_fetch, jp_serverapp, jp_http_port, jp_base_url, hub
+):
     """A second connection for the same kernel session makes the server close the first; while
     tornado waits for that client's close frame, the kernel's output for it keeps coming. The
     server drops it quietly (jupyter_server alone logged a WebSocketClosedError traceback for each
@@ -530,10 +568,13 @@ async def test_a_kernel_socket_closed_while_its_kernel_prints_logs_no_traceback(
     r = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
     kernel = json.loads(r.body)["id"]
     token = jp_serverapp.identity_provider.token
-    url = (f"ws://127.0.0.1:{jp_http_port}{jp_base_url}api/kernels/{kernel}/channels"
-           f"?session_id={uuid.uuid4()}&token={token}")
-    frozen = await asyncio.create_subprocess_exec(sys.executable, "-c", FROZEN_KERNEL_CLIENT, url,
-                                                  stdout=asyncio.subprocess.PIPE)
+    url = (
+        f"ws://127.0.0.1:{jp_http_port}{jp_base_url}api/kernels/{kernel}/channels"
+        f"?session_id={uuid.uuid4()}&token={token}"
+    )
+    frozen = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FROZEN_KERNEL_CLIENT, url, stdout=asyncio.subprocess.PIPE
+    )
     try:
         assert (await asyncio.wait_for(frozen.stdout.readline(), 90)).strip() == b"flooding"
         newer = await websocket_connect(url, subprotocols=["v1.kernel.websocket.jupyter.org"])

@@ -278,8 +278,12 @@ def test_gguf_load_unpermutes_and_maps_names(tiny_gguf):
     from workbench.models.gguf import read_gguf_config
 
     meta_only = read_gguf_config(path)  # what the simulator reads: the same shape, no weights loaded
-    assert (meta_only.architecture, meta_only.num_hidden_layers, meta_only.head_dim, meta_only.vocab_size) == \
-        (c.architecture, c.num_hidden_layers, c.head_dim, c.vocab_size)
+    assert (meta_only.architecture, meta_only.num_hidden_layers, meta_only.head_dim, meta_only.vocab_size) == (
+        c.architecture,
+        c.num_hidden_layers,
+        c.head_dim,
+        c.vocab_size,
+    )
 
     tok = m.tokenizer
     assert tok is not None and tok.vocab_size == len(_tiny_vocab())

@@ -65,8 +65,9 @@ def test_moe_top_k_is_live_changes_outputs_and_is_validated(moe_model):
     default_scores = llm.score(prompts[3])
     llm.configure(moe_top_k=1)
     llm.generate(prompt_token_ids=prompts, params=GREEDY)
-    assert all(sum(layer) == sum(e.num_tokens for e in s.batch) for s in llm.timeline().steps[-3:]
-               for layer in s.expert_counts)
+    assert all(
+        sum(layer) == sum(e.num_tokens for e in s.batch) for s in llm.timeline().steps[-3:] for layer in s.expert_counts
+    )
     assert llm.score(prompts[3]) != pytest.approx(default_scores)  # fewer experts per token: other outputs
     llm.configure(moe_top_k=None)
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=GREEDY)] == expected
@@ -98,6 +99,7 @@ def test_moe_experts_run_on_the_c_gemvs_in_bf16(moe_model):
         def __call__(self, x):
             calls["n"] += 1
             return real(x)
+
     experts[0]._native = Counting()
     try:
         outs = llm.generate(prompt_token_ids=prompts, params=GREEDY)
@@ -105,8 +107,9 @@ def test_moe_experts_run_on_the_c_gemvs_in_bf16(moe_model):
         experts[0]._native = first
     assert calls["n"] > 0  # that expert ran on the C GEMV
     torch_only = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, cpu_kernels=False)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in torch_only.generate(prompt_token_ids=prompts,
-                                                                                    params=GREEDY)]
+    assert [o.token_ids for o in outs] == [
+        o.token_ids for o in torch_only.generate(prompt_token_ids=prompts, params=GREEDY)
+    ]
 
 
 def test_moe_through_the_triton_fused_kernel(moe_model):
@@ -164,8 +167,15 @@ def test_moe_with_shared_prefixes_from_the_cache(moe_model):
     arch, path, _, _ = moe_model
     import transformers
 
-    model = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-             "olmoe": transformers.OlmoeForCausalLM}[arch].from_pretrained(path).eval()
+    model = (
+        {
+            "mixtral": transformers.MixtralForCausalLM,
+            "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+            "olmoe": transformers.OlmoeForCausalLM,
+        }[arch]
+        .from_pretrained(path)
+        .eval()
+    )
     base = ragged_prompts(seed=21, lengths=(40,))[0]
     prompts = [base + [5, 6], base + [9, 10, 11], base[:34]]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8)
@@ -183,11 +193,15 @@ def test_moe_from_a_gguf_file(moe_model, tmp_path):
     from conftest import write_gguf
 
     arch, path, prompts, expected = moe_model
-    cls = {"mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "olmoe": transformers.OlmoeForCausalLM}[arch]
+    cls = {
+        "mixtral": transformers.MixtralForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "olmoe": transformers.OlmoeForCausalLM,
+    }[arch]
     model = cls.from_pretrained(path).eval()
-    file = write_gguf(tmp_path / f"{arch}.gguf", model, {"mixtral": "llama", "qwen3_moe": "qwen3moe",
-                                                         "olmoe": "olmoe"}[arch], path)
+    file = write_gguf(
+        tmp_path / f"{arch}.gguf", model, {"mixtral": "llama", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}[arch], path
+    )
     llm = LLM(str(file), dtype="float32", num_kv_blocks=64)
     cfg = llm.engine.model_config
     assert cfg.architecture == arch and cfg.num_experts_per_tok == model.config.num_experts_per_tok

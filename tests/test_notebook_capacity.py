@@ -24,8 +24,9 @@ def test_capacity_planning_notebook_and_its_claims(tmp_path_factory):
 
     nb = nbformat.read(PATH, as_version=4)
     with private_engine(tmp_path_factory.mktemp("rt-capacity"), None, name="default", timeout=300):
-        NotebookClient(nb, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(PATH.parent)}}).execute()
+        NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(PATH.parent)}}
+        ).execute()
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     assert "cdn.bokeh.org" not in json.dumps([c.get("outputs", []) for c in nb.cells]), "BokehJS from a CDN"
@@ -42,7 +43,8 @@ def test_capacity_planning_notebook_and_its_claims(tmp_path_factory):
     assert att[1] < 50 and need >= 2 and att[need] >= 99 and att[need - 1] < 99
     cost = {int(n): float(c) for n, c in re.findall(r"(\d) replica\(s\):.*\$([\d.]+)/M", out)}
     assert cost[6] > cost[need]
-    routed, four = map(float,
-                       re.search(r"routed: \$([\d.]+)/M tokens; four H100s for everything: \$([\d.]+)/M", out).groups())
+    routed, four = map(
+        float, re.search(r"routed: \$([\d.]+)/M tokens; four H100s for everything: \$([\d.]+)/M", out).groups()
+    )
     assert routed < four
     assert re.search(r"most tokens for one request in one of them: 1\b", out)

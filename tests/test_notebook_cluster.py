@@ -20,8 +20,10 @@ PATH = REPO / "notebooks" / "10-cluster.ipynb"
 
 def _text(cell) -> str:
     """A cell's printed text and the plain-text form of what it displayed."""
-    return "".join(o.get("text", "") if o.get("output_type") == "stream" else o.get("data", {}).get("text/plain", "")
-                   for o in cell.get("outputs", []))
+    return "".join(
+        o.get("text", "") if o.get("output_type") == "stream" else o.get("data", {}).get("text/plain", "")
+        for o in cell.get("outputs", [])
+    )
 
 
 def test_cluster_notebook_and_its_claims(tmp_path_factory, monkeypatch):
@@ -33,8 +35,9 @@ def test_cluster_notebook_and_its_claims(tmp_path_factory, monkeypatch):
     nb = nbformat.read(PATH, as_version=4)
     monkeypatch.setenv("WORKBENCH_RUNS_DB", str(tmp_path_factory.mktemp("runs-cluster") / "runs.sqlite"))
     with private_runtime_dir(tmp_path_factory.mktemp("rt-cluster")):
-        NotebookClient(nb, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(PATH.parent)}}).execute()
+        NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(PATH.parent)}}
+        ).execute()
     (REPO / "test-artifacts" / "notebooks").mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, REPO / "test-artifacts" / "notebooks" / PATH.name)  # the executed copy, for a human
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
@@ -46,8 +49,14 @@ def test_cluster_notebook_and_its_claims(tmp_path_factory, monkeypatch):
     r0, r1 = re.findall(r"(nb10-r\d): node", out)
     changed, back = re.findall(r"\{'nb10-r0': (\d+), 'nb10-r1': (\d+)\}", out)
     assert changed == ("512", "256") and back == ("512", "512")
-    capacity, rate = map(float, re.search(r"two replicas sustain ([\d.]+) requests/s \(simulated\); "
-                                          r"the run offers ([\d.]+) requests/s", out).groups())
+    capacity, rate = map(
+        float,
+        re.search(
+            r"two replicas sustain ([\d.]+) requests/s \(simulated\); "
+            r"the run offers ([\d.]+) requests/s",
+            out,
+        ).groups(),
+    )
     assert 0.5 * capacity <= rate <= 0.7 * capacity  # busy, not overloaded, on whatever host this is
     errs = dict(re.findall(r"(\w+): measured +[\d.]+, predicted +[\d.]+ \(([+-]\d+)%\)", out))
     assert set(errs) == {"output_tok_s", "ttft_p50_ms", "itl_p50_ms"}, errs

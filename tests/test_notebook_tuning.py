@@ -35,8 +35,9 @@ def test_tuning_notebook_runs(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     with private_runtime_dir(tmp_path / "rt"):
         try:
-            NotebookClient(nb, timeout=600, kernel_name="python3",
-                           resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+            NotebookClient(
+                nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+            ).execute()
         finally:
             kill_engines_in(tmp_path / "rt")
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]

@@ -18,8 +18,11 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 ALL_NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 # Notebooks with a test of their own (their own engine, run log, checks) are run there instead.
-DEDICATED = {"07-tuning.ipynb": "test_notebook_tuning.py", "08-capacity-planning.ipynb": "test_notebook_capacity.py",
-             "10-cluster.ipynb": "test_notebook_cluster.py"}
+DEDICATED = {
+    "07-tuning.ipynb": "test_notebook_tuning.py",
+    "08-capacity-planning.ipynb": "test_notebook_capacity.py",
+    "10-cluster.ipynb": "test_notebook_cluster.py",
+}
 NOTEBOOKS = [p for p in ALL_NOTEBOOKS if p.name not in DEDICATED]
 CELL_TIMEOUT = 300
 
@@ -111,9 +114,17 @@ def test_the_tutorials_are_there_and_every_notebook_is_run():
     for name, test in DEDICATED.items():
         if name in names:
             assert (REPO / "tests" / test).exists(), f"{name} is left to {test}, which is missing"
-    for required in ("00-quickstart.ipynb", "01-batching.ipynb", "02-chunked-prefill.ipynb",
-                     "03-prefix-caching.ipynb", "04-quantisation.ipynb", "05-speculative-decoding.ipynb",
-                     "06-cost-controls.ipynb", "07-tuning.ipynb", "08-capacity-planning.ipynb"):
+    for required in (
+        "00-quickstart.ipynb",
+        "01-batching.ipynb",
+        "02-chunked-prefill.ipynb",
+        "03-prefix-caching.ipynb",
+        "04-quantisation.ipynb",
+        "05-speculative-decoding.ipynb",
+        "06-cost-controls.ipynb",
+        "07-tuning.ipynb",
+        "08-capacity-planning.ipynb",
+    ):
         assert required in names
 
 
@@ -125,8 +136,9 @@ def test_notebook_runs_clean(engine, path):
     nb = nbformat.read(path, as_version=4)
     if path.name in CLAIMS:
         nb.cells.append(nbformat.v4.new_code_cell(CLAIMS[path.name], metadata={"tags": ["claims-check"]}))
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        nb, timeout=CELL_TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     t0 = time.monotonic()
     client.execute()
     took = time.monotonic() - t0
@@ -138,8 +150,11 @@ def test_notebook_runs_clean(engine, path):
         for out in cell.get("outputs", []):
             if out.output_type == "error":
                 problems.append(f"cell {i}: {out.ename}: {out.evalue}")
-            elif out.output_type == "stream" and out.name == "stderr" and (
-                    "Traceback" in out.text or "Error" in out.text):
+            elif (
+                out.output_type == "stream"
+                and out.name == "stderr"
+                and ("Traceback" in out.text or "Error" in out.text)
+            ):
                 problems.append(f"cell {i} stderr: {out.text[:500]}")
             elif out.output_type in ("display_data", "execute_result"):
                 text = json.dumps(out.get("data", {}))
@@ -149,10 +164,13 @@ def test_notebook_runs_clean(engine, path):
                     problems.append(f"cell {i} loads BokehJS from a CDN")
     assert not problems, "\n".join(problems)
     settings = engine.settings()
-    assert settings["batching"] == "continuous" and settings["speculative"] == "off", \
+    assert settings["batching"] == "continuous" and settings["speculative"] == "off", (
         f"{path.name} left the shared engine changed: {settings}"
-    assert settings["prefix_caching"] and settings["max_num_batched_tokens"] == 512, \
+    )
+    assert settings["prefix_caching"] and settings["max_num_batched_tokens"] == 512, (
         f"{path.name} left the shared engine changed: {settings}"
-    assert settings["quantization"] == "none" and settings["kv_cache_dtype"] == "auto", \
+    )
+    assert settings["quantization"] == "none" and settings["kv_cache_dtype"] == "auto", (
         f"{path.name} left the shared engine changed: {settings}"
+    )
     print(f"{path.name}: {took:.1f} s")

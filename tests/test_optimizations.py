@@ -38,6 +38,7 @@ def generate(path, prompts, params=GREEDY, **settings):
 
 # -- prefix caching ---------------------------------------------------------------------------------
 
+
 def test_prefix_cache_reuses_blocks_and_keeps_outputs(tiny_llama):
     path, _ = tiny_llama
     prompts = prompts_with_shared_prefix()
@@ -79,8 +80,9 @@ def test_prefix_cache_shared_blocks_while_running(tiny_llama):
 
 def test_prefix_cache_eviction_under_pressure_keeps_outputs(tiny_qwen2):
     path, _ = tiny_qwen2
-    prompts = (prompts_with_shared_prefix(n=8, prefix_len=24, seed=2)
-               + prompts_with_shared_prefix(n=8, prefix_len=40, seed=3))
+    prompts = prompts_with_shared_prefix(n=8, prefix_len=24, seed=2) + prompts_with_shared_prefix(
+        n=8, prefix_len=40, seed=3
+    )
     _, expected = generate(path, prompts, prefix_caching=False)
     llm = LLM(str(path), dtype="float32", num_kv_blocks=20, block_size=8, max_num_seqs=3)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=GREEDY)]
@@ -107,13 +109,15 @@ def test_toggle_prefix_caching_mid_stream(tiny_llama):
 
 # -- speculative decoding ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 def test_speculative_greedy_identical(tiny_qwen2, mode):
     path, _ = tiny_qwen2
     prompts = repetitive_prompts() + prompts_with_shared_prefix(n=2, seed=5)
     _, expected = generate(path, prompts, params=SamplingParams(max_tokens=24, temperature=0))
-    llm, got = generate(path, prompts, params=SamplingParams(max_tokens=24, temperature=0),
-                        speculative=mode, num_speculative_tokens=3)
+    llm, got = generate(
+        path, prompts, params=SamplingParams(max_tokens=24, temperature=0), speculative=mode, num_speculative_tokens=3
+    )
     assert got == expected
     m = llm.metrics()
     assert m["total_spec_proposed"] > 0 and m["total_spec_accepted"] > 0
@@ -211,8 +215,15 @@ def test_speculative_sampling_end_to_end_distribution(tmp_path):
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s) for s in range(n)]
     counts = {}
     for mode in ("off", "ngram"):
-        llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=512, block_size=8, max_num_seqs=256,
-                  speculative=mode, num_speculative_tokens=2)
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            num_kv_blocks=512,
+            block_size=8,
+            max_num_seqs=256,
+            speculative=mode,
+            num_speculative_tokens=2,
+        )
         outs = llm.generate(prompt_token_ids=[prompt] * n, params=params)
         counts[mode] = Counter(o.token_ids[2] for o in outs if len(o.token_ids) == 3)
         if mode == "ngram":
@@ -243,6 +254,7 @@ def test_user_draft_model(tiny_llama, tmp_path):
 
 
 # -- quantisation -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode, tol", [("int8", 0.01), ("int4", 0.12)])
 def test_quantised_layers_close_to_float(tiny_qwen2, mode, tol):
@@ -309,8 +321,10 @@ def test_quantisation_switch_keeps_requests(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
     eng = llm.engine
-    rids = [eng.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=20, temperature=0))
-            for p in prompts_with_shared_prefix(n=3, seed=10)]
+    rids = [
+        eng.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=20, temperature=0))
+        for p in prompts_with_shared_prefix(n=3, seed=10)
+    ]
     finished, i = {}, 0
     while eng.has_unfinished_requests():
         eng.configure(quantization=["int8", "int4", "none"][i % 3], kv_cache_dtype=["auto", "int8"][i % 2])

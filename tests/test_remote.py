@@ -189,8 +189,9 @@ def test_remote_abort_timeline_metrics_events(server, remote):
     m = remote.metrics()
     assert m["sources"]["kv_usage"] == "server" and m["sources"]["ttft_p50_ms"] == "client"
     assert m["num_running"] == 0 and m["ttft_p50_ms"] > 0 and m["total_output_tokens"] > 0
-    assert {"output_tok_s", "num_waiting", "kv_usage", "prefix_hit_rate", "spec_acceptance_rate",
-            "itl_p99_ms"} <= set(m)
+    assert {"output_tok_s", "num_waiting", "kv_usage", "prefix_hit_rate", "spec_acceptance_rate", "itl_p99_ms"} <= set(
+        m
+    )
 
 
 @pytest.mark.timeout(300)
@@ -198,18 +199,50 @@ def test_bench_endpoint_against_our_server(server, capsys):
     from workbench.bench.endpoint import run_endpoint_bench
     from workbench.cli import main
 
-    rep = run_endpoint_bench([f"ours={server['url']}"], num_requests=4, arrival="poisson", rate=20.0, seed=1,
-                             prompt_len=(8, 16), output_len=(2, 4), api_key=API_KEY)
+    rep = run_endpoint_bench(
+        [f"ours={server['url']}"],
+        num_requests=4,
+        arrival="poisson",
+        rate=20.0,
+        seed=1,
+        prompt_len=(8, 16),
+        output_len=(2, 4),
+        api_key=API_KEY,
+    )
     r = rep["results"]["ours"]
     assert r["requests"] == 4 and r["errors"] == 0 and r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0
     assert r["output_tokens"] == rep["workload"]["output_tokens"]  # ignore_eos honoured: exact lengths
     assert rep["endpoints"]["ours"]["server"] == "workbench"
-    assert main(["bench", "--endpoint", server["url"], "--api-key", API_KEY, "--requests", "2", "--quick",
-                 "--arrival", "poisson", "--rate", "50", "--json", "--token-ids"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--endpoint",
+                server["url"],
+                "--api-key",
+                API_KEY,
+                "--requests",
+                "2",
+                "--quick",
+                "--arrival",
+                "poisson",
+                "--rate",
+                "50",
+                "--json",
+                "--token-ids",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     [(label, res)] = out["results"].items()
-    assert label.startswith("workbench@127.0.0.1:") and {"output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                                                          "itl_p99_ms"} <= set(res)
+    assert label.startswith("workbench@127.0.0.1:") and {
+        "output_tok_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+    } <= set(res)
 
 
 @pytest.mark.timeout(120)
@@ -267,18 +300,25 @@ def plain_openai_server():
         body = await request.json()
         seen.append(body)
         if body.get("temperature", 1) > 2:
-            return JSONResponse({"error": {"message": "temperature too high", "type": "invalid_request_error"}},
-                                status_code=400)
+            return JSONResponse(
+                {"error": {"message": "temperature too high", "type": "invalid_request_error"}}, status_code=400
+            )
         words = [f" w{i}" for i in range(body["max_tokens"])]
 
         async def gen():
             for i, w in enumerate(words):
                 last = i == len(words) - 1
-                yield "data: " + json.dumps({"choices": [{"index": 0, "text": w,
-                                                          "finish_reason": "length" if last else None}]}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps({"choices": [{"index": 0, "text": w, "finish_reason": "length" if last else None}]})
+                    + "\n\n"
+                )
                 await asyncio.sleep(0.01)
-            yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 3,
-                                                                  "completion_tokens": len(words)}}) + "\n\n"
+            yield (
+                "data: "
+                + json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(words)}})
+                + "\n\n"
+            )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -322,8 +362,10 @@ def _llama_cpp_available() -> str | None:
         import llama_cpp  # noqa: F401
         import llama_cpp.server  # noqa: F401
     except ImportError as e:
-        return (f"llama-cpp-python[server] is not installed ({e}); it compiles llama.cpp for several minutes: "
-                "`.venv/bin/pip install 'llama-cpp-python[server]'` to run this comparison")
+        return (
+            f"llama-cpp-python[server] is not installed ({e}); it compiles llama.cpp for several minutes: "
+            "`.venv/bin/pip install 'llama-cpp-python[server]'` to run this comparison"
+        )
     return None
 
 
@@ -339,8 +381,21 @@ def test_remote_against_llama_cpp_server_on_the_same_gguf(tmp_path):
     gguf = default_gguf_path()
     port = free_port()
     log = tmp_path / "llama.log"
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", "2048", "--model_alias", "smollm2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--model_alias",
+        "smollm2",
+    ]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:

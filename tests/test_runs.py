@@ -24,10 +24,19 @@ def log(tmp_path):
 
 def test_start_finish_get_list_children(log):
     assert not log.path.exists()
-    sid = log.start("sweep", label="sweep x", key="k1", model="m", weights_checksum="abc", device="cpu",
-                    settings={"batching": "static"}, workload={"num_requests": 4})
-    pid = log.start("sweep_point", parent_id=sid, label="batching=static", key="p1", settings={"batching": "static"},
-                    facts=False)
+    sid = log.start(
+        "sweep",
+        label="sweep x",
+        key="k1",
+        model="m",
+        weights_checksum="abc",
+        device="cpu",
+        settings={"batching": "static"},
+        workload={"num_requests": 4},
+    )
+    pid = log.start(
+        "sweep_point", parent_id=sid, label="batching=static", key="p1", settings={"batching": "static"}, facts=False
+    )
     assert log.get(pid)["status"] == "running"
     log.finish(pid, metrics={"output_tok_s": 12.5, "runs": [{"x": 1}]}, extra={"point": {"batching": "static"}})
     log.finish(sid, "completed", metrics={"best": {"output_tok_s": 12.5}})
@@ -80,18 +89,30 @@ def test_runs_side_by_side_as_plot_columns(log):
     from workbench.runs.plots import comparison, plot, settings_html
 
     a = log.start("bench", label="static", settings={"batching": "static", "max_num_seqs": 4}, workload={"n": 8})
-    log.finish(a, metrics={"results": {"workbench": {"output_tok_s": 10.0, "ttft_p99_ms": 3.0, "itl_p50_ms": 1.5},
-                                       "hf_static": {"output_tok_s": 4.0}}})
-    b = log.start("sweep_point", label="continuous", settings={"batching": "continuous", "max_num_seqs": 4},
-                  workload={"n": 16})
+    log.finish(
+        a,
+        metrics={
+            "results": {
+                "workbench": {"output_tok_s": 10.0, "ttft_p99_ms": 3.0, "itl_p50_ms": 1.5},
+                "hf_static": {"output_tok_s": 4.0},
+            }
+        },
+    )
+    b = log.start(
+        "sweep_point", label="continuous", settings={"batching": "continuous", "max_num_seqs": 4}, workload={"n": 16}
+    )
     log.finish(b, metrics={"output_tok_s": 20.0, "ttft_p99_ms": 2.0, "itl_p50_ms": float("nan")})
     comp = comparison(log.compare([a, b]))
     assert comp["runs"] == [f"#{a} static", f"#{b} continuous"]
     tput = comp["throughput"]
     assert set(zip(tput["metric"], tput["run"], tput["value"])) == {
-        ("workbench output tok/s", f"#{a} static", 10.0), ("workbench output tok/s", f"#{b} continuous", None),
-        ("hf_static output tok/s", f"#{a} static", 4.0), ("hf_static output tok/s", f"#{b} continuous", None),
-        ("output tok/s", f"#{a} static", None), ("output tok/s", f"#{b} continuous", 20.0)}
+        ("workbench output tok/s", f"#{a} static", 10.0),
+        ("workbench output tok/s", f"#{b} continuous", None),
+        ("hf_static output tok/s", f"#{a} static", 4.0),
+        ("hf_static output tok/s", f"#{b} continuous", None),
+        ("output tok/s", f"#{a} static", None),
+        ("output tok/s", f"#{b} continuous", 20.0),
+    }
     assert tput["color"][:2] == comp["colors"] and comp["colors"][0] != comp["colors"][1]
     lat = comp["latency"]
     assert "ITL p50" not in lat["metric"]  # measured by no run (NaN): no bars at all
@@ -104,8 +125,11 @@ def test_runs_side_by_side_as_plot_columns(log):
         plot([a], db=log)
     assert comp["same_weights"] is None  # no checksum recorded: not known to differ, no caveat
     # one figure per metric family, each on its own axis: tok/s, TTFT, ITL
-    assert [f["title"].split(" (")[0] for f in comp["figures"]] == ["Output tokens/s", "Time to first token",
-                                                                    "Inter-token latency"]
+    assert [f["title"].split(" (")[0] for f in comp["figures"]] == [
+        "Output tokens/s",
+        "Time to first token",
+        "Inter-token latency",
+    ]
     assert all("TTFT" in m for m in comp["figures"][1]["rows"]["metric"])
     assert comp["figures"][2]["rows"]["metric"] and all("ITL" in m for m in comp["figures"][2]["rows"]["metric"])
     layout = plot([a, b], db=log)  # outside a kernel: the Bokeh layout itself
@@ -121,15 +145,22 @@ def test_a_sweep_point_has_one_name_in_every_view(log):
     sweep = log.start("sweep", label="sweep max_num_seqs[2]")
     ids = []
     for index, n in enumerate((4, 8)):
-        pid = log.start("sweep_point", parent_id=sweep, label=f"max_num_seqs={n}", settings={"max_num_seqs": n},
-                        extra={"point": {"max_num_seqs": n}, "label": f"max_num_seqs={n}", "index": index})
+        pid = log.start(
+            "sweep_point",
+            parent_id=sweep,
+            label=f"max_num_seqs={n}",
+            settings={"max_num_seqs": n},
+            extra={"point": {"max_num_seqs": n}, "label": f"max_num_seqs={n}", "index": index},
+        )
         log.finish(pid, metrics={"output_tok_s": 10.0 * (index + 1), "ttft_p50_ms": 5.0, "itl_p50_ms": 1.0})
         ids.append(pid)
     log.finish(sweep)
     comp = comparison(log.compare([sweep]))  # the sweep alone: its points
     assert comp["runs"] == [f"#{ids[0]} point 0: max_num_seqs=4", f"#{ids[1]} point 1: max_num_seqs=8"]
-    records = [{"label": "max_num_seqs=4", "run_id": ids[0], "output_tok_s": 10.0},
-               {"label": "max_num_seqs=8", "run_id": ids[1], "output_tok_s": 20.0, "delta_ppl": 0.25}]
+    records = [
+        {"label": "max_num_seqs=4", "run_id": ids[0], "output_tok_s": 10.0},
+        {"label": "max_num_seqs=8", "run_id": ids[1], "output_tok_s": 20.0, "delta_ppl": 0.25},
+    ]
     assert point_name(1, records[1]) == f"point 1: max_num_seqs=8 (run #{ids[1]})"
     data = plot_data(records)
     assert data["run"] == [f"run #{ids[0]}", f"run #{ids[1]}"]
@@ -214,8 +245,12 @@ _WRITER = textwrap.dedent("""
 
 
 def _writer(path, n, tag):
-    return subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(n), tag], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path), str(n), tag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_five_concurrent_writers_never_corrupt_the_log(log):
@@ -269,8 +304,17 @@ def test_a_killed_writer_leaves_a_consistent_log_and_an_abandoned_run(log):
 def test_run_bench_is_recorded(tiny_llama, log):
     from workbench.bench import run_bench
 
-    rep = run_bench(str(tiny_llama[0]), systems=["workbench"], num_requests=3, quick=True, single_stream=False,
-                    prompt_len=(8, 16), output_len=(4, 8), settings={"num_kv_blocks": 128}, run_log=log)
+    rep = run_bench(
+        str(tiny_llama[0]),
+        systems=["workbench"],
+        num_requests=3,
+        quick=True,
+        single_stream=False,
+        prompt_len=(8, 16),
+        output_len=(4, 8),
+        settings={"num_kv_blocks": 128},
+        run_log=log,
+    )
     run = log.get(rep["run_id"])
     assert run["kind"] == "bench" and run["status"] == "completed"
     assert run["model"] == rep["model"] == tiny_llama[0].name and run["device"] == "cpu"
@@ -289,8 +333,18 @@ def test_bench_scenario_is_recorded(tiny_llama, tmp_path, monkeypatch, capsys):
     ratios and targets, and `runs list/show/compare/export` show them."""
     db = tmp_path / "runs.sqlite"
     monkeypatch.setenv("WORKBENCH_RUNS_DB", str(db))
-    argv = ["bench", "--scenario", "quant", "--quick", "--model", str(tiny_llama[0]), "--num-kv-blocks", "64",
-            "--threads", "1"]
+    argv = [
+        "bench",
+        "--scenario",
+        "quant",
+        "--quick",
+        "--model",
+        str(tiny_llama[0]),
+        "--num-kv-blocks",
+        "64",
+        "--threads",
+        "1",
+    ]
     assert main(argv) == 0
     rep = json.loads(capsys.readouterr().out)
     run = RunLog(db).get(rep["run_id"])

@@ -67,7 +67,7 @@ def test_quant_peer_bf16_is_transformers_greedy_generate(tiny_llama, tiny_engine
     out = scenarios.hf_quant_peer(path, ids, N_PEER, dtype=torch.bfloat16, group_size=64, records=records)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     expected = hf_greedy(reference, ids, N_PEER)
-    assert expected and records["none"].token_ids[:len(expected)] == expected  # plain generate may stop at EOS
+    assert expected and records["none"].token_ids[: len(expected)] == expected  # plain generate may stop at EOS
     assert len(records["none"].token_ids) == N_PEER  # the peer ignores EOS
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in reference.modules())
     assert out["none"]["quantized_linears"] == f"0/{n_linear}"

@@ -38,19 +38,29 @@ def small(n=8, seed=0, **kw):
 
 def sim_for(llm, **kw) -> Simulator:
     st = llm.status()
-    return Simulator(None, cost=Fixed(), settings=llm.settings(), num_kv_blocks=st["num_kv_blocks"],
-                     block_size=st["block_size"], vocab_size=256, **kw)
+    return Simulator(
+        None,
+        cost=Fixed(),
+        settings=llm.settings(),
+        num_kv_blocks=st["num_kv_blocks"],
+        block_size=st["block_size"],
+        vocab_size=256,
+        **kw,
+    )
 
 
 def batches(timeline, order: dict[str, int]) -> list[list[tuple[int, int, str]]]:
     return [[(order[e.request_id], e.num_tokens, e.kind) for e in s.batch] for s in timeline.steps]
 
 
-@pytest.mark.parametrize("blocks,settings", [
-    (24, {"max_num_seqs": 3, "max_num_batched_tokens": 32}),  # chunked prefill at odd boundaries
-    (24, {"batching": "static", "max_num_seqs": 4}),
-    (8, {"max_num_seqs": 8, "max_num_batched_tokens": 256}),  # every prompt fills a block: decodes preempt
-])
+@pytest.mark.parametrize(
+    "blocks,settings",
+    [
+        (24, {"max_num_seqs": 3, "max_num_batched_tokens": 32}),  # chunked prefill at odd boundaries
+        (24, {"batching": "static", "max_num_seqs": 4}),
+        (8, {"max_num_seqs": 8, "max_num_batched_tokens": 256}),  # every prompt fills a block: decodes preempt
+    ],
+)
 def test_the_engine_and_the_simulator_admit_the_same_batches(tiny_llama, blocks, settings):
     """Same workload (all at t=0), same settings, same KV cache: every step's batch is identical,
     since both run the same Scheduler (a scheduler change shows up in both)."""
@@ -66,8 +76,10 @@ def test_the_engine_and_the_simulator_admit_the_same_batches(tiny_llama, blocks,
     assert measured == simulated
     # and the same shapes, which the fit reads from the engine's timeline: the engine records a
     # request's "finished" inside the step that finishes it, the simulator after it
-    assert shapes_from_timeline(real.steps, real.requests)[0] == shapes_from_timeline(
-        res.timeline.steps, res.timeline.requests)[0]
+    assert (
+        shapes_from_timeline(real.steps, real.requests)[0]
+        == shapes_from_timeline(res.timeline.steps, res.timeline.requests)[0]
+    )
     assert res.summary()["preemptions"] == sum(1 for r in real.requests if r.kind == "preempted")
     assert any(len(b) > 1 for b in simulated)
     assert (res.summary()["preemptions"] > 0) == (blocks == 8)
@@ -75,8 +87,13 @@ def test_the_engine_and_the_simulator_admit_the_same_batches(tiny_llama, blocks,
 
 def test_a_fit_recovers_the_step_cost_it_was_fitted_on():
     truth = [0.002, 0.0001, 0.0005, 0.0002, 0.0004, 0.0003, 0.004, 0.0]
-    shapes = [StepShape(p, d, max(1, d), float(a + pa), float(pa)) for p in (0, 16, 64, 200) for d in (1, 4, 6, 9, 32)
-              for a in (100, 2000) for pa in ((0, 300, 5000) if p else (0,))]
+    shapes = [
+        StepShape(p, d, max(1, d), float(a + pa), float(pa))
+        for p in (0, 16, 64, 200)
+        for d in (1, 4, 6, 9, 32)
+        for a in (100, 2000)
+        for pa in ((0, 300, 5000) if p else (0,))
+    ]
     seconds = [sum(c * f for c, f in zip(truth, s.features(8))) for s in shapes]
     fit = FittedCost.fit(shapes, seconds)
     assert fit.report["mape"] < 1e-6 and fit.report["threshold_tokens"] == 8
@@ -129,15 +146,22 @@ def test_roofline_steps_are_bandwidth_or_compute_bound():
     assert decode == pytest.approx(0.0005 + read)  # one token: reading the weights
     big = StepShape(8192, 0, 1, 8192 * 4096.0)
     flops = 8192 * 2e9 + 8192 * 4096.0 * 1e4
-    assert h200(big) == pytest.approx(0.0005 + max((2e9 + (8192 * 4096 + 8192) * 1e5) / (4800e9 * 0.8),
-                                                     flops / (989e12 * 0.6)))
+    assert h200(big) == pytest.approx(
+        0.0005 + max((2e9 + (8192 * 4096 + 8192) * 1e5) / (4800e9 * 0.8), flops / (989e12 * 0.6))
+    )
     assert RooflineCost(PROFILES["l4"], m)(StepShape(0, 1, 1, 100.0)) > decode  # less bandwidth: slower
 
 
 def test_replicas_routers_and_the_summary():
     sim = Simulator("h200")
-    wl = {"num_requests": 40, "arrival": "poisson", "rate": 50.0, "seed": 3, "prompt_len": (32, 256),
-          "output_len": (16, 64)}
+    wl = {
+        "num_requests": 40,
+        "arrival": "poisson",
+        "rate": 50.0,
+        "seed": 3,
+        "prompt_len": (32, 256),
+        "output_len": (16, 64),
+    }
     res = sim.run(wl, replicas=2, router="round_robin", record=False)
     assert sorted(r.replica for r in res.requests) == [0] * 20 + [1] * 20
     s = res.summary()
@@ -241,15 +265,39 @@ def test_the_command_line_prints_the_bench_keys(tmp_path):
     env_db = {"WORKBENCH_RUNS_DB": str(tmp_path / "runs.sqlite")}
     import os
 
-    out = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--json", "--requests", "20",
-                          "--rate", "10", "--replicas", "2", "--slo-ttft-ms", "100", "--replicas-for"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, **env_db})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "simulate",
+            "--json",
+            "--requests",
+            "20",
+            "--rate",
+            "10",
+            "--replicas",
+            "2",
+            "--slo-ttft-ms",
+            "100",
+            "--replicas-for",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env_db},
+    )
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert set(RESULT_KEYS) <= set(rep["results"]["simulated"]) and rep["replicas_for_slo"] >= 1
     assert rep["simulator"]["cost"]["profile"] == "h200" and rep["run_id"] is not None
-    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "simulate", "--max-num-seqs", "0"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, **env_db})
+    bad = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "simulate", "--max-num-seqs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env_db},
+    )
     assert bad.returncode == 2 and "max_num_seqs" in bad.stderr
     assert workbench.Simulator is Simulator
 
@@ -369,8 +417,16 @@ def test_a_sweep_simulates_its_grid_first_and_measures_the_predicted_front(tiny_
     sim = Simulator.calibrate(llm)
     grid = {"kv_cache": [True, False], "max_num_seqs": [4, 8]}  # recomputing every step: dominated
     wl = {"num_requests": 8, "prompt_len": (8, 24), "output_len": (4, 8)}
-    res = workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False,
-                          run_log=tmp_path / "runs.sqlite", simulate_first=sim)
+    res = workbench.sweep(
+        llm,
+        grid=grid,
+        workload=wl,
+        repeats=1,
+        warmup=0,
+        progress=False,
+        run_log=tmp_path / "runs.sqlite",
+        simulate_first=sim,
+    )
     assert len(res) == 4 and all(r["predicted"] is not None for r in res)
     simulated = [r for r in res if r["source"] == "simulated"]
     measured = [r for r in res if r["source"] == "measured"]
@@ -380,8 +436,17 @@ def test_a_sweep_simulates_its_grid_first_and_measures_the_predicted_front(tiny_
     assert {r["index"] for r in simulated} == expected_skip
     assert all(r["output_tok_s"] == r["predicted"]["output_tok_s"] for r in simulated)
     assert llm.settings()["max_num_seqs"] == 64 and llm.settings()["batching"] == "continuous"  # put back
-    q = workbench.sweep(llm, grid={"quantization": ["none", "int8"]}, workload=wl, repeats=1, warmup=0,
-                        progress=False, record=False, ppl_tokens=0, simulate_first=sim)
+    q = workbench.sweep(
+        llm,
+        grid={"quantization": ["none", "int8"]},
+        workload=wl,
+        repeats=1,
+        warmup=0,
+        progress=False,
+        record=False,
+        ppl_tokens=0,
+        simulate_first=sim,
+    )
     assert [r["source"] for r in q] == ["measured", "measured"]  # the simulator cannot model quantisation
 
 
@@ -395,7 +460,8 @@ def test_runs_compare_sets_a_prediction_next_to_its_measurement(tiny_llama, tmp_
     assert [r["id"] for r in c["runs"]] == [measured, res.run_id]  # the measurement comes along
     [p] = c["predictions"]
     assert p["measured"] == measured and p["error"]["output_tok_s"] == pytest.approx(
-        res.summary()["output_tok_s"] / 100.0 - 1)
+        res.summary()["output_tok_s"] / 100.0 - 1
+    )
     from workbench.cli import main
 
     assert main(["runs", "compare", str(res.run_id), "--db", str(log.path)]) == 0

@@ -48,13 +48,15 @@ def test_sweep_produces_one_record_per_grid_point(llm, log):
     before = llm.settings()
     res = workbench.sweep(llm, grid=GRID, workload=WORKLOAD, repeats=2, warmup=1, progress=False, run_log=log)
     assert isinstance(res, SweepResult) and res.status == "completed" and len(res) == 4
-    assert [r["point"] for r in res] == [{"batching": b, "max_num_seqs": n}
-                                         for b in ("continuous", "static") for n in (2, 4)]
+    assert [r["point"] for r in res] == [
+        {"batching": b, "max_num_seqs": n} for b in ("continuous", "static") for n in (2, 4)
+    ]
     for r in res:
         assert r["settings"]["batching"] == r["batching"] and r["settings"]["max_num_seqs"] == r["max_num_seqs"]
         assert len(r["runs"]) == 2 and r["repeats"] == 2 and not r["resumed"]
-        assert r["requests"] == 6 and r["output_tokens"] == sum(q.max_tokens for q in make_sweep_workload(
-            llm, WORKLOAD).requests)
+        assert r["requests"] == 6 and r["output_tokens"] == sum(
+            q.max_tokens for q in make_sweep_workload(llm, WORKLOAD).requests
+        )
         assert r["output_tok_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 and r["itl_p99_ms"] > 0
         assert r["output_tok_s_min"] <= r["output_tok_s"] <= r["output_tok_s_max"]
         assert 0 < r["kv_usage_peak"] <= 1 and r["prefix_hit_rate"] == 0.0
@@ -94,8 +96,9 @@ def test_interrupt_restores_settings_and_resume_skips_measured_points(llm, log):
     on_point, seen = _interrupt_after(1)
     wl = {**WORKLOAD, "num_requests": 24, "output_len": (300, 400)}  # long enough that the interrupt lands mid-run
     with pytest.raises(KeyboardInterrupt):
-        workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False, run_log=log,
-                        on_point=on_point)
+        workbench.sweep(
+            llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False, run_log=log, on_point=on_point
+        )
     assert len(seen) == 1
     assert llm.settings() == before  # back on the settings from before the sweep
     assert not llm.engine.has_unfinished_requests()  # in-flight requests aborted
@@ -107,8 +110,16 @@ def test_interrupt_restores_settings_and_resume_skips_measured_points(llm, log):
     assert partial.status == "interrupted" and len(partial) == 1
 
     measured = []
-    res = workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False, run_log=log,
-                          on_point=lambda r: measured.append(r["resumed"]))
+    res = workbench.sweep(
+        llm,
+        grid=grid,
+        workload=wl,
+        repeats=1,
+        warmup=0,
+        progress=False,
+        run_log=log,
+        on_point=lambda r: measured.append(r["resumed"]),
+    )
     assert measured == [True, False, False]  # the first point came from the log
     assert res.run_id == sweep_row["id"] and res.status == "completed" and len(res) == 3
     assert res[0]["output_tok_s"] == kids[0]["metrics"]["output_tok_s"]
@@ -117,19 +128,27 @@ def test_interrupt_restores_settings_and_resume_skips_measured_points(llm, log):
     # everything measured now: a rerun measures nothing; resume=False measures all again
     again = workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False, run_log=log)
     assert all(r["resumed"] for r in again)
-    fresh = workbench.sweep(llm, grid={"max_num_seqs": [2]}, workload=wl, repeats=1, warmup=0, progress=False,
-                            run_log=log, resume=False)
+    fresh = workbench.sweep(
+        llm, grid={"max_num_seqs": [2]}, workload=wl, repeats=1, warmup=0, progress=False, run_log=log, resume=False
+    )
     assert not fresh[0]["resumed"]
     # an in-memory result resumes without the log
-    mem = workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False, record=False,
-                          resume=res)
+    mem = workbench.sweep(llm, grid=grid, workload=wl, repeats=1, warmup=0, progress=False, record=False, resume=res)
     assert all(r["resumed"] for r in mem)
     llm.configure(max_num_seqs=64)
 
 
 def test_quantised_points_report_delta_perplexity(llm, log):
-    res = workbench.sweep(llm, grid={"quantization": ["none", "int8"]}, workload=WORKLOAD, repeats=1, warmup=0,
-                          progress=False, run_log=log, ppl_tokens=64)
+    res = workbench.sweep(
+        llm,
+        grid={"quantization": ["none", "int8"]},
+        workload=WORKLOAD,
+        repeats=1,
+        warmup=0,
+        progress=False,
+        run_log=log,
+        ppl_tokens=64,
+    )
     none, int8 = res
     assert none["delta_ppl"] is None and res.baseline_ppl > 1
     assert int8["ppl"] > 1 and int8["delta_ppl"] == pytest.approx(int8["ppl"] - res.baseline_ppl)
@@ -142,9 +161,18 @@ def test_asweep_cancellation_restores_settings(llm, log):
     started = threading.Event()
 
     async def main():
-        task = asyncio.ensure_future(workbench.sweep.asweep(
-            llm, grid={"max_num_seqs": [3, 5, 6]}, workload={**WORKLOAD, "output_len": (30, 40)}, repeats=2,
-            warmup=0, progress=False, run_log=log, on_point=lambda r: started.set()))
+        task = asyncio.ensure_future(
+            workbench.sweep.asweep(
+                llm,
+                grid={"max_num_seqs": [3, 5, 6]},
+                workload={**WORKLOAD, "output_len": (30, 40)},
+                repeats=2,
+                warmup=0,
+                progress=False,
+                run_log=log,
+                on_point=lambda r: started.set(),
+            )
+        )
         while not started.is_set():
             await asyncio.sleep(0.01)
         task.cancel()
@@ -158,8 +186,16 @@ def test_asweep_cancellation_restores_settings(llm, log):
 
 def test_prompt_list_workload_and_plot(llm, log):
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    res = workbench.sweep(llm, grid={"batching": ["continuous", "off"]}, workload=prompts, max_tokens=5,
-                          repeats=1, warmup=0, progress=False, run_log=log)
+    res = workbench.sweep(
+        llm,
+        grid={"batching": ["continuous", "off"]},
+        workload=prompts,
+        max_tokens=5,
+        repeats=1,
+        warmup=0,
+        progress=False,
+        run_log=log,
+    )
     assert [r["output_tokens"] for r in res] == [10, 10]
     assert res.workload["source"] == "prompts"
     from bokeh.embed import json_item
@@ -176,14 +212,29 @@ def test_engine_process_sweep_and_interrupt(tiny_llama, log):
     eng = workbench.start_engine(str(tiny_llama[0]), num_kv_blocks=256)
     try:
         before = eng.settings()
-        res = workbench.sweep(eng, grid={"batching": ["continuous", "static"]}, workload=WORKLOAD, repeats=1,
-                              warmup=1, progress=False, run_log=log)
+        res = workbench.sweep(
+            eng,
+            grid={"batching": ["continuous", "static"]},
+            workload=WORKLOAD,
+            repeats=1,
+            warmup=1,
+            progress=False,
+            run_log=log,
+        )
         assert len(res) == 2 and all(r["output_tok_s"] > 0 and r["kv_usage_peak"] > 0 for r in res)
         assert eng.settings() == before
         on_point, _ = _interrupt_after(1)
         with pytest.raises(KeyboardInterrupt):
-            workbench.sweep(eng, grid={"max_num_seqs": [2, 3]}, workload={**WORKLOAD, "output_len": (60, 80)},
-                            repeats=2, warmup=0, progress=False, run_log=log, on_point=on_point)
+            workbench.sweep(
+                eng,
+                grid={"max_num_seqs": [2, 3]},
+                workload={**WORKLOAD, "output_len": (60, 80)},
+                repeats=2,
+                warmup=0,
+                progress=False,
+                run_log=log,
+                on_point=on_point,
+            )
         assert eng.settings() == before
         m = eng.metrics()
         assert m["num_running"] == 0 and m["num_waiting"] == 0  # the interrupted run's requests were aborted
@@ -197,14 +248,18 @@ def test_sweep_magic(llm, log, monkeypatch):
     from workbench.jupyter.sweep_magic import SweepMagics, _async_sweep, parse_grid, prepare
 
     assert parse_grid(["batching=continuous,static", "max-num-seqs=2,4"]) == {
-        "batching": ["continuous", "static"], "max_num_seqs": [2, 4]}
+        "batching": ["continuous", "static"],
+        "max_num_seqs": [2, 4],
+    }
     shell = InteractiveShell.instance()
     try:
         shell.register_magics(SweepMagics)
         shell.user_ns["llm"] = llm
         monkeypatch.setenv("WORKBENCH_RUNS_DB", str(log.path))
-        shell.run_line_magic("sweep", "max_num_seqs=2,4 --engine llm --requests 3 --output-len 3-4 --repeats 1 "
-                                      "--warmup 0 --no-plot -o res")
+        shell.run_line_magic(
+            "sweep",
+            "max_num_seqs=2,4 --engine llm --requests 3 --output-len 3-4 --repeats 1 --warmup 0 --no-plot -o res",
+        )
         res = shell.user_ns["res"]
         assert [r["max_num_seqs"] for r in res] == [2, 4]
         _, kwargs, _ = prepare(shell, "batching=static --engine llm --max-tokens 7", "one\n---\ntwo")
@@ -243,8 +298,16 @@ def test_text_prompts_cell_magic_and_an_engine_without_a_local_tokenizer(tmp_pat
     assert [r.prompt_token_ids for r in make_sweep_workload(tok_llm, prompts).requests] == ids
     plain = _without_local_tokenizer(tok_llm)
     assert [r.prompt_token_ids for r in make_sweep_workload(plain, prompts).requests] == ids  # engine-tokenized
-    res = workbench.sweep(plain, grid={"max_num_seqs": [1, 2]}, workload=prompts, max_tokens=3, repeats=1, warmup=1,
-                          progress=False, run_log=log)
+    res = workbench.sweep(
+        plain,
+        grid={"max_num_seqs": [1, 2]},
+        workload=prompts,
+        max_tokens=3,
+        repeats=1,
+        warmup=1,
+        progress=False,
+        run_log=log,
+    )
     assert [r["output_tokens"] for r in res] == [6, 6]
     with pytest.raises(TypeError, match="sweep needs a workbench Engine"):  # look-alikes are not enough
         workbench.sweep(object(), grid={"max_num_seqs": [1]}, workload=prompts, progress=False, record=False)
@@ -254,8 +317,11 @@ def test_text_prompts_cell_magic_and_an_engine_without_a_local_tokenizer(tmp_pat
         shell.register_magics(SweepMagics)
         shell.user_ns["eng"] = tok_llm
         monkeypatch.setenv("WORKBENCH_RUNS_DB", str(log.path))
-        shell.run_cell_magic("sweep", "batching=continuous,off --engine eng --max-tokens 3 --repeats 1 --warmup 0 "
-                                      "--no-plot", "Once upon a time\n---\nThe quick brown fox jumps over\n")
+        shell.run_cell_magic(
+            "sweep",
+            "batching=continuous,off --engine eng --max-tokens 3 --repeats 1 --warmup 0 --no-plot",
+            "Once upon a time\n---\nThe quick brown fox jumps over\n",
+        )
         res = shell.user_ns["_sweep"]
         assert [r["batching"] for r in res] == ["continuous", "off"] and res.workload["prompts"] == prompts
         assert all(r["output_tokens"] == 6 for r in res)

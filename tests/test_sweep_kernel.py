@@ -17,8 +17,9 @@ NAME = "sweep-kernel"
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_llama):
-    with private_engine(tmp_path_factory.mktemp("rt-sweep-kernel"), str(tiny_llama[0]), name=NAME, timeout=300,
-                        num_kv_blocks=256) as eng:
+    with private_engine(
+        tmp_path_factory.mktemp("rt-sweep-kernel"), str(tiny_llama[0]), name=NAME, timeout=300, num_kv_blocks=256
+    ) as eng:
         yield eng
 
 
@@ -37,8 +38,9 @@ def test_kernel_stays_live_during_a_sweep(kernel, engine):
     kernel.run("%dashboard --no-start", timeout=60)
     comm_id = kernel.stdout("print(_dashboard.controls['ngram_size'].model_id)").strip()
     before = engine.settings()
-    msg_id = kernel.execute("%sweep max_num_seqs=2,3 --requests 24 --prompt-len 8-16 --output-len 300-400 "
-                            "--repeats 2 --warmup 0 --no-plot")
+    msg_id = kernel.execute(
+        "%sweep max_num_seqs=2,3 --requests 24 --prompt-len 8-16 --output-len 300-400 --repeats 2 --warmup 0 --no-plot"
+    )
     wait_for(lambda: engine.status()["num_requests"] > 0, 60, "the sweep's requests to reach the engine")
     # what the browser sends when the user edits a dashboard control: handled mid-sweep
     kernel.send_comm(comm_id, {"method": "update", "state": {"value": 5}, "buffer_paths": []})
@@ -56,8 +58,10 @@ def test_kernel_stays_live_during_a_sweep(kernel, engine):
 def test_interrupt_stops_the_sweep_and_restores_settings(kernel, engine):
     engine.configure(max_num_seqs=9)
     before = engine.settings()
-    msg_id = kernel.execute("%sweep max_num_seqs=3,5 batching=continuous,static --requests 24 --prompt-len 8-16 "
-                            "--output-len 300-400 --repeats 2 --warmup 0 --no-plot --no-resume")
+    msg_id = kernel.execute(
+        "%sweep max_num_seqs=3,5 batching=continuous,static --requests 24 --prompt-len 8-16 "
+        "--output-len 300-400 --repeats 2 --warmup 0 --no-plot --no-resume"
+    )
     wait_for(lambda: engine.status()["num_requests"] > 0, 60, "the sweep's requests to reach the engine")
     time.sleep(0.3)
     kernel.km.interrupt_kernel()

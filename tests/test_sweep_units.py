@@ -52,19 +52,42 @@ def test_pareto_front_three_objectives_matches_brute_force():
     obj = [("a", "max"), ("b", "min"), ("c", "min")]
     front = pareto_front(p, obj)
     for i, x in enumerate(p):
-        beaten = any(y["a"] >= x["a"] and y["b"] <= x["b"] and y["c"] <= x["c"]
-                     and (y["a"], y["b"], y["c"]) != (x["a"], x["b"], x["c"]) for y in p)
+        beaten = any(
+            y["a"] >= x["a"]
+            and y["b"] <= x["b"]
+            and y["c"] <= x["c"]
+            and (y["a"], y["b"], y["c"]) != (x["a"], x["b"], x["c"])
+            for y in p
+        )
         assert (i in front) == (not beaten)
 
 
 def test_noise_overlaps_and_annotate():
     recs = [
-        {"label": "a", "output_tok_s": 100, "output_tok_s_min": 90, "output_tok_s_max": 110, "ttft_p99_ms": 50,
-         "itl_p99_ms": 5},
-        {"label": "b", "output_tok_s": 105, "output_tok_s_min": 108, "output_tok_s_max": 120, "ttft_p99_ms": 60,
-         "itl_p99_ms": 6},
-        {"label": "c", "output_tok_s": 200, "output_tok_s_min": 195, "output_tok_s_max": 205, "ttft_p99_ms": 80,
-         "itl_p99_ms": 4},
+        {
+            "label": "a",
+            "output_tok_s": 100,
+            "output_tok_s_min": 90,
+            "output_tok_s_max": 110,
+            "ttft_p99_ms": 50,
+            "itl_p99_ms": 5,
+        },
+        {
+            "label": "b",
+            "output_tok_s": 105,
+            "output_tok_s_min": 108,
+            "output_tok_s_max": 120,
+            "ttft_p99_ms": 60,
+            "itl_p99_ms": 6,
+        },
+        {
+            "label": "c",
+            "output_tok_s": 200,
+            "output_tok_s_min": 195,
+            "output_tok_s_max": 205,
+            "ttft_p99_ms": 80,
+            "itl_p99_ms": 4,
+        },
         {"label": "d", "output_tok_s": 50, "ttft_p99_ms": 100, "itl_p99_ms": 9},  # one run: zero-width range
     ]
     assert noise_overlaps(recs, "output_tok_s") == [[1], [0], [], []]
@@ -98,12 +121,30 @@ def test_costs_arithmetic_and_defaults(monkeypatch):
 
 def test_phase_split_and_run_costs():
     steps = [
-        {"phase": "prefill", "start": 0.0, "end": 1.0, "num_prefill_tokens": 100, "num_decode_tokens": 0,
-         "output_tokens": 4},
-        {"phase": "mixed", "start": 1.0, "end": 2.0, "num_prefill_tokens": 30, "num_decode_tokens": 10,
-         "output_tokens": 10},
-        {"phase": "decode", "start": 2.0, "end": 4.0, "num_prefill_tokens": 0, "num_decode_tokens": 4,
-         "output_tokens": 4},
+        {
+            "phase": "prefill",
+            "start": 0.0,
+            "end": 1.0,
+            "num_prefill_tokens": 100,
+            "num_decode_tokens": 0,
+            "output_tokens": 4,
+        },
+        {
+            "phase": "mixed",
+            "start": 1.0,
+            "end": 2.0,
+            "num_prefill_tokens": 30,
+            "num_decode_tokens": 10,
+            "output_tokens": 10,
+        },
+        {
+            "phase": "decode",
+            "start": 2.0,
+            "end": 4.0,
+            "num_prefill_tokens": 0,
+            "num_decode_tokens": 4,
+            "output_tokens": 4,
+        },
         {"phase": "relayout", "start": 4.0, "end": 9.0},
     ]
     s = costs.phase_split(steps)
@@ -123,7 +164,11 @@ def test_grid_points_order_and_validation():
     # the re-layout setting varies slowest
     assert [list(p) for p in pts_][0] == ["quantization", "batching", "max_num_seqs"]
     assert [(p["quantization"], p["batching"]) for p in pts_] == [
-        ("none", "continuous"), ("none", "static"), ("int8", "continuous"), ("int8", "static")]
+        ("none", "continuous"),
+        ("none", "static"),
+        ("int8", "continuous"),
+        ("int8", "static"),
+    ]
     assert point_label(pts_[0]) == "quantization=none batching=continuous max_num_seqs=4"
     with pytest.raises(ValueError, match="unknown setting 'batch'"):
         grid_points({"batch": [1]})
@@ -140,9 +185,11 @@ def test_grid_points_order_and_validation():
 
 
 def test_aggregate_medians_and_spread():
-    runs = [{"output_tok_s": 10.0, "ttft_p99_ms": 5.0, "spec_acceptance_rate": None, "requests": 4},
-            {"output_tok_s": 30.0, "ttft_p99_ms": 7.0, "spec_acceptance_rate": None, "requests": 4},
-            {"output_tok_s": 20.0, "ttft_p99_ms": 6.0, "spec_acceptance_rate": None, "requests": 4}]
+    runs = [
+        {"output_tok_s": 10.0, "ttft_p99_ms": 5.0, "spec_acceptance_rate": None, "requests": 4},
+        {"output_tok_s": 30.0, "ttft_p99_ms": 7.0, "spec_acceptance_rate": None, "requests": 4},
+        {"output_tok_s": 20.0, "ttft_p99_ms": 6.0, "spec_acceptance_rate": None, "requests": 4},
+    ]
     a = aggregate(runs)
     assert a["output_tok_s"] == 20.0 and a["output_tok_s_min"] == 10.0 and a["output_tok_s_max"] == 30.0
     assert a["output_tok_s_std"] == pytest.approx(10.0) and a["ttft_p99_ms"] == 6.0
@@ -150,10 +197,26 @@ def test_aggregate_medians_and_spread():
 
 
 def test_plot_data_and_front_line():
-    recs = [{"label": "a", "point": {"batching": "static"}, "output_tok_s": 10.0, "ttft_p99_ms": 5.0,
-             "itl_p99_ms": 1.0, "pareto_ttft_p99": True, "overlaps": ["b"]},
-            {"label": "b", "point": {"batching": "continuous"}, "output_tok_s": 20.0, "ttft_p99_ms": 9.0,
-             "itl_p99_ms": None, "pareto_ttft_p99": True, "overlaps": []}]
+    recs = [
+        {
+            "label": "a",
+            "point": {"batching": "static"},
+            "output_tok_s": 10.0,
+            "ttft_p99_ms": 5.0,
+            "itl_p99_ms": 1.0,
+            "pareto_ttft_p99": True,
+            "overlaps": ["b"],
+        },
+        {
+            "label": "b",
+            "point": {"batching": "continuous"},
+            "output_tok_s": 20.0,
+            "ttft_p99_ms": 9.0,
+            "itl_p99_ms": None,
+            "pareto_ttft_p99": True,
+            "overlaps": [],
+        },
+    ]
     d = plot_data(recs)
     assert d["settings"] == ["batching=static", "batching=continuous"]
     assert d["ttft_p99_ms_color"][0] == d["ttft_p99_ms_color"][1] != d["itl_p99_ms_color"][0]
@@ -165,8 +228,10 @@ def test_plot_data_and_front_line():
 def test_live_costs_window_for_the_dashboard():
     live = costs.LiveCosts(window_s=5.0, price_per_hour=3.6, watts=100.0)
     old = {"phase": "prefill", "start": 0.0, "end": 1.0, "num_prefill_tokens": 999, "output_tokens": 1}
-    recent = [{"phase": "prefill", "start": 10.0, "end": 11.0, "num_prefill_tokens": 100, "output_tokens": 1},
-              {"phase": "decode", "start": 11.0, "end": 13.0, "num_decode_tokens": 8, "output_tokens": 8}]
+    recent = [
+        {"phase": "prefill", "start": 10.0, "end": 11.0, "num_prefill_tokens": 100, "output_tokens": 1},
+        {"phase": "decode", "start": 11.0, "end": 13.0, "num_decode_tokens": 8, "output_tokens": 8},
+    ]
     live.add({"steps": [old], "requests": []})
     live.add({"steps": recent, "requests": []})
     c = live.costs({"output_tok_s": 4.0})
@@ -174,7 +239,9 @@ def test_live_costs_window_for_the_dashboard():
     assert c["decode_tok_s"] == pytest.approx(4.5)  # 9 output tokens over 2 s of decode
     assert c["cost_per_mtok"] == pytest.approx(250.0)
     text = live.html({"output_tok_s": 4.0})
-    assert text == ("cost $250 per million output tokens, 25 J each (prefill $10/M prompt tok; decode "
-                    "$222/M output tok) at $3.6/h and 100 W")
+    assert text == (
+        "cost $250 per million output tokens, 25 J each (prefill $10/M prompt tok; decode "
+        "$222/M output tok) at $3.6/h and 100 W"
+    )
     idle = costs.LiveCosts(window_s=10.0, price_per_hour=0.2, watts=100.0).html({"output_tok_s": 0.0})
     assert idle == "cost: nothing generated in the last 10 s (at $0.2/h and 100 W)"  # words, not dashes

@@ -77,9 +77,7 @@ def test_chat_template(tiny, tiny_dir):
     assert tiny.apply_chat_template("Hi", add_generation_prompt=False) == "<|im_start|>user\nHi<|im_end|>\n"
 
     # bos/eos are passed to the template; raise_exception raises
-    tpl = (
-        "{{ bos_token }}{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
-    )
+    tpl = "{{ bos_token }}{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     tpl += "{{ messages[0]['content'] }}{{ eos_token }}"
     cfg = json.loads((tiny_dir / "tokenizer_config.json").read_text())
     cfg["chat_template"] = tpl
@@ -233,8 +231,13 @@ def test_length_bound_is_a_lower_bound(smollm2):
     assert smollm2.max_token_chars == max(len(t) for t in smollm2.backend.get_vocab())
     rng = random.Random(0)
     vocab = list(smollm2.backend.get_vocab())
-    texts = SMOL_TEXTS + [" " * 5000, "\n" * 3000, "a" * 10000, "word " * 3000,
-                          "".join(rng.choice(vocab).replace("Ġ", " ") for _ in range(4000))]
+    texts = SMOL_TEXTS + [
+        " " * 5000,
+        "\n" * 3000,
+        "a" * 10000,
+        "word " * 3000,
+        "".join(rng.choice(vocab).replace("Ġ", " ") for _ in range(4000)),
+    ]
     for t in texts:
         assert smollm2.min_tokens(t) <= len(smollm2.encode(t)), t[:40]
     # the longest entry itself: one token, the bound says at least one
@@ -256,8 +259,10 @@ def test_encode_releases_the_gil_and_matches_the_plain_path(smollm2):
     import time
 
     text = "word " * 400_000
-    assert smollm2.encode(text[:5000], add_special_tokens=True) == \
-        smollm2.backend.encode(text[:5000], add_special_tokens=True).ids
+    assert (
+        smollm2.encode(text[:5000], add_special_tokens=True)
+        == smollm2.backend.encode(text[:5000], add_special_tokens=True).ids
+    )
     ticks, stop = [], threading.Event()
 
     def spin():  # counts how often another Python thread gets to run during the encode
@@ -277,14 +282,17 @@ def test_encode_releases_the_gil_and_matches_the_plain_path(smollm2):
     assert len(during) >= 0.1 * (end - start) / 0.001, (len(during), end - start)
 
 
-@pytest.mark.parametrize("setup, bound", [
-    (lambda tk: None, "entry"),
-    (lambda tk: setattr(tk, "pre_tokenizer", pre_tokenizers.WhitespaceSplit()), None),  # drops spaces
-    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.NFC()), "4x"),
-    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Strip()), None),
-    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Replace(" ", "\u2581")), "entry"),
-    (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Replace("ab", "")), None),
-])
+@pytest.mark.parametrize(
+    "setup, bound",
+    [
+        (lambda tk: None, "entry"),
+        (lambda tk: setattr(tk, "pre_tokenizer", pre_tokenizers.WhitespaceSplit()), None),  # drops spaces
+        (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.NFC()), "4x"),
+        (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Strip()), None),
+        (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Replace(" ", "\u2581")), "entry"),
+        (lambda tk: setattr(tk, "normalizer", __import__("tokenizers").normalizers.Replace("ab", "")), None),
+    ],
+)
 def test_length_bound_only_where_provable(setup, bound):
     tk = _byte_level_tokenizer()
     setup(tk)

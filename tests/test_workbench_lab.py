@@ -33,8 +33,9 @@ def _free_port() -> int:
 def test_command_opens_the_quickstart_in_notebooks():
     from workbench.cli import build_parser
 
-    args = build_parser().parse_args(["lab", "--no-browser", "--port", "9999", "--batching", "static",
-                                      "--", "--ServerApp.token=x"])
+    args = build_parser().parse_args(
+        ["lab", "--no-browser", "--port", "9999", "--batching", "static", "--", "--ServerApp.token=x"]
+    )
     assert args.name == "default" and args.setting_batching == "static"
     nb_dir = notebook_dir(str(REPO / "notebooks"))
     cmd = jupyter_command(args, nb_dir, 9999, None)
@@ -67,21 +68,30 @@ def _open_with_a_kernel(port: int, token: str) -> None:
     auth = {"Authorization": f"token {token}"}
 
     def call(method, path, body=None):
-        req = urllib.request.Request(base + path, method=method, headers={**auth, "Content-Type": "application/json"},
-                                     data=None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(
+            base + path,
+            method=method,
+            headers={**auth, "Content-Type": "application/json"},
+            data=None if body is None else json.dumps(body).encode(),
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read() or b"null")
 
     call("GET", f"/api/contents/{QUICKSTART}?content=1")
-    session = call("POST", "/api/sessions", {"path": QUICKSTART, "type": "notebook", "name": QUICKSTART,
-                                             "kernel": {"name": "python3"}})
+    session = call(
+        "POST",
+        "/api/sessions",
+        {"path": QUICKSTART, "type": "notebook", "name": QUICKSTART, "kernel": {"name": "python3"}},
+    )
     kid = session["kernel"]["id"]
 
     async def channels():
-        ws = await websocket_connect(f"ws://127.0.0.1:{port}/api/kernels/{kid}/channels?token={token}"
-                                     f"&session_id={os.urandom(8).hex()}")
+        ws = await websocket_connect(
+            f"ws://127.0.0.1:{port}/api/kernels/{kid}/channels?token={token}&session_id={os.urandom(8).hex()}"
+        )
         await asyncio.sleep(2)
         ws.close()
+
     asyncio.run(channels())
     wait_for(lambda: call("GET", f"/api/kernels/{kid}")["execution_state"] == "idle", 60, "the kernel to be idle")
     time.sleep(1)  # its start-up lines reach the log
@@ -94,23 +104,41 @@ def test_lab_starts_engine_and_jupyterlab_then_stops_both(tmp_path):
     jupyter_home = tmp_path / "jupyter"
     # a short runtime dir, like ~/.local/share/jupyter/runtime: kernels' IPC socket paths fit in it
     short = tempfile.mkdtemp(prefix="wbj", dir="/tmp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTER_RUNTIME_DIR=short,
-               JUPYTER_CONFIG_DIR=str(jupyter_home / "config"), JUPYTER_DATA_DIR=str(jupyter_home / "data"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        JUPYTER_RUNTIME_DIR=short,
+        JUPYTER_CONFIG_DIR=str(jupyter_home / "config"),
+        JUPYTER_DATA_DIR=str(jupyter_home / "data"),
+    )
     with private_runtime_dir(rt):
         env["WORKBENCH_RUNTIME_DIR"] = str(rt)
-        cmd = [sys.executable, "-m", "workbench.cli", "lab", "--no-browser", "--port", str(port),
-               "--", "--IdentityProvider.token=wbtest", "--ServerApp.ip=127.0.0.1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "lab",
+            "--no-browser",
+            "--port",
+            str(port),
+            "--",
+            "--IdentityProvider.token=wbtest",
+            "--ServerApp.ip=127.0.0.1",
+        ]
         log = open(tmp_path / "lab.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=str(REPO), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             from workbench.ipc import connection as conn
 
             info = wait_for(lambda: conn.live_engine("default", rt), 180, "the engine named 'default'", every=0.5)
 
             def contents():
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/api/contents/{QUICKSTART}?content=0",
-                                             headers={"Authorization": "token wbtest"})
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/api/contents/{QUICKSTART}?content=0",
+                    headers={"Authorization": "token wbtest"},
+                )
                 try:
                     with urllib.request.urlopen(req, timeout=5) as r:
                         return r.status == 200
@@ -126,8 +154,15 @@ def test_lab_starts_engine_and_jupyterlab_then_stops_both(tmp_path):
             # nothing more (no INFO chatter, untrusted-notebook, TCP-kernel or websocket warnings)
             _open_with_a_kernel(port, "wbtest")
             text = (tmp_path / "lab.log").read_text(errors="replace")
-            for noise in ("extension was successfully", "Skipped non-installed", "is not trusted", "[I ",
-                          "TCP without encryption", "websocket_ping_timeout", "Failed to load"):
+            for noise in (
+                "extension was successfully",
+                "Skipped non-installed",
+                "is not trusted",
+                "[I ",
+                "TCP without encryption",
+                "websocket_ping_timeout",
+                "Failed to load",
+            ):
                 assert noise not in text, f"{noise!r} in the lab's output:\n{text}"
             proc.send_signal(signal.SIGTERM)  # what a terminal closing (or `kill`) sends
             proc.wait(60)

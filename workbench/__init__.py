@@ -34,8 +34,18 @@ _LAZY = {
 }
 
 __all__ = [
-    "LLM", "SamplingParams", "EngineClient", "start_engine", "connect", "Engine", "sweep", "Simulator",
-    "RequestOutput", "StreamChunk", "Timeline", "EngineSettings",
+    "LLM",
+    "SamplingParams",
+    "EngineClient",
+    "start_engine",
+    "connect",
+    "Engine",
+    "sweep",
+    "Simulator",
+    "RequestOutput",
+    "StreamChunk",
+    "Timeline",
+    "EngineSettings",
 ]
 
 if TYPE_CHECKING:

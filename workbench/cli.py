@@ -24,21 +24,35 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from .ipc.engine_main import add_serve_arguments
 
     p = sub.add_parser(
-        "serve", help="run a long-lived engine that clients attach to (EngineClient.connect(name))",
+        "serve",
+        help="run a long-lived engine that clients attach to (EngineClient.connect(name))",
         description="Run a long-lived engine process. Clients attach by name with EngineClient.connect(name). "
-                    "Stops on Ctrl-C, SIGTERM or a client's shutdown().",
+        "Stops on Ctrl-C, SIGTERM or a client's shutdown().",
     )
     add_serve_arguments(p)
     from .http.server import add_http_arguments
 
     add_http_arguments(p)
     g = p.add_argument_group("replicas on Ray (workbench.cluster; needs --http)")
-    g.add_argument("--replicas", type=int, default=None, metavar="N",
-                   help="serve N engine replicas on a Ray cluster behind the one HTTP endpoint")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="join this Ray cluster ('auto' or HOST:PORT; default: start a local one)")
-    g.add_argument("--router", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_affinity"],
-                   help="how requests are spread over the replicas (default least_loaded)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve N engine replicas on a Ray cluster behind the one HTTP endpoint",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster ('auto' or HOST:PORT; default: start a local one)",
+    )
+    g.add_argument(
+        "--router",
+        default="least_loaded",
+        choices=["round_robin", "least_loaded", "prefix_affinity"],
+        help="how requests are spread over the replicas (default least_loaded)",
+    )
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs per replica (default 1)")
     g.add_argument("--replica-gpus", type=float, default=0.0, metavar="N", help="GPUs per replica (default 0)")
     p.set_defaults(_run=_run_serve)
@@ -83,9 +97,10 @@ def _flag_settings_or_report(args: argparse.Namespace, command: str) -> dict | N
 # ----------------------------------------------------------------------------- generate
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "generate", help="generate from a prompt in this process, streaming tokens to the terminal",
+        "generate",
+        help="generate from a prompt in this process, streaming tokens to the terminal",
         description="Load the engine in this process, stream the completion of PROMPT to stdout and print "
-                    "TTFT and tok/s to stderr.",
+        "TTFT and tok/s to stderr.",
     )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
@@ -106,8 +121,13 @@ def _run_generate(args: argparse.Namespace) -> int:
         settings = settings_from_flags(args)
         from .sampling_params import SamplingParams
 
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
     except (ValueError, TypeError) as e:
         print(f"workbench generate: {e}", file=sys.stderr)
         return 2
@@ -136,66 +156,112 @@ def _run_generate(args: argparse.Namespace) -> int:
         decode = (m.token_times[-1] - m.token_times[0]) if len(m.token_times) > 1 else 0.0
         ttft = m.ttft if m.ttft is not None else 0.0
         rate = f", {(n - 1) / decode:.1f} tok/s decode" if decode > 0 else ""
-        print(f"[{n} tokens in {total:.2f} s: TTFT {ttft * 1e3:.0f} ms, {n / total:.1f} tok/s overall{rate}; "
-              f"finish: {out.finish_reason}]", file=sys.stderr)
+        print(
+            f"[{n} tokens in {total:.2f} s: TTFT {ttft * 1e3:.0f} ms, {n / total:.1f} tok/s overall{rate}; "
+            f"finish: {out.finish_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 
 # ----------------------------------------------------------------------------- bench
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="benchmark the engine against Hugging Face transformers, with the measured roofline",
+        "bench",
+        help="benchmark the engine against Hugging Face transformers, with the measured roofline",
         description="Run a fixed, seeded workload (default: 64 requests released at once, prompts 32-512 "
-                    "tokens of English text, outputs 32-256 tokens with ignore_eos, greedy) on each system; "
-                    "measure memory bandwidth and matmul FLOP/s on the spot; report output tok/s, TTFT and "
-                    "ITL percentiles, ratios and fractions of the roofline. Progress goes to stderr.",
+        "tokens of English text, outputs 32-256 tokens with ignore_eos, greedy) on each system; "
+        "measure memory bandwidth and matmul FLOP/s on the spot; report output tok/s, TTFT and "
+        "ITL percentiles, ratios and fractions of the roofline. Progress goes to stderr.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
-    p.add_argument("--requests", type=int, default=None, metavar="N",
-                   help="number of requests (default 64; 8 with --quick)")
-    p.add_argument("--systems", default="workbench,hf_sequential,hf_static,llama_server,vllm",
-                   help="comma-separated: workbench, hf_sequential, hf_static, llama_server, vllm, workbench_http "
-                        "(default: all but workbench_http, which vllm brings along: our engine behind `serve --http`, "
-                        "measured through the same client as vLLM's server); llama_server and vllm run when found, "
-                        "else the report says how to get them")
-    p.add_argument("--hf-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="dtype of the transformers peers (auto: bf16 or fp32, whichever matmul measures faster here)")
-    p.add_argument("--llama-server", default=None, metavar="PATH",
-                   help="llama.cpp's llama-server binary (default: $WORKBENCH_LLAMA_SERVER, then PATH)")
-    p.add_argument("--vllm-python", default=None, metavar="PATH",
-                   help="the Python of a venv with vLLM (default: $WORKBENCH_VLLM_PYTHON, then .peers/vllm from "
-                        "`make peers`)")
-    p.add_argument("--arrival", choices=["all", "poisson", "bursty"], default="all",
-                   help="all: every request at t=0 (default); poisson: exponential gaps at --rate; bursty: clumps "
-                        "and lulls at the same mean --rate (gamma gaps, twice the spread)")
+    p.add_argument(
+        "--requests", type=int, default=None, metavar="N", help="number of requests (default 64; 8 with --quick)"
+    )
+    p.add_argument(
+        "--systems",
+        default="workbench,hf_sequential,hf_static,llama_server,vllm",
+        help="comma-separated: workbench, hf_sequential, hf_static, llama_server, vllm, workbench_http "
+        "(default: all but workbench_http, which vllm brings along: our engine behind `serve --http`, "
+        "measured through the same client as vLLM's server); llama_server and vllm run when found, "
+        "else the report says how to get them",
+    )
+    p.add_argument(
+        "--hf-dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="dtype of the transformers peers (auto: bf16 or fp32, whichever matmul measures faster here)",
+    )
+    p.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-server binary (default: $WORKBENCH_LLAMA_SERVER, then PATH)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        metavar="PATH",
+        help="the Python of a venv with vLLM (default: $WORKBENCH_VLLM_PYTHON, then .peers/vllm from `make peers`)",
+    )
+    p.add_argument(
+        "--arrival",
+        choices=["all", "poisson", "bursty"],
+        default="all",
+        help="all: every request at t=0 (default); poisson: exponential gaps at --rate; bursty: clumps "
+        "and lulls at the same mean --rate (gamma gaps, twice the spread)",
+    )
     p.add_argument("--rate", type=float, default=0.5, help="poisson arrivals: requests per second (default 0.5)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
-    p.add_argument("--quick", action="store_true",
-                   help="a small smoke run: 8 requests, prompts 32-128, outputs 16-64, 64-token single stream "
-                        "(with --scenario: the small sizes of scenarios.QUICK)")
-    p.add_argument("--no-single-stream", dest="single_stream", action="store_false",
-                   help="skip the single-stream decode scenario")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small smoke run: 8 requests, prompts 32-128, outputs 16-64, 64-token single stream "
+        "(with --scenario: the small sizes of scenarios.QUICK)",
+    )
+    p.add_argument(
+        "--no-single-stream", dest="single_stream", action="store_false", help="skip the single-stream decode scenario"
+    )
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch intra-op threads for every system (default: torch's choice)")
-    p.add_argument("--scenario", action="append", default=None, choices=["prefix", "quant", "spec", "stall"],
-                   help="instead of the peer comparison, measure one optimisation on and off in this run "
-                        "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode (with "
-                        "transformers' TorchAoConfig int8/int4 as the peer), n-gram/draft speculation (with "
-                        "transformers' prompt lookup as the peer), or a stream's worst stall while oversized "
-                        "prompts arrive (stall); repeatable; recorded in the run log")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads for every system (default: torch's choice)",
+    )
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=None,
+        choices=["prefix", "quant", "spec", "stall"],
+        help="instead of the peer comparison, measure one optimisation on and off in this run "
+        "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode (with "
+        "transformers' TorchAoConfig int8/int4 as the peer), n-gram/draft speculation (with "
+        "transformers' prompt lookup as the peer), or a stream's worst stall while oversized "
+        "prompts arrive (stall); repeatable; recorded in the run log",
+    )
     g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
-    g.add_argument("--endpoint", action="append", default=None, metavar="[LABEL=]URL",
-                   help="benchmark this server (ours via `serve --http`, vLLM, SGLang, TGI, llama.cpp) with the same "
-                        "seeded workload; repeat to compare several side by side (e.g. --arrival poisson --rate 4)")
+    g.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        metavar="[LABEL=]URL",
+        help="benchmark this server (ours via `serve --http`, vLLM, SGLang, TGI, llama.cpp) with the same "
+        "seeded workload; repeat to compare several side by side (e.g. --arrival poisson --rate 4)",
+    )
     g.add_argument("--api-key", default=None, help="bearer token for the endpoints (default: $WORKBENCH_API_KEY)")
     g.add_argument("--served-model", default=None, help="model name at the endpoints (default: their first)")
     g.add_argument("--tokenizer", default=None, help="tokenizer for the workload text (default: the embedded one)")
     g.add_argument("--token-ids", action="store_true", help="send prompts as token ids (servers of the same model)")
     g.add_argument("--max-concurrency", type=int, default=None, metavar="N", help="at most N requests in flight")
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (default: ignore_eos where the server supports it)")
+    g.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS (default: ignore_eos where the server supports it)",
+    )
     add_setting_flags(p)
     p.set_defaults(_run=_run_bench)
 
@@ -269,11 +335,20 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     report = run_bench(
-        args.model, systems=systems, num_requests=args.requests or (8 if args.quick else 64),
-        arrival=args.arrival, rate=args.rate if args.arrival in ("poisson", "bursty") else None, seed=args.seed,
-        quick=args.quick, settings=settings, single_stream=args.single_stream,
-        hf_dtype=args.hf_dtype, llama_server=args.llama_server, vllm_python=args.vllm_python,
-        progress=_progress_factory(), log=log,
+        args.model,
+        systems=systems,
+        num_requests=args.requests or (8 if args.quick else 64),
+        arrival=args.arrival,
+        rate=args.rate if args.arrival in ("poisson", "bursty") else None,
+        seed=args.seed,
+        quick=args.quick,
+        settings=settings,
+        single_stream=args.single_stream,
+        hf_dtype=args.hf_dtype,
+        llama_server=args.llama_server,
+        vllm_python=args.vllm_python,
+        progress=_progress_factory(),
+        log=log,
     )
     text = json.dumps(report, indent=2)
     if args.output:
@@ -331,10 +406,21 @@ def _run_bench_endpoints(args: argparse.Namespace) -> int:
 
     kw = dict(prompt_len=(32, 128), output_len=(16, 64)) if args.quick else {}
     report = run_endpoint_bench(
-        args.endpoint, num_requests=args.requests or (8 if args.quick else 64), arrival=args.arrival,
-        rate=args.rate, seed=args.seed, tokenizer_model=args.tokenizer, token_ids=args.token_ids,
-        ignore_eos=args.ignore_eos, api_key=args.api_key, model=args.served_model,
-        max_concurrency=args.max_concurrency, progress=_progress_factory(), log=log, **kw)
+        args.endpoint,
+        num_requests=args.requests or (8 if args.quick else 64),
+        arrival=args.arrival,
+        rate=args.rate,
+        seed=args.seed,
+        tokenizer_model=args.tokenizer,
+        token_ids=args.token_ids,
+        ignore_eos=args.ignore_eos,
+        api_key=args.api_key,
+        model=args.served_model,
+        max_concurrency=args.max_concurrency,
+        progress=_progress_factory(),
+        log=log,
+        **kw,
+    )
     text = json.dumps(report, indent=2)
     if args.output:
         with open(args.output, "w") as f:
@@ -354,10 +440,11 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     from .jupyter.lab import add_lab_arguments
 
     p = sub.add_parser(
-        "lab", help="start an engine on the embedded default model and JupyterLab on the tutorial notebooks",
+        "lab",
+        help="start an engine on the embedded default model and JupyterLab on the tutorial notebooks",
         description="Start (or attach to) the engine named 'default' and open JupyterLab on notebooks/ with "
-                    "00-quickstart.ipynb; notebooks attach with %load_ext workbench. The engine stops when "
-                    "JupyterLab exits.",
+        "00-quickstart.ipynb; notebooks attach with %load_ext workbench. The engine stops when "
+        "JupyterLab exits.",
     )
     add_lab_arguments(p)
     add_setting_flags(p)
@@ -382,17 +469,22 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 # ----------------------------------------------------------------------------- gpucheck
 def _add_gpucheck(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "gpucheck", help="prove the Triton kernels and the engine on a CUDA GPU (one JSON + markdown summary)",
+        "gpucheck",
+        help="prove the Triton kernels and the engine on a CUDA GPU (one JSON + markdown summary)",
         description="Check every Triton kernel against its torch reference and the device's copy bandwidth, "
-                    "the engine against transformers on the GPU (64 requests and a single stream, Triton kernels "
-                    "and torch's ops) and CUDA graphs on and off; write one JSON and a markdown summary "
-                    "(workbench/gpucheck.py). --dry-run: the same pipeline on this CPU (Triton interpreter, "
-                    "tiny shapes, no speed targets).",
+        "the engine against transformers on the GPU (64 requests and a single stream, Triton kernels "
+        "and torch's ops) and CUDA graphs on and off; write one JSON and a markdown summary "
+        "(workbench/gpucheck.py). --dry-run: the same pipeline on this CPU (Triton interpreter, "
+        "tiny shapes, no speed targets).",
     )
     p.add_argument("--dry-run", action="store_true", help="run the pipeline on the CPU under the Triton interpreter")
-    p.add_argument("--output", default=None, metavar="FILE",
-                   help="the JSON report (default docs/gpu/gpucheck.json, or gpucheck-dryrun.json); the summary "
-                        "goes beside it as .md")
+    p.add_argument(
+        "--output",
+        default=None,
+        metavar="FILE",
+        help="the JSON report (default docs/gpu/gpucheck.json, or gpucheck-dryrun.json); the summary "
+        "goes beside it as .md",
+    )
     p.set_defaults(_run=_run_gpucheck)
 
 
@@ -411,7 +503,8 @@ def _run_gpucheck(args: argparse.Namespace) -> int:
     print(md.read_text())
     log(f"wrote {path} and {md}")
     failed = [k["name"] for k in report["kernels"] if "error" in k] + [
-        name for name, r in report["engine"].items() if isinstance(r, dict) and "error" in r]
+        name for name, r in report["engine"].items() if isinstance(r, dict) and "error" in r
+    ]
     if failed:
         log(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -1,10 +1,10 @@
 """`connect`: the one factory above the engine implementations (`workbench.interface.Engine`).
 
-    workbench.connect()                      # the engine process named "default"
-    workbench.connect("my-engine")           # by name, or a connection file's path
-    workbench.connect("http://gpu-box:8000") # an OpenAI-compatible server (vLLM, SGLang, llama.cpp, ours)
-    workbench.connect("cluster:lab")         # the replicas of a cluster started here (workbench.cluster.start)
-    workbench.connect(llm)                   # an Engine already (an in-process LLM): returned as is
+workbench.connect()                      # the engine process named "default"
+workbench.connect("my-engine")           # by name, or a connection file's path
+workbench.connect("http://gpu-box:8000") # an OpenAI-compatible server (vLLM, SGLang, llama.cpp, ours)
+workbench.connect("cluster:lab")         # the replicas of a cluster started here (workbench.cluster.start)
+workbench.connect(llm)                   # an Engine already (an in-process LLM): returned as is
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ def connect(target: str | os.PathLike | Engine | None = None, *, timeout: float 
         return attach(target.removeprefix("cluster:"), timeout=timeout)
     from .remote import RemoteEngineClient, registered_remote
 
-    remote = ({"url": target} if isinstance(target, str) and target.startswith(("http://", "https://"))
-              else registered_remote(target or "default"))
+    remote = (
+        {"url": target}
+        if isinstance(target, str) and target.startswith(("http://", "https://"))
+        else registered_remote(target or "default")
+    )
     if remote is not None:
         kwargs.pop("client_name", None)  # an HTTP server does not know its clients by name
         return RemoteEngineClient.connect(timeout=timeout, **{**remote, **kwargs})

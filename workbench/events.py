@@ -29,8 +29,14 @@ class EventSubscription:
     A slow consumer loses the oldest events (counted in ``dropped``), never blocks the engine.
     """
 
-    def __init__(self, client: Any, kinds: Iterable[str] | None, callback=None, maxsize: int = 10_000,
-                 loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self,
+        client: Any,
+        kinds: Iterable[str] | None,
+        callback=None,
+        maxsize: int = 10_000,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
         self._client = client
         self.kinds = None if kinds is None else frozenset([kinds] if isinstance(kinds, str) else kinds)
         self._callback = callback

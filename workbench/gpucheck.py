@@ -40,17 +40,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-TARGETS = {"decode_attention_fraction": 0.70, "prefill_vs_sdpa": 1.0, "engine_vs_transformers_w64": 5.0,
-           "cuda_graphs_single_stream": 3.0}
+TARGETS = {
+    "decode_attention_fraction": 0.70,
+    "prefill_vs_sdpa": 1.0,
+    "engine_vs_transformers_w64": 5.0,
+    "cuda_graphs_single_stream": 3.0,
+}
 DEFAULT_OUTPUT = Path("docs") / "gpu" / "gpucheck.json"
 
 # Sizes: a realistic GPU run, and the dry run's (the interpreter runs a kernel in Python).
-GPU = {"decode": dict(batch=64, ctx=4096), "prefill": dict(n=4096), "kv_write": dict(tokens=1024, num_blocks=8192),
-       "moe": dict(tokens=256, hidden=2048, inter=768, experts=64, top_k=8), "iters": 20, "requests": 64,
-       "copy_bytes": 1 << 30, "matmul_n": 8192}
-DRY = {"decode": dict(batch=2, ctx=64), "prefill": dict(n=32), "kv_write": dict(tokens=8, num_blocks=8),
-       "moe": dict(tokens=8, hidden=64, inter=32, experts=4, top_k=2), "iters": 2, "requests": 4,
-       "copy_bytes": 1 << 20, "matmul_n": 128}
+GPU = {
+    "decode": dict(batch=64, ctx=4096),
+    "prefill": dict(n=4096),
+    "kv_write": dict(tokens=1024, num_blocks=8192),
+    "moe": dict(tokens=256, hidden=2048, inter=768, experts=64, top_k=8),
+    "iters": 20,
+    "requests": 64,
+    "copy_bytes": 1 << 30,
+    "matmul_n": 8192,
+}
+DRY = {
+    "decode": dict(batch=2, ctx=64),
+    "prefill": dict(n=32),
+    "kv_write": dict(tokens=8, num_blocks=8),
+    "moe": dict(tokens=8, hidden=64, inter=32, experts=4, top_k=2),
+    "iters": 2,
+    "requests": 4,
+    "copy_bytes": 1 << 20,
+    "matmul_n": 128,
+}
 SHAPES = [("smollm2", 9, 3, 64), ("gqa8:1", 32, 4, 128)]  # (label, q heads, kv heads, head dim)
 
 
@@ -59,8 +77,10 @@ def run_gpucheck(dry_run: bool = False, log=lambda msg: None) -> dict:
     import torch
 
     if not dry_run and not torch.cuda.is_available():
-        raise RuntimeError("workbench gpucheck needs a CUDA GPU (torch.cuda.is_available() is False); "
-                           "--dry-run runs the same pipeline on this CPU")
+        raise RuntimeError(
+            "workbench gpucheck needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "--dry-run runs the same pipeline on this CPU"
+        )
     if dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules are imported
     import triton
@@ -71,8 +91,10 @@ def run_gpucheck(dry_run: bool = False, log=lambda msg: None) -> dict:
     device = torch.device("cpu" if dry_run else "cuda")
     dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     report: dict[str, Any] = {
-        "dry_run": dry_run, "device": _device(torch, triton, dry_run),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv[1:],
+        "dry_run": dry_run,
+        "device": _device(torch, triton, dry_run),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "argv": sys.argv[1:],
     }
     timer = bench.Timer(device)
     log("measuring the device's limits")
@@ -90,9 +112,14 @@ def _device(torch, triton, dry_run: bool) -> dict:
     if dry_run:
         return {"name": f"cpu ({platform.processor() or platform.machine()}), Triton interpreter", **out}
     props = torch.cuda.get_device_properties(0)
-    return {"name": props.name, "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
-            "memory_gb": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
-            "cuda": torch.version.cuda, **out}
+    return {
+        "name": props.name,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "memory_gb": round(props.total_memory / 2**30, 1),
+        "sms": props.multi_processor_count,
+        "cuda": torch.version.cuda,
+        **out,
+    }
 
 
 def _kernels(bench, ops, ref, timer, device, dtype, sizes, limits, log) -> list[dict]:
@@ -114,6 +141,7 @@ def _kernels(bench, ops, ref, timer, device, dtype, sizes, limits, log) -> list[
 
     it = sizes["iters"]
     for label, hq, hkv, d in SHAPES:
+
         def decode(hq=hq, hkv=hkv, d=d):
             r = bench.decode_case(ops, ref, timer, hq, hkv, d, "bf16", device, it, dtype=dtype, **sizes["decode"])
             best = max(r["GBps_auto"], r["GBps_nosplit"])
@@ -121,8 +149,13 @@ def _kernels(bench, ops, ref, timer, device, dtype, sizes, limits, log) -> list[
 
         def prefill(hq=hq, hkv=hkv, d=d):
             r = bench.prefill_case(ops, timer, hq, hkv, d, device, max(2, it // 2), dtype=dtype, **sizes["prefill"])
-            return {"max_abs_err": r["max_abs_err"], "gb_s": r["GBps"], "fraction": r["ratio_sdpa_over_triton"],
-                    "fraction_of": "SDPA's time / ours", "detail": r}
+            return {
+                "max_abs_err": r["max_abs_err"],
+                "gb_s": r["GBps"],
+                "fraction": r["ratio_sdpa_over_triton"],
+                "fraction_of": "SDPA's time / ours",
+                "detail": r,
+            }
 
         attempt(f"decode_attention {label} {hq}q/{hkv}kv d{d}", decode)
         attempt(f"extend_attention {label} {hq}q/{hkv}kv d{d}", prefill)
@@ -162,12 +195,34 @@ def _model_folder(dry_run: bool, root: Path) -> tuple[str | None, str]:
     import transformers
 
     torch.manual_seed(0)
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256) if dry_run else dict(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, vocab_size=49152)
-    cfg = transformers.LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    shape = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+        )
+        if dry_run
+        else dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+        )
+    )
+    cfg = transformers.LlamaConfig(
+        **shape,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -189,14 +244,22 @@ def _engine(device, dry_run: bool, sizes: dict, log) -> tuple[dict, dict]:
         out["model"] = what
         out["exactness"] = _exactness(device, dry_run, Path(tmp), log)
         dev = "cpu" if dry_run else "cuda"
-        common = dict(num_requests=sizes["requests"], quick=dry_run, record=False, log=log,
-                      **(dict(output_len=(8, 16), single_stream_tokens=16) if dry_run else {}))
+        common = dict(
+            num_requests=sizes["requests"],
+            quick=dry_run,
+            record=False,
+            log=log,
+            **(dict(output_len=(8, 16), single_stream_tokens=16) if dry_run else {}),
+        )
         runs = {
-            "triton": dict(systems=["workbench", "hf_sequential", "hf_static"],
-                           settings={"device": dev, "attention_backend": "triton"}),
+            "triton": dict(
+                systems=["workbench", "hf_sequential", "hf_static"],
+                settings={"device": dev, "attention_backend": "triton"},
+            ),
             "torch_ops": dict(systems=["workbench"], settings={"device": dev, "attention_backend": "torch"}),
-            "triton_cuda_graphs": dict(systems=["workbench"],
-                                       settings={"device": dev, "attention_backend": "triton", "cuda_graphs": True}),
+            "triton_cuda_graphs": dict(
+                systems=["workbench"], settings={"device": dev, "attention_backend": "triton", "cuda_graphs": True}
+            ),
         }
         for name, kw in runs.items():
             log(f"engine: {name}")
@@ -205,20 +268,33 @@ def _engine(device, dry_run: bool, sizes: dict, log) -> tuple[dict, dict]:
             except Exception as e:
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
                 continue
-            out[name] = {"results": rep["results"], "ratios": rep.get("ratios", {}),
-                         "token_agreement": rep.get("token_agreement", {}),
-                         "engine_status": {k: v for k, v in (rep.get("engine_status") or {}).items()
-                                           if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype"))}}
-    ss = {name: (out.get(name, {}).get("results", {}).get("workbench_single_stream") or {}).get("decode_tok_s")
-          for name in ("triton", "triton_cuda_graphs")}
+            out[name] = {
+                "results": rep["results"],
+                "ratios": rep.get("ratios", {}),
+                "token_agreement": rep.get("token_agreement", {}),
+                "engine_status": {
+                    k: v
+                    for k, v in (rep.get("engine_status") or {}).items()
+                    if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype"))
+                },
+            }
+    ss = {
+        name: (out.get(name, {}).get("results", {}).get("workbench_single_stream") or {}).get("decode_tok_s")
+        for name in ("triton", "triton_cuda_graphs")
+    }
     status = out.get("triton_cuda_graphs", {}).get("engine_status", {})
     replayed = (status.get("cuda_graph_steps") or {}).get("replayed", 0)
-    graphs.update(single_stream_tok_s_off=ss["triton"], single_stream_tok_s_on=ss["triton_cuda_graphs"],
-                  # a speed-up only where graphs replayed (a CPU runs both eagerly: no speed-up to claim)
-                  speedup=(ss["triton_cuda_graphs"] / ss["triton"]
-                           if replayed and ss["triton"] and ss["triton_cuda_graphs"] else None),
-                  buckets=status.get("cuda_graph_buckets"), steps=status.get("cuda_graph_steps"),
-                  last_eager_reason=status.get("cuda_graph_reason"))
+    graphs.update(
+        single_stream_tok_s_off=ss["triton"],
+        single_stream_tok_s_on=ss["triton_cuda_graphs"],
+        # a speed-up only where graphs replayed (a CPU runs both eagerly: no speed-up to claim)
+        speedup=(
+            ss["triton_cuda_graphs"] / ss["triton"] if replayed and ss["triton"] and ss["triton_cuda_graphs"] else None
+        ),
+        buckets=status.get("cuda_graph_buckets"),
+        steps=status.get("cuda_graph_steps"),
+        last_eager_reason=status.get("cuda_graph_reason"),
+    )
     return out, graphs
 
 
@@ -233,9 +309,19 @@ def _exactness(device, dry_run: bool, root: Path, log) -> dict:
 
     log("engine: exactness against transformers (fp32 greedy)")
     torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -253,16 +339,23 @@ def _exactness(device, dry_run: bool, root: Path, log) -> dict:
             for _ in range(new):
                 nxt = hf(ids).logits[0, -1].argmax()
                 ids = torch.cat([ids, nxt.view(1, 1)], 1)
-            expected.append(ids[0, len(p):].tolist())
+            expected.append(ids[0, len(p) :].tolist())
     out = {}
     for name, extra in (("triton", {}), ("triton_cuda_graphs", {"cuda_graphs": True})):
-        llm = LLM(str(folder), dtype="float32", device=str(device), attention_backend="triton", num_kv_blocks=64,
-                  **extra)
-        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=new,
-                                                                                                  temperature=0))]
+        llm = LLM(
+            str(folder), dtype="float32", device=str(device), attention_backend="triton", num_kv_blocks=64, **extra
+        )
+        got = [
+            o.token_ids
+            for o in llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=new, temperature=0))
+        ]
         st = llm.status()
-        out[name] = {"identical_requests": sum(a == b for a, b in zip(got, expected)), "requests": len(prompts),
-                     "cuda_graph_steps": st["cuda_graph_steps"], "cuda_graph_reason": st["cuda_graph_reason"]}
+        out[name] = {
+            "identical_requests": sum(a == b for a, b in zip(got, expected)),
+            "requests": len(prompts),
+            "cuda_graph_steps": st["cuda_graph_steps"],
+            "cuda_graph_reason": st["cuda_graph_reason"],
+        }
     return out
 
 
@@ -277,8 +370,7 @@ def _targets(rep: dict) -> list[dict]:
     prefills = [k["fraction"] for k in rep["kernels"] if k["name"].startswith("extend_attention") and "fraction" in k]
     add("decode_attention_fraction", min(decodes) if decodes else None)
     add("prefill_vs_sdpa", min(prefills) if prefills else None)
-    add("engine_vs_transformers_w64",
-        rep["engine"].get("triton", {}).get("ratios", {}).get("workbench_vs_hf_static"))
+    add("engine_vs_transformers_w64", rep["engine"].get("triton", {}).get("ratios", {}).get("workbench_vs_hf_static"))
     add("cuda_graphs_single_stream", rep["cuda_graphs"].get("speedup"))
     return out
 
@@ -287,11 +379,16 @@ def summary_markdown(rep: dict) -> str:
     """The short summary written beside the JSON."""
     dev = rep["device"]
     lim = rep["limits"]
-    lines = [f"# workbench gpucheck{' (dry run)' if rep['dry_run'] else ''}: {dev['name']}", "",
-             f"torch {dev['torch']}, Triton {dev['triton']}; started {rep['started_at']}, took "
-             f"{rep['duration_s']:.0f} s. Limits: copy {lim['copy_GBps']:.0f} GB/s (read + write), bf16 matmul "
-             f"{lim['matmul_TFLOPs']:.1f} TFLOP/s ({lim['matmul_n']}^3).", "",
-             "| kernel | max abs err | GB/s | fraction |", "|---|---|---|---|"]
+    lines = [
+        f"# workbench gpucheck{' (dry run)' if rep['dry_run'] else ''}: {dev['name']}",
+        "",
+        f"torch {dev['torch']}, Triton {dev['triton']}; started {rep['started_at']}, took "
+        f"{rep['duration_s']:.0f} s. Limits: copy {lim['copy_GBps']:.0f} GB/s (read + write), bf16 matmul "
+        f"{lim['matmul_TFLOPs']:.1f} TFLOP/s ({lim['matmul_n']}^3).",
+        "",
+        "| kernel | max abs err | GB/s | fraction |",
+        "|---|---|---|---|",
+    ]
     for k in rep["kernels"]:
         if "error" in k:
             lines.append(f"| {k['name']} | FAILED: {k['error'][:120]} | | |")
@@ -308,21 +405,29 @@ def summary_markdown(rep: dict) -> str:
         res = r.get("results", {})
         for sysname, s in res.items():
             extra = f", decode {s['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in s else ""
-            lines.append(f"- {name} / {sysname}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
-                         f"ITL p50 {s['itl_p50_ms']:.1f} ms{extra}")
+            lines.append(
+                f"- {name} / {sysname}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
+                f"ITL p50 {s['itl_p50_ms']:.1f} ms{extra}"
+            )
     for name, x in eng.get("exactness", {}).items():
-        lines.append(f"- exactness ({name}): {x['identical_requests']}/{x['requests']} fp32 greedy requests equal "
-                     f"transformers'; CUDA graph steps {x['cuda_graph_steps']}")
+        lines.append(
+            f"- exactness ({name}): {x['identical_requests']}/{x['requests']} fp32 greedy requests equal "
+            f"transformers'; CUDA graph steps {x['cuda_graph_steps']}"
+        )
     g = rep["cuda_graphs"]
     if g.get("speedup"):
-        lines.append(f"- CUDA graphs, single stream: {g['single_stream_tok_s_on']:.1f} vs "
-                     f"{g['single_stream_tok_s_off']:.1f} tok/s ({g['speedup']:.2f}x); steps {g['steps']}")
+        lines.append(
+            f"- CUDA graphs, single stream: {g['single_stream_tok_s_on']:.1f} vs "
+            f"{g['single_stream_tok_s_off']:.1f} tok/s ({g['speedup']:.2f}x); steps {g['steps']}"
+        )
     else:
         lines.append(f"- CUDA graphs: not measured ({g.get('last_eager_reason')})")
     if rep["targets"]:
         lines += ["", "| target | value | needed | met |", "|---|---|---|---|"]
-        lines += [f"| {t['name']} | {t['value']:.2f} | >= {t['target']:g} | {'yes' if t['met'] else 'NO'} |"
-                  for t in rep["targets"]]
+        lines += [
+            f"| {t['name']} | {t['value']:.2f} | >= {t['target']:g} | {'yes' if t['met'] else 'NO'} |"
+            for t in rep["targets"]
+        ]
     else:
         lines += ["", "Dry run: no speed targets."]
     return "\n".join(lines) + "\n"
@@ -331,8 +436,11 @@ def summary_markdown(rep: dict) -> str:
 def write_report(rep: dict, output: str | os.PathLike | None) -> tuple[Path, Path]:
     """The JSON at `output` (default docs/gpu/gpucheck.json; the dry run's gpucheck-dryrun.json) and
     its markdown summary beside it (same name, .md)."""
-    path = Path(output) if output else DEFAULT_OUTPUT.with_name("gpucheck-dryrun.json" if rep["dry_run"]
-                                                                else DEFAULT_OUTPUT.name)
+    path = (
+        Path(output)
+        if output
+        else DEFAULT_OUTPUT.with_name("gpucheck-dryrun.json" if rep["dry_run"] else DEFAULT_OUTPUT.name)
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rep, indent=2, default=str) + "\n")
     md = path.with_suffix(".md")

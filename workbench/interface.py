@@ -57,8 +57,9 @@ class Engine(abc.ABC):
 
     # -- primitives ------------------------------------------------------------------------------
     @abc.abstractmethod
-    def submit(self, batch, sink: Sink, *, chat: bool = False, stream: bool = False,
-               into: list[str] | None = None) -> list[str]:
+    def submit(
+        self, batch, sink: Sink, *, chat: bool = False, stream: bool = False, into: list[str] | None = None
+    ) -> list[str]:
         """Start `batch` (from `normalize_batch`); chunks go to `sink`; returns the ids in order."""
 
     @abc.abstractmethod
@@ -94,19 +95,20 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def timeline(self, since: int | None = None): ...
 
-    def events(self, kinds: Iterable[str] | str | None = None, *, maxsize: int = 10_000,
-               timeout: float = 10.0) -> EventSubscription:
+    def events(
+        self, kinds: Iterable[str] | str | None = None, *, maxsize: int = 10_000, timeout: float = 10.0
+    ) -> EventSubscription:
         """Subscribe to engine events (`ipc.protocol.EVENT_KINDS`); returns once the subscription
         is live, so no event published after this call returns is missed."""
         return self._subscribe(EventSubscription(self, kinds, maxsize=maxsize), timeout)
 
-    def on_event(self, callback: Callable, kinds: Iterable[str] | str | None = None, *,
-                 timeout: float = 10.0) -> EventSubscription:
+    def on_event(
+        self, callback: Callable, kinds: Iterable[str] | str | None = None, *, timeout: float = 10.0
+    ) -> EventSubscription:
         """Call `callback(event)` for each event (on the engine's event thread); `.close()` stops."""
         return self._subscribe(EventSubscription(self, kinds, callback=callback), timeout)
 
-    async def aevents(self, kinds: Iterable[str] | str | None = None, *, timeout: float = 10.0
-                      ) -> EventSubscription:
+    async def aevents(self, kinds: Iterable[str] | str | None = None, *, timeout: float = 10.0) -> EventSubscription:
         """`async for ev in await eng.aevents(): ...`"""
         loop = asyncio.get_running_loop()
         sub = EventSubscription(self, kinds, loop=loop)
@@ -164,8 +166,9 @@ class Engine(abc.ABC):
         if left:
             self.abandon(left)
 
-    def generate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                 timeout: float | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False, timeout: float | None = None
+    ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order."""
         batch = normalize_batch(prompts, params, prompt_token_ids)
         q: queue.SimpleQueue = queue.SimpleQueue()
@@ -179,8 +182,9 @@ class Engine(abc.ABC):
             self.release(rids, set(done))
         return [done[r] for r in rids]
 
-    def stream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-               timeout: float | None = None) -> Iterator[StreamChunk]:
+    def stream(
+        self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False, timeout: float | None = None
+    ) -> Iterator[StreamChunk]:
         """Chunks of one request as they are produced. Leaving the loop early (break, exception,
         Ctrl-C) aborts the request."""
         [item] = _one(prompt, params, prompt_token_ids)
@@ -212,8 +216,9 @@ class Engine(abc.ABC):
             except queue.Empty:
                 continue
 
-    async def agenerate(self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                        timeout: float | None = None) -> list[RequestOutput]:
+    async def agenerate(
+        self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False, timeout: float | None = None
+    ) -> list[RequestOutput]:
         batch = normalize_batch(prompts, params, prompt_token_ids)
         aq, sink = _async_sink()
         rids = self.submit(batch, sink, chat=chat)
@@ -226,8 +231,9 @@ class Engine(abc.ABC):
             self.release(rids, set(done))
         return [done[r] for r in rids]
 
-    async def astream(self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False,
-                      timeout: float | None = None) -> AsyncIterator[StreamChunk]:
+    async def astream(
+        self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False, timeout: float | None = None
+    ) -> AsyncIterator[StreamChunk]:
         [item] = _one(prompt, params, prompt_token_ids)
         aq, sink = _async_sink()
         [rid] = self.submit([item], sink, chat=chat, stream=True)

@@ -41,8 +41,15 @@ class LLM(Engine):
         return "in-process"
 
     # -- primitives -------------------------------------------------------------------------------
-    def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
-               into: list[str] | None = None) -> list[str]:
+    def submit(
+        self,
+        batch,
+        sink: Callable[[Any], None],
+        *,
+        chat: bool = False,
+        stream: bool = False,
+        into: list[str] | None = None,
+    ) -> list[str]:
         # Validate everything first so one bad prompt submits nothing.
         encoded = [self.engine.encode_prompt(p, ids, chat) for p, ids, _ in batch]
         submitted: list[str] = []

@@ -17,8 +17,16 @@ import msgspec
 __all__ = ["EngineMetrics", "EngineStatus", "ProcessStatus", "TOTALS", "as_dict", "metric_fields", "percentile"]
 
 # Running totals since the engine started; metrics() carries each as total_<name>.
-TOTALS = ("prompt_tokens", "prefix_hit_tokens", "output_tokens", "spec_proposed", "spec_accepted", "spec_verifies",
-          "finished", "preemptions")
+TOTALS = (
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "output_tokens",
+    "spec_proposed",
+    "spec_accepted",
+    "spec_verifies",
+    "finished",
+    "preemptions",
+)
 
 
 class EngineMetrics(msgspec.Struct, kw_only=True):

@@ -48,9 +48,7 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         _check_number("repetition_penalty", self.repetition_penalty, float)
         if self.repetition_penalty <= 0:
-            raise ValueError(
-                f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}"
-            )
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _check_number("seed", self.seed, int)
             if not SEED_MIN <= self.seed <= SEED_MAX:
@@ -61,12 +59,15 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
             if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
                 raise TypeError(f"SamplingParams.stop must be a non-empty str or list of them, got {self.stop!r}")
             if len(self.stop) > MAX_STOP_STRINGS:
-                raise ValueError(f"SamplingParams.stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
-                                 "are allowed")
+                raise ValueError(
+                    f"SamplingParams.stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+                )
             total = sum(len(x) for x in self.stop)
             if total > MAX_STOP_CHARS:
-                raise ValueError(f"SamplingParams.stop strings have {total} characters together; at most "
-                                 f"{MAX_STOP_CHARS} are allowed")
+                raise ValueError(
+                    f"SamplingParams.stop strings have {total} characters together; at most "
+                    f"{MAX_STOP_CHARS} are allowed"
+                )
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids
@@ -78,8 +79,10 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
             if bad:
                 raise ValueError(f"SamplingParams.stop_token_ids must be in [0, 2**63), got {bad[:5]}")
             if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-                raise ValueError(f"SamplingParams.stop_token_ids has {len(self.stop_token_ids)} ids; at most "
-                                 f"{MAX_STOP_TOKEN_IDS} are allowed")
+                raise ValueError(
+                    f"SamplingParams.stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                    f"{MAX_STOP_TOKEN_IDS} are allowed"
+                )
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:

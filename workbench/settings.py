@@ -25,93 +25,118 @@ LIVE, RELAYOUT, RELOAD, RESTART = "live", "relayout", "reload", "restart"
 
 class EngineSettings(HasTraits):
     batching = Enum(["continuous", "static", "off"], default_value="continuous").tag(
-        label="Batching", headline=True, kind=LIVE,
+        label="Batching",
+        headline=True,
+        kind=LIVE,
         doc="continuous: admit every step; static: run a batch to completion; off: one at a time",
     )
     max_num_seqs = Int(64, min=1, max=4096).tag(
-        label="Max sequences per batch", kind=LIVE,
+        label="Max sequences per batch",
+        kind=LIVE,
         doc="most sequences in one batch",
     )
     max_num_batched_tokens = Int(512, min=16, max=1 << 20).tag(
-        label="Token budget per step", kind=LIVE,
+        label="Token budget per step",
+        kind=LIVE,
         doc="token budget per step (chunked-prefill size)",
     )
     kv_cache = Bool(True).tag(
-        label="KV cache", headline=True, kind=LIVE,
+        label="KV cache",
+        headline=True,
+        kind=LIVE,
         doc="False recomputes the whole context every step",
     )
     prefix_caching = Bool(True).tag(
-        label="Prefix caching", headline=True, kind=LIVE,
+        label="Prefix caching",
+        headline=True,
+        kind=LIVE,
         doc="reuse KV blocks of identical prompt prefixes",
     )
     kv_cache_dtype = Enum(["auto", "int8", "fp8"], default_value="auto").tag(
         shapes_kv=True,
-        label="KV cache dtype", kind=RELAYOUT,
+        label="KV cache dtype",
+        kind=RELAYOUT,
         doc="KV cache storage type",
     )
     quantization = Enum(["none", "int8", "int4", "fp8"], default_value="none").tag(
         shapes_kv=True,
-        label="Quantisation", headline=True, kind=RELAYOUT,
+        label="Quantisation",
+        headline=True,
+        kind=RELAYOUT,
         doc="weight-only quantisation of the linear layers",
     )
     quant_group_size = Enum(["auto", 32, 64, 128], default_value="auto").tag(
         shapes_kv=True,
-        label="int4 group size", kind=RELAYOUT,
+        label="int4 group size",
+        kind=RELAYOUT,
         doc="int4 group size (auto: the source checkpoint's quantisation block, else 128)",
     )
     speculative = Enum(["off", "ngram", "draft"], default_value="off").tag(
-        label="Speculative decoding", headline=True, kind=LIVE,
+        label="Speculative decoding",
+        headline=True,
+        kind=LIVE,
         doc="speculative decoding proposer",
     )
     num_speculative_tokens = Int(4, min=1, max=16).tag(
-        label="Draft tokens per step", kind=LIVE,
+        label="Draft tokens per step",
+        kind=LIVE,
         doc="tokens proposed per step",
     )
     ngram_size = Int(3, min=1, max=8).tag(
-        label="n-gram length", kind=LIVE,
+        label="n-gram length",
+        kind=LIVE,
         doc="n-gram length matched by the ngram proposer",
     )
     draft_model = Unicode(None, allow_none=True).tag(
-        label="Draft model", kind=RELOAD,
+        label="Draft model",
+        kind=RELOAD,
         doc="draft model for speculative=draft (None: the target's own int4 copy)",
     )
     attention_backend = Enum(["auto", "torch", "triton"], default_value="auto").tag(
         shapes_kv=True,
-        label="Attention backend", kind=LIVE,
+        label="Attention backend",
+        kind=LIVE,
         doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference",
     )
     moe_top_k = Int(None, allow_none=True, min=1, max=1024).tag(
         shapes_kv=True,
-        label="Experts per token", kind=LIVE,
+        label="Experts per token",
+        kind=LIVE,
         doc="experts per token on mixture-of-experts models (None: the checkpoint's); changes outputs",
     )
     cpu_kernels = Bool(True).tag(
         shapes_kv=True,
-        label="CPU kernels", kind=LIVE,
+        label="CPU kernels",
+        kind=LIVE,
         doc="bf16 on a CPU: our C kernels (built for this CPU's instruction set) for decode GEMVs, "
         "attention and fused layer ops, large steps in the faster GEMM dtype (False: torch's ops only)",
     )
     cuda_graphs = Bool(False).tag(
-        label="CUDA graphs", kind=LIVE,
+        label="CUDA graphs",
+        kind=LIVE,
         doc="on a CUDA device, replay decode steps as CUDA graphs captured per batch-size bucket (steps that "
         "do not fit run eagerly; status() says why); no effect elsewhere",
     )
     dtype = Enum(["auto", "bfloat16", "float16", "float32"], default_value="auto").tag(
-        label="Compute dtype", kind=RESTART,
+        label="Compute dtype",
+        kind=RESTART,
         doc="compute dtype (auto: bfloat16)",
     )
     device = Unicode("auto").tag(label="Device", kind=RESTART, doc="auto, cpu, cuda, cuda:N")
     block_size = Int(16, min=1, max=256).tag(label="KV block size", kind=RESTART, doc="tokens per KV block")
     num_kv_blocks = Int(None, allow_none=True, min=1).tag(
-        label="KV blocks", kind=RESTART,
+        label="KV blocks",
+        kind=RESTART,
         doc="KV cache capacity in blocks (None: from kv_cache_memory_mb)",
     )
     kv_cache_memory_mb = Int(512, min=1).tag(
-        label="KV cache memory (MB)", kind=RESTART,
+        label="KV cache memory (MB)",
+        kind=RESTART,
         doc="KV cache budget when num_kv_blocks is None",
     )
     max_model_len = Int(None, allow_none=True, min=1).tag(
-        label="Max context length", kind=RESTART,
+        label="Max context length",
+        kind=RESTART,
         doc="longest prompt+output (None: the model's context length)",
     )
 
@@ -246,8 +271,9 @@ def add_setting_flags(parser, title: str = "engine settings (same names as confi
         name = entry["name"]
         flags = [f"--{name.replace('_', '-')}"] + ([f"--{name}"] if "_" in name else [])
         text = f"{entry['help']} [{entry['kind']}; {allowed_values(name)}; default {entry['default']!r}]"
-        group.add_argument(*flags, dest=f"setting_{name}", default=argparse.SUPPRESS, metavar="VALUE",
-                           help=text.replace("%", "%%"))
+        group.add_argument(
+            *flags, dest=f"setting_{name}", default=argparse.SUPPRESS, metavar="VALUE", help=text.replace("%", "%%")
+        )
 
 
 def settings_from_flags(args, base: dict[str, Any] | None = None) -> dict[str, Any]:

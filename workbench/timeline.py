@@ -67,7 +67,7 @@ def prompt_label(text: str | None, width: int = 32) -> str | None:
     if not text:
         return None
     line = " ".join(text.split())
-    return line if len(line) <= width else line[:width - 1].rstrip() + "…"
+    return line if len(line) <= width else line[: width - 1].rstrip() + "…"
 
 
 class ChangeEvent(msgspec.Struct, omit_defaults=True):
@@ -87,7 +87,7 @@ class ChangeEvent(msgspec.Struct, omit_defaults=True):
 
 
 def change_label(changes: dict[str, list]) -> str:
-    """"quantization: 'none' → 'int8', max_num_seqs: 8 → 16" (strings quoted, as in Python)."""
+    """ "quantization: 'none' → 'int8', max_num_seqs: 8 → 16" (strings quoted, as in Python)."""
     return ", ".join(f"{k}: {_show(old)} → {_show(new)}" for k, (old, new) in changes.items())
 
 
@@ -110,9 +110,13 @@ def step_breakdown(steps: Iterable[StepEvent]) -> dict:
     busy = sum(st.end - st.start for st in steps) * 1e3
     span = (steps[-1].end - steps[0].start) * 1e3
     measured = sum(totals.values())
-    out = {"steps": len(steps), "step_ms": busy, "parts_ms": totals,
-           "parts_share": {k: v / measured if measured else 0.0 for k, v in totals.items()},
-           "between_steps_share": 1 - busy / span if span > 0 else 0.0}
+    out = {
+        "steps": len(steps),
+        "step_ms": busy,
+        "parts_ms": totals,
+        "parts_share": {k: v / measured if measured else 0.0 for k, v in totals.items()},
+        "between_steps_share": 1 - busy / span if span > 0 else 0.0,
+    }
     out["limit"] = max(totals, key=totals.get) if measured else None
     return out
 
@@ -153,14 +157,16 @@ class TimelineRecorder:
         self.steps.append(ev)
         return ev
 
-    def add_request(self, time: float, request_id: str, kind: str, detail: str | None = None,
-                    label: str | None = None) -> RequestEvent:
+    def add_request(
+        self, time: float, request_id: str, kind: str, detail: str | None = None, label: str | None = None
+    ) -> RequestEvent:
         ev = RequestEvent(seq=self.next_seq(), time=time, request_id=request_id, kind=kind, detail=detail, label=label)
         self.requests.append(ev)
         return ev
 
-    def add_change(self, start: float, end: float, changes: dict[str, list], by: str = "",
-                   relayout: bool = False) -> ChangeEvent:
+    def add_change(
+        self, start: float, end: float, changes: dict[str, list], by: str = "", relayout: bool = False
+    ) -> ChangeEvent:
         ev = ChangeEvent(seq=self.next_seq(), start=start, end=end, changes=changes, by=by, relayout=relayout)
         self.changes.append(ev)
         return ev
@@ -233,17 +239,44 @@ class Timeline(msgspec.Struct):
             for name, a, b in (("queued", arrived, scheduled), ("prefill", scheduled, first), ("decode", first, end)):
                 if a is not None and b is not None:
                     events.append(
-                        {"name": name, "cat": "request", "ph": "X", "pid": 2, "tid": tid,
-                         "ts": a * 1e6, "dur": max(b - a, 0.0) * 1e6}
+                        {
+                            "name": name,
+                            "cat": "request",
+                            "ph": "X",
+                            "pid": 2,
+                            "tid": tid,
+                            "ts": a * 1e6,
+                            "dur": max(b - a, 0.0) * 1e6,
+                        }
                     )
         for c in self.changes:
             # A global instant event: Perfetto and chrome://tracing draw it as a line across every track.
             args = {"by": c.by, "changes": c.changes, "apply_ms": (c.end - c.start) * 1e3}
-            events.append({"name": c.label(), "cat": "settings", "ph": "i", "s": "g", "pid": 1, "tid": 0,
-                           "ts": c.start * 1e6, "args": args})
+            events.append(
+                {
+                    "name": c.label(),
+                    "cat": "settings",
+                    "ph": "i",
+                    "s": "g",
+                    "pid": 1,
+                    "tid": 0,
+                    "ts": c.start * 1e6,
+                    "args": args,
+                }
+            )
             if c.relayout:
-                events.append({"name": "relayout", "cat": "settings", "ph": "X", "pid": 1, "tid": 0,
-                               "ts": c.start * 1e6, "dur": max(c.end - c.start, 0.0) * 1e6, "args": args})
+                events.append(
+                    {
+                        "name": "relayout",
+                        "cat": "settings",
+                        "ph": "X",
+                        "pid": 1,
+                        "tid": 0,
+                        "ts": c.start * 1e6,
+                        "dur": max(c.end - c.start, 0.0) * 1e6,
+                        "args": args,
+                    }
+                )
         events.insert(0, {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "requests"}})
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if path is not None:

@@ -96,8 +96,9 @@ def lower_thread_priority(niceness: int = 10) -> None:
 
 
 def _too_long(why: str, max_tokens: int) -> ValueError:
-    return ValueError(f"{why}; the model's context is {max_tokens} tokens (prompt plus at least one output "
-                      "token must fit)")
+    return ValueError(
+        f"{why}; the model's context is {max_tokens} tokens (prompt plus at least one output token must fit)"
+    )
 
 
 def _word_boundary(text: str, before: int) -> int:
@@ -247,11 +248,15 @@ class Tokenizer:
         """Refuse, before tokenizing, a text that cannot encode to fewer than `max_tokens` tokens."""
         least = self.min_tokens(text)
         if least >= max_tokens:
-            raise _too_long(f"{what} has {len(text):,} characters, so at least {least:,} tokens (no token of this "
-                            f"model spans more than {self.max_token_chars} characters)", max_tokens)
+            raise _too_long(
+                f"{what} has {len(text):,} characters, so at least {least:,} tokens (no token of this "
+                f"model spans more than {self.max_token_chars} characters)",
+                max_tokens,
+            )
 
-    def encode_within(self, text: str, max_tokens: int, add_special_tokens: bool = False,
-                      what: str = "prompt") -> list[int]:
+    def encode_within(
+        self, text: str, max_tokens: int, add_special_tokens: bool = False, what: str = "prompt"
+    ) -> list[int]:
         """`encode(text)`, refusing (ValueError) a text that cannot encode to fewer than
         `max_tokens` tokens: from its length alone, then from the tokens of a prefix, so a text
         just under the length bound costs a small part of its full encoding."""
@@ -265,8 +270,10 @@ class Tokenizer:
             if cut:
                 counted = len(self.encode(text[:cut], add_special_tokens))
                 if counted >= max_tokens:
-                    raise _too_long(f"{what} has {len(text):,} characters and its first {cut:,} alone are "
-                                    f"{counted:,} tokens", max_tokens)
+                    raise _too_long(
+                        f"{what} has {len(text):,} characters and its first {cut:,} alone are {counted:,} tokens",
+                        max_tokens,
+                    )
         return self.encode(text, add_special_tokens)
 
     def _piece_boundary(self, text: str, before: int, window: int = 1024) -> int:
@@ -301,9 +308,7 @@ class Tokenizer:
             cfg["eos_token"] = self.eos_token
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
-        (path / "tokenizer_config.json").write_text(
-            json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8"
-        )
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
 
     # ------------------------------------------------------------------ chat
     def _compiled_template(self):
@@ -322,9 +327,7 @@ class Tokenizer:
             def strftime_now(fmt):
                 return datetime.now().strftime(fmt)
 
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-            )
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
             env.filters["tojson"] = tojson
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = strftime_now
@@ -372,9 +375,7 @@ class IncrementalDetokenizer:
 
     _CONTEXT = 5  # prompt ids kept as left context
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
-    ):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         ctx = list(prompt_ids[-self._CONTEXT :]) if prompt_ids else []

@@ -31,8 +31,9 @@ for spec in specs:
     so, gomp = tmp / f"{name}.so", cpu._torch_libgomp()
     flags = cpu.COMMON_FLAGS + cpu.VARIANT_FLAGS[variant] + [f"-I{cpu.HERE}"]
     subprocess.run(["gcc", *flags, "-c", src, "-o", f"{so}.o"], check=True)
-    subprocess.run(["gcc", "-shared", f"{so}.o", "-o", str(so), str(gomp), f"-Wl,-rpath,{gomp.parent}", "-lm"],
-                   check=True)
+    subprocess.run(
+        ["gcc", "-shared", f"{so}.o", "-o", str(so), str(gomp), f"-Wl,-rpath,{gomp.parent}", "-lm"], check=True
+    )
     libs[name] = ctypes.CDLL(str(so))
 g = torch.Generator().manual_seed(0)
 
@@ -46,8 +47,13 @@ if what == "gemv":
     for name, lib in libs.items():
         f = lib.wb_gemv_bf16
         f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
-        fns[name] = lambda f=f: [f(xs[k].data_ptr(), w.data_ptr(), None, None, y.data_ptr(), M, n, k, 0)
-                                 for w, (n, k), y in zip(ws, shapes, ys)] and ys[-1].clone()
+        fns[name] = lambda f=f: (
+            [
+                f(xs[k].data_ptr(), w.data_ptr(), None, None, y.data_ptr(), M, n, k, 0)
+                for w, (n, k), y in zip(ws, shapes, ys)
+            ]
+            and ys[-1].clone()
+        )
     unit, scale = "GB/s", sum(n * k * 2 for n, k in shapes) / 1e9
 elif what == "attention":
     B, L, layers = (int(os.environ.get(k, d)) for k, d in (("B", 64), ("L", 300), ("LAYERS", 30)))
@@ -65,9 +71,23 @@ elif what == "attention":
         def run(f=f):
             for i in range(layers):
                 out = torch.empty_like(q)
-                f(q.data_ptr(), kc[i].data_ptr(), vc[i].data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                  B, Hq, Hkv, D, bs, tables.shape[1], 0.125)
+                f(
+                    q.data_ptr(),
+                    kc[i].data_ptr(),
+                    vc[i].data_ptr(),
+                    tables.data_ptr(),
+                    lens.data_ptr(),
+                    out.data_ptr(),
+                    B,
+                    Hq,
+                    Hkv,
+                    D,
+                    bs,
+                    tables.shape[1],
+                    0.125,
+                )
             return out
+
         fns[name] = run
     unit, scale = "ms per layer", None
 else:

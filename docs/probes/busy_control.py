@@ -12,15 +12,20 @@ import time
 from workbench import SamplingParams
 from workbench.ipc.launch import start_engine
 
-HOG = "import time, sys\nsys.stdin.readline()\nt = time.monotonic()\nwhile time.monotonic() - t < 1.3: pass\n" \
-      "print(t, time.monotonic(), flush=True)"
+HOG = (
+    "import time, sys\nsys.stdin.readline()\nt = time.monotonic()\nwhile time.monotonic() - t < 1.3: pass\n"
+    "print(t, time.monotonic(), flush=True)"
+)
 eng = start_engine(None, name="busycontrol")
 for _ in range(2):
     hog = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     times: list[float] = []
     params = SamplingParams(max_tokens=700, temperature=0, ignore_eos=True)
-    thread = threading.Thread(target=lambda times=times, params=params: times.extend(
-        time.monotonic() for _ in eng.stream(prompt_token_ids=[1, 2, 3, 4], params=params)))
+    thread = threading.Thread(
+        target=lambda times=times, params=params: times.extend(
+            time.monotonic() for _ in eng.stream(prompt_token_ids=[1, 2, 3, 4], params=params)
+        )
+    )
     thread.start()
     time.sleep(1.0)
     hog.stdin.write("go\n")

@@ -23,8 +23,16 @@ GRID = {"max_num_seqs": [4, 8, 16, 32]}
 
 def timed_sweep(engine, requests: int) -> tuple[float, list[dict]]:
     t0 = time.perf_counter()
-    res = workbench.sweep(engine, grid=GRID, workload={"num_requests": requests}, warmup=1, resume=False,
-                          progress=False, record=False, ppl_tokens=0)
+    res = workbench.sweep(
+        engine,
+        grid=GRID,
+        workload={"num_requests": requests},
+        warmup=1,
+        resume=False,
+        progress=False,
+        record=False,
+        ppl_tokens=0,
+    )
     return time.perf_counter() - t0, list(res)
 
 
@@ -43,8 +51,10 @@ def main() -> None:
             alone, recs_1 = timed_sweep(one, args.requests)
             print(f"round {r}: fan-out {fanned:.1f} s, one replica {alone:.1f} s, speed-up {alone / fanned:.2f}x")
             for a, b in zip(recs_c, recs_1):
-                print(f"   {a['label']:>16} on {a.get('replica')}: {a['output_tok_s']:6.1f} tok/s "
-                      f"(alone: {b['output_tok_s']:6.1f})")
+                print(
+                    f"   {a['label']:>16} on {a.get('replica')}: {a['output_tok_s']:6.1f} tok/s "
+                    f"(alone: {b['output_tok_s']:6.1f})"
+                )
     finally:
         c.shutdown()
 

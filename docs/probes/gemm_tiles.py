@@ -20,8 +20,10 @@ onednn = [cpu.pack_linear(w) for w in weights]
 tiles = [cpu.Tiles(w) for w in weights]
 for rows in [int(a) for a in sys.argv[1:]] or [4, 16, 36, 64, 512]:
     xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in shapes}
-    runs = {"tiles": lambda xs=xs: [t(xs[t.k]) for t in tiles],
-            "oneDNN bf16": lambda xs=xs: [cpu.packed_linear(xs[k], p) for p, (_, k) in zip(onednn, shapes)]}
+    runs = {
+        "tiles": lambda xs=xs: [t(xs[t.k]) for t in tiles],
+        "oneDNN bf16": lambda xs=xs: [cpu.packed_linear(xs[k], p) for p, (_, k) in zip(onednn, shapes)],
+    }
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(5):
         for name, run in runs.items():
@@ -29,5 +31,6 @@ for rows in [int(a) for a in sys.argv[1:]] or [4, 16, 36, 64, 512]:
             run()
             best[name] = min(best[name], time.perf_counter() - t)
     flop = sum(2 * rows * n * k for n, k in shapes) / 1e9
-    print(f"{rows:4d} rows: " + ", ".join(f"{name} {s * 1e3:.1f} ms ({flop / s:.0f} GFLOP/s)"
-                                         for name, s in best.items()))
+    print(
+        f"{rows:4d} rows: " + ", ".join(f"{name} {s * 1e3:.1f} ms ({flop / s:.0f} GFLOP/s)" for name, s in best.items())
+    )

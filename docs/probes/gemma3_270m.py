@@ -25,8 +25,10 @@ for dtype, cpu_kernels in (("float32", True), ("bfloat16", False), ("bfloat16", 
     for _ in range(3):
         o = llm.generate(["The capital of France is"], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))[0]
         best = max(best, (len(o.token_ids) - 1) / (o.metrics.finished - o.metrics.first_token))
-    print(f"workbench {dtype} cpu_kernels={cpu_kernels} ({llm.status()['kernel_variant']}): "
-          f"perplexity {math.exp(-sum(lp) / len(lp)):.6f}, decode {best:.1f} tok/s (best of 3 x 64), {o.text[:48]!r}")
+    print(
+        f"workbench {dtype} cpu_kernels={cpu_kernels} ({llm.status()['kernel_variant']}): "
+        f"perplexity {math.exp(-sum(lp) / len(lp)):.6f}, decode {best:.1f} tok/s (best of 3 x 64), {o.text[:48]!r}"
+    )
     del llm
 hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
 with torch.no_grad():

@@ -37,8 +37,10 @@ def main() -> None:
             itl = statistics.median(outs[0].metrics.itl)
             frac = weight_bytes / itl / 1e9 / bw
             seen[width].append(frac)
-            print(f"round {rnd} {width}: ITL p50 {itl * 1e3:.2f} ms = {1 / itl:.0f} tok/s, "
-                  f"{weight_bytes / itl / 1e9:.1f} GB/s of weights; bandwidth around it {bw:.1f} GB/s -> {frac:.0%}")
+            print(
+                f"round {rnd} {width}: ITL p50 {itl * 1e3:.2f} ms = {1 / itl:.0f} tok/s, "
+                f"{weight_bytes / itl / 1e9:.1f} GB/s of weights; bandwidth around it {bw:.1f} GB/s -> {frac:.0%}"
+            )
             time.sleep(0.5)
     for width, fr in seen.items():
         print(f"{width}: median {statistics.median(fr):.0%} of the bandwidth around it")

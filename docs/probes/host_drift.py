@@ -34,10 +34,20 @@ for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 12):
     started = time.perf_counter()
     for _ in range(20):
         a @ a
-    gflops = 20 * 2 * 1024 ** 3 / (time.perf_counter() - started) / 1e9
+    gflops = 20 * 2 * 1024**3 / (time.perf_counter() - started) / 1e9
     single = summarize(*run_workload(llm, one.requests))
     llm.reset_prefix_cache()
     burst = summarize(*run_workload(llm, w64.requests))
-    print(json.dumps({"t_s": round(time.time() - t0), "bandwidth_gb_s": round(bandwidth, 1), "gflops": round(gflops, 1),
-                      "single_itl_p50_ms": round(single["itl_p50_ms"], 2), "w64_tok_s": round(burst["output_tok_s"], 1),
-                      "w64_ttft_p50_ms": round(burst["ttft_p50_ms"])}), flush=True)
+    print(
+        json.dumps(
+            {
+                "t_s": round(time.time() - t0),
+                "bandwidth_gb_s": round(bandwidth, 1),
+                "gflops": round(gflops, 1),
+                "single_itl_p50_ms": round(single["itl_p50_ms"], 2),
+                "w64_tok_s": round(burst["output_tok_s"], 1),
+                "w64_ttft_p50_ms": round(burst["ttft_p50_ms"]),
+            }
+        ),
+        flush=True,
+    )

@@ -13,8 +13,20 @@ import time
 import httpx
 
 port = 18431
-proc = subprocess.Popen([sys.executable, "-m", "workbench.http", "--http", f"127.0.0.1:{port}", "--name",
-                         "httpprobe", "--drain-timeout", sys.argv[1]], stderr=subprocess.DEVNULL)
+proc = subprocess.Popen(
+    [
+        sys.executable,
+        "-m",
+        "workbench.http",
+        "--http",
+        f"127.0.0.1:{port}",
+        "--name",
+        "httpprobe",
+        "--drain-timeout",
+        sys.argv[1],
+    ],
+    stderr=subprocess.DEVNULL,
+)
 base = f"http://127.0.0.1:{port}"
 for _ in range(600):
     try:
@@ -25,8 +37,11 @@ for _ in range(600):
     time.sleep(0.2)
 r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "seed": 2**64, "max_tokens": 2})
 print(r.status_code, r.text[:200])
-r = httpx.post(base + "/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}',
-               headers={"content-type": "application/json"})
+r = httpx.post(
+    base + "/v1/completions",
+    content=b'{"prompt": "hi", "temperature": NaN}',
+    headers={"content-type": "application/json"},
+)
 print(r.status_code, r.text[:200])
 r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "stop": ["a"] * 20})
 print(r.status_code, r.text[:200])

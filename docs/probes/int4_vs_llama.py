@@ -29,8 +29,12 @@ def ours(llm) -> float:
 
 
 def llama(binary: str, gguf: str) -> float:
-    out = subprocess.run([binary, "-m", gguf, "-t", "2", "-p", "0", "-n", "128", "-r", "3", "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [binary, "-m", gguf, "-t", "2", "-p", "0", "-n", "128", "-r", "3", "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -50,8 +54,11 @@ def main() -> int:
         ref = (ref + llama(args.llama_bench, gguf)) / 2  # around ours
         for m, v in row.items():
             ratios[m].append(v / ref)
-        print(f"round {rnd}: llama.cpp tg128 {ref:.1f} tok/s; ours int4 {row['int4']:.1f} ({row['int4'] / ref:.2f}x), "
-              f"bf16 {row['none']:.1f} ({row['none'] / ref:.2f}x)", flush=True)
+        print(
+            f"round {rnd}: llama.cpp tg128 {ref:.1f} tok/s; ours int4 {row['int4']:.1f} ({row['int4'] / ref:.2f}x), "
+            f"bf16 {row['none']:.1f} ({row['none'] / ref:.2f}x)",
+            flush=True,
+        )
     print("median ratio to llama.cpp: " + ", ".join(f"{m} {statistics.median(v):.2f}x" for m, v in ratios.items()))
     return 0
 

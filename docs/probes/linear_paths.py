@@ -31,5 +31,8 @@ for dtype in (torch.float32, torch.bfloat16):
         row = {"F.linear": rate(lambda x=x, w=w: F.linear(x, w), fl)}
         if packed is not None:
             row["oneDNN packed"] = rate(lambda x=x, p=packed: cpu.packed_linear(x, p), fl)
-        print(f"{str(dtype).removeprefix('torch.'):9s} {m}x{k} @ {k}x{n}:",
-              ", ".join(f"{name} {v:.0f}" for name, v in row.items()), "GFLOP/s")
+        print(
+            f"{str(dtype).removeprefix('torch.'):9s} {m}x{k} @ {k}x{n}:",
+            ", ".join(f"{name} {v:.0f}" for name, v in row.items()),
+            "GFLOP/s",
+        )

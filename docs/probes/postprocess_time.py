@@ -37,5 +37,8 @@ for _ in range(2):
     acc["post"].clear()
     acc["fwd"].clear()
     llm.generate(prompts, p)
-    print(sys.argv[1], f"postprocess p50 {statistics.median(acc['post'])*1e3:.3f} ms ",
-          f"forward p50 {statistics.median(acc['fwd'])*1e3:.1f} ms")
+    print(
+        sys.argv[1],
+        f"postprocess p50 {statistics.median(acc['post']) * 1e3:.3f} ms ",
+        f"forward p50 {statistics.median(acc['fwd']) * 1e3:.1f} ms",
+    )

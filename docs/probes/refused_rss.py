@@ -1,6 +1,6 @@
 """Engine memory and responsiveness after 1,000 prompts of 8 MiB, each refused.
 
-    python docs/probes/refused_rss.py
+python docs/probes/refused_rss.py
 """
 
 import time

@@ -1,6 +1,6 @@
 """Round trip of a one-token request through an engine process (p50/p90 of 400, after 20 warm-ups).
 
-    python docs/probes/request_latency.py LABEL
+python docs/probes/request_latency.py LABEL
 """
 
 import sys

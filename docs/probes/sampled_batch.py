@@ -19,5 +19,6 @@ for _ in range(3):
     llm.generate(prompts, p)
     dt = time.perf_counter() - t
     steps = [s for s in llm.engine.timeline.steps if s.phase == "decode"][-100:]
-    print(sys.argv[1],
-          f"total {dt:.2f}s decode step p50 {statistics.median(s.end - s.start for s in steps)*1e3:.2f} ms")
+    print(
+        sys.argv[1], f"total {dt:.2f}s decode step p50 {statistics.median(s.end - s.start for s in steps) * 1e3:.2f} ms"
+    )

@@ -79,8 +79,12 @@ for r in range(rounds):
         steps[name].append(shapes_from_timeline(tl.steps, tl.requests))
         own = fits[-1].run(w, {**base, **settings}, record=False).summary()
         single.append({"round": r, "case": name, **errors(own, m)})
-        print(json.dumps({"round": r, "case": name, "measured": {k: round(m[k], 2) for k in KEYS},
-                          "single_error": single[-1]}), flush=True)
+        print(
+            json.dumps(
+                {"round": r, "case": name, "measured": {k: round(m[k], 2) for k in KEYS}, "single_error": single[-1]}
+            ),
+            flush=True,
+        )
 llm.configure(**{k: base[k] for k in ("max_num_seqs", "batching")})
 
 sim = Simulator.pooled(fits)
@@ -94,11 +98,23 @@ for (name, _, settings), w in zip(CASES, workloads):
     each = [f.run(w, {**base, **settings}, record=False).summary() for f in fits]
     median_of_fits.append({"case": name, **errors({k: statistics.median(e[k] for e in each) for k in KEYS}, median)})
     bias = {f"run {i}": step_bias(sim.cost, s) for i, s in enumerate(steps[name])}
-    print(json.dumps({"case": name, "predicted": {k: round(predicted[k], 2) for k in KEYS},
-                      "measured_median": {k: round(v, 2) for k, v in median.items()}, "measured_spread": spread,
-                      "error": pooled[-1], "median_of_fits_error": median_of_fits[-1],
-                      "step_cost_bias": bias}), flush=True)
+    print(
+        json.dumps(
+            {
+                "case": name,
+                "predicted": {k: round(predicted[k], 2) for k in KEYS},
+                "measured_median": {k: round(v, 2) for k, v in median.items()},
+                "measured_spread": spread,
+                "error": pooled[-1],
+                "median_of_fits_error": median_of_fits[-1],
+                "step_cost_bias": bias,
+            }
+        ),
+        flush=True,
+    )
 print(f"pooled fit vs median of {rounds} runs: {misses(pooled)} misses of {len(pooled) * len(KEYS)}")
-print(f"median of the rounds' predictions vs median of {rounds} runs: {misses(median_of_fits)} misses of "
-      f"{len(median_of_fits) * len(KEYS)}")
+print(
+    f"median of the rounds' predictions vs median of {rounds} runs: {misses(median_of_fits)} misses of "
+    f"{len(median_of_fits) * len(KEYS)}"
+)
 print(f"each round's fit vs its own run: {misses(single)} misses of {len(single) * len(KEYS)}")

@@ -28,8 +28,11 @@ workload = {"num_requests": 48, "arrival": "poisson", "rate": 2.0, "seed": 3, "p
 short = lambda r: r.prompt_len <= 96  # noqa: E731
 result = route(workload, [("small", sims["small"], short), ("large", sims["large"], None)])
 predicted = result.summary()
-print("predicted:", json.dumps({k: predicted[k] for k in ("output_tok_s", "ttft_p50_ms", "cost_per_mtok")}),
-      json.dumps(predicted["routes"]))
+print(
+    "predicted:",
+    json.dumps({k: predicted[k] for k in ("output_tok_s", "ttft_p50_ms", "cost_per_mtok")}),
+    json.dumps(predicted["routes"]),
+)
 requests = sims["small"].workload(workload)
 for name, llm, accepts in (("small", small, short), ("large", large, lambda r: not short(r))):
     mine = route_requests([r for r in requests if accepts(r)], sims["small"], sims[name])

@@ -23,6 +23,8 @@ print(f"raw window of 3000 steps (before issue 18): {len(json.dumps({'timeline':
 for window in (500, 2000):
     msg = EventCoalescer().snapshot(engine="snapsize", timeline=timeline, now=0.0, window=window, **base)
     lanes = len(msg["columns"]["lanes"]["left"])
-    print(f"snapshot, window {window}: {len(msg['timeline']['steps'])} steps, {lanes} lane rectangles, "
-          f"{len(json.dumps(msg)) / 1e6:.2f} MB")
+    print(
+        f"snapshot, window {window}: {len(msg['timeline']['steps'])} steps, {lanes} lane rectangles, "
+        f"{len(json.dumps(msg)) / 1e6:.2f} MB"
+    )
 eng.shutdown()

@@ -38,8 +38,10 @@ thread.join()
 gaps = [b - a for a, b in zip(times, times[1:])]
 during = [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
 p50 = sorted(gaps)[len(gaps) // 2]
-print(f"itl p50 {p50 * 1e3:.2f} ms, worst gap during {max(during) * 1e3:.1f} ms ({max(during) / p50:.1f}x), "
-      f"attack {end - start:.2f} s")
+print(
+    f"itl p50 {p50 * 1e3:.2f} ms, worst gap during {max(during) * 1e3:.1f} ms ({max(during) / p50:.1f}x), "
+    f"attack {end - start:.2f} s"
+)
 for e in errors:
     print(" ", e)
 other.close()

@@ -45,25 +45,39 @@ def main() -> int:
     settings = dict(kv.split("=", 1) for kv in args.setting)
     out = {"machine": machine_facts()["cpu"], "vllm": vllm_version(python), "settings": settings, "runs": []}
     for server in args.servers.split(","):
-        peer = (workbench_http_server(None, settings, name=f"vllm-client-{int(time.time())}") if server == "workbench"
-                else vllm_server(python, hf_dir, name=DEFAULT_MODEL, max_num_seqs=64, max_model_len=2048, threads=2))
+        peer = (
+            workbench_http_server(None, settings, name=f"vllm-client-{int(time.time())}")
+            if server == "workbench"
+            else vllm_server(python, hf_dir, name=DEFAULT_MODEL, max_num_seqs=64, max_model_len=2048, threads=2)
+        )
         with RunningPeer(peer, lambda m: print(m, file=sys.stderr)):
             served = DEFAULT_MODEL if server == "vllm" else None
             for rate in rates:
-                r = run_vllm_client(python, peer.url, model=served or _model_name(peer.url), tokenizer=hf_dir,
-                                    num_prompts=args.prompts, request_rate=rate)
+                r = run_vllm_client(
+                    python,
+                    peer.url,
+                    model=served or _model_name(peer.url),
+                    tokenizer=hf_dir,
+                    num_prompts=args.prompts,
+                    request_rate=rate,
+                )
                 r["server"] = server
                 out["runs"].append(r)
-                print(f"{server:10s} rate {rate or 'inf'}: {r['output_throughput']:.1f} tok/s, TTFT median "
-                      f"{r['median_ttft_ms']:.0f} p99 {r['p99_ttft_ms']:.0f} ms, "
-                      f"TPOT median {r['median_tpot_ms']:.1f}, "
-                      f"ITL median {r['median_itl_ms']:.1f} ms", flush=True)
+                print(
+                    f"{server:10s} rate {rate or 'inf'}: {r['output_throughput']:.1f} tok/s, TTFT median "
+                    f"{r['median_ttft_ms']:.0f} p99 {r['p99_ttft_ms']:.0f} ms, "
+                    f"TPOT median {r['median_tpot_ms']:.1f}, "
+                    f"ITL median {r['median_itl_ms']:.1f} ms",
+                    flush=True,
+                )
     for rate in rates:
         pair = {r["server"]: r for r in out["runs"] if r["request_rate"] == rate}
         if len(pair) == 2:
             w, v = pair["workbench"], pair["vllm"]
-            print(f"rate {rate or 'inf'}: tok/s {w['output_throughput'] / v['output_throughput']:.2f}x vLLM, "
-                  f"median TTFT {w['median_ttft_ms'] / v['median_ttft_ms']:.2f}x")
+            print(
+                f"rate {rate or 'inf'}: tok/s {w['output_throughput'] / v['output_throughput']:.2f}x vLLM, "
+                f"median TTFT {w['median_ttft_ms'] / v['median_ttft_ms']:.2f}x"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

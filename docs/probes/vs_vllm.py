@@ -39,8 +39,13 @@ from workbench.runs import machine_facts
 from workbench.sampling_params import SamplingParams
 
 KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-CLIENT_KEYS = {"output_tok_s": "output_throughput", "ttft_p50_ms": "median_ttft_ms", "ttft_p99_ms": "p99_ttft_ms",
-               "itl_p50_ms": "median_itl_ms", "itl_p99_ms": "p99_itl_ms"}
+CLIENT_KEYS = {
+    "output_tok_s": "output_throughput",
+    "ttft_p50_ms": "median_ttft_ms",
+    "ttft_p99_ms": "p99_ttft_ms",
+    "itl_p50_ms": "median_itl_ms",
+    "itl_p99_ms": "p99_itl_ms",
+}
 
 
 def main() -> int:
@@ -60,12 +65,15 @@ def main() -> int:
 
     def ours_workload(arrival, rate, seed):
         wl = make_workload(64, seed=seed, tokenizer=tok, arrival=arrival, rate=rate)
-        return [dataclasses.replace(r, prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True))
-                for r in wl.requests]
+        return [
+            dataclasses.replace(r, prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True)) for r in wl.requests
+        ]
 
     # a new seed each round: the prompts of earlier rounds sit in the prefix caches (vLLM's 4 GB keeps them all)
-    workloads = {"w64": lambda seed: ours_workload("all", None, seed),
-                 "poisson": lambda seed: ours_workload("poisson", 1.0, seed)}
+    workloads = {
+        "w64": lambda seed: ours_workload("all", None, seed),
+        "poisson": lambda seed: ours_workload("poisson", 1.0, seed),
+    }
     settings = dict(kv.split("=", 1) for kv in args.setting)
     out = {"machine": machine_facts()["cpu"], "vllm": vllm_version(python), "settings": settings, "rounds": []}
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -82,8 +90,15 @@ def main() -> int:
                     url = servers[server].url
                     time.sleep(2.0)  # the other server's threads may spin-wait a while after its run
                     if wname.startswith("vllm"):
-                        r = run_vllm_client(python, url, model=names[server], tokenizer=hf_dir, num_prompts=64,
-                                            request_rate=None if wname == "vllminf" else 2.0, seed=rnd)
+                        r = run_vllm_client(
+                            python,
+                            url,
+                            model=names[server],
+                            tokenizer=hf_dir,
+                            num_prompts=64,
+                            request_rate=None if wname == "vllminf" else 2.0,
+                            seed=rnd,
+                        )
                         row[server] = {k: r[v] for k, v in CLIENT_KEYS.items()}
                     else:
                         with RemoteEngineClient(url) as c:
@@ -94,12 +109,15 @@ def main() -> int:
                 row["ratio"] = {k: row["workbench"][k] / row["vllm"][k] for k in KEYS if row["vllm"][k]}
                 out["rounds"].append(row)
                 w, v, r = row["workbench"], row["vllm"], row["ratio"]
-                print(f"round {rnd} {wname:8s} ours {w['output_tok_s']:6.1f} tok/s TTFT {w['ttft_p50_ms']:6.0f}/"
-                      f"{w['ttft_p99_ms']:6.0f} ITL {w['itl_p50_ms']:5.1f}/{w['itl_p99_ms']:6.1f} | vLLM "
-                      f"{v['output_tok_s']:6.1f} TTFT {v['ttft_p50_ms']:6.0f}/{v['ttft_p99_ms']:6.0f} ITL "
-                      f"{v['itl_p50_ms']:5.1f}/{v['itl_p99_ms']:6.1f} | ratio tok/s {r['output_tok_s']:.2f} "
-                      f"TTFT {r['ttft_p50_ms']:.2f}/{r['ttft_p99_ms']:.2f} ITL {r['itl_p50_ms']:.2f}/"
-                      f"{r['itl_p99_ms']:.2f}", flush=True)
+                print(
+                    f"round {rnd} {wname:8s} ours {w['output_tok_s']:6.1f} tok/s TTFT {w['ttft_p50_ms']:6.0f}/"
+                    f"{w['ttft_p99_ms']:6.0f} ITL {w['itl_p50_ms']:5.1f}/{w['itl_p99_ms']:6.1f} | vLLM "
+                    f"{v['output_tok_s']:6.1f} TTFT {v['ttft_p50_ms']:6.0f}/{v['ttft_p99_ms']:6.0f} ITL "
+                    f"{v['itl_p50_ms']:5.1f}/{v['itl_p99_ms']:6.1f} | ratio tok/s {r['output_tok_s']:.2f} "
+                    f"TTFT {r['ttft_p50_ms']:.2f}/{r['ttft_p99_ms']:.2f} ITL {r['itl_p50_ms']:.2f}/"
+                    f"{r['itl_p99_ms']:.2f}",
+                    flush=True,
+                )
     out["median_ratio"] = {}
     for wname in args.workloads.split(","):
         rows = [r for r in out["rounds"] if r["workload"] == wname]

@@ -17,6 +17,14 @@ from .stats import RESULT_KEYS, RequestRecord, percentile, summarize
 from .workload import BenchRequest, Workload, make_workload
 
 __all__ = [
-    "SYSTEMS", "RESULT_KEYS", "BenchRequest", "RequestRecord", "Workload",
-    "format_report", "make_workload", "percentile", "run_bench", "summarize",
+    "SYSTEMS",
+    "RESULT_KEYS",
+    "BenchRequest",
+    "RequestRecord",
+    "Workload",
+    "format_report",
+    "make_workload",
+    "percentile",
+    "run_bench",
+    "summarize",
 ]

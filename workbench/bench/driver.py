@@ -44,8 +44,14 @@ class Served:
         if out is None:  # failed: counted, with no tokens
             return RequestRecord(self.request.index, self.arrival, self.request.prompt_len)
         m = out.metrics
-        return RequestRecord(self.request.index, self.arrival, len(out.prompt_token_ids) or self.request.prompt_len,
-                             list(out.token_ids), list(m.token_times), m.finished)
+        return RequestRecord(
+            self.request.index,
+            self.arrival,
+            len(out.prompt_token_ids) or self.request.prompt_len,
+            list(out.token_ids),
+            list(m.token_times),
+            m.finished,
+        )
 
 
 def run_workload(engine: Engine, requests: list[BenchRequest], **kwargs) -> tuple[list[RequestRecord], float]:
@@ -54,10 +60,17 @@ def run_workload(engine: Engine, requests: list[BenchRequest], **kwargs) -> tupl
     return [s.record() for s in served], start
 
 
-def serve_workload(engine: Engine, requests: list[BenchRequest], *, progress=None,
-                   check: Callable[[], None] | None = None, max_concurrency: int | None = None,
-                   in_flight: list[str] | None = None, ignore_eos: bool = True,
-                   keep_errors: bool = False) -> tuple[list[Served], float]:
+def serve_workload(
+    engine: Engine,
+    requests: list[BenchRequest],
+    *,
+    progress=None,
+    check: Callable[[], None] | None = None,
+    max_concurrency: int | None = None,
+    in_flight: list[str] | None = None,
+    ignore_eos: bool = True,
+    keep_errors: bool = False,
+) -> tuple[list[Served], float]:
     """Serve `requests`; returns (one `Served` per request, in request order; start time).
     `progress.update(1)` per finished request; `check()` is called while waiting and may raise
     to stop. A request that fails raises, unless `keep_errors` (then it is kept as `error`)."""
@@ -75,8 +88,11 @@ def serve_workload(engine: Engine, requests: list[BenchRequest], *, progress=Non
                 check()
             now = time.monotonic()
             running = len(served) - len(done)
-            while (i < len(pending) and start + pending[i].arrival_s <= now
-                   and (max_concurrency is None or running < max_concurrency)):
+            while (
+                i < len(pending)
+                and start + pending[i].arrival_s <= now
+                and (max_concurrency is None or running < max_concurrency)
+            ):
                 r = pending[i]
                 i += 1
                 s = served[r.index] = Served(r, start + r.arrival_s)

@@ -78,13 +78,26 @@ def endpoint_summary(served: list[Served], start: float) -> dict:
         prompt_tokens += p
         # ITL as gaps between streamed chunks (a chunk's tokens share its arrival time)
         chunks = [t for k, t in enumerate(times) if k == 0 or t != times[k - 1]]
-        records.append(RequestRecord(i, s.arrival, p, list(out.token_ids) if out is not None else [], chunks,
-                                     out.metrics.finished if out is not None else None))
+        records.append(
+            RequestRecord(
+                i,
+                s.arrival,
+                p,
+                list(out.token_ids) if out is not None else [],
+                chunks,
+                out.metrics.finished if out is not None else None,
+            )
+        )
     summary = summarize(records, start)
     duration = summary["duration_s"]
-    summary.update(output_tokens=tokens, prompt_tokens=prompt_tokens, output_tok_s=tokens / duration,
-                   total_tok_s=(tokens + prompt_tokens) / duration, errors=errors,
-                   request_throughput=len(served) / duration)
+    summary.update(
+        output_tokens=tokens,
+        prompt_tokens=prompt_tokens,
+        output_tok_s=tokens / duration,
+        total_tok_s=(tokens + prompt_tokens) / duration,
+        errors=errors,
+        request_throughput=len(served) / duration,
+    )
     return summary
 
 
@@ -117,21 +130,34 @@ def run_endpoint_bench(
 
     log = log or (lambda msg: None)
     tok = load_tokenizer(tokenizer_model)
-    workload: Workload = make_workload(num_requests, seed=seed, tokenizer=tok, prompt_len=tuple(prompt_len),
-                                       output_len=tuple(output_len), arrival=arrival,
-                                       rate=rate if arrival in ("poisson", "bursty") else None)
-    requests = [r if token_ids else dataclasses.replace(r,
-                                                        prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True))
-                for r in workload.requests]
+    workload: Workload = make_workload(
+        num_requests,
+        seed=seed,
+        tokenizer=tok,
+        prompt_len=tuple(prompt_len),
+        output_len=tuple(output_len),
+        arrival=arrival,
+        rate=rate if arrival in ("poisson", "bursty") else None,
+    )
+    requests = [
+        r if token_ids else dataclasses.replace(r, prompt=tok.decode(r.prompt_token_ids, skip_special_tokens=True))
+        for r in workload.requests
+    ]
     report: dict[str, Any] = {
         "mode": "endpoint",
-        "workload": {**workload.describe(), "prompt_format": "token_ids" if token_ids else "text",
-                     "ignore_eos": ignore_eos, "max_concurrency": max_concurrency},
+        "workload": {
+            **workload.describe(),
+            "prompt_format": "token_ids" if token_ids else "text",
+            "ignore_eos": ignore_eos,
+            "max_concurrency": max_concurrency,
+        },
         "endpoints": {},
         "results": {},
         "roofline": {},  # the servers' hardware is not measured from here
-        "notes": ["TTFT: send to first streamed token; ITL: gaps between streamed chunks; output tokens from the "
-                  "server's usage counts (client-side timing, network included)"],
+        "notes": [
+            "TTFT: send to first streamed token; ITL: gaps between streamed chunks; output tokens from the "
+            "server's usage counts (client-side timing, network included)"
+        ],
     }
     for spec in endpoints:
         label, url = parse_endpoint(spec)
@@ -147,23 +173,38 @@ def run_endpoint_bench(
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    served, start = serve_workload(client, requests, max_concurrency=max_concurrency, progress=bar,
-                                                   ignore_eos=ignore_eos, keep_errors=True, check=_deadline(timeout))
+                    served, start = serve_workload(
+                        client,
+                        requests,
+                        max_concurrency=max_concurrency,
+                        progress=bar,
+                        ignore_eos=ignore_eos,
+                        keep_errors=True,
+                        check=_deadline(timeout),
+                    )
             finally:
                 if bar is not None:
                     bar.close()
             summary = endpoint_summary(served, start)
             report["results"][label] = summary
             report["endpoints"][label] = {
-                "url": client.base, "server": client.kind, "model": client.model,
+                "url": client.base,
+                "server": client.kind,
+                "model": client.model,
                 "metrics_endpoint": client.has_metrics,
                 "dropped_params": sorted({str(w.message).split("SamplingParams.")[-1].split(";")[0] for w in caught}),
-                "server_metrics_after": {k: v for k, v in client.metrics().items()
-                                         if k.startswith("server_") or k in ("total_output_tokens", "kv_usage")},
+                "server_metrics_after": {
+                    k: v
+                    for k, v in client.metrics().items()
+                    if k.startswith("server_") or k in ("total_output_tokens", "kv_usage")
+                },
             }
             if summary["errors"]:
-                first = next(s.error or s.output.error for s in served if s.error is not None
-                             or (s.output is not None and s.output.error is not None))
+                first = next(
+                    s.error or s.output.error
+                    for s in served
+                    if s.error is not None or (s.output is not None and s.output.error is not None)
+                )
                 log(f"{label}: {summary['errors']} requests failed, e.g. {type(first).__name__}: {first}")
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return report
@@ -180,16 +221,22 @@ def format_endpoint_report(rep: dict) -> str:
         f"ignore_eos={w['ignore_eos']})",
         "",
     ]
-    header = (f"{'endpoint':<34}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-              f"{'ITL p99':>9}{'errors':>7}")
+    header = (
+        f"{'endpoint':<34}{'out tok/s':>10}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+        f"{'ITL p99':>9}{'errors':>7}"
+    )
     lines += [header, "-" * len(header)]
     for name, r in rep["results"].items():
-        lines.append(f"{name:<34}{r['output_tok_s']:>10.1f}{r['request_throughput']:>8.2f}{_ms(r['ttft_p50_ms']):>10}"
-                     f"{_ms(r['ttft_p99_ms']):>10}{_ms(r['itl_p50_ms']):>9}{_ms(r['itl_p99_ms']):>9}{r['errors']:>7}")
+        lines.append(
+            f"{name:<34}{r['output_tok_s']:>10.1f}{r['request_throughput']:>8.2f}{_ms(r['ttft_p50_ms']):>10}"
+            f"{_ms(r['ttft_p99_ms']):>10}{_ms(r['itl_p50_ms']):>9}{_ms(r['itl_p99_ms']):>9}{r['errors']:>7}"
+        )
     for name, e in rep["endpoints"].items():
         extra = f"; dropped params: {', '.join(e['dropped_params'])}" if e["dropped_params"] else ""
-        lines.append(f"{name}: {e['server']} serving {e['model']!r} at {e['url']}"
-                     f"{'' if e['metrics_endpoint'] else ' (no /metrics)'}{extra}")
+        lines.append(
+            f"{name}: {e['server']} serving {e['model']!r} at {e['url']}"
+            f"{'' if e['metrics_endpoint'] else ' (no /metrics)'}{extra}"
+        )
     lines += rep.get("notes", [])
     return "\n".join(lines)
 

@@ -45,16 +45,43 @@ def model_gguf(model) -> str | None:
     return None
 
 
-def run_llama_server(binary: str, gguf: str, workloads: dict[str, Workload], *, threads: int, progress=None,
-                     log=lambda msg: None, startup_timeout: float = 120.0) -> tuple[dict[str, dict], dict]:
+def run_llama_server(
+    binary: str,
+    gguf: str,
+    workloads: dict[str, Workload],
+    *,
+    threads: int,
+    progress=None,
+    log=lambda msg: None,
+    startup_timeout: float = 120.0,
+) -> tuple[dict[str, dict], dict]:
     """Serve each named workload in turn on one fresh llama-server; returns ({name: summary}, how
     it was run). `progress(name, total)` makes a progress bar per workload, as in the runner."""
     from .server_peer import ServerPeer, free_port, serve_workloads
 
     longest = max(r.prompt_len + r.max_tokens for w in workloads.values() for r in w.requests)
     port = free_port()
-    cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(SLOTS * (longest + 64)),
-           "-np", str(SLOTS), "-cb", "--no-cache-prompt", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
-    summaries, how = serve_workloads(ServerPeer("llama-server", cmd, port, startup_timeout=startup_timeout),
-                                     workloads, progress=progress, log=log)
+    cmd = [
+        binary,
+        "-m",
+        gguf,
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(SLOTS * (longest + 64)),
+        "-np",
+        str(SLOTS),
+        "-cb",
+        "--no-cache-prompt",
+        "--no-webui",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    summaries, how = serve_workloads(
+        ServerPeer("llama-server", cmd, port, startup_timeout=startup_timeout), workloads, progress=progress, log=log
+    )
     return summaries, {**how, "gguf": gguf, "slots": SLOTS}

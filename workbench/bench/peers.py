@@ -41,14 +41,19 @@ def load_hf_model(path: str, dtype: torch.dtype, device="cpu", quantization_conf
         pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
     # No eos_token_id: generate never stops early (ignore_eos), so every request gets its length.
     model.generation_config = transformers.GenerationConfig(
-        do_sample=False, eos_token_id=None, pad_token_id=pad, bos_token_id=model.config.bos_token_id,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=pad,
+        bos_token_id=model.config.bos_token_id,
     )
     return model
 
 
-TORCHAO_NOTE = ("int8: Int8WeightOnlyConfig (per-channel int8, activations in the model dtype); int4: on CPU "
-                "PrototypeInt4WeightOnlyConfig (torch's _weight_int4pack_mm_for_cpu), else "
-                "Int4WeightOnlyConfig; lm_head and embeddings stay unquantised")
+TORCHAO_NOTE = (
+    "int8: Int8WeightOnlyConfig (per-channel int8, activations in the model dtype); int4: on CPU "
+    "PrototypeInt4WeightOnlyConfig (torch's _weight_int4pack_mm_for_cpu), else "
+    "Int4WeightOnlyConfig; lm_head and embeddings stay unquantised"
+)
 
 
 @contextlib.contextmanager
@@ -119,25 +124,34 @@ def generate_batch(model, batch: list[BenchRequest], arrivals: list[float]) -> l
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, r in enumerate(batch):
-        ids[row, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
-        mask[row, width - r.prompt_len:] = 1
+        ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+        mask[row, width - r.prompt_len :] = 1
     max_new = max(r.max_tokens for r in batch)
     clock = _TokenClock()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=max_new, do_sample=False, streamer=clock)
+        out = model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=max_new,
+            do_sample=False,
+            streamer=clock,
+        )
     gen = out[:, width:]
     records = []
     for row, (r, arrival) in enumerate(zip(batch, arrivals)):
         n = r.max_tokens
         times = clock.times[:n]
-        records.append(RequestRecord(r.index, arrival, r.prompt_len, gen[row, :n].tolist(), times,
-                                     times[-1] if times else time.monotonic()))
+        records.append(
+            RequestRecord(
+                r.index, arrival, r.prompt_len, gen[row, :n].tolist(), times, times[-1] if times else time.monotonic()
+            )
+        )
     return records
 
 
-def run_hf(model, workload: Workload, *, batch_size: int = 1,
-           progress: Callable[[int], None] | None = None) -> tuple[list[RequestRecord], float]:
+def run_hf(
+    model, workload: Workload, *, batch_size: int = 1, progress: Callable[[int], None] | None = None
+) -> tuple[list[RequestRecord], float]:
     """Serve the workload with `generate`, honouring arrival times. Returns (records, start)."""
     pending = sorted(workload.requests, key=lambda r: (r.arrival_s, r.index))
     records: list[RequestRecord] = []

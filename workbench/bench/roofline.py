@@ -22,9 +22,11 @@ DTYPE_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 def _clock(device: torch.device):
     """A timer that waits for the device's queued work before reading the time."""
     if device.type == "cuda":
+
         def now() -> float:
             torch.cuda.synchronize(device)
             return time.perf_counter()
+
         return now
     return time.perf_counter
 
@@ -47,8 +49,16 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, device="cpu") -> 
 SLOW_DTYPE_RATIO = 4  # a dtype this many times slower on the batch shape gets no square GEMM
 
 
-def measure_matmul(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, *,
-                   min_time: float = 0.25, repeats: int = 3, device="cpu") -> float:
+def measure_matmul(
+    m: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    min_time: float = 0.25,
+    repeats: int = 3,
+    device="cpu",
+) -> float:
     """Best achieved GFLOP/s of `[m,k] @ [k,n]` in `dtype`."""
     device = torch.device(device)
     now = _clock(device)
@@ -85,8 +95,7 @@ def _packed_rate(dtype: torch.dtype, m: int, k: int, n: int) -> float:
         return 0.0
 
 
-def model_costs(config, dtype: torch.dtype = torch.bfloat16, quantization: str = "none",
-                group_size: int = 128) -> dict:
+def model_costs(config, dtype: torch.dtype = torch.bfloat16, quantization: str = "none", group_size: int = 128) -> dict:
     """Parameter counts, FLOPs per token and bytes of weights read per decode step.
 
     Decode reads every linear layer (the LM head included, which is the embedding table when tied)
@@ -132,8 +141,15 @@ def model_costs(config, dtype: torch.dtype = torch.bfloat16, quantization: str =
     }
 
 
-def measure_roofline(costs: dict, *, dtype: torch.dtype = torch.bfloat16, quick: bool = False,
-                     workload=None, hidden_size: int = 576, device="cpu") -> dict:
+def measure_roofline(
+    costs: dict,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    quick: bool = False,
+    workload=None,
+    hidden_size: int = 576,
+    device="cpu",
+) -> dict:
     """Measure bandwidth and FLOP/s now and derive the model's limits (see the module doc)."""
     bw = measure_bandwidth(1 << (28 if quick else 30), repeats=3 if quick else 5, device=device)
     square = 1024 if quick else 2048
@@ -149,13 +165,17 @@ def measure_roofline(costs: dict, *, dtype: torch.dtype = torch.bfloat16, quick:
             name = str(dt).removeprefix("torch.")
             if i and by_dtype[name] * SLOW_DTYPE_RATIO < max(by_dtype.values()):
                 # it cannot be the peak, and its square GEMM would take minutes
-                skipped[f"{name} {m}x{k} @ {k}x{n}"] = (f"not measured: {by_dtype[name]:.0f} GFLOP/s on the batch "
-                                                        f"shape, under 1/{SLOW_DTYPE_RATIO} of the best")
+                skipped[f"{name} {m}x{k} @ {k}x{n}"] = (
+                    f"not measured: {by_dtype[name]:.0f} GFLOP/s on the batch "
+                    f"shape, under 1/{SLOW_DTYPE_RATIO} of the best"
+                )
                 continue
             # the batch-shaped GEMM as the engine runs it (oneDNN's packed weights)
             rate = _packed_rate(dt, m, k, n) if i == 0 and torch.device(device).type == "cpu" else 0.0
-            flops[f"{name} {m}x{k} @ {k}x{n}"] = max(rate, measure_matmul(
-                m, k, n, dt, min_time=0.1 if quick else 0.25, repeats=2 if quick else 3, device=device))
+            flops[f"{name} {m}x{k} @ {k}x{n}"] = max(
+                rate,
+                measure_matmul(m, k, n, dt, min_time=0.1 if quick else 0.25, repeats=2 if quick else 3, device=device),
+            )
             if i == 0:
                 by_dtype[name] = flops[f"{name} {m}x{k} @ {k}x{n}"]
     best_bw = max(bw)

@@ -134,8 +134,11 @@ def token_agreement(reference: list[RequestRecord], other: list[RequestRecord]) 
             n += 1
         prefix += n
         total += len(a.token_ids)
-    return {"identical_requests": same, "requests": len(reference),
-            "common_prefix_token_fraction": prefix / total if total else 1.0}
+    return {
+        "identical_requests": same,
+        "requests": len(reference),
+        "common_prefix_token_fraction": prefix / total if total else 1.0,
+    }
 
 
 def machine_info() -> dict:
@@ -226,8 +229,9 @@ def run_bench(
         systems.append("workbench_http")  # the same server path as vLLM's, for the ratio
     settings = validate(dict(settings or {}))
     eff = EngineSettings(**settings)
-    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float32": torch.float32}[eff.dtype]
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        eff.dtype
+    ]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if eff.device == "auto" else eff.device)
     prompt_len = tuple(prompt_len or ((32, 128) if quick else DEFAULT_PROMPT_LEN))
     output_len = tuple(output_len or ((16, 64) if quick else DEFAULT_OUTPUT_LEN))
@@ -243,12 +247,24 @@ def run_bench(
     del loaded
     gc.collect()
 
-    workload = make_workload(num_requests, seed=seed, tokenizer=tokenizer, vocab_size=config.vocab_size,
-                             prompt_len=prompt_len, output_len=output_len, arrival=arrival, rate=rate,
-                             special_token_ids=tuple(config.eos_token_ids) + (
-                                 (config.bos_token_id,) if config.bos_token_id is not None else ()))
-    ss_req = single_stream_request(text_token_ids(tokenizer) if tokenizer is not None else None,
-                                   vocab_size=config.vocab_size, max_tokens=ss_tokens, seed=seed)
+    workload = make_workload(
+        num_requests,
+        seed=seed,
+        tokenizer=tokenizer,
+        vocab_size=config.vocab_size,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        arrival=arrival,
+        rate=rate,
+        special_token_ids=tuple(config.eos_token_ids)
+        + ((config.bos_token_id,) if config.bos_token_id is not None else ()),
+    )
+    ss_req = single_stream_request(
+        text_token_ids(tokenizer) if tokenizer is not None else None,
+        vocab_size=config.vocab_size,
+        max_tokens=ss_tokens,
+        seed=seed,
+    )
     ss_workload = Workload([ss_req], seed)
 
     report: dict[str, Any] = {
@@ -264,8 +280,9 @@ def run_bench(
 
     log("measuring the roofline")
     costs = model_costs(config, dtype, eff.quantization, eff.quant_group_size)
-    roof = measure_roofline(costs, dtype=dtype, quick=quick, workload=workload,
-                            hidden_size=config.hidden_size, device=device)
+    roof = measure_roofline(
+        costs, dtype=dtype, quick=quick, workload=workload, hidden_size=config.hidden_size, device=device
+    )
     report["roofline"] = roof
 
     results: dict[str, dict] = {}
@@ -290,8 +307,9 @@ def run_bench(
             engine.reset_prefix_cache()
             bar = progress("workbench_single_stream", 1)
             try:
-                (recs, start), bw = bandwidth_around(lambda: run_workload(engine, ss_workload.requests, progress=bar),
-                                                     device)
+                (recs, start), bw = bandwidth_around(
+                    lambda: run_workload(engine, ss_workload.requests, progress=bar), device
+                )
             finally:
                 bar.close()
             results["workbench_single_stream"] = single_stream_summary(recs, start, roof, bw)
@@ -312,8 +330,9 @@ def run_bench(
         for name in hf_systems:
             bar = progress(name, len(workload))
             try:
-                recs, start = run_hf(hf, workload, batch_size=hf_batch_size if name == "hf_static" else 1,
-                                     progress=bar.update)
+                recs, start = run_hf(
+                    hf, workload, batch_size=hf_batch_size if name == "hf_static" else 1, progress=bar.update
+                )
             finally:
                 bar.close()
             results[name] = summarize(recs, start)
@@ -321,8 +340,9 @@ def run_bench(
         if single_stream and "hf_sequential" in systems:
             bar = progress("hf_single_stream", 1)
             try:
-                (recs, start), bw = bandwidth_around(lambda: run_hf(hf, ss_workload, batch_size=1, progress=bar.update),
-                                                     device)
+                (recs, start), bw = bandwidth_around(
+                    lambda: run_hf(hf, ss_workload, batch_size=1, progress=bar.update), device
+                )
             finally:
                 bar.close()
             results["hf_single_stream"] = single_stream_summary(recs, start, roof, bw)
@@ -334,7 +354,8 @@ def run_bench(
         runs = {"llama_server": workload, **({"llama_server_single_stream": ss_workload} if single_stream else {})}
         try:
             summaries, report["llama_server"] = run_llama_server(
-                llama_binary, llama_gguf, runs, threads=torch.get_num_threads(), progress=progress, log=log)
+                llama_binary, llama_gguf, runs, threads=torch.get_num_threads(), progress=progress, log=log
+            )
         except RuntimeError as e:
             notes.append(f"llama_server failed: {e}")
             summaries = {}
@@ -349,8 +370,14 @@ def run_bench(
         try:
             if name == "vllm":
                 summaries, report["vllm"] = run_vllm_server(
-                    vllm, hf_path, runs, threads=torch.get_num_threads(), max_num_seqs=eff.max_num_seqs,
-                    progress=progress, log=log)
+                    vllm,
+                    hf_path,
+                    runs,
+                    threads=torch.get_num_threads(),
+                    max_num_seqs=eff.max_num_seqs,
+                    progress=progress,
+                    log=log,
+                )
             else:
                 peer = workbench_http_server(model, settings, name=f"bench-http-{os.getpid()}")
                 summaries, report["workbench_http"] = serve_workloads(peer, runs, progress=progress, log=log)
@@ -362,9 +389,23 @@ def run_bench(
             _endpoint_single_stream(results[f"{name}_single_stream"])
 
     # Order results as asked, single streams after their system.
-    order = [s for s in ("workbench", "workbench_single_stream", "workbench_http", "workbench_http_single_stream",
-                         "hf_sequential", "hf_static", "hf_single_stream", "llama_server",
-                         "llama_server_single_stream", "vllm", "vllm_single_stream") if s in results]
+    order = [
+        s
+        for s in (
+            "workbench",
+            "workbench_single_stream",
+            "workbench_http",
+            "workbench_http_single_stream",
+            "hf_sequential",
+            "hf_static",
+            "hf_single_stream",
+            "llama_server",
+            "llama_server_single_stream",
+            "vllm",
+            "vllm_single_stream",
+        )
+        if s in results
+    ]
     report["results"] = {name: results[name] for name in order}
     _add_comparisons(report, records)
     report["loadavg_end"] = _loadavg()
@@ -427,9 +468,11 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
             if peer.get(key):
                 ratios[f"workbench_http_vs_vllm_{key}"] = http[key] / peer[key]
     ss = results.get("workbench_single_stream")
-    for peer, key in (("hf_single_stream", "single_stream_vs_hf"),
-                      ("llama_server_single_stream", "single_stream_vs_llama_server"),
-                      ("vllm_single_stream", "single_stream_vs_vllm")):
+    for peer, key in (
+        ("hf_single_stream", "single_stream_vs_hf"),
+        ("llama_server_single_stream", "single_stream_vs_llama_server"),
+        ("vllm_single_stream", "single_stream_vs_vllm"),
+    ):
         if ss and peer in results and results[peer]["decode_tok_s"] > 0:
             ratios[key] = ss["decode_tok_s"] / results[peer]["decode_tok_s"]
     report["ratios"] = ratios
@@ -446,22 +489,52 @@ def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> N
     targets = []
     if "workbench_vs_hf_sequential" in ratios:
         v = ratios["workbench_vs_hf_sequential"]
-        targets.append({"name": "throughput vs hf_sequential", "value": v, "target": TARGET_VS_HF_SEQUENTIAL,
-                        "met": v >= TARGET_VS_HF_SEQUENTIAL})
+        targets.append(
+            {
+                "name": "throughput vs hf_sequential",
+                "value": v,
+                "target": TARGET_VS_HF_SEQUENTIAL,
+                "met": v >= TARGET_VS_HF_SEQUENTIAL,
+            }
+        )
     if "workbench_vs_hf_static" in ratios:
         v = ratios["workbench_vs_hf_static"]
-        targets.append({"name": "throughput vs hf_static", "value": v, "target": TARGET_VS_HF_STATIC,
-                        "met": v >= TARGET_VS_HF_STATIC})
+        targets.append(
+            {
+                "name": "throughput vs hf_static",
+                "value": v,
+                "target": TARGET_VS_HF_STATIC,
+                "met": v >= TARGET_VS_HF_STATIC,
+            }
+        )
     if "workbench_vs_llama_server" in ratios:
         v = ratios["workbench_vs_llama_server"]
-        targets.append({"name": "throughput vs llama_server", "value": v, "target": TARGET_VS_LLAMA_SERVER,
-                        "met": v >= TARGET_VS_LLAMA_SERVER})
+        targets.append(
+            {
+                "name": "throughput vs llama_server",
+                "value": v,
+                "target": TARGET_VS_LLAMA_SERVER,
+                "met": v >= TARGET_VS_LLAMA_SERVER,
+            }
+        )
     if "workbench_http_vs_vllm" in ratios:
         v = ratios["workbench_http_vs_vllm"]
-        targets.append({"name": "throughput vs vllm (both served over HTTP)", "value": v, "target": TARGET_VS_VLLM,
-                        "met": v >= TARGET_VS_VLLM})
+        targets.append(
+            {
+                "name": "throughput vs vllm (both served over HTTP)",
+                "value": v,
+                "target": TARGET_VS_VLLM,
+                "met": v >= TARGET_VS_VLLM,
+            }
+        )
     if ss:
         v = ss["bandwidth_fraction"]
-        targets.append({"name": "single-stream decode, fraction of bandwidth roofline", "value": v,
-                        "target": TARGET_SINGLE_STREAM_BW_FRACTION, "met": v >= TARGET_SINGLE_STREAM_BW_FRACTION})
+        targets.append(
+            {
+                "name": "single-stream decode, fraction of bandwidth roofline",
+                "value": v,
+                "target": TARGET_SINGLE_STREAM_BW_FRACTION,
+                "met": v >= TARGET_SINGLE_STREAM_BW_FRACTION,
+            }
+        )
     report["targets"] = targets

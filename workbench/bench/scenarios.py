@@ -47,8 +47,12 @@ SPEC_TEXT = (
 
 
 # Smaller sizes for smoke runs (`workbench bench --scenario NAME --quick`).
-QUICK = {"prefix": {"num_requests": 4, "prompt_len": 128, "output_len": 4}, "quant": {"output_len": 32},
-         "spec": {"output_len": 32}, "stall": {"oversized": 4, "near_bound": 1, "output_len": 200}}
+QUICK = {
+    "prefix": {"num_requests": 4, "prompt_len": 128, "output_len": 4},
+    "quant": {"output_len": 32},
+    "spec": {"output_len": 32},
+    "stall": {"oversized": 4, "near_bound": 1, "output_len": 200},
+}
 
 
 def _prompt_tokens(engine) -> list[int]:
@@ -67,18 +71,25 @@ def _serve_one(engine, request: BenchRequest) -> Any:
     return records[0]
 
 
-def prefix_scenario(engine, *, num_requests: int = 12, prompt_len: int = 512, shared_fraction: float = 0.9,
-                    output_len: int = 8) -> dict:
+def prefix_scenario(
+    engine, *, num_requests: int = 12, prompt_len: int = 512, shared_fraction: float = 0.9, output_len: int = 8
+) -> dict:
     tokens = _prompt_tokens(engine)
     shared = int(prompt_len * shared_fraction)
     system = tokens[:shared]
     unique = prompt_len - shared
     requests = [
-        BenchRequest(i, system + tokens[shared + 1000 + i * unique: shared + 1000 + (i + 1) * unique], output_len)
+        BenchRequest(i, system + tokens[shared + 1000 + i * unique : shared + 1000 + (i + 1) * unique], output_len)
         for i in range(num_requests)
     ]
-    out: dict[str, Any] = {"workload": {"requests": num_requests, "prompt_len": prompt_len,
-                                        "shared_prefix_tokens": shared, "output_len": output_len}}
+    out: dict[str, Any] = {
+        "workload": {
+            "requests": num_requests,
+            "prompt_len": prompt_len,
+            "shared_prefix_tokens": shared,
+            "output_len": output_len,
+        }
+    }
     for mode in (False, True):
         engine.configure(prefix_caching=mode)
         engine.reset_prefix_cache()
@@ -126,14 +137,20 @@ def int4_group_size(engine) -> int:
     return min(fit(cfg.hidden_size, int(wanted)), fit(cfg.intermediate_size, int(wanted)))
 
 
-def quant_scenario(engine, *, output_len: int = 128, weight_bytes: dict[str, float] | None = None,
-                   hf_path: str | None = None) -> dict:
+def quant_scenario(
+    engine, *, output_len: int = 128, weight_bytes: dict[str, float] | None = None, hf_path: str | None = None
+) -> dict:
     """Single-stream decode with each weight format; `hf_path` (a Hugging Face folder with the same
     weights) adds transformers' quantised path as the peer under "hf"."""
     tokens = _prompt_tokens(engine)
     request = BenchRequest(0, tokens[:32], output_len)
-    out: dict[str, Any] = {"workload": {"prompt_tokens": request.prompt_len, "max_tokens": output_len,
-                                        "int4_group_size": int4_group_size(engine)}}
+    out: dict[str, Any] = {
+        "workload": {
+            "prompt_tokens": request.prompt_len,
+            "max_tokens": output_len,
+            "int4_group_size": int4_group_size(engine),
+        }
+    }
     for mode in QUANT_MODES:
         engine.configure(quantization=mode)
         _serve_one(engine, BenchRequest(-1, tokens[:8], 4))  # warm the new layout
@@ -144,17 +161,33 @@ def quant_scenario(engine, *, output_len: int = 128, weight_bytes: dict[str, flo
     out["int4_vs_bf16"] = out["int4"]["decode_tok_s"] / base
     out["targets"] = {"int8_vs_bf16": TARGETS["int8_vs_bf16"], "int4_vs_bf16": TARGETS["int4_vs_bf16"]}
     if hf_path is not None:
-        hf = hf_quant_peer(hf_path, request.prompt_token_ids, output_len, dtype=engine.engine.dtype,
-                           device=engine.engine.device, group_size=out["workload"]["int4_group_size"])
+        hf = hf_quant_peer(
+            hf_path,
+            request.prompt_token_ids,
+            output_len,
+            dtype=engine.engine.dtype,
+            device=engine.engine.device,
+            group_size=out["workload"]["int4_group_size"],
+        )
         out["hf"] = hf
         # ours against the peer, mode by mode (decode tok/s); None where the peer failed
-        out["vs_hf"] = {m: out[m]["decode_tok_s"] / hf[m]["decode_tok_s"] if hf[m].get("decode_tok_s") else None
-                        for m in QUANT_MODES}
+        out["vs_hf"] = {
+            m: out[m]["decode_tok_s"] / hf[m]["decode_tok_s"] if hf[m].get("decode_tok_s") else None
+            for m in QUANT_MODES
+        }
     return out
 
 
-def hf_quant_peer(path: str, ids: list[int], output_len: int, *, dtype, device="cpu", group_size: int = 128,
-                  records: dict[str, RequestRecord] | None = None) -> dict:
+def hf_quant_peer(
+    path: str,
+    ids: list[int],
+    output_len: int,
+    *,
+    dtype,
+    device="cpu",
+    group_size: int = 128,
+    records: dict[str, RequestRecord] | None = None,
+) -> dict:
     """transformers' own quantised path on the same weights: the model loaded with no quantisation,
     then with `TorchAoConfig` int8 and int4 weight-only, each timed on one greedy, EOS-free stream
     of `output_len` tokens after `ids` (a streamer clocks every token, as for the hf_* peers).
@@ -162,8 +195,12 @@ def hf_quant_peer(path: str, ids: list[int], output_len: int, *, dtype, device="
     mode's RequestRecord (its tokens)."""
     from .peers import TORCHAO_NOTE, generate_batch, load_hf_model, torchao_config
 
-    res: dict[str, Any] = {"backend": "transformers TorchAoConfig", "versions": _versions("transformers", "torchao"),
-                           "configs": TORCHAO_NOTE, "group_size": group_size}
+    res: dict[str, Any] = {
+        "backend": "transformers TorchAoConfig",
+        "versions": _versions("transformers", "torchao"),
+        "configs": TORCHAO_NOTE,
+        "group_size": group_size,
+    }
     request = BenchRequest(0, list(ids), output_len)
     warm = BenchRequest(-1, list(ids[:8]), 4)
     for mode in QUANT_MODES:
@@ -252,8 +289,9 @@ def _hf_prompt_lookup(model, ids: list[int], output_len: int, k: int) -> dict:
         with torch.inference_mode():
             model.generate(x[:, :16], max_new_tokens=4, do_sample=False, **extra)  # warm-up
             start = time.monotonic()
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=output_len,
-                                 do_sample=False, **extra)
+            out = model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=output_len, do_sample=False, **extra
+            )
             elapsed = time.monotonic() - start
         n = out.shape[1] - len(ids)
         res[name] = {"end_to_end_tok_s": n / elapsed, "tokens": n}
@@ -261,8 +299,7 @@ def _hf_prompt_lookup(model, ids: list[int], output_len: int, k: int) -> dict:
     return res
 
 
-def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, output_len: int = 800,
-                   **settings) -> dict:
+def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, output_len: int = 800, **settings) -> dict:
     """The `stall` scenario on its own engine process and an HTTP front attached to it (both
     started and stopped here): a stream through each, while the attacks of `STALL_ATTACKS` run one
     after another."""
@@ -285,11 +322,20 @@ def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, outp
         tokens = min(output_len, context - 8)
         times: dict[str, list[float]] = {"python_stream": [], "http_stream": []}
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        body = {"prompt": [1, 2, 3, 4], "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                "return_token_ids": True}
+        body = {
+            "prompt": [1, 2, 3, 4],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
         streams = [
-            threading.Thread(target=lambda: times["python_stream"].extend(
-                time.monotonic() for _ in eng.stream(prompt_token_ids=[1, 2, 3, 4], params=params, timeout=600))),
+            threading.Thread(
+                target=lambda: times["python_stream"].extend(
+                    time.monotonic() for _ in eng.stream(prompt_token_ids=[1, 2, 3, 4], params=params, timeout=600)
+                )
+            ),
             threading.Thread(target=_sse_times, args=(url, body, times["http_stream"])),
         ]
         for t in streams:
@@ -306,10 +352,20 @@ def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, outp
         with EngineClient.connect(eng.name, timeout=30) as other, httpx.Client(timeout=600) as http:
             attacks = {
                 "python_text": (oversized, lambda: other.generate(huge, SamplingParams(max_tokens=1), timeout=600)),
-                "http_text": (oversized, lambda: _refused(http.post(
-                    url + "/v1/completions", content=huge_body, headers={"content-type": "application/json"}))),
-                "http_token_ids": (oversized, lambda: _refused(http.post(
-                    url + "/v1/completions", content=ids, headers={"content-type": "application/json"}))),
+                "http_text": (
+                    oversized,
+                    lambda: _refused(
+                        http.post(
+                            url + "/v1/completions", content=huge_body, headers={"content-type": "application/json"}
+                        )
+                    ),
+                ),
+                "http_token_ids": (
+                    oversized,
+                    lambda: _refused(
+                        http.post(url + "/v1/completions", content=ids, headers={"content-type": "application/json"})
+                    ),
+                ),
                 "near_bound": (near_bound, lambda: other.generate(near, SamplingParams(max_tokens=1), timeout=600)),
             }
             for name, (count, send) in attacks.items():
@@ -335,19 +391,34 @@ def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, outp
     itl = {k: percentile([b - a for a, b in zip(v, v[1:])], 50) for k, v in times.items()}
     attacks_out, worst_ratio = {}, 0.0
     for name, (start, end, refusals) in windows.items():
-        worst = {k: max((b - a for a, b in zip(v, v[1:]) if b >= start and a <= end), default=0.0)
-                 for k, v in times.items()}
+        worst = {
+            k: max((b - a for a, b in zip(v, v[1:]) if b >= start and a <= end), default=0.0) for k, v in times.items()
+        }
         ratio = max((worst[k] / itl[k] for k in worst if itl[k]), default=0.0)
         worst_ratio = max(worst_ratio, ratio)
-        attacks_out[name] = {"prompts": len(refusals), "errors": errors[name],
-                             "refusal_ms": {"p50": percentile(refusals, 50) * 1e3, "max": max(refusals) * 1e3},
-                             "worst_gap_ms": {k: v * 1e3 for k, v in worst.items()}, "worst_gap_vs_itl": ratio}
-    return {"engine": engine,
-            "workload": {"stream_tokens": {k: len(v) for k, v in times.items()}, "context": context,
-                         "oversized_prompts": oversized, "oversized_chars": len(huge), "token_id_body_bytes": len(ids),
-                         "near_bound_prompts": near_bound, "near_bound_chars": len(near)},
-            "itl_p50_ms": {k: v * 1e3 for k, v in itl.items()}, "attacks": attacks_out,
-            "worst_gap_vs_itl": worst_ratio, "target_at_most": TARGETS_AT_MOST["stall_worst_gap_vs_itl"]}
+        attacks_out[name] = {
+            "prompts": len(refusals),
+            "errors": errors[name],
+            "refusal_ms": {"p50": percentile(refusals, 50) * 1e3, "max": max(refusals) * 1e3},
+            "worst_gap_ms": {k: v * 1e3 for k, v in worst.items()},
+            "worst_gap_vs_itl": ratio,
+        }
+    return {
+        "engine": engine,
+        "workload": {
+            "stream_tokens": {k: len(v) for k, v in times.items()},
+            "context": context,
+            "oversized_prompts": oversized,
+            "oversized_chars": len(huge),
+            "token_id_body_bytes": len(ids),
+            "near_bound_prompts": near_bound,
+            "near_bound_chars": len(near),
+        },
+        "itl_p50_ms": {k: v * 1e3 for k, v in itl.items()},
+        "attacks": attacks_out,
+        "worst_gap_vs_itl": worst_ratio,
+        "target_at_most": TARGETS_AT_MOST["stall_worst_gap_vs_itl"],
+    }
 
 
 def _attached_front(name: str, model) -> tuple:
@@ -361,8 +432,17 @@ def _attached_front(name: str, model) -> tuple:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "workbench.http", "--attach", name, "--http", f"127.0.0.1:{port}",
-           "--http-log-level", "warning"] + ([] if model is None else ["--model", str(model)])
+    cmd = [
+        sys.executable,
+        "-m",
+        "workbench.http",
+        "--attach",
+        name,
+        "--http",
+        f"127.0.0.1:{port}",
+        "--http-log-level",
+        "warning",
+    ] + ([] if model is None else ["--model", str(model)])
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -425,10 +505,15 @@ def _ratios(out: dict) -> dict[str, float | None]:
 
 def _targets(ratios: dict) -> list[dict]:
     """Each target the run measured, in the bench report's shape."""
-    return [{"name": k, "value": ratios[k], "target": t, "met": ratios[k] >= t}
-            for k, t in TARGETS.items() if isinstance(ratios.get(k), (int, float))] + [
+    return [
+        {"name": k, "value": ratios[k], "target": t, "met": ratios[k] >= t}
+        for k, t in TARGETS.items()
+        if isinstance(ratios.get(k), (int, float))
+    ] + [
         {"name": k, "value": ratios[k], "target_at_most": t, "met": ratios[k] <= t}
-        for k, t in TARGETS_AT_MOST.items() if isinstance(ratios.get(k), (int, float))]
+        for k, t in TARGETS_AT_MOST.items()
+        if isinstance(ratios.get(k), (int, float))
+    ]
 
 
 @record_scenarios  # recorded in the run log (workbench/runs/); record=False / run_log=PATH per call
@@ -447,8 +532,9 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
     engine = LLM(model, **settings) if any(n != "stall" for n in names) else None
     out: dict[str, Any] = {"scenarios": names, "quick": quick, "with_peers": with_peers, "argv": sys.argv[1:]}
     if engine is not None:
-        out.update(model=engine.engine.model_name, settings=engine.settings(),
-                   engine_status=_described(engine.status()))
+        out.update(
+            model=engine.engine.model_name, settings=engine.settings(), engine_status=_described(engine.status())
+        )
     hf_path = engine.engine.model_config.path if with_peers and engine is not None else None
     for name in names:
         size = QUICK[name] if quick else {}
@@ -471,5 +557,12 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
     return out
 
 
-__all__ = ["SCENARIOS", "run_scenarios", "prefix_scenario", "quant_scenario", "spec_scenario", "stall_scenario",
-           "hf_quant_peer"]
+__all__ = [
+    "SCENARIOS",
+    "run_scenarios",
+    "prefix_scenario",
+    "quant_scenario",
+    "spec_scenario",
+    "stall_scenario",
+    "hf_quant_peer",
+]

@@ -50,9 +50,14 @@ class RunningPeer:
         self.peer = peer
         self._err = tempfile.TemporaryFile()
         log(f"{peer.name}: {' '.join(peer.command)}")
-        self.proc = subprocess.Popen(peer.command, stdout=self._err, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env={**os.environ, **peer.env},
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            peer.command,
+            stdout=self._err,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **peer.env},
+            start_new_session=True,
+        )
         self.started = time.monotonic()
         try:
             self._wait_ready()
@@ -72,8 +77,9 @@ class RunningPeer:
         deadline = time.monotonic() + p.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {self.proc.returncode} before it was ready: "
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{p.name} exited with {self.proc.returncode} before it was ready: {self.log_tail()}"
+                )
             try:
                 if httpx.get(p.url + p.health_path, timeout=2.0).status_code == 200:
                     return
@@ -101,8 +107,9 @@ class RunningPeer:
         self.stop()
 
 
-def serve_workloads(peer: ServerPeer, workloads: dict[str, Workload], *, progress=None,
-                    log: Callable[[str], None] = lambda msg: None) -> tuple[dict[str, dict], dict]:
+def serve_workloads(
+    peer: ServerPeer, workloads: dict[str, Workload], *, progress=None, log: Callable[[str], None] = lambda msg: None
+) -> tuple[dict[str, dict], dict]:
     """Start `peer`, serve each named workload in turn through the endpoint driver, stop it;
     returns ({name: summary}, how it was run). `progress(name, total)` makes a bar per workload."""
     from ..remote import RemoteEngineClient
@@ -122,6 +129,11 @@ def serve_workloads(peer: ServerPeer, workloads: dict[str, Workload], *, progres
                 if bar is not None:
                     bar.close()
             summaries[name] = endpoint_summary(served, start)
-        how = {"command": peer.command, "env": peer.env, "startup_s": round(running.startup_s, 1),
-               "server": client.kind, "timing": "client-side over loopback"}
+        how = {
+            "command": peer.command,
+            "env": peer.env,
+            "startup_s": round(running.startup_s, 1),
+            "server": client.kind,
+            "timing": "client-side over loopback",
+        }
     return summaries, how

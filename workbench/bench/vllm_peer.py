@@ -45,8 +45,13 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
     """The Python of a venv that imports vllm, or None (an explicit path that is not one raises)."""
     for candidate in (explicit, os.environ.get(ENV_PYTHON), str(REPO_VENV)):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            found = subprocess.run([candidate, "-c", "import importlib.util as u, sys; "
-                                    "sys.exit(u.find_spec('vllm') is None)"], capture_output=True).returncode == 0
+            found = (
+                subprocess.run(
+                    [candidate, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"],
+                    capture_output=True,
+                ).returncode
+                == 0
+            )
             if found:
                 return str(candidate)
             if candidate == explicit:
@@ -59,34 +64,86 @@ def find_vllm_python(explicit: str | None = None) -> str | None:
 def vllm_env(threads: int) -> dict[str, str]:
     """vLLM's CPU backend: its KV cache size and its OpenMP threads, bound to this process's cores."""
     cores = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else list(range(threads))
-    return {**_OFFLINE, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+    return {
+        **_OFFLINE,
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+    }
 
 
-def vllm_server(python: str, hf_dir: str, *, name: str, max_num_seqs: int, max_model_len: int, threads: int,
-                extra: list[str] | None = None) -> ServerPeer:
+def vllm_server(
+    python: str,
+    hf_dir: str,
+    *,
+    name: str,
+    max_num_seqs: int,
+    max_model_len: int,
+    threads: int,
+    extra: list[str] | None = None,
+) -> ServerPeer:
     """The command that serves `hf_dir` as `name` on a free loopback port (bf16, as ours)."""
     port = free_port()
-    cmd = [python, "-m", _SERVER, "--model", hf_dir, "--served-model-name", name, "--dtype", "bfloat16",
-           "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
-           "--port", str(port), "--uvicorn-log-level", "warning", *(extra or [])]
+    cmd = [
+        python,
+        "-m",
+        _SERVER,
+        "--model",
+        hf_dir,
+        "--served-model-name",
+        name,
+        "--dtype",
+        "bfloat16",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-model-len",
+        str(max_model_len),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--uvicorn-log-level",
+        "warning",
+        *(extra or []),
+    ]
     return ServerPeer("vllm", cmd, port, env=vllm_env(threads), startup_timeout=STARTUP_TIMEOUT_S)
 
 
-def run_vllm_server(python: str, hf_dir: str, workloads: dict[str, Workload], *, threads: int,
-                    max_num_seqs: int = 64, progress=None, log=lambda msg: None) -> tuple[dict[str, dict], dict]:
+def run_vllm_server(
+    python: str,
+    hf_dir: str,
+    workloads: dict[str, Workload],
+    *,
+    threads: int,
+    max_num_seqs: int = 64,
+    progress=None,
+    log=lambda msg: None,
+) -> tuple[dict[str, dict], dict]:
     """Serve each named workload in turn on one fresh vLLM server; ({name: summary}, how it ran)."""
     longest = max(r.prompt_len + r.max_tokens for w in workloads.values() for r in w.requests)
-    peer = vllm_server(python, hf_dir, name=Path(hf_dir).name, max_num_seqs=max_num_seqs,
-                       max_model_len=max(2048, longest + 16), threads=threads)
+    peer = vllm_server(
+        python,
+        hf_dir,
+        name=Path(hf_dir).name,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max(2048, longest + 16),
+        threads=threads,
+    )
     summaries, how = serve_workloads(peer, workloads, progress=progress, log=log)
     return summaries, {**how, "python": python, "version": vllm_version(python)}
 
 
 def vllm_version(python: str) -> str | None:
-    out = subprocess.run([python, "-c", "import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n try:\n"
-                          "  print(m.version(d)); break\n except m.PackageNotFoundError: pass"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            python,
+            "-c",
+            "import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n try:\n"
+            "  print(m.version(d)); break\n except m.PackageNotFoundError: pass",
+        ],
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip() or None
 
 
@@ -99,29 +156,84 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def run_vllm_client(python: str, url: str, *, model: str, tokenizer: str, num_prompts: int = 64,
-                    input_len: int = 256, output_len: int = 128, request_rate: float | None = 2.0,
-                    seed: int = 0, timeout: float = 3600.0) -> dict:
+def run_vllm_client(
+    python: str,
+    url: str,
+    *,
+    model: str,
+    tokenizer: str,
+    num_prompts: int = 64,
+    input_len: int = 256,
+    output_len: int = 128,
+    request_rate: float | None = 2.0,
+    seed: int = 0,
+    timeout: float = 3600.0,
+) -> dict:
     """vLLM's own benchmark client (`vllm bench serve`, random dataset, EOS ignored) against the
     OpenAI-compatible server at `url`; returns its result JSON (`output_throughput`,
     `median_ttft_ms`, `median_tpot_ms`, ...). `request_rate=None`: every prompt at once."""
     with tempfile.TemporaryDirectory(prefix="vllm-client-") as out:
-        args = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-                "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
-                "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--ignore-eos",
-                "--request-rate", "inf" if request_rate is None else str(request_rate), "--seed", str(seed),
-                "--save-result", "--result-dir", out, "--result-filename", "result.json"]
-        done = subprocess.run([python, "-c", _CLIENT, *args], capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **_OFFLINE})
+        args = [
+            "--backend",
+            "openai",
+            "--base-url",
+            url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            model,
+            "--tokenizer",
+            tokenizer,
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(input_len),
+            "--random-output-len",
+            str(output_len),
+            "--num-prompts",
+            str(num_prompts),
+            "--ignore-eos",
+            "--request-rate",
+            "inf" if request_rate is None else str(request_rate),
+            "--seed",
+            str(seed),
+            "--save-result",
+            "--result-dir",
+            out,
+            "--result-filename",
+            "result.json",
+        ]
+        done = subprocess.run(
+            [python, "-c", _CLIENT, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **_OFFLINE},
+        )
         result = Path(out) / "result.json"
         if done.returncode != 0 or not result.exists():
             raise RuntimeError(f"vLLM's client failed ({done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
         data = json.loads(result.read_text())
-    keep = ("completed", "duration", "output_throughput", "total_token_throughput", "request_throughput",
-            "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
-            "p99_itl_ms")
-    return {k: data[k] for k in keep if k in data} | {"request_rate": request_rate, "num_prompts": num_prompts,
-                                                       "input_len": input_len, "output_len": output_len}
+    keep = (
+        "completed",
+        "duration",
+        "output_throughput",
+        "total_token_throughput",
+        "request_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+    )
+    return {k: data[k] for k in keep if k in data} | {
+        "request_rate": request_rate,
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+    }
 
 
 def workbench_http_server(model, settings: dict, *, name: str) -> ServerPeer:
@@ -129,8 +241,18 @@ def workbench_http_server(model, settings: dict, *, name: str) -> ServerPeer:
     from ..settings import setting_names
 
     port = free_port()
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--http", f"127.0.0.1:{port}", "--name", name,
-           "--http-log-level", "warning"] + ([] if model is None else ["--model", str(model)])
+    cmd = [
+        sys.executable,
+        "-m",
+        "workbench.cli",
+        "serve",
+        "--http",
+        f"127.0.0.1:{port}",
+        "--name",
+        name,
+        "--http-log-level",
+        "warning",
+    ] + ([] if model is None else ["--model", str(model)])
     for key, value in settings.items():
         if key in setting_names():
             cmd += [f"--{key.replace('_', '-')}", "None" if value is None else str(value)]

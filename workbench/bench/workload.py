@@ -153,17 +153,33 @@ def make_workload(
         t = 0.0
         for i in range(1, num_requests):
             # bursty: gamma gaps with the same mean, so requests come in clumps with lulls between
-            t += (rng.expovariate(rate) if arrival == "poisson"
-                  else rng.gammavariate(BURSTY_SHAPE, 1 / (BURSTY_SHAPE * rate)))
+            t += (
+                rng.expovariate(rate)
+                if arrival == "poisson"
+                else rng.gammavariate(BURSTY_SHAPE, 1 / (BURSTY_SHAPE * rate))
+            )
             arrivals[i] = t
 
     reqs = [BenchRequest(i, p, o, a) for i, (p, o, a) in enumerate(zip(prompts, outputs, arrivals))]
-    return Workload(reqs, seed, arrival, rate if arrival in ("poisson", "bursty") else None, source,
-                    tuple(prompt_len), tuple(output_len))
+    return Workload(
+        reqs,
+        seed,
+        arrival,
+        rate if arrival in ("poisson", "bursty") else None,
+        source,
+        tuple(prompt_len),
+        tuple(output_len),
+    )
 
 
-def single_stream_request(workload_tokens: list[int] | None, *, vocab_size: int | None = None,
-                          prompt_len: int = 64, max_tokens: int = 256, seed: int = 0) -> BenchRequest:
+def single_stream_request(
+    workload_tokens: list[int] | None,
+    *,
+    vocab_size: int | None = None,
+    prompt_len: int = 64,
+    max_tokens: int = 256,
+    seed: int = 0,
+) -> BenchRequest:
     """The one request of the single-stream decode scenario: a short prompt, long output."""
     if workload_tokens:
         ids = list(workload_tokens[-prompt_len:])  # the end of the text: unlikely to be a workload prefix

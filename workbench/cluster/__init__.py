@@ -50,10 +50,21 @@ def _ray(local: bool):
     return ray
 
 
-def start(replicas: int = 2, address: str | None = None, name: str | None = None, router: str = "least_loaded",
-          model=None, *, num_cpus: float = 1, num_gpus: float = 0, restart: bool = False,
-          host: str | None = None, timeout: float = 600.0, ray_init: dict[str, Any] | None = None,
-          **settings: Any) -> ClusterEngine:
+def start(
+    replicas: int = 2,
+    address: str | None = None,
+    name: str | None = None,
+    router: str = "least_loaded",
+    model=None,
+    *,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    restart: bool = False,
+    host: str | None = None,
+    timeout: float = 600.0,
+    ray_init: dict[str, Any] | None = None,
+    **settings: Any,
+) -> ClusterEngine:
     """Start `replicas` engine replicas on Ray and return the `workbench.Engine` in front of them.
 
     address: None starts a local Ray cluster; "auto" or "HOST:PORT" joins one (a Ray already
@@ -91,10 +102,12 @@ def start(replicas: int = 2, address: str | None = None, name: str | None = None
     Actor = ray.remote(ReplicaServer)
 
     def spawn_actor(index: int):
-        return Actor.options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                 pg, placement_group_bundle_index=index)).remote(
-            f"{name}-r{index}", model, settings, host)
+        return Actor.options(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        ).remote(f"{name}-r{index}", model, settings, host)
 
     def connect(actor, index: int) -> Replica:
         info = ray.get(actor.info.remote(), timeout=timeout)
@@ -120,7 +133,8 @@ def start(replicas: int = 2, address: str | None = None, name: str | None = None
         except Exception:  # the actor (or its node) is gone: a new one, where Ray puts the bundle now
             return connect(spawn_actor(old.bundle), old.bundle)
 
-    engine = ClusterEngine(name, built, router=router, owned=True, placement_group=pg, ray_owned=ray_owned,
-                           restart=restart, spawn=respawn)
+    engine = ClusterEngine(
+        name, built, router=router, owned=True, placement_group=pg, ray_owned=ray_owned, restart=restart, spawn=respawn
+    )
     write_cluster_file(engine, address)
     return engine

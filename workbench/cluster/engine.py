@@ -37,8 +37,15 @@ log = logging.getLogger("workbench.cluster")
 _handles = closed_at_exit()
 
 # metrics() fields summed over replicas (counts and rates); the others are each replica's worst
-ADDITIVE = ("output_tok_s", "num_waiting", "num_running", "kv_blocks_used", "kv_blocks_total", "process_cpu_cores",
-            "process_rss_mb")
+ADDITIVE = (
+    "output_tok_s",
+    "num_waiting",
+    "num_running",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "process_cpu_cores",
+    "process_rss_mb",
+)
 
 
 @dataclass
@@ -53,10 +60,17 @@ class Replica:
 
     def row(self, stats: dict) -> dict:
         s = stats.get(self.name, {})
-        return {"name": self.name, "node": self.info.get("node_ip"), "node_id": self.info.get("node_id"),
-                "pid": self.info.get("pid"), "alive": self.alive and self.client.alive, "served": s.get("served", 0),
-                "in_flight": s.get("in_flight", 0), "queued_tokens": s.get("queued_tokens", 0),
-                "restarts": self.restarts}
+        return {
+            "name": self.name,
+            "node": self.info.get("node_ip"),
+            "node_id": self.info.get("node_id"),
+            "pid": self.info.get("pid"),
+            "alive": self.alive and self.client.alive,
+            "served": s.get("served", 0),
+            "in_flight": s.get("in_flight", 0),
+            "queued_tokens": s.get("queued_tokens", 0),
+            "restarts": self.restarts,
+        }
 
 
 @dataclass
@@ -73,8 +87,18 @@ class _Flight:
 
 
 class ClusterEngine(Engine):
-    def __init__(self, name: str, replicas: list[Replica], *, router: str = "least_loaded", owned: bool = True,
-                 placement_group=None, ray_owned: bool = False, restart: bool = False, spawn=None):
+    def __init__(
+        self,
+        name: str,
+        replicas: list[Replica],
+        *,
+        router: str = "least_loaded",
+        owned: bool = True,
+        placement_group=None,
+        ray_owned: bool = False,
+        restart: bool = False,
+        spawn=None,
+    ):
         self.name = name
         self._lock = threading.RLock()
         self._subs: list[EventSubscription] = []
@@ -133,15 +157,20 @@ class ClusterEngine(Engine):
         rec = self.recorder
         with self._lock:
             for s in tl.steps:
-                ev = msgspec.structs.replace(s, seq=rec.next_seq(), start=s.start - offset, end=s.end - offset,
-                                             replica=replica)
+                ev = msgspec.structs.replace(
+                    s, seq=rec.next_seq(), start=s.start - offset, end=s.end - offset, replica=replica
+                )
                 rec.steps.append(ev)
             for q in tl.requests:
-                rec.requests.append(msgspec.structs.replace(q, seq=rec.next_seq(), time=q.time - offset,
-                                                            replica=replica))
+                rec.requests.append(
+                    msgspec.structs.replace(q, seq=rec.next_seq(), time=q.time - offset, replica=replica)
+                )
             for c in tl.changes:
-                rec.changes.append(msgspec.structs.replace(c, seq=rec.next_seq(), start=c.start - offset,
-                                                           end=c.end - offset, replica=replica))
+                rec.changes.append(
+                    msgspec.structs.replace(
+                        c, seq=rec.next_seq(), start=c.start - offset, end=c.end - offset, replica=replica
+                    )
+                )
 
     def _publish(self, kind: str, data: Any) -> None:
         with self._lock:
@@ -164,8 +193,9 @@ class ClusterEngine(Engine):
         return sub
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, batch, sink, *, chat: bool = False, stream: bool = False,
-               into: list[str] | None = None) -> list[str]:
+    def submit(
+        self, batch, sink, *, chat: bool = False, stream: bool = False, into: list[str] | None = None
+    ) -> list[str]:
         rids = [secrets.token_hex(6) for _ in batch]
         if into is not None:
             into.extend(rids)
@@ -186,8 +216,13 @@ class ClusterEngine(Engine):
                 self._flights[rid] = flight
                 self.recorder.add_request(time.monotonic(), rid, "routed", why, label=None).replica = name
             try:
-                self._replicas[name].client.submit([flight.item], lambda item, rid=rid: self._on_item(rid, item),
-                                                   chat=flight.chat, stream=True, ids=[rid])
+                self._replicas[name].client.submit(
+                    [flight.item],
+                    lambda item, rid=rid: self._on_item(rid, item),
+                    chat=flight.chat,
+                    stream=True,
+                    ids=[rid],
+                )
                 return
             except (EngineDeadError, WorkbenchIPCError) as e:  # gone before it was sent: the next replica
                 self._replica_down(name, e)
@@ -206,11 +241,15 @@ class ClusterEngine(Engine):
                     try:
                         return self._send(rid, flight)
                     except RuntimeError as e:
-                        item = EngineDeadError(f"request {rid}: replica {flight.replica} failed ({item}) and no "
-                                               f"other replica can take it ({e})")
+                        item = EngineDeadError(
+                            f"request {rid}: replica {flight.replica} failed ({item}) and no "
+                            f"other replica can take it ({e})"
+                        )
                 else:
-                    item = EngineDeadError(f"request {rid}: replica {flight.replica} failed while serving it, after "
-                                           f"its first tokens ({item}); the other replicas go on")
+                    item = EngineDeadError(
+                        f"request {rid}: replica {flight.replica} failed while serving it, after "
+                        f"its first tokens ({item}); the other replicas go on"
+                    )
             with self._lock:
                 self._flights.pop(rid, None)
             return deliver(flight.sink, item)
@@ -326,8 +365,14 @@ class ClusterEngine(Engine):
         and every replica."""
         first = self._live()[0].client.status()
         self._follow_shared_policy()
-        return {**first, "cluster": self.name, "router": self.router.policy, "routers": list(POLICIES),
-                "replicas": self.replicas(), "num_replicas": len(self._replicas)}
+        return {
+            **first,
+            "cluster": self.name,
+            "router": self.router.policy,
+            "routers": list(POLICIES),
+            "replicas": self.replicas(),
+            "num_replicas": len(self._replicas),
+        }
 
     def timeline(self, since: int | None = None) -> Timeline:
         with self._lock:
@@ -466,9 +511,14 @@ def _cluster_file(name: str):
 def write_cluster_file(engine: ClusterEngine, ray_address: str | None) -> None:
     path = _cluster_file(engine.name)
     first = next(iter(engine._replicas.values()))
-    data = {"name": engine.name, "router": engine.router.policy, "ray_address": ray_address,
-            "owner_pid": os.getpid(), "model": (first.client.engine_info or {}).get("model"),
-            "replicas": [r.info for r in engine._replicas.values()]}
+    data = {
+        "name": engine.name,
+        "router": engine.router.policy,
+        "ray_address": ray_address,
+        "owner_pid": os.getpid(),
+        "model": (first.client.engine_info or {}).get("model"),
+        "replicas": [r.info for r in engine._replicas.values()],
+    }
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the replicas' CURVE keys
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
@@ -492,8 +542,11 @@ def list_clusters() -> list[dict]:
     """The clusters started on this machine whose owner still runs (their files, with `path`)."""
     from ..ipc import connection as conn
 
-    return [{**data, "path": str(path)} for path, data in conn.runtime_json("cluster-*.json")
-            if conn.pid_alive(int(data.get("owner_pid") or 0))]
+    return [
+        {**data, "path": str(path)}
+        for path, data in conn.runtime_json("cluster-*.json")
+        if conn.pid_alive(int(data.get("owner_pid") or 0))
+    ]
 
 
 def _remove_cluster_file(name: str) -> None:
@@ -512,8 +565,11 @@ def attach(name: str, timeout: float = 10.0) -> ClusterEngine:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"no cluster named {name!r} is running here ({path} is missing); start one with "
-                                "workbench.cluster.start(name=...)") from None
-    replicas = [Replica(info["name"], EngineClient(connection_of(info), timeout=timeout), info)
-                for info in data["replicas"]]
+        raise FileNotFoundError(
+            f"no cluster named {name!r} is running here ({path} is missing); start one with "
+            "workbench.cluster.start(name=...)"
+        ) from None
+    replicas = [
+        Replica(info["name"], EngineClient(connection_of(info), timeout=timeout), info) for info in data["replicas"]
+    ]
     return ClusterEngine(name, replicas, router=data.get("router", "least_loaded"), owned=False)

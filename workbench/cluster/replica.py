@@ -18,8 +18,14 @@ from typing import Any
 class ReplicaServer:
     """The actor's class (wrapped by `ray.remote` in `workbench.cluster`)."""
 
-    def __init__(self, name: str, model, settings: dict[str, Any], host: str | None = None,
-                 engine_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        name: str,
+        model,
+        settings: dict[str, Any],
+        host: str | None = None,
+        engine_options: dict[str, Any] | None = None,
+    ):
         self.name = name
         self.model = model
         self.settings = dict(settings)
@@ -36,8 +42,9 @@ class ReplicaServer:
 
         host = self.host or ray.util.get_node_ip_address()
         # Ray sets OMP_NUM_THREADS to the actor's CPUs: the engine process inherits it
-        self.client = start_engine(self.model, name=self.name, transport="tcp", host=host, **self.engine_options,
-                                   **self.settings)
+        self.client = start_engine(
+            self.model, name=self.name, transport="tcp", host=host, **self.engine_options, **self.settings
+        )
         self.started = time.time()
 
     def info(self) -> dict[str, Any]:
@@ -45,9 +52,15 @@ class ReplicaServer:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"name": self.name, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "actor_pid": os.getpid(), "pid": self.client.pid, "connection": self.client.info.to_json(),
-                "started": self.started}
+        return {
+            "name": self.name,
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "actor_pid": os.getpid(),
+            "pid": self.client.pid,
+            "connection": self.client.info.to_json(),
+            "started": self.started,
+        }
 
     def alive(self) -> bool:
         return self.client is not None and self.client.alive

@@ -78,14 +78,22 @@ class Router:
         return [n for n, ok in self._alive.items() if ok]
 
     # -- routing ------------------------------------------------------------------------------
-    def route(self, prompt, prompt_tokens: int, max_tokens: int, *, exclude: set[str] = frozenset(),
-              request_id: str | None = None) -> tuple[str, str]:
+    def route(
+        self,
+        prompt,
+        prompt_tokens: int,
+        max_tokens: int,
+        *,
+        exclude: set[str] = frozenset(),
+        request_id: str | None = None,
+    ) -> tuple[str, str]:
         """(replica, why) for a request; `exclude`: replicas not to use (a failed attempt's)."""
         with self._lock:
             live = [n for n in self.live() if n not in exclude]
             if not live:
-                raise RuntimeError("no live replica to route to" + (f" (excluded: {', '.join(sorted(exclude))})"
-                                                                     if exclude else ""))
+                raise RuntimeError(
+                    "no live replica to route to" + (f" (excluded: {', '.join(sorted(exclude))})" if exclude else "")
+                )
             if self.policy == "round_robin":
                 name, why = live[next(self._rr) % len(live)], "round_robin"
             elif self.policy == "least_loaded":
@@ -163,5 +171,13 @@ class Router:
     def stats(self) -> dict[str, dict]:
         """Per replica: alive, requests in flight, tokens still to compute, requests sent, by reason."""
         with self._lock:
-            return {n: {"alive": self._alive.get(n, False), "in_flight": ld.requests, "queued_tokens": ld.tokens,
-                        "served": ld.served, "by_policy": dict(ld.by_policy)} for n, ld in self._load.items()}
+            return {
+                n: {
+                    "alive": self._alive.get(n, False),
+                    "in_flight": ld.requests,
+                    "queued_tokens": ld.tokens,
+                    "served": ld.served,
+                    "by_policy": dict(ld.by_policy),
+                }
+                for n, ld in self._load.items()
+            }

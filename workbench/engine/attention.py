@@ -68,8 +68,9 @@ class AttentionBackend:
     """`scale`: the softmax scale (default 1/sqrt(head_dim); Gemma 3: query_pre_attn_scalar^-0.5).
     `windows`: per layer, the sliding window (0: full attention)."""
 
-    def __init__(self, name: str, ops, kv: KVCache, head_dim: int, scale: float | None = None,
-                 windows: list[int] | None = None):
+    def __init__(
+        self, name: str, ops, kv: KVCache, head_dim: int, scale: float | None = None, windows: list[int] | None = None
+    ):
         self.name = name
         self.ops = ops
         self.kv = kv
@@ -93,18 +94,41 @@ class AttentionBackend:
         nd = meta.num_decode
         if nd == q.shape[0]:
             return self.ops.decode_attention(
-                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale,
-                **window, **splits,
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                k_scale,
+                v_scale,
+                **window,
+                **splits,
             )
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self.ops.decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, k_scale, v_scale,
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                k_scale,
+                v_scale,
                 **window,
             )
         out[nd:] = self.ops.extend_attention(
-            q[nd:], k_cache, v_cache, meta.ext_block_tables, meta.ext_cu_seqlens_q, meta.ext_seq_lens,
-            self.scale, k_scale, v_scale, **window,
+            q[nd:],
+            k_cache,
+            v_cache,
+            meta.ext_block_tables,
+            meta.ext_cu_seqlens_q,
+            meta.ext_seq_lens,
+            self.scale,
+            k_scale,
+            v_scale,
+            **window,
         )
         return out
 
@@ -128,8 +152,15 @@ _TORCH_OPS = SimpleNamespace(
 )
 
 
-def make_backend(name: str, device: torch.device, cpu_kernels: bool, kv: KVCache, head_dim: int,
-                 scale: float | None = None, windows: list[int] | None = None) -> AttentionBackend:
+def make_backend(
+    name: str,
+    device: torch.device,
+    cpu_kernels: bool,
+    kv: KVCache,
+    head_dim: int,
+    scale: float | None = None,
+    windows: list[int] | None = None,
+) -> AttentionBackend:
     """The backend `attention_backend=name` selects here (see `backend_ops`)."""
     resolved, ops = backend_ops(name, device, cpu_kernels)
     cls = CpuKernelAttention if resolved == "cpu" else AttentionBackend

@@ -67,7 +67,7 @@ class BlockManager:
             return []
         hits, prev, bs = [], self.salt, self.block_size
         for i in range((len(seq) - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = self.chain_hash(prev, tokens)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -164,7 +164,7 @@ class BlockManager:
             return  # computed partly under other settings, or across a reset
         while seq.num_hashed_blocks < full:
             i = seq.num_hashed_blocks
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = self.chain_hash(chain[-1] if chain else self.salt, tokens)
             chain.append(h)
             block = self.blocks[seq.block_table[i]]

@@ -76,18 +76,21 @@ class DecodeInputs:
     n: int
 
 
-def pad_decode(ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], bucket: int,
-               max_blocks: int) -> DecodeInputs:
+def pad_decode(
+    ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], bucket: int, max_blocks: int
+) -> DecodeInputs:
     """The host-side tensors of a decode step of len(ids) sequences, padded to `bucket` rows and
     `max_blocks` table columns."""
     n = len(ids)
     if n > bucket or any(len(t) > max_blocks for t in tables):
-        raise ValueError(f"{n} sequences (widest table {max(map(len, tables), default=0)}) do not fit bucket "
-                         f"{bucket} x {max_blocks} blocks")
+        raise ValueError(
+            f"{n} sequences (widest table {max(map(len, tables), default=0)}) do not fit bucket "
+            f"{bucket} x {max_blocks} blocks"
+        )
     pad = bucket - n
     table = torch.zeros(bucket, max_blocks, dtype=torch.int32)
     for i, t in enumerate(tables):
-        table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     return DecodeInputs(
         input_ids=torch.tensor(ids + [0] * pad, dtype=torch.int64),
         positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),
@@ -111,12 +114,20 @@ class GraphRunner:
         pool = None
         for b in sorted(buckets, reverse=True):  # the largest first: the smaller ones fit in its pool
             static = pad_decode([0] * b, [0] * b, [-1] * b, [[0]] * b, b, max_blocks)
-            inputs = {k: getattr(static, k).to(dev) for k in ("input_ids", "positions", "slot_mapping",
-                                                             "block_tables", "seq_lens")}
-            meta = AttnMetadata(slot_mapping=inputs["slot_mapping"], num_decode=b,
-                                decode_block_tables=inputs["block_tables"], decode_seq_lens=inputs["seq_lens"],
-                                ext_cu_seqlens_q=None, ext_seq_lens=None, ext_block_tables=None,
-                                decode_num_splits=1)
+            inputs = {
+                k: getattr(static, k).to(dev)
+                for k in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens")
+            }
+            meta = AttnMetadata(
+                slot_mapping=inputs["slot_mapping"],
+                num_decode=b,
+                decode_block_tables=inputs["block_tables"],
+                decode_seq_lens=inputs["seq_lens"],
+                ext_cu_seqlens_q=None,
+                ext_seq_lens=None,
+                ext_block_tables=None,
+                decode_num_splits=1,
+            )
             model, backend = runner.model, runner.backend
             stream = torch.cuda.Stream(dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -135,4 +146,4 @@ class GraphRunner:
         for name, t in inputs.items():
             t.copy_(getattr(step, name), non_blocking=True)
         graph.replay()
-        return logits[:step.n]
+        return logits[: step.n]

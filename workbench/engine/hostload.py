@@ -33,8 +33,9 @@ class HostSampler:
         if self._last is not None and now - self._at < self.min_interval_s:
             return self._last
         if self._psutil is None:
-            self._last = dict.fromkeys(("process_cpu_cores", "host_cpu_percent", "host_cpus", "process_rss_mb",
-                                        "host_mem_percent"))
+            self._last = dict.fromkeys(
+                ("process_cpu_cores", "host_cpu_percent", "host_cpus", "process_rss_mb", "host_mem_percent")
+            )
         else:
             ps = self._psutil
             self._last = {

@@ -66,8 +66,9 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
         setattr(settings, name, value)
     if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
         # a new cache dtype re-lays out the storage: no block's contents survive it
-        engine.scheduler.set_prefix_caching(settings.prefix_caching and settings.kv_cache,
-                                            reset="kv_cache_dtype" in applied)
+        engine.scheduler.set_prefix_caching(
+            settings.prefix_caching and settings.kv_cache, reset="kv_cache_dtype" in applied
+        )
     engine.scheduler.set_kv_salt(kv_salt(settings))  # new weights or kernels: new KV values
     if "speculative" in applied or "num_speculative_tokens" in applied:
         engine.scheduler.clear_drafts()
@@ -76,20 +77,25 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
             engine.emit_event("relayout", {"setting": name, "value": value, "state": "done"})
     if applied:
         relayout = new_draft is not None or any(setting_kind(n) == RELAYOUT for n in applied)
-        engine.timeline.add_change(started, time.monotonic(), {k: [before[k], v] for k, v in applied.items()},
-                                   by=by, relayout=relayout)
+        engine.timeline.add_change(
+            started, time.monotonic(), {k: [before[k], v] for k, v in applied.items()}, by=by, relayout=relayout
+        )
         engine.emit_event("settings", {"changes": applied, "settings": settings.as_dict(), "by": by})
     return settings.as_dict()
 
 
 def check_moe_top_k(value: int, config, model_name: str) -> None:
     if not config.num_experts:
-        raise ValueError(f"invalid value {value!r} for setting 'moe_top_k': {model_name} is not a "
-                         "mixture-of-experts model; allowed: None")
+        raise ValueError(
+            f"invalid value {value!r} for setting 'moe_top_k': {model_name} is not a "
+            "mixture-of-experts model; allowed: None"
+        )
     if not 1 <= value <= config.num_experts:
-        raise ValueError(f"invalid value {value!r} for setting 'moe_top_k': allowed None or 1..{config.num_experts} "
-                         f"(this model has {config.num_experts} experts, {config.num_experts_per_tok} per token "
-                         "by default)")
+        raise ValueError(
+            f"invalid value {value!r} for setting 'moe_top_k': allowed None or 1..{config.num_experts} "
+            f"(this model has {config.num_experts} experts, {config.num_experts_per_tok} per token "
+            "by default)"
+        )
 
 
 def check_quantization(mode: str, device) -> None:

@@ -44,25 +44,35 @@ class LLMEngine:
     def __init__(self, model: str | os.PathLike | None = None, **settings: Any):
         self.settings = EngineSettings(**validate(settings))
         s = self.settings
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device
-        )
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device)
         self.dtype = DTYPES["bfloat16" if s.dtype == "auto" else s.dtype]
         loaded = load_model(model, dtype=self.dtype)
         self.model_name = loaded.config.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(s.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+        self.max_model_len = min(
+            s.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
+        )
         c = loaded.config
         num_blocks = s.num_kv_blocks or max(
-            1, s.kv_cache_memory_mb * 2**20 // KVCache.bytes_per_block(
-                c.num_hidden_layers, s.block_size, c.num_key_value_heads, c.head_dim, self.dtype, s.kv_cache_dtype)
+            1,
+            s.kv_cache_memory_mb
+            * 2**20
+            // KVCache.bytes_per_block(
+                c.num_hidden_layers, s.block_size, c.num_key_value_heads, c.head_dim, self.dtype, s.kv_cache_dtype
+            ),
         )
         weights = {k: v.to(self.device) for k, v in loaded.weights.items()}
         self.runner = ModelRunner(
-            c, weights, device=self.device, dtype=self.dtype, block_size=s.block_size, num_blocks=num_blocks,
-            kv_cache_dtype=s.kv_cache_dtype, attention_backend=s.attention_backend, max_model_len=self.max_model_len,
+            c,
+            weights,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=s.block_size,
+            num_blocks=num_blocks,
+            kv_cache_dtype=s.kv_cache_dtype,
+            attention_backend=s.attention_backend,
+            max_model_len=self.max_model_len,
             cpu_kernels=s.cpu_kernels,
         )
         self._weights = weights
@@ -81,16 +91,24 @@ class LLMEngine:
         self.started = time.monotonic()
         self._seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         self.totals = dict.fromkeys(TOTALS, 0)
-        self.outputs = OutputProcessor(self.tokenizer, c.eos_token_ids, self.max_model_len, self.scheduler,
-                                       self.timeline, self.totals)
+        self.outputs = OutputProcessor(
+            self.tokenizer, c.eos_token_ids, self.max_model_len, self.scheduler, self.timeline, self.totals
+        )
         self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
         self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self.load_draft, self.totals)
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, *,
-                    prompt_token_ids: list[int] | None = None, chat: bool = False,
-                    request_id: str | None = None, arrival: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | dict | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        chat: bool = False,
+        request_id: str | None = None,
+        arrival: float | None = None,
+    ) -> str:
         params = SamplingParams.coerce(params)
         ids = self.encode_prompt(prompt, prompt_token_ids, chat)
         request_id = request_id or uuid.uuid4().hex[:12]
@@ -112,8 +130,13 @@ class LLMEngine:
         self.outputs.add(seq, prompt)
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(ids)
-        self.timeline.add_request(seq.metrics.arrival, request_id, "arrived", f"prompt_tokens={len(ids)}",
-                                  label=self._prompt_label(prompt, ids))
+        self.timeline.add_request(
+            seq.metrics.arrival,
+            request_id,
+            "arrived",
+            f"prompt_tokens={len(ids)}",
+            label=self._prompt_label(prompt, ids),
+        )
         return request_id
 
     def _prompt_label(self, prompt, ids: list[int]) -> str | None:
@@ -137,8 +160,9 @@ class LLMEngine:
                 raise ValueError(self._too_long(len(ids)))
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise ValueError("prompt_token_ids has ids outside the vocabulary "
-                                 f"[0, {self.model_config.vocab_size}): {bad[:5]}")
+                raise ValueError(
+                    f"prompt_token_ids has ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}"
+                )
         else:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -155,8 +179,10 @@ class LLMEngine:
         return ids
 
     def _too_long(self, num_tokens: int) -> str:
-        return (f"prompt has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "
-                "(prompt plus at least one output token must fit)")
+        return (
+            f"prompt has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "
+            "(prompt plus at least one output token must fit)"
+        )
 
     def abort_request(self, request_id: str) -> StreamChunk | None:
         req = self.requests.get(request_id)
@@ -210,7 +236,7 @@ class LLMEngine:
         chunks: list[StreamChunk] = []
         for i in verified:
             first, count = rows[i]
-            chunks.append(self._verify(sched.scheduled[i].seq, result.logits[first:first + count], sched, now))
+            chunks.append(self._verify(sched.scheduled[i].seq, result.logits[first : first + count], sched, now))
         for j, (i, tok) in enumerate(zip(sampled, tokens)):
             req = self.requests[sched.scheduled[i].seq.request_id]
             chunks.append(self.outputs.emit(req, [tok], None if lps is None else [lps[j]], now))
@@ -229,9 +255,16 @@ class LLMEngine:
             config, source = loaded.config, str(draft_model)
             weights = {k: v.to(self.device) for k, v in loaded.weights.items()}
         runner = ModelRunner(
-            config, weights, device=self.device, dtype=self.dtype, block_size=s.block_size,
-            num_blocks=self.scheduler.kv_blocks[1], kv_cache_dtype="auto",
-            attention_backend=s.attention_backend, max_model_len=self.max_model_len, cpu_kernels=s.cpu_kernels,
+            config,
+            weights,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=s.block_size,
+            num_blocks=self.scheduler.kv_blocks[1],
+            kv_cache_dtype="auto",
+            attention_backend=s.attention_backend,
+            max_model_len=self.max_model_len,
+            cpu_kernels=s.cpu_kernels,
         )
         if draft_model is None:
             runner.model.quantize("int4", "auto")
@@ -242,13 +275,19 @@ class LLMEngine:
         tokens = self.spec.verify(seq, logits, sched)
         lps = None
         if seq.params.logprobs is not None:
-            lps = sampler.logprobs_of(logits[:len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
+            lps = sampler.logprobs_of(logits[: len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
         return self.outputs.emit(self.requests[seq.request_id], tokens, lps, now)
 
     def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks, parts: dict[str, float]) -> None:
         self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
-        self.scheduler.record_step(sched, start, end, sum(len(c.token_ids_delta) for c in chunks),
-                                   expert_counts=self.runner.model.expert_counts(), parts=parts)
+        self.scheduler.record_step(
+            sched,
+            start,
+            end,
+            sum(len(c.token_ids_delta) for c in chunks),
+            expert_counts=self.runner.model.expert_counts(),
+            parts=parts,
+        )
 
     # -- settings -------------------------------------------------------------------------------
     def configure(self, **changes: Any) -> dict[str, Any]:
@@ -276,7 +315,7 @@ class LLMEngine:
                 result = self.runner.forward([ScheduledSeq(seq, n, "prefill")], all_logits=True)
                 lp = torch.log_softmax(result.logits, dim=-1)
                 start = seq.num_computed_tokens
-                targets = ids[start + 1:start + n + 1]
+                targets = ids[start + 1 : start + n + 1]
                 out.extend(lp[torch.arange(len(targets)), torch.tensor(targets)].tolist())
                 self.scheduler.computed(seq, n)
         finally:
@@ -332,19 +371,27 @@ class LLMEngine:
         per_layer = [imbalance(row) if sum(row) else None for row in load]
         worst = max((x for x in per_layer if x is not None), default=None)
         breakdown = step_breakdown(recent_steps)
-        return as_dict(EngineMetrics(
-            output_tok_s=out_tokens / span if span > 0 else 0.0,
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            kv_blocks_used=used,
-            kv_blocks_total=total,
-            kv_usage=used / total,
-            prefix_hit_rate=t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
-            spec_acceptance_rate=t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
-            spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
-            ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
-            itl_p50_ms=percentile(itl, 50) * 1e3, itl_p99_ms=percentile(itl, 99) * 1e3,
-            expert_load=load, moe_layer_imbalance=per_layer, moe_imbalance=worst, **self.host.sample(),
-            step_parts_share=breakdown.get("parts_share", {}), step_limit=breakdown.get("limit"),
-            **{f"total_{k}": v for k, v in t.items()},
-        ))
+        return as_dict(
+            EngineMetrics(
+                output_tok_s=out_tokens / span if span > 0 else 0.0,
+                num_waiting=len(self.scheduler.waiting),
+                num_running=len(self.scheduler.running),
+                kv_blocks_used=used,
+                kv_blocks_total=total,
+                kv_usage=used / total,
+                prefix_hit_rate=t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
+                spec_acceptance_rate=t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
+                spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
+                ttft_p50_ms=percentile(ttft, 50) * 1e3,
+                ttft_p99_ms=percentile(ttft, 99) * 1e3,
+                itl_p50_ms=percentile(itl, 50) * 1e3,
+                itl_p99_ms=percentile(itl, 99) * 1e3,
+                expert_load=load,
+                moe_layer_imbalance=per_layer,
+                moe_imbalance=worst,
+                **self.host.sample(),
+                step_parts_share=breakdown.get("parts_share", {}),
+                step_limit=breakdown.get("limit"),
+                **{f"total_{k}": v for k, v in t.items()},
+            )
+        )

@@ -21,8 +21,20 @@ class ForwardResult:
 
 
 class ModelRunner:
-    def __init__(self, config, weights, *, device, dtype, block_size, num_blocks, kv_cache_dtype,
-                 attention_backend, max_model_len, cpu_kernels=True):
+    def __init__(
+        self,
+        config,
+        weights,
+        *,
+        device,
+        dtype,
+        block_size,
+        num_blocks,
+        kv_cache_dtype,
+        attention_backend,
+        max_model_len,
+        cpu_kernels=True,
+    ):
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
@@ -39,12 +51,27 @@ class ModelRunner:
 
     def _new_cache(self, kv_cache_dtype: str) -> KVCache:
         c = self.config
-        return KVCache(c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads,
-                       c.head_dim, self.dtype, kv_cache_dtype, self.device)
+        return KVCache(
+            c.num_hidden_layers,
+            self.num_blocks,
+            self.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            self.dtype,
+            kv_cache_dtype,
+            self.device,
+        )
 
     def set_backend(self, name: str) -> None:
-        self.backend = make_backend(name, self.device, self.model.cpu_kernels, self.kv, self.config.head_dim,
-                                    scale=self.config.attention_scale, windows=self.model.windows)
+        self.backend = make_backend(
+            name,
+            self.device,
+            self.model.cpu_kernels,
+            self.kv,
+            self.config.head_dim,
+            scale=self.config.attention_scale,
+            windows=self.model.windows,
+        )
         self.backend_name = name
         self.model.set_moe_kernel(self.backend.name == "triton")
         self.drop_graphs()
@@ -63,8 +90,11 @@ class ModelRunner:
     def graph_report(self) -> dict:
         """status()'s CUDA-graph fields: the buckets, the steps replayed and run eagerly, and why
         the last step ran eagerly (None: it replayed)."""
-        return {"cuda_graph_buckets": list(self.graph_buckets), "cuda_graph_steps": dict(self.graph_steps),
-                "cuda_graph_reason": self.graph_reason}
+        return {
+            "cuda_graph_buckets": list(self.graph_buckets),
+            "cuda_graph_steps": dict(self.graph_steps),
+            "cuda_graph_reason": self.graph_reason,
+        }
 
     def set_cpu_kernels(self, on: bool) -> None:
         self.model.set_cpu_kernels(on)
@@ -89,8 +119,9 @@ class ModelRunner:
             return cuda_graphs.Plan(None, "cuda_graphs is off")
         why = cuda_graphs.unsupported(self.device, self.backend.name, bool(self.config.moe_layers))
         if why is not None or all_logits or self.kv.k_scale is not None:
-            return cuda_graphs.Plan(None, why or ("every position's logits (scoring)" if all_logits
-                                                  else "a quantised KV cache"))
+            return cuda_graphs.Plan(
+                None, why or ("every position's logits (scoring)" if all_logits else "a quantised KV cache")
+            )
         width = max(len(s.seq.block_table) for s in scheduled)
         return cuda_graphs.plan([s.kind for s in scheduled], width, self.graph_buckets, self.max_blocks)
 
@@ -112,8 +143,11 @@ class ModelRunner:
         done = self._clock()
         self.graph_steps["replayed"] += 1
         # one replay runs the layers and the LM head: its time is the layers' part
-        return ForwardResult(logits, {i: (i, 1) for i in range(len(scheduled))},
-                             {"prepare": (prepared - started) * 1e3, "layers": (done - prepared) * 1e3})
+        return ForwardResult(
+            logits,
+            {i: (i, 1) for i in range(len(scheduled))},
+            {"prepare": (prepared - started) * 1e3, "layers": (done - prepared) * 1e3},
+        )
 
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> ForwardResult:
@@ -137,7 +171,7 @@ class ModelRunner:
             s = scheduled[i]
             seq, n = s.seq, s.num_tokens
             start = seq.num_computed_tokens
-            tokens = (seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids)[start:start + n]
+            tokens = (seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids)[start : start + n]
             flat = len(ids)
             ids.extend(tokens)
             positions = range(start, start + n)
@@ -185,4 +219,3 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(index, device=dev)])
         parts["lm_head"] = (self._clock() - layers) * 1e3
         return ForwardResult(logits, rows, parts)
-

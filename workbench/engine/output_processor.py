@@ -32,8 +32,15 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids, max_model_len: int, scheduler: Scheduler,
-                 timeline: TimelineRecorder, totals: dict[str, Any]):
+    def __init__(
+        self,
+        tokenizer,
+        eos_token_ids,
+        max_model_len: int,
+        scheduler: Scheduler,
+        timeline: TimelineRecorder,
+        totals: dict[str, Any],
+    ):
         self.tokenizer = tokenizer
         self.eos_ids = tuple(eos_token_ids or ())
         self.max_model_len = max_model_len
@@ -55,15 +62,17 @@ class OutputProcessor:
         for k, tok in enumerate(new_tokens):
             if (not params.ignore_eos and tok in self.eos_ids) or tok in (params.stop_token_ids or ()):
                 reason = "stop"
-            elif seq.num_output_tokens - (len(new_tokens) - 1 - k) >= params.max_tokens or \
-                    len(seq) - (len(new_tokens) - 1 - k) >= self.max_model_len:
+            elif (
+                seq.num_output_tokens - (len(new_tokens) - 1 - k) >= params.max_tokens
+                or len(seq) - (len(new_tokens) - 1 - k) >= self.max_model_len
+            ):
                 reason = "length"
             if reason:
-                emitted = new_tokens[:k + 1]
+                emitted = new_tokens[: k + 1]
                 # accepted draft tokens past the stop are not output
                 self.scheduler.drop_tokens(seq, len(new_tokens) - k - 1)
                 break
-        lps = [x for x in (lps or [])[:len(emitted)] if x is not None] or None
+        lps = [x for x in (lps or [])[: len(emitted)] if x is not None] or None
         if m.first_token is None:
             m.first_token = now
             self.timeline.add_request(now, seq.request_id, "first_token")
@@ -83,28 +92,37 @@ class OutputProcessor:
             return self.finish(req, reason, emitted, lps)
         hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
         upto = max(req.sent, len(req.text) - hold)
-        delta, req.sent = req.text[req.sent:upto], upto
+        delta, req.sent = req.text[req.sent : upto], upto
         return StreamChunk(seq.request_id, delta, list(emitted), logprobs_delta=lps)
 
-    def finish(self, req: RequestState, reason: str, last_tokens: list[int] | None = None,
-               last_logprobs=None) -> StreamChunk:
+    def finish(
+        self, req: RequestState, reason: str, last_tokens: list[int] | None = None, last_logprobs=None
+    ) -> StreamChunk:
         seq = req.seq
         now = time.monotonic()
         was_running = self.scheduler.finish(seq, reason, now)
         del self.requests[seq.request_id]
         out = RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
-            text=req.text, finish_reason=reason, metrics=seq.metrics, prompt=req.prompt, logprobs=req.logprobs,
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=req.text,
+            finish_reason=reason,
+            metrics=seq.metrics,
+            prompt=req.prompt,
+            logprobs=req.logprobs,
         )
         self.totals["finished"] += 1
         self.totals["preemptions"] += seq.metrics.num_preemptions
         self.recent.append(out)
-        self.timeline.add_request(now, seq.request_id, "finished",
-                                  reason if was_running or reason != "abort" else "abort (queued)")
-        delta = req.text[req.sent:]
+        self.timeline.add_request(
+            now, seq.request_id, "finished", reason if was_running or reason != "abort" else "abort (queued)"
+        )
+        delta = req.text[req.sent :]
         req.sent = len(req.text)
-        return StreamChunk(seq.request_id, delta, list(last_tokens or []), reason,
-                           logprobs_delta=last_logprobs, output=out)
+        return StreamChunk(
+            seq.request_id, delta, list(last_tokens or []), reason, logprobs_delta=last_logprobs, output=out
+        )
 
 
 def _find_stop(text: str, stops: list[str], new_from: int) -> int | None:

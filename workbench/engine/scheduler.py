@@ -61,8 +61,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, settings: EngineSettings, num_blocks: int, timeline: TimelineRecorder,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        settings: EngineSettings,
+        num_blocks: int,
+        timeline: TimelineRecorder,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.settings = settings
         self.clock = clock  # the engine's time.monotonic; the simulator's simulated time
         self.bm = BlockManager(num_blocks, settings.block_size, settings.prefix_caching and settings.kv_cache)
@@ -176,8 +181,9 @@ class Scheduler:
         now = self.clock()
         if seq.metrics.first_scheduled is None:
             seq.metrics.first_scheduled = now
-        self.timeline.add_request(now, seq.request_id, "resumed" if resumed else "scheduled",
-                                  f"prefix_hit={hit}" if hit else None)
+        self.timeline.add_request(
+            now, seq.request_id, "resumed" if resumed else "scheduled", f"prefix_hit={hit}" if hit else None
+        )
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -258,8 +264,15 @@ class Scheduler:
         if count:
             del seq.token_ids[-count:]
 
-    def record_step(self, sched: SchedulerOutput, start: float, end: float, output_tokens: int,
-                    expert_counts: list[list[int]] | None = None, parts: dict[str, float] | None = None) -> None:
+    def record_step(
+        self,
+        sched: SchedulerOutput,
+        start: float,
+        end: float,
+        output_tokens: int,
+        expert_counts: list[list[int]] | None = None,
+        parts: dict[str, float] | None = None,
+    ) -> None:
         """The step's event on the timeline (the engine's and the simulator's steps alike);
         `expert_counts`: tokens per expert of each MoE layer (counts, not tensors); `parts`: where
         its time went (`timeline.STEP_PARTS`)."""
@@ -267,12 +280,21 @@ class Scheduler:
         prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
         used, total = self.kv_blocks
         self.timeline.add_step(
-            start=start, end=end, phase=sched.phase, num_prefill_tokens=prefill,
-            num_decode_tokens=sched.num_tokens - prefill, batch=batch,
-            kv_blocks_used=used, kv_blocks_total=total,
-            prefix_hit_tokens=sched.prefix_hit_tokens, spec_proposed=sched.spec_proposed,
-            spec_accepted=sched.spec_accepted, num_waiting=len(self.waiting),
-            num_running=len(self.running), output_tokens=output_tokens, expert_counts=expert_counts or [],
+            start=start,
+            end=end,
+            phase=sched.phase,
+            num_prefill_tokens=prefill,
+            num_decode_tokens=sched.num_tokens - prefill,
+            batch=batch,
+            kv_blocks_used=used,
+            kv_blocks_total=total,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            spec_proposed=sched.spec_proposed,
+            spec_accepted=sched.spec_accepted,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            output_tokens=output_tokens,
+            expert_counts=expert_counts or [],
             parts=parts or {},
         )
 

@@ -38,12 +38,14 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, state={self.state.value}, len={len(self)}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+        return (
+            f"Sequence({self.request_id!r}, state={self.state.value}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -35,8 +35,8 @@ class NgramProposer:
             tail = tokens[-n:]
             # Latest earlier match first: recent context predicts best.
             for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == tail:
-                    follow = tokens[start + n:start + n + k]
+                if tokens[start : start + n] == tail:
+                    follow = tokens[start + n : start + n + k]
                     if follow:
                         return follow
         return []
@@ -61,8 +61,9 @@ class DraftProposer:
         self.source = source  # "self-int4" or the draft model's path, for status/events
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], k: int,
-                scheduler: Scheduler) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+    def propose(
+        self, seqs: list[Sequence], k: int, scheduler: Scheduler
+    ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Draft tokens per request, with the draft's distribution at each (None for greedy); the
         draft cache's progress is the scheduler's to record."""
         drafts: dict[str, list[int]] = {s.request_id: [] for s in seqs}
@@ -91,9 +92,7 @@ class DraftProposer:
                     probs[rid].append(p[row])
             for s, view in zip(seqs, views):
                 scheduler.draft_computed(s, len(view.token_ids) if j == 0 else s.draft_computed + 1)
-        return {
-            rid: (toks, torch.stack(probs[rid]) if probs[rid] else None) for rid, toks in drafts.items()
-        }
+        return {rid: (toks, torch.stack(probs[rid]) if probs[rid] else None) for rid, toks in drafts.items()}
 
 
 def accept(seq: Sequence, logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None) -> list[int]:
@@ -150,8 +149,12 @@ def ready_for_drafts(scheduler: Scheduler, k: int, max_model_len: int) -> list[t
         remaining = seq.params.max_tokens - seq.num_output_tokens
         room = min(k, remaining - 1, max_model_len - len(seq) - 1)
         # Penalties depend on every earlier token, which verification would change mid-window.
-        if (seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1
-                or seq.params.repetition_penalty != 1.0):
+        if (
+            seq.spec_tokens
+            or room < 1
+            or seq.num_computed_tokens != len(seq) - 1
+            or seq.params.repetition_penalty != 1.0
+        ):
             continue
         if scheduler.reserve(seq, len(seq) + room):
             ready.append((seq, room))
@@ -161,8 +164,14 @@ def ready_for_drafts(scheduler: Scheduler, k: int, max_model_len: int) -> list[t
 class SpeculativeDecoder:
     """Draft tokens in (`propose`), verified tokens out (`verify`), for the engine's settings."""
 
-    def __init__(self, settings, scheduler: Scheduler, max_model_len: int,
-                 load_draft: Callable[[str | None], DraftProposer], totals: dict[str, Any]):
+    def __init__(
+        self,
+        settings,
+        scheduler: Scheduler,
+        max_model_len: int,
+        load_draft: Callable[[str | None], DraftProposer],
+        totals: dict[str, Any],
+    ):
         self.settings = settings
         self.scheduler = scheduler
         self.max_model_len = max_model_len

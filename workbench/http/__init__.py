@@ -23,8 +23,14 @@ streaming, disconnects), `metrics` (Prometheus), `server` (uvicorn, CLI, `start_
 
 __all__ = ["Front", "HttpServerHandle", "create_app", "make_front", "run_front", "start_http_server"]
 
-_LAZY = {"Front": "app", "create_app": "app", "HttpServerHandle": "server", "make_front": "server",
-         "run_front": "server", "start_http_server": "server"}
+_LAZY = {
+    "Front": "app",
+    "create_app": "app",
+    "HttpServerHandle": "server",
+    "make_front": "server",
+    "run_front": "server",
+    "start_http_server": "server",
+}
 
 
 def __getattr__(name: str):  # FastAPI loads on first use, so `workbench --help` stays fast

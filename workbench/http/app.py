@@ -98,10 +98,20 @@ class Ctx:
 class Front:
     """Everything the routes share: the engine client, the model's names and tokenizer, limits."""
 
-    def __init__(self, engine, *, model_names: list[str], tokenizer=None, max_model_len: int | None = None,
-                 api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20,
-                 status: dict | None = None, aliases: list[str] | None = None,
-                 max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
+    def __init__(
+        self,
+        engine,
+        *,
+        model_names: list[str],
+        tokenizer=None,
+        max_model_len: int | None = None,
+        api_key: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20,
+        status: dict | None = None,
+        aliases: list[str] | None = None,
+        max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    ):
         if not model_names:
             raise ValueError("model_names must name at least one model")
         self.engine = engine
@@ -120,8 +130,9 @@ class Front:
         self._token_text: dict[int, str] = {}
         # Prompts are tokenized here, off the event loop, at a lower CPU priority than the engine;
         # what waits for that is bounded like the engine's own queue (503 beyond, as the engine would).
-        self._tokenizing = concurrent.futures.ThreadPoolExecutor(2, "wb-http-tokenize",
-                                                                 initializer=lower_thread_priority)
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(
+            2, "wb-http-tokenize", initializer=lower_thread_priority
+        )
         self.max_queued_chars = int(max_queued_chars)
         self.tokenizing_chars = 0
         self.draining = False  # a stop was asked for: new requests get 503, running ones go on
@@ -153,8 +164,12 @@ class Front:
 
     def check_accepting(self) -> None:
         if self.draining or getattr(self.engine, "draining", False):
-            raise APIError(503, "the server is shutting down and accepts no new requests",
-                           code="server_shutting_down", headers={"retry-after": str(RETRY_AFTER_S)})
+            raise APIError(
+                503,
+                "the server is shutting down and accepts no new requests",
+                code="server_shutting_down",
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
 
     # -- request checks -------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -163,8 +178,9 @@ class Front:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.max_body_bytes
@@ -185,29 +201,40 @@ class Front:
         try:  # a client that never finishes its body must not hold a connection (and its buffer) forever
             await asyncio.wait_for(read(), self.read_timeout_s)
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.read_timeout_s:g} s",
-                           code="request_timeout") from None
+            raise APIError(
+                408, f"the request body did not arrive within {self.read_timeout_s:g} s", code="request_timeout"
+            ) from None
         return b"".join(parts)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.aliases:
             return self.model_names[0] if model is None or model not in self.model_names else model
-        raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{', '.join(repr(m) for m in self.model_names)}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {', '.join(repr(m) for m in self.model_names)}",
+            param="model",
+            code="model_not_found",
+        )
 
     def max_tokens_for(self, ids: list[int] | None, requested: int | None, default: int | None) -> int:
         """Check the prompt against the context; the max_tokens to run with."""
         if ids is not None and self.max_model_len:
             room = self.max_model_len - len(ids)
             if room < 1:
-                raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                                  f"has {len(ids)} tokens (plus at least one output token must fit)",
-                                  param="messages" if default is None else "prompt", code="context_length_exceeded")
+                raise bad_request(
+                    f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                    f"has {len(ids)} tokens (plus at least one output token must fit)",
+                    param="messages" if default is None else "prompt",
+                    code="context_length_exceeded",
+                )
             if requested is not None and requested > room:
                 raise bad_request(
                     f"this model's maximum context length is {self.max_model_len} tokens; you requested "
                     f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the completion); "
-                    "shorten the prompt or lower max_tokens", param="max_tokens", code="context_length_exceeded")
+                    "shorten the prompt or lower max_tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
             if requested is None:
                 return room if default is None else min(default, room)
         if requested is not None:
@@ -230,15 +257,26 @@ class Front:
         prompt never stalls other streams or /health. `encode_within` refuses what cannot fit."""
         loop = asyncio.get_running_loop()
         if self.tokenizing_chars and self.tokenizing_chars + len(text) > self.max_queued_chars:
-            raise APIError(503, f"the server is busy: prompts of {self.tokenizing_chars:,} characters wait to be "
-                                f"tokenized and this request adds {len(text):,} (limit {self.max_queued_chars:,}); "
-                                "retry later", code="engine_overloaded", headers={"retry-after": "1"})
+            raise APIError(
+                503,
+                f"the server is busy: prompts of {self.tokenizing_chars:,} characters wait to be "
+                f"tokenized and this request adds {len(text):,} (limit {self.max_queued_chars:,}); "
+                "retry later",
+                code="engine_overloaded",
+                headers={"retry-after": "1"},
+            )
         self.tokenizing_chars += len(text)
         try:
             if not self.max_model_len:
                 return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode, text, add_special_tokens)
-            return await loop.run_in_executor(self._tokenizing, self.tokenizer.encode_within, text,
-                                              self.max_model_len, add_special_tokens, "the prompt")
+            return await loop.run_in_executor(
+                self._tokenizing,
+                self.tokenizer.encode_within,
+                text,
+                self.max_model_len,
+                add_special_tokens,
+                "the prompt",
+            )
         except ValueError as e:
             raise bad_request(str(e), param=param, code="context_length_exceeded") from None
         finally:
@@ -372,9 +410,12 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
-        super().__init__(content=None, status_code=200, headers={"cache-control": "no-cache",
-                                                                  "x-accel-buffering": "no", **(headers or {})},
-                         media_type=self.media_type)
+        super().__init__(
+            content=None,
+            status_code=200,
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})},
+            media_type=self.media_type,
+        )
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # streamed: chunked
         self.events = events
 
@@ -416,8 +457,9 @@ def _completion_logprobs(front: Front, lps: list[TokenLogprobs], offset: int, as
     return {
         "tokens": tokens,
         "token_logprobs": [x.logprob for x in lps],
-        "top_logprobs": [{front.token_text(t, as_id): lp for t, lp in (x.top or [(x.token_id, x.logprob)])}
-                         for x in lps],
+        "top_logprobs": [
+            {front.token_text(t, as_id): lp for t, lp in (x.top or [(x.token_id, x.logprob)])} for x in lps
+        ],
         "text_offset": offsets,
     }
 
@@ -427,8 +469,12 @@ def _chat_logprobs(front: Front, lps: list[TokenLogprobs], top: int, as_id: bool
         s = front.token_text(token_id, as_id)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top[:top]]}
-                        for x in lps], "refusal": None}
+    return {
+        "content": [
+            {**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top[:top]]} for x in lps
+        ],
+        "refusal": None,
+    }
 
 
 def _usage(ctx: Ctx, outputs: dict[int, RequestOutput]) -> dict:
@@ -444,38 +490,60 @@ def _usage(ctx: Ctx, outputs: dict[int, RequestOutput]) -> dict:
 def completion_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
     choices = []
     for job, out in zip(ctx.jobs, outs):
-        choice: dict[str, Any] = {"index": job.index, "text": job.echo + out.text, "logprobs": None,
-                                  "finish_reason": out.finish_reason}
+        choice: dict[str, Any] = {
+            "index": job.index,
+            "text": job.echo + out.text,
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+        }
         if ctx.logprobs is not None:
             choice["logprobs"] = _completion_logprobs(front, out.logprobs or [], len(job.echo), ctx.ids_as_tokens)
         if ctx.token_ids:
             choice["token_ids"] = out.token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
         choices.append(choice)
-    return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
-            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(ctx, dict(enumerate(outs))),
-            "system_fingerprint": None}
+    return {
+        "id": ctx.id,
+        "object": "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": sorted(choices, key=lambda c: c["index"]),
+        "usage": _usage(ctx, dict(enumerate(outs))),
+        "system_fingerprint": None,
+    }
 
 
 def chat_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
     choices = []
     for job, out in zip(ctx.jobs, outs):
-        choice: dict[str, Any] = {"index": job.index, "message": {"role": "assistant", "content": out.text},
-                                  "logprobs": None, "finish_reason": out.finish_reason}
+        choice: dict[str, Any] = {
+            "index": job.index,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+        }
         if ctx.logprobs is not None:
             choice["logprobs"] = _chat_logprobs(front, out.logprobs or [], ctx.logprobs, ctx.ids_as_tokens)
         if ctx.token_ids:
             choice["token_ids"] = out.token_ids
         choices.append(choice)
-    body = {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model,
-            "choices": choices, "usage": _usage(ctx, dict(enumerate(outs))), "system_fingerprint": None}
+    body = {
+        "id": ctx.id,
+        "object": "chat.completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": choices,
+        "usage": _usage(ctx, dict(enumerate(outs))),
+        "system_fingerprint": None,
+    }
     if ctx.token_ids and outs:
         body["prompt_token_ids"] = outs[0].prompt_token_ids
     return body
 
 
-async def stream_events(front: Front, ctx: Ctx, first: tuple[int, StreamChunk],
-                        rest: AsyncIterator[tuple[int, StreamChunk]]) -> AsyncIterator[bytes]:
+async def stream_events(
+    front: Front, ctx: Ctx, first: tuple[int, StreamChunk], rest: AsyncIterator[tuple[int, StreamChunk]]
+) -> AsyncIterator[bytes]:
     obj = "text_completion" if ctx.kind == "completion" else "chat.completion.chunk"
     head = {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model}
     chat = ctx.kind == "chat"
@@ -485,8 +553,19 @@ async def stream_events(front: Front, ctx: Ctx, first: tuple[int, StreamChunk],
     lp_sent: dict[int, int] = {}
     if chat:
         for job in ctx.jobs:
-            yield _sse({**head, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+            yield _sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": job.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
 
     def render(k: int, chunk: StreamChunk) -> bytes | None:
         job = ctx.jobs[k]
@@ -499,7 +578,7 @@ async def stream_events(front: Front, ctx: Ctx, first: tuple[int, StreamChunk],
         if chunk.finish_reason is not None and chunk.output is not None:
             outputs[k] = chunk.output
             if ctx.logprobs is not None and not lps:  # the engine's last chunk carries only the output
-                lps = (chunk.output.logprobs or [])[lp_sent.get(k, 0):]
+                lps = (chunk.output.logprobs or [])[lp_sent.get(k, 0) :]
         lp_sent[k] = lp_sent.get(k, 0) + len(lps)
         if not text and chunk.finish_reason is None and not (ctx.token_ids and chunk.token_ids_delta) and not lps:
             return None
@@ -547,15 +626,22 @@ async def stream_events(front: Front, ctx: Ctx, first: tuple[int, StreamChunk],
 # -- the app --------------------------------------------------------------------------------------
 def create_app(front: Front) -> FastAPI:
     # The API's description is served behind the key like the API itself (below).
-    app = FastAPI(title="Serving Workbench", description="OpenAI-compatible API of a workbench engine",
-                  version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Serving Workbench",
+        description="OpenAI-compatible API of a workbench engine",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.front = front
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request):
         front.check_auth(request)
-        return JSONResponse(get_openapi(title=app.title, version=app.version, description=app.description,
-                                        routes=app.routes))
+        return JSONResponse(
+            get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        )
 
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request):
@@ -581,16 +667,19 @@ def create_app(front: Front) -> FastAPI:
         alive = getattr(front.engine, "alive", True)
         draining = front.draining or getattr(front.engine, "draining", False)
         state = "draining" if draining else "ok" if alive else "engine unavailable"
-        body = {"status": state, "server": "workbench",
-                "engine": getattr(front.engine, "name", None), "model": front.model_names[0]}
+        body = {
+            "status": state,
+            "server": "workbench",
+            "engine": getattr(front.engine, "name", None),
+            "model": front.model_names[0],
+        }
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
         engine_metrics = settings = None
         try:
-            engine_metrics, settings = await asyncio.gather(front.engine.ametrics(),
-                                                            front.engine.asettings())
+            engine_metrics, settings = await asyncio.gather(front.engine.ametrics(), front.engine.asettings())
         except Exception as e:  # the engine is gone: still serve the histograms
             log.warning("/metrics: engine metrics unavailable: %s", e)
         data = await asyncio.to_thread(front.metrics.render, engine_metrics, settings, front.status)
@@ -610,8 +699,13 @@ def create_app(front: Front) -> FastAPI:
     async def wb_status(request: Request):
         front.check_auth(request)
         status = await front.engine.astatus()
-        return {"server": "workbench", "models": front.model_names, "max_model_len": front.max_model_len,
-                "front_tokenizer": front.tokenizer is not None, "engine": status}
+        return {
+            "server": "workbench",
+            "models": front.model_names,
+            "max_model_len": front.max_model_len,
+            "front_tokenizer": front.tokenizer is not None,
+            "engine": status,
+        }
 
     @app.get("/workbench/settings")
     async def wb_settings(request: Request):
@@ -626,6 +720,7 @@ def create_app(front: Front) -> FastAPI:
 
     def counted(route):
         """Count the request in `front.inflight` while the handler runs (a drain waits for it)."""
+
         @functools.wraps(route)
         async def handler(request: Request):
             front.inflight += 1
@@ -633,6 +728,7 @@ def create_app(front: Front) -> FastAPI:
                 return await route(request)
             finally:
                 front.inflight -= 1
+
         return handler
 
     @app.post("/v1/completions")
@@ -652,15 +748,25 @@ def create_app(front: Front) -> FastAPI:
                 ids = await front.encode(text, add_special_tokens=True, param="prompt")  # as the engine would
             echo = ""
             if req.echo:
-                echo = text if text is not None else (front.tokenizer.decode(ids, skip_special_tokens=False)
-                                                      if front.tokenizer is not None else "")
+                echo = (
+                    text
+                    if text is not None
+                    else (front.tokenizer.decode(ids, skip_special_tokens=False) if front.tokenizer is not None else "")
+                )
             max_tokens = front.max_tokens_for(ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
             for j in range(n):
                 params = sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j)
                 jobs.append(Job(index=i * n + j, prompt_index=i, params=params, text=text, ids=ids, echo=echo))
-        ctx = Ctx("completion", f"cmpl-{secrets.token_hex(12)}", model, jobs, lp,
-                  token_ids=bool(req.return_token_ids), ids_as_tokens=bool(req.return_tokens_as_token_ids),
-                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        ctx = Ctx(
+            "completion",
+            f"cmpl-{secrets.token_hex(12)}",
+            model,
+            jobs,
+            lp,
+            token_ids=bool(req.return_token_ids),
+            ids_as_tokens=bool(req.return_tokens_as_token_ids),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
         return await _answer(front, request, ctx, bool(req.stream), completion_body)
 
     @app.post("/v1/chat/completions")
@@ -678,32 +784,59 @@ def create_app(front: Front) -> FastAPI:
         if front.tokenizer is not None:
             front.check_fits("".join(str(m.get("content") or "") for m in messages), "messages")
             try:
-                rendered = await asyncio.to_thread(front.tokenizer.apply_chat_template, messages,
-                                                   add_generation_prompt=req.add_generation_prompt is not False)
+                rendered = await asyncio.to_thread(
+                    front.tokenizer.apply_chat_template,
+                    messages,
+                    add_generation_prompt=req.add_generation_prompt is not False,
+                )
             except Exception as e:  # no template, or the template raised (e.g. roles out of order)
                 raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
             ids = await front.encode(rendered, add_special_tokens=False, param="messages")
         elif len(messages) == 1 and messages[0]["role"] == "user":
             text, chat = messages[0]["content"], True  # the engine applies the template
         else:
-            raise bad_request("this server has no tokenizer for the model here, so only a single user message "
-                              "can be sent (start it with --model so the chat template can be rendered)",
-                              param="messages")
+            raise bad_request(
+                "this server has no tokenizer for the model here, so only a single user message "
+                "can be sent (start it with --model so the chat template can be rendered)",
+                param="messages",
+            )
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = front.max_tokens_for(ids, requested, None)
-        jobs = [Job(index=j, prompt_index=0, text=text, ids=ids, chat=chat,
-                    params=sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j)) for j in range(n)]
-        ctx = Ctx("chat", f"chatcmpl-{secrets.token_hex(12)}", model, jobs, lp,
-                  token_ids=bool(req.return_token_ids), ids_as_tokens=bool(req.return_tokens_as_token_ids),
-                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+        jobs = [
+            Job(
+                index=j,
+                prompt_index=0,
+                text=text,
+                ids=ids,
+                chat=chat,
+                params=sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j),
+            )
+            for j in range(n)
+        ]
+        ctx = Ctx(
+            "chat",
+            f"chatcmpl-{secrets.token_hex(12)}",
+            model,
+            jobs,
+            lp,
+            token_ids=bool(req.return_token_ids),
+            ids_as_tokens=bool(req.return_tokens_as_token_ids),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
         return await _answer(front, request, ctx, bool(req.stream), chat_body)
 
     return app
 
 
 def _model_card(front: Front, name: str) -> dict:
-    card = {"id": name, "object": "model", "created": front.created, "owned_by": "workbench", "root": name,
-            "parent": None}
+    card = {
+        "id": name,
+        "object": "model",
+        "created": front.created,
+        "owned_by": "workbench",
+        "root": name,
+        "parent": None,
+    }
     if front.max_model_len:
         card["max_model_len"] = front.max_model_len
     return card

@@ -35,12 +35,74 @@ PREFIX = "workbench:"
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 # vLLM's buckets.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                   480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 # engine totals -> counter names (without _total, which the exposition adds)
@@ -94,15 +156,17 @@ class _EngineCollector:
                         family.add_metric(values, float(v))
                     yield family
         if per and m.get("router"):
-            routed = CounterMetricFamily("workbench:routed_requests", "Requests the cluster's router sent to each "
-                                         "replica.", labels=labels)
+            routed = CounterMetricFamily(
+                "workbench:routed_requests", "Requests the cluster's router sent to each replica.", labels=labels
+            )
             for name, stats in m["router"].items():
                 routed.add_metric([self.model_name, name], float(stats.get("served", 0)))
             yield routed
         if self.config:
             keys = sorted(self.config)
-            g = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
-                                  labels=["model_name", *keys])
+            g = GaugeMetricFamily(
+                PREFIX + "cache_config_info", "Information of the KV cache configuration.", labels=["model_name", *keys]
+            )
             g.add_metric([self.model_name, *(self.config[k] for k in keys)], 1.0)
             yield g
 
@@ -125,8 +189,12 @@ class FrontMetrics:
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
         self.gen_tokens = hist("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS)
-        self.success = Counter(PREFIX + "request_success", "Finished requests served over HTTP.",
-                               ["model_name", "finished_reason"], registry=self.registry)
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished requests served over HTTP.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self.engine = _EngineCollector(model_name)
         self.registry.register(self.engine)
 

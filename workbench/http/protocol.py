@@ -30,8 +30,16 @@ DEFAULT_READ_TIMEOUT_S = 30.0  # for a request's whole body to arrive (408 beyon
 class APIError(Exception):
     """An error answered as an OpenAI error object: ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.headers = headers  # e.g. retry-after on a 503
         self.status = status
@@ -120,8 +128,9 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise bad_request(f"malformed JSON in the request body: {e}", code="invalid_json") from None
     except RecursionError:
         field = _too_deep(body)
-        raise bad_request(f"{field or 'the request body'} nests arrays or objects too deeply to be a valid value",
-                          param=field) from None
+        raise bad_request(
+            f"{field or 'the request body'} nests arrays or objects too deeply to be a valid value", param=field
+        ) from None
 
 
 _JSON_TOKEN_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
@@ -141,7 +150,7 @@ def _too_deep(body: bytes, depth: int = 256, most_tokens: int = 200_000) -> str 
                 return key
         elif tok in (b"]", b"}"):
             level -= 1
-        elif level == 1 and body[m.end():m.end() + 64].lstrip()[:1] == b":":  # a key of the outer object
+        elif level == 1 and body[m.end() : m.end() + 64].lstrip()[:1] == b":":  # a key of the outer object
             try:
                 key = msgspec.json.decode(tok)
             except msgspec.DecodeError:
@@ -150,8 +159,9 @@ def _too_deep(body: bytes, depth: int = 256, most_tokens: int = 200_000) -> str 
 
 
 # -- prompts --------------------------------------------------------------------------------------
-def completion_prompts(prompt: Any, max_model_len: int | None = None,
-                       vocab_size: int | None = None) -> list[str | list[int]]:
+def completion_prompts(
+    prompt: Any, max_model_len: int | None = None, vocab_size: int | None = None
+) -> list[str | list[int]]:
     """OpenAI's prompt forms: a string, a list of strings, a list of token ids, a list of lists.
 
     Everything here runs on the event loop, so nothing is proportional to the body in Python: a
@@ -172,8 +182,10 @@ def completion_prompts(prompt: Any, max_model_len: int | None = None,
         else:
             out = [_token_ids(prompt, max_model_len, vocab_size)]
     if out is None or any(p is None for p in out):
-        raise bad_request("prompt must be a non-empty string, a list of strings, a list of token ids or a list of "
-                          "lists of token ids", param="prompt")
+        raise bad_request(
+            "prompt must be a non-empty string, a list of strings, a list of token ids or a list of lists of token ids",
+            param="prompt",
+        )
     if len(out) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", param="prompt")
     return out
@@ -184,9 +196,12 @@ def _decode_prompt(raw: bytes, max_model_len: int | None) -> Any:
     if max_model_len and head[:1] == b"[" and head[1:].lstrip()[:1].isdigit():  # a flat list of ids
         count = raw.count(b",") + 1
         if count >= max_model_len:
-            raise bad_request(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                              f"{count} token ids (plus at least one output token must fit)", param="prompt",
-                              code="context_length_exceeded")
+            raise bad_request(
+                f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                f"{count} token ids (plus at least one output token must fit)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
     return msgspec.json.decode(raw)
 
 
@@ -200,9 +215,12 @@ def _token_ids(ids: list, max_model_len: int | None, vocab_size: int | None) -> 
     if not ids:
         return None
     if max_model_len and len(ids) >= max_model_len:
-        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                          f"{len(ids)} token ids (plus at least one output token must fit)", param="prompt",
-                          code="context_length_exceeded")
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(ids)} token ids (plus at least one output token must fit)",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if not _all_of(ids, int):
         return None
     limit = vocab_size or TOKEN_ID_LIMIT
@@ -219,8 +237,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if m.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad_request(f"messages[{i}].role {m.role!r} is not one of system, developer, user, assistant, "
-                              "tool", param="messages")
+            raise bad_request(
+                f"messages[{i}].role {m.role!r} is not one of system, developer, user, assistant, tool",
+                param="messages",
+            )
         content = m.content
         if content is None:
             text = ""
@@ -230,8 +250,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
             parts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                                      "supported by this text-only model", param="messages")
+                    raise bad_request(
+                        f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                        "supported by this text-only model",
+                        param="messages",
+                    )
                 parts.append(part["text"])
             text = "".join(parts)
         else:

@@ -78,9 +78,17 @@ def load_front_tokenizer(model=None, engine_model_name: str | None = None):
     return None
 
 
-def make_front(engine, *, model=None, served_model_name: str | list[str] | None = None, api_key: str | None = None,
-               tokenizer="auto", max_body_mb: float = DEFAULT_MAX_BODY_MB,
-               max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
+def make_front(
+    engine,
+    *,
+    model=None,
+    served_model_name: str | list[str] | None = None,
+    api_key: str | None = None,
+    tokenizer="auto",
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+):
     from .app import Front
 
     status = engine.status()
@@ -92,15 +100,26 @@ def make_front(engine, *, model=None, served_model_name: str | list[str] | None 
     if tokenizer == "auto":
         tokenizer = load_front_tokenizer(model, engine_model)
         if tokenizer is None:
-            log.warning("no tokenizer for %s in the HTTP front: chats are limited to one user message and logprob "
-                        "tokens are spelled token_id:<id> (pass the model path to fix that)", engine_model)
-    return Front(engine, model_names=names, tokenizer=tokenizer, max_model_len=status.get("max_model_len"),
-                 api_key=api_key, max_body_bytes=int(max_body_mb * 2**20), status=status, aliases=aliases,
-                 max_queued_chars=max_queued_chars, read_timeout_s=read_timeout_s)
+            log.warning(
+                "no tokenizer for %s in the HTTP front: chats are limited to one user message and logprob "
+                "tokens are spelled token_id:<id> (pass the model path to fix that)",
+                engine_model,
+            )
+    return Front(
+        engine,
+        model_names=names,
+        tokenizer=tokenizer,
+        max_model_len=status.get("max_model_len"),
+        api_key=api_key,
+        max_body_bytes=int(max_body_mb * 2**20),
+        status=status,
+        aliases=aliases,
+        max_queued_chars=max_queued_chars,
+        read_timeout_s=read_timeout_s,
+    )
 
 
-def _uvicorn_server(app, host: str, port: int, log_level: str = "info",
-                    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S):
+def _uvicorn_server(app, host: str, port: int, log_level: str = "info", drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S):
     """A uvicorn server whose first SIGTERM/Ctrl-C drains: it keeps listening, new requests get
     a 503 with Retry-After, running ones go on for up to `drain_timeout` s and are then ended with
     an error event (streams) or a 503, so no client sees a refused connection or a body cut
@@ -150,9 +169,18 @@ def _uvicorn_server(app, host: str, port: int, log_level: str = "info",
                 for s, h in original.items():
                     signal.signal(s, h)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
-                            # The drain ends every request by its deadline; this is the backstop.
-                            timeout_graceful_shutdown=drain_timeout + 5, timeout_keep_alive=30, backlog=2048)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="off",
+        # The drain ends every request by its deadline; this is the backstop.
+        timeout_graceful_shutdown=drain_timeout + 5,
+        timeout_keep_alive=30,
+        backlog=2048,
+    )
     return Server(config)
 
 
@@ -188,8 +216,17 @@ class HttpServerHandle:
         return f"<HttpServerHandle {self.url}>"
 
 
-def start_http_server(engine, host: str = "127.0.0.1", port: int = 0, *, model=None, api_key: str | None = None,
-                      served_model_name=None, timeout: float = 30.0, log_level: str = "warning") -> HttpServerHandle:
+def start_http_server(
+    engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    model=None,
+    api_key: str | None = None,
+    served_model_name=None,
+    timeout: float = 30.0,
+    log_level: str = "warning",
+) -> HttpServerHandle:
     """Serve `engine` (an EngineClient) over HTTP from a daemon thread of this process (a
     notebook, a test). For production use `workbench serve --http`, a process of its own."""
     from .app import create_app
@@ -210,24 +247,52 @@ def start_http_server(engine, host: str = "127.0.0.1", port: int = 0, *, model=N
 # -- command line ---------------------------------------------------------------------------------
 def add_http_arguments(parser: argparse.ArgumentParser, *, attach: bool = False) -> None:
     g = parser.add_argument_group("HTTP (OpenAI-compatible API)")
-    g.add_argument("--http", metavar="HOST:PORT", default=None,
-                   help="also serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
-                        "/health, /metrics) on HOST:PORT")
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, else none); "
-                        "other users can read it in the process list: prefer --api-key-file or the variable")
-    g.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from the first line of PATH (kept out of the process list)")
-    g.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
-                   help=f"a request body must arrive within S seconds, else 408 (default {DEFAULT_READ_TIMEOUT_S:g})")
-    g.add_argument("--served-model-name", default=None, metavar="NAME[,NAME...]",
-                   help="model name(s) the API answers to (default: the engine's model name)")
-    g.add_argument("--max-request-mb", type=float, default=DEFAULT_MAX_BODY_MB,
-                   help=f"largest request body (default {DEFAULT_MAX_BODY_MB} MiB; larger: 413)")
+    g.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        default=None,
+        help="also serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /metrics) on HOST:PORT",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, else none); "
+        "other users can read it in the process list: prefer --api-key-file or the variable",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from the first line of PATH (kept out of the process list)",
+    )
+    g.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        metavar="S",
+        help=f"a request body must arrive within S seconds, else 408 (default {DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="model name(s) the API answers to (default: the engine's model name)",
+    )
+    g.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=DEFAULT_MAX_BODY_MB,
+        help=f"largest request body (default {DEFAULT_MAX_BODY_MB} MiB; larger: 413)",
+    )
     g.add_argument("--http-log-level", default="info", help="uvicorn log level (default info)")
     if attach:
-        g.add_argument("--attach", default=None, metavar="NAME",
-                       help="front an engine that is already running (by name or connection file)")
+        g.add_argument(
+            "--attach",
+            default=None,
+            metavar="NAME",
+            help="front an engine that is already running (by name or connection file)",
+        )
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -265,10 +330,21 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
         engine = EngineClient.connect(attach)
         owned = False
     elif replicas is not None:
-        print(f"workbench: starting {replicas} replica(s) on Ray ({args.ray_address or 'a local cluster'})...",
-              file=sys.stderr, flush=True)
-        engine = start_cluster(replicas, address=args.ray_address, name=getattr(args, "name", None), router=args.router,
-                               model=model, num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, **(settings or {}))
+        print(
+            f"workbench: starting {replicas} replica(s) on Ray ({args.ray_address or 'a local cluster'})...",
+            file=sys.stderr,
+            flush=True,
+        )
+        engine = start_cluster(
+            replicas,
+            address=args.ray_address,
+            name=getattr(args, "name", None),
+            router=args.router,
+            model=model,
+            num_cpus=args.replica_cpus,
+            num_gpus=args.replica_gpus,
+            **(settings or {}),
+        )
         owned = True
     else:
         kw = {k: getattr(args, k) for k in ("name", "transport", "host", "port") if getattr(args, k, None) is not None}
@@ -281,19 +357,36 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
         engine = start_engine(model, **kw, **(settings or {}))
         owned = True
     try:
-        front = make_front(engine, model=model, served_model_name=args.served_model_name, api_key=api_key,
-                           max_body_mb=args.max_request_mb,
-                           max_queued_chars=getattr(args, "max_queued_chars", None) or DEFAULT_MAX_QUEUED_CHARS,
-                           read_timeout_s=args.request_read_timeout)
-        server = _uvicorn_server(create_app(front), host, port, args.http_log_level,
-                                 drain_timeout=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
+        front = make_front(
+            engine,
+            model=model,
+            served_model_name=args.served_model_name,
+            api_key=api_key,
+            max_body_mb=args.max_request_mb,
+            max_queued_chars=getattr(args, "max_queued_chars", None) or DEFAULT_MAX_QUEUED_CHARS,
+            read_timeout_s=args.request_read_timeout,
+        )
+        server = _uvicorn_server(
+            create_app(front),
+            host,
+            port,
+            args.http_log_level,
+            drain_timeout=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S),
+        )
         watchdog = threading.Thread(target=_watch_engine, args=(engine, server), daemon=True)
         watchdog.start()
         shown = f"[{host}]" if ":" in host else host
-        where = (f"cluster {engine.name!r} ({len(engine.replicas())} replicas, router {engine.router.policy})"
-                 if replicas is not None else f"engine {engine.name!r} (log: {engine.log_file})")
-        print(f"workbench: {where} serving {front.model_names[0]!r} on http://{shown}:{port}/v1"
-              + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+        where = (
+            f"cluster {engine.name!r} ({len(engine.replicas())} replicas, router {engine.router.policy})"
+            if replicas is not None
+            else f"engine {engine.name!r} (log: {engine.log_file})"
+        )
+        print(
+            f"workbench: {where} serving {front.model_names[0]!r} on http://{shown}:{port}/v1"
+            + (" (API key required)" if api_key else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         server.run()
         if server.started is False:
             print(f"workbench: the HTTP server could not start on {host}:{port}", file=sys.stderr, flush=True)

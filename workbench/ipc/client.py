@@ -94,9 +94,16 @@ class EngineClient(Engine):
 
     rpc_timeout: float = 300.0  # seconds an RPC may take (a relayout of a big model is slow)
 
-    def __init__(self, info: conn.ConnectionInfo, *, process: subprocess.Popen | None = None,
-                 timeout: float = 10.0, check_pid: bool = True, client_name: str | None = None,
-                 reconnect: bool = False):
+    def __init__(
+        self,
+        info: conn.ConnectionInfo,
+        *,
+        process: subprocess.Popen | None = None,
+        timeout: float = 10.0,
+        check_pid: bool = True,
+        client_name: str | None = None,
+        reconnect: bool = False,
+    ):
         self.name = info.name
         self.reconnect = reconnect  # after the engine dies, attach to the next one holding the name
         self._client_name = client_name or _default_client_name()
@@ -140,18 +147,22 @@ class EngineClient(Engine):
         self._io.start()
         try:
             asked = time.monotonic()
-            self.engine_info = self.call("hello", _timeout=timeout, name=self._client_name, pid=os.getpid(),
-                                         protocol=PROTOCOL_VERSION)
+            self.engine_info = self.call(
+                "hello", _timeout=timeout, name=self._client_name, pid=os.getpid(), protocol=PROTOCOL_VERSION
+            )
             # the engine's clock minus ours (0 on one host): its timeline's times in ours, for merged views
             answered = time.monotonic()
             there = self.engine_info.get("monotonic")
             self.clock_offset = 0.0 if there is None or info.same_host() else there - (asked + answered) / 2
         except TimeoutError:
-            hint = (" For tcp, check that this connection file carries the engine's CURVE keys."
-                    if info.transport == "tcp" else "")
+            hint = (
+                " For tcp, check that this connection file carries the engine's CURVE keys."
+                if info.transport == "tcp"
+                else ""
+            )
             raise EngineConnectError(
-                f"engine {info.name!r} at {info.request_address} did not answer the handshake within "
-                f"{timeout}s.{hint}") from None
+                f"engine {info.name!r} at {info.request_address} did not answer the handshake within {timeout}s.{hint}"
+            ) from None
 
     def _revive(self) -> bool:
         """With `reconnect`, attach to a new engine holding this name once the old one is dead.
@@ -187,8 +198,15 @@ class EngineClient(Engine):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def connect(cls, name_or_connection_file: str | os.PathLike | None = None, *, timeout: float = 10.0,
-                check_pid: bool = True, reconnect: bool = False, client_name: str | None = None) -> EngineClient:
+    def connect(
+        cls,
+        name_or_connection_file: str | os.PathLike | None = None,
+        *,
+        timeout: float = 10.0,
+        check_pid: bool = True,
+        reconnect: bool = False,
+        client_name: str | None = None,
+    ) -> EngineClient:
         """Attach to a running engine process by name (looked up in the runtime dir) or connection
         file (`workbench.connect` also takes http(s):// URLs). With reconnect=True the client follows
         the name: when the engine dies and another starts under the same name, the next call (or
@@ -464,16 +482,26 @@ class EngineClient(Engine):
         return self.call("timeline", since=since, _type=Timeline)
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
-               into: list[str] | None = None, ids: list[str] | None = None) -> list[str]:
+    def submit(
+        self,
+        batch,
+        sink: Callable[[Any], None],
+        *,
+        chat: bool = False,
+        stream: bool = False,
+        into: list[str] | None = None,
+        ids: list[str] | None = None,
+    ) -> list[str]:
         """Send a batch; its ids are appended to `into` before anything is sent, so a caller
         interrupted at any point still knows what to abort. `ids`: the request ids to use (a
         cluster's, so that every replica's timeline names a request as the cluster does)."""
         if ids is not None and len(ids) != len(batch):
             raise ValueError(f"{len(ids)} request ids for {len(batch)} requests")
         given = ids if ids is not None else [secrets.token_hex(6) for _ in batch]
-        reqs = [NewRequest(request_id=rid, prompt=p, prompt_token_ids=tok, params=sp, chat=bool(chat), stream=stream)
-                for rid, (p, tok, sp) in zip(given, batch)]
+        reqs = [
+            NewRequest(request_id=rid, prompt=p, prompt_token_ids=tok, params=sp, chat=bool(chat), stream=stream)
+            for rid, (p, tok, sp) in zip(given, batch)
+        ]
         rids = [r.request_id for r in reqs]
         if into is not None:
             into.extend(rids)
@@ -515,8 +543,9 @@ class EngineClient(Engine):
             if self._dead is not None:
                 raise _copy_exc(self._dead)
             if self._ev_thread is None:
-                self._ev_thread = threading.Thread(target=self._event_loop, name=f"wb-client-events-{self.name}",
-                                                   daemon=True)
+                self._ev_thread = threading.Thread(
+                    target=self._event_loop, name=f"wb-client-events-{self.name}", daemon=True
+                )
                 self._ev_thread.start()
                 if not self._ev_ready.wait(timeout):
                     raise TimeoutError("event thread did not start")
@@ -665,11 +694,8 @@ def _apply_curve(sock: zmq.Socket, info: conn.ConnectionInfo) -> None:
     sock.curve_secretkey = keys["client_secret"].encode()
 
 
-
 def _copy_exc(exc: BaseException) -> BaseException:
     try:
         return type(exc)(*exc.args)
     except Exception:
         return exc
-
-

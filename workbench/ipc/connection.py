@@ -60,12 +60,14 @@ def ensure_private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise PermissionError(f"runtime directory {path} belongs to another user; set {ENV_RUNTIME_DIR} "
-                              "to a private directory")
+        raise PermissionError(
+            f"runtime directory {path} belongs to another user; set {ENV_RUNTIME_DIR} to a private directory"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
         raise PermissionError(
             f"runtime directory {path} is open to other users (mode {oct(stat.S_IMODE(st.st_mode))}); it holds "
-            f"engine keys and sockets: `chmod 700 {path}` or set {ENV_RUNTIME_DIR} to a private directory")
+            f"engine keys and sockets: `chmod 700 {path}` or set {ENV_RUNTIME_DIR} to a private directory"
+        )
 
 
 def check_name(name: str) -> str:
@@ -175,8 +177,9 @@ def resolve(name_or_file: str | os.PathLike | None) -> Path:
         if len(live) == 1:
             return Path(live[0].path)
         if not live:
-            raise FileNotFoundError(f"no running engine found in {runtime_dir()}; start one with "
-                                    "start_engine() or `workbench serve`")
+            raise FileNotFoundError(
+                f"no running engine found in {runtime_dir()}; start one with start_engine() or `workbench serve`"
+            )
         raise ValueError(f"several engines are running ({', '.join(c.name for c in live)}); pass a name")
     text = os.fspath(name_or_file)
     if os.sep in text or text.endswith(".json"):
@@ -262,8 +265,9 @@ def _remove_stale(path: Path) -> None:
     """Remove the connection file of a dead engine, and the ipc socket files it left behind."""
     try:
         stale = read_connection_file(path)
-        sockets = [a.removeprefix("ipc://") for a in (stale.request_address, stale.event_address)
-                   if a.startswith("ipc://")]
+        sockets = [
+            a.removeprefix("ipc://") for a in (stale.request_address, stale.event_address) if a.startswith("ipc://")
+        ]
     except (OSError, ValueError, TypeError):
         sockets = []
     for sock in sockets:

@@ -30,11 +30,22 @@ __all__ = ["start_engine"]
 
 
 # -- start_engine -------------------------------------------------------------------------------
-def start_engine(model: str | os.PathLike | None = None, *, name: str | None = None, timeout: float = 600.0,
-                 transport: str = "ipc", host: str = "127.0.0.1", port: int = 0, client_timeout: float = 10.0,
-                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, detach: bool = False,
-                 drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S, max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
-                 max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS, **settings: Any) -> EngineClient:
+def start_engine(
+    model: str | os.PathLike | None = None,
+    *,
+    name: str | None = None,
+    timeout: float = 600.0,
+    transport: str = "ipc",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    client_timeout: float = 10.0,
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+    detach: bool = False,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+    max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
+    max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+    **settings: Any,
+) -> EngineClient:
     """Spawn a long-lived engine process (a fresh interpreter: never a fork, so it is safe from a
     notebook), wait until it is ready, and return a client of it.
 
@@ -53,15 +64,38 @@ def start_engine(model: str | os.PathLike | None = None, *, name: str | None = N
     name = conn.check_name(name) if name is not None else conn.unique_name(directory)
     holder = conn.live_engine(name, directory)
     if holder is not None:
-        raise FileExistsError(f"an engine named {name!r} is already running (pid {holder.pid}); connect with "
-                              f"EngineClient.connect({name!r}) or pass another name")
+        raise FileExistsError(
+            f"an engine named {name!r} is already running (pid {holder.pid}); connect with "
+            f"EngineClient.connect({name!r}) or pass another name"
+        )
     log_file = conn.log_path(name, directory)
-    cmd = [sys.executable, "-m", "workbench.ipc.engine_main", "--name", name, "--transport", transport,
-           "--host", host, "--port", str(int(port)), "--client-timeout", str(float(client_timeout)),
-           "--max-message-mb", str(float(max_message_mb)), "--settings-json", json.dumps(settings),
-           "--drain-timeout", str(float(drain_timeout)), "--max-queued-chars", str(int(max_queued_chars)),
-           "--max-queued-tokens", str(int(max_queued_tokens)),
-           "--log-file", str(log_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "workbench.ipc.engine_main",
+        "--name",
+        name,
+        "--transport",
+        transport,
+        "--host",
+        host,
+        "--port",
+        str(int(port)),
+        "--client-timeout",
+        str(float(client_timeout)),
+        "--max-message-mb",
+        str(float(max_message_mb)),
+        "--settings-json",
+        json.dumps(settings),
+        "--drain-timeout",
+        str(float(drain_timeout)),
+        "--max-queued-chars",
+        str(int(max_queued_chars)),
+        "--max-queued-tokens",
+        str(int(max_queued_tokens)),
+        "--log-file",
+        str(log_file),
+    ]
     if model is not None:
         cmd += ["--model", os.fspath(model)]
     if not detach:
@@ -73,8 +107,15 @@ def start_engine(model: str | os.PathLike | None = None, *, name: str | None = N
     env.setdefault("PYTHONUNBUFFERED", "1")
     with open(log_file, "wb") as logf:
         os.chmod(log_file, 0o600)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                close_fds=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
+        )
     try:
         return _wait_ready(proc, name, directory, log_file, timeout)
     except BaseException:
@@ -100,9 +141,14 @@ def _wait_ready(proc: subprocess.Popen, name: str, directory: Path, log_file: Pa
             except EngineDeadError:
                 raise EngineStartError(_start_failure(name, "died during the handshake", log_file)) from None
         if time.monotonic() > deadline:
-            raise EngineStartError(_start_failure(
-                name, f"did not become ready within {timeout}s (loading the weights, or converting the "
-                "default model the first time, is the usual cause; pass a larger timeout=)", log_file))
+            raise EngineStartError(
+                _start_failure(
+                    name,
+                    f"did not become ready within {timeout}s (loading the weights, or converting the "
+                    "default model the first time, is the usual cause; pass a larger timeout=)",
+                    log_file,
+                )
+            )
         time.sleep(0.05)
 
 
@@ -131,5 +177,3 @@ def _kill(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-
-

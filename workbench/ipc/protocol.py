@@ -205,8 +205,8 @@ def encode_raw_in_pieces(obj: msgspec.Struct, piece: int = 256) -> msgspec.Raw:
         if isinstance(value, list):
             out += _container_header(len(value), 0x90, 0xDC)
             for i in range(0, len(value), piece):
-                part = value[i:i + piece]
-                out += _encoder.encode(part)[len(_container_header(len(part), 0x90, 0xDC)):]
+                part = value[i : i + piece]
+                out += _encoder.encode(part)[len(_container_header(len(part), 0x90, 0xDC)) :]
         else:
             out += _encoder.encode(value)
     return msgspec.Raw(bytes(out))
@@ -244,8 +244,10 @@ def check_header(header: bytes) -> str | None:
     if header == HEADER:
         return None
     if len(header) == 3 and header[:2] == MAGIC:
-        return (f"protocol version mismatch: this side speaks version {PROTOCOL_VERSION}, "
-                f"the message has version {header[2]}; use the same workbench version on both sides")
+        return (
+            f"protocol version mismatch: this side speaks version {PROTOCOL_VERSION}, "
+            f"the message has version {header[2]}; use the same workbench version on both sides"
+        )
     return "not a workbench message (bad header frame)"
 
 
@@ -270,8 +272,19 @@ def guess_refs(body: bytes) -> tuple[int | None, list[str]]:
 # Exceptions re-raised as their own type; anything else becomes EngineError("Type: message").
 _BUILTIN_ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
-    for cls in (ValueError, TypeError, KeyError, IndexError, LookupError, RuntimeError,
-                NotImplementedError, TimeoutError, FileNotFoundError, OverflowError, ZeroDivisionError)
+    for cls in (
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        LookupError,
+        RuntimeError,
+        NotImplementedError,
+        TimeoutError,
+        FileNotFoundError,
+        OverflowError,
+        ZeroDivisionError,
+    )
 }
 _IPC_ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls

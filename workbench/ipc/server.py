@@ -90,17 +90,32 @@ TIMELINE_FLUSH_S = 0.05  # publish step/request events at most 20 times a second
 
 
 class EngineServer:
-    def __init__(self, engine, *, name: str, transport: str = "ipc", host: str = "127.0.0.1", port: int = 0,
-                 client_timeout_s: float = 10.0, max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
-                 parent_pid: int | None = None, directory: Path | None = None, log_file: str | None = None,
-                 max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS, max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
-                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S):
+    def __init__(
+        self,
+        engine,
+        *,
+        name: str,
+        transport: str = "ipc",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        client_timeout_s: float = 10.0,
+        max_message_mb: float = DEFAULT_MAX_MESSAGE_MB,
+        parent_pid: int | None = None,
+        directory: Path | None = None,
+        log_file: str | None = None,
+        max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
+        max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    ):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if not client_timeout_s > 0:
             raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
-        for what, value in (("max_queued_chars", max_queued_chars), ("max_queued_tokens", max_queued_tokens),
-                            ("drain_timeout_s", drain_timeout_s)):
+        for what, value in (
+            ("max_queued_chars", max_queued_chars),
+            ("max_queued_tokens", max_queued_tokens),
+            ("drain_timeout_s", drain_timeout_s),
+        ):
             if not value > 0:
                 raise ValueError(f"{what} must be > 0, got {value}")
         self.engine = engine
@@ -209,14 +224,28 @@ class EngineServer:
         if self._curve is not None:
             curve = {k: self._curve[k] for k in ("server_public", "client_public", "client_secret")}
         self.info = conn.ConnectionInfo(
-            name=self.name, pid=os.getpid(), transport=self.transport, request_address=req_addr,
-            event_address=evt_addr, model=self.engine.model_name, heartbeat_s=self.heartbeat_s,
-            client_timeout_s=self.client_timeout_s, max_message_bytes=self.max_message_bytes,
-            protocol=PROTOCOL_VERSION, curve=curve, log_file=self.log_file,
+            name=self.name,
+            pid=os.getpid(),
+            transport=self.transport,
+            request_address=req_addr,
+            event_address=evt_addr,
+            model=self.engine.model_name,
+            heartbeat_s=self.heartbeat_s,
+            client_timeout_s=self.client_timeout_s,
+            max_message_bytes=self.max_message_bytes,
+            protocol=PROTOCOL_VERSION,
+            curve=curve,
+            log_file=self.log_file,
         )
         self.connection_file = conn.write_connection_file(self.info, self.directory)
-        log.info("engine %r ready (pid %d, model %s, %s); connection file %s", self.name, os.getpid(),
-                 self.engine.model_name, req_addr, self.connection_file)
+        log.info(
+            "engine %r ready (pid %d, model %s, %s); connection file %s",
+            self.name,
+            os.getpid(),
+            self.engine.model_name,
+            req_addr,
+            self.connection_file,
+        )
         return self.connection_file
 
     def _setup_curve(self) -> None:
@@ -226,9 +255,15 @@ class EngineServer:
 
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
-        self._curve = {k: v.decode() for k, v in dict(
-            server_public=server_public, server_secret=server_secret,
-            client_public=client_public, client_secret=client_secret).items()}
+        self._curve = {
+            k: v.decode()
+            for k, v in dict(
+                server_public=server_public,
+                server_secret=server_secret,
+                client_public=client_public,
+                client_secret=client_secret,
+            ).items()
+        }
         allowed = client_public
 
         class _OneKey:
@@ -379,8 +414,11 @@ class EngineServer:
                 busy = self.engine.has_unfinished_requests()
                 self._drain_inbox(0.0 if busy and not self._stalled else (0.005 if busy else 0.05))
                 if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
-                    log.warning("drain deadline (%.0f s) passed: aborting %d request(s)", self.drain_timeout_s,
-                                len(self.engine.requests))
+                    log.warning(
+                        "drain deadline (%.0f s) passed: aborting %d request(s)",
+                        self.drain_timeout_s,
+                        len(self.engine.requests),
+                    )
                     self._stop_mode = "abort"
                 drained = not self.engine.has_unfinished_requests() and not self._tokenizing
                 if self._stop_mode == "abort" or (self._stop_mode == "drain" and drained):
@@ -396,8 +434,9 @@ class EngineServer:
                 if self.parent_pid and t - last_parent_check > 0.5:
                     last_parent_check = t
                     if os.getppid() != self.parent_pid:
-                        log.warning("the process that started this engine (pid %d) is gone; shutting down",
-                                    self.parent_pid)
+                        log.warning(
+                            "the process that started this engine (pid %d) is gone; shutting down", self.parent_pid
+                        )
                         self._stop_mode = "abort"
         finally:
             self.close()
@@ -480,11 +519,14 @@ class EngineServer:
         if self._tokenizing_chars and self._tokenizing_chars + chars > self.max_queued_chars:
             raise EngineBusyError(
                 f"the engine is busy: prompts of {self._tokenizing_chars:,} characters wait to be tokenized and "
-                f"this request adds {chars:,} (limit {self.max_queued_chars:,}); retry later")
+                f"this request adds {chars:,} (limit {self.max_queued_chars:,}); retry later"
+            )
         queued = self.engine.num_queued_tokens()
         if queued > self.max_queued_tokens:
-            raise EngineBusyError(f"the engine is busy: {queued:,} prompt tokens wait to run (limit "
-                                  f"{self.max_queued_tokens:,}); retry later")
+            raise EngineBusyError(
+                f"the engine is busy: {queued:,} prompt tokens wait to run (limit "
+                f"{self.max_queued_tokens:,}); retry later"
+            )
 
     def _tokenize_loop(self) -> None:
         """Tokenizer thread: prompts to token ids, handed back to the main thread in order."""
@@ -525,8 +567,9 @@ class EngineServer:
                 raise EngineDrainingError(f"engine {self.name!r} is shutting down and accepts no new requests")
             try:
                 for r, tokens in zip(reqs, encoded):
-                    added.append(self.engine.add_request(r.prompt, r.params, prompt_token_ids=tokens,
-                                                         request_id=r.request_id))
+                    added.append(
+                        self.engine.add_request(r.prompt, r.params, prompt_token_ids=tokens, request_id=r.request_id)
+                    )
             except BaseException:
                 for rid in added:
                     self.engine.abort_request(rid)
@@ -652,8 +695,13 @@ class EngineServer:
             raise RuntimeError(f"engine {self.name!r} is shutting down; it accepts no new clients")
         self._client_names[ident] = f"{name or 'client'} (pid {pid})"
         log.info("client %s connected", self._client_names[ident])
-        return {**self.status(), "settings": self.engine.settings.as_dict(), "heartbeat_s": self.heartbeat_s,
-                "client_timeout_s": self.client_timeout_s, "monotonic": time.monotonic()}
+        return {
+            **self.status(),
+            "settings": self.engine.settings.as_dict(),
+            "heartbeat_s": self.heartbeat_s,
+            "client_timeout_s": self.client_timeout_s,
+            "monotonic": time.monotonic(),
+        }
 
     def _configure(self, ident: bytes, **changes) -> dict:
         return self.engine.apply_settings(changes, by=self._client_names.get(ident, "client"))
@@ -661,11 +709,18 @@ class EngineServer:
     def status(self) -> dict:
         engine = as_dict(self.engine.status_report())
         engine["uptime_s"] = time.monotonic() - self.started  # the process's, across re-layouts and reloads
-        return as_dict(ProcessStatus(
-            **engine, name=self.name, protocol=PROTOCOL_VERSION, transport=self.transport,
-            num_clients=len(self._client_names), num_requests=len(self.engine.requests),
-            connection_file=str(self.connection_file) if self.connection_file else None,
-            started_monotonic=self.started))
+        return as_dict(
+            ProcessStatus(
+                **engine,
+                name=self.name,
+                protocol=PROTOCOL_VERSION,
+                transport=self.transport,
+                num_clients=len(self._client_names),
+                num_requests=len(self.engine.requests),
+                connection_file=str(self.connection_file) if self.connection_file else None,
+                started_monotonic=self.started,
+            )
+        )
 
     def _timeline(self, since: int | None = None):
         if since is not None and (not isinstance(since, int) or isinstance(since, bool)):

@@ -49,11 +49,19 @@ def control_for(entry: dict[str, Any]):
     if entry["type"] == "int" and not entry.get("allow_none"):
         lo = entry.get("min")
         hi = entry.get("max")
-        return w.BoundedIntText(value=int(default if default is not None else (lo or 0)),
-                                min=lo if lo is not None else -(1 << 31), max=hi if hi is not None else (1 << 31),
-                                continuous_update=False, **common)
-    return w.Text(value="" if default is None else str(default), placeholder="None" if entry.get("allow_none") else "",
-                  continuous_update=False, **common)
+        return w.BoundedIntText(
+            value=int(default if default is not None else (lo or 0)),
+            min=lo if lo is not None else -(1 << 31),
+            max=hi if hi is not None else (1 << 31),
+            continuous_update=False,
+            **common,
+        )
+    return w.Text(
+        value="" if default is None else str(default),
+        placeholder="None" if entry.get("allow_none") else "",
+        continuous_update=False,
+        **common,
+    )
 
 
 def _to_widget(control, value):
@@ -82,8 +90,16 @@ def _from_widget(control, value, name: str | None = None):
 class Dashboard:
     """Controls + live plots for one engine. `display(dash)` or `%dashboard` shows it."""
 
-    def __init__(self, session: EngineSession | None = None, *, client=None, hz: float = 10.0,
-                 window_s: float = 60.0, history_s: float | None = 30.0, start: bool = True):
+    def __init__(
+        self,
+        session: EngineSession | None = None,
+        *,
+        client=None,
+        hz: float = 10.0,
+        window_s: float = 60.0,
+        history_s: float | None = 30.0,
+        start: bool = True,
+    ):
         import ipywidgets as w
 
         self.session = session or get_session()
@@ -120,8 +136,10 @@ class Dashboard:
             return e.get("engine_kind", e["kind"])
 
         # the headline toggles first (batching, KV cache, prefix caching, quantisation, speculative)
-        self.schema = sorted((e for e in self.client.schema() if kind(e) in order),
-                             key=lambda e: -1 if e.get("headline") else order[kind(e)])
+        self.schema = sorted(
+            (e for e in self.client.schema() if kind(e) in order),
+            key=lambda e: -1 if e.get("headline") else order[kind(e)],
+        )
         self.controls: dict[str, Any] = {}
         # A remote server reports settings it cannot change: shown, never editable.
         self._read_only = {e["name"] for e in self.schema if e.get("read_only")}
@@ -143,16 +161,28 @@ class Dashboard:
 
             names = [r["name"] for r in self.client.replicas()]
             style = {"description_width": "150px"}
-            self.replica_picker = w.Dropdown(options=[("every replica", None)] + [(n, n) for n in names], value=None,
-                                             description="Replica", style=style, layout=w.Layout(width="330px"),
-                                             tooltip="the replica the controls change (every replica: one at a time)")
+            self.replica_picker = w.Dropdown(
+                options=[("every replica", None)] + [(n, n) for n in names],
+                value=None,
+                description="Replica",
+                style=style,
+                layout=w.Layout(width="330px"),
+                tooltip="the replica the controls change (every replica: one at a time)",
+            )
             self.replica_picker.observe(self._on_replica, names="value")
-            self.router_picker = w.Dropdown(options=list(POLICIES), value=self.client.router.policy,
-                                            description="Router", style=style, layout=w.Layout(width="330px"))
+            self.router_picker = w.Dropdown(
+                options=list(POLICIES),
+                value=self.client.router.policy,
+                description="Router",
+                style=style,
+                layout=w.Layout(width="330px"),
+            )
             self.router_picker.observe(self._on_router, names="value")
             cluster_controls = [self.replica_picker, self.router_picker]
-        grid = w.GridBox(cluster_controls + list(self.controls.values()),
-                         layout=w.Layout(grid_template_columns="repeat(auto-fill, 340px)", grid_gap="2px 8px"))
+        grid = w.GridBox(
+            cluster_controls + list(self.controls.values()),
+            layout=w.Layout(grid_template_columns="repeat(auto-fill, 340px)", grid_gap="2px 8px"),
+        )
         self.experts = ExpertLoad()
         self._routing_pending = False
         self.heatmap = None  # an ExpertHeatmap once the engine reports expert routing (MoE models)
@@ -174,10 +204,15 @@ class Dashboard:
         self.name = client.name
         self._apply_settings(client.settings(), source=None)
         info = client.engine_info or {}
-        what = (f"Cluster {html.escape(self.name)}</b> ({info['num_replicas']} replicas)" if info.get("cluster")
-                else f"Engine {html.escape(self.name)}</b>")
-        self.header.value = (f"<b>{what} · {html.escape(str(info.get('model')))} on "
-                             f"{html.escape(str(info.get('device')))} · pid {client.pid}")
+        what = (
+            f"Cluster {html.escape(self.name)}</b> ({info['num_replicas']} replicas)"
+            if info.get("cluster")
+            else f"Engine {html.escape(self.name)}</b>"
+        )
+        self.header.value = (
+            f"<b>{what} · {html.escape(str(info.get('model')))} on "
+            f"{html.escape(str(info.get('device')))} · pid {client.pid}"
+        )
         self._refresh_kernels()
         if history_s:
             tl = client.timeline()
@@ -213,13 +248,18 @@ class Dashboard:
         if self._gone_since is None:
             self._gone_since = now
             self._detach()
-            self._set_status(f"Engine {self.name!r} is gone (stopped or restarted). Waiting for an engine named "
-                             f"{self.name!r} to come back; start one with `%engine start`.", "error")
+            self._set_status(
+                f"Engine {self.name!r} is gone (stopped or restarted). Waiting for an engine named "
+                f"{self.name!r} to come back; start one with `%engine start`.",
+                "error",
+            )
             for c in self.controls.values():
                 c.disabled = True
             # the old engine's numbers are not current any more
-            self.metrics_line.value = ('<span style="font-size: 12px; color: var(--jp-ui-font-color2, #555);">'
-                                       f"no engine: the numbers of pid {client.pid} are gone with it</span>")
+            self.metrics_line.value = (
+                '<span style="font-size: 12px; color: var(--jp-ui-font-color2, #555);">'
+                f"no engine: the numbers of pid {client.pid} are gone with it</span>"
+            )
         if now < self._next_reconnect:
             return False
         self._next_reconnect = now + 1.0
@@ -306,8 +346,9 @@ class Dashboard:
             elif ev.kind == "settings":
                 picked = self.replica_picker.value if self.replica_picker is not None else None
                 if picked is None or ev.data.get("replica") in (None, picked):  # a cluster: the replica shown
-                    self._apply_settings(ev.data.get("settings", {}), source=ev.data.get("changes", {}),
-                                         by=ev.data.get("by", ""))
+                    self._apply_settings(
+                        ev.data.get("settings", {}), source=ev.data.get("changes", {}), by=ev.data.get("by", "")
+                    )
             elif ev.kind == "relayout":
                 self._on_relayout(ev.data)
             elif ev.kind == "metrics":
@@ -385,8 +426,11 @@ class Dashboard:
         name = change["new"]
         target = self.client.replica(name) if name else self.client
         fut = self._pool.submit(target.settings)
-        fut.add_done_callback(lambda f: self._call_back(
-            lambda: self._apply_settings(f.result(), source=None) if f.exception() is None else None))
+        fut.add_done_callback(
+            lambda f: self._call_back(
+                lambda: self._apply_settings(f.result(), source=None) if f.exception() is None else None
+            )
+        )
 
     def _on_router(self, change: dict[str, Any]) -> None:
         if self._syncing or self.closed:
@@ -394,9 +438,13 @@ class Dashboard:
         policy = change["new"]
         self.configure_calls.append({"router": policy})
         fut = self._pool.submit(self.client.configure, router=policy)
-        fut.add_done_callback(lambda f: self._call_back(
-            self._set_status, f"Router: {policy}" if f.exception() is None else f"Router: {f.exception()}",
-            "ok" if f.exception() is None else "error"))
+        fut.add_done_callback(
+            lambda f: self._call_back(
+                self._set_status,
+                f"Router: {policy}" if f.exception() is None else f"Router: {f.exception()}",
+                "ok" if f.exception() is None else "error",
+            )
+        )
 
     def _refresh_kernels(self) -> None:
         """Ask the engine which kernels serve now (off the display loop: it is a round trip)."""
@@ -464,7 +512,8 @@ class Dashboard:
             f"prefix hits {m.get('prefix_hit_rate', 0) * 100:.0f}% · spec accepted "
             f"{m.get('spec_acceptance_rate', 0) * 100:.0f}% · TTFT p50 {m.get('ttft_p50_ms', 0):.0f} ms · "
             f"ITL p50 {m.get('itl_p50_ms', 0):.0f} ms{html.escape(step_time_text(m))}<br>"
-            f"{html.escape(self.costs.html(m))}</span>")
+            f"{html.escape(self.costs.html(m))}</span>"
+        )
 
     # -- teardown ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -495,7 +544,7 @@ def open_dashboards() -> list[Dashboard]:
 
 
 def step_time_text(m: dict[str, Any]) -> str:
-    """" · step time: layers 71%, lm_head 12%, outputs 6%" from metrics() (empty when idle)."""
+    """ " · step time: layers 71%, lm_head 12%, outputs 6%" from metrics() (empty when idle)."""
     shares = sorted(((k, v) for k, v in (m.get("step_parts_share") or {}).items() if v >= 0.01), key=lambda kv: -kv[1])
     return " · step time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares) if shares else ""
 
@@ -505,6 +554,9 @@ def kernels_line(status: dict) -> str:
     (empty for a remote server, whose status has no such keys)."""
     if "kernel_variant" not in status:
         return ""
-    return ('<span style="font-size: 12px;">kernels: <b>{}</b> ({}) · large steps in <b>{}</b> ({})</span>'.format(
-        *(html.escape(str(status.get(k))) for k in
-          ("kernel_variant", "kernel_variant_reason", "compute_path", "compute_path_reason"))))
+    return '<span style="font-size: 12px;">kernels: <b>{}</b> ({}) · large steps in <b>{}</b> ({})</span>'.format(
+        *(
+            html.escape(str(status.get(k)))
+            for k in ("kernel_variant", "kernel_variant_reason", "compute_path", "compute_path_reason")
+        )
+    )

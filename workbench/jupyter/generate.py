@@ -25,8 +25,7 @@ from ..sampling_params import SamplingParams
 SEPARATOR = "---"
 
 
-_OVERRIDABLE = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int,
-                "ignore_eos": bool}
+_OVERRIDABLE = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "ignore_eos": bool}
 
 
 def parse_prompts(body: str) -> list[tuple[str, dict[str, Any]]]:
@@ -60,8 +59,9 @@ def _overrides(words: list[str]) -> dict[str, Any]:
         key, eq, text = w.partition("=")
         key = key.replace("-", "_")
         if not eq or key not in _OVERRIDABLE:
-            raise ValueError(f"bad per-prompt option {w!r} after ---: use key=value with keys "
-                             f"{', '.join(_OVERRIDABLE)}")
+            raise ValueError(
+                f"bad per-prompt option {w!r} after ---: use key=value with keys {', '.join(_OVERRIDABLE)}"
+            )
         kind = _OVERRIDABLE[key]
         try:
             out[key] = (text.lower() in ("1", "true", "yes", "on")) if kind is bool else kind(text)
@@ -97,8 +97,11 @@ class Section:
     def stats(self) -> dict[str, Any]:
         """TTFT (engine-side when known), decode tok/s, tokens, finish reason."""
         m = getattr(self.output, "metrics", None)
-        ttft = m.ttft if m is not None and m.ttft is not None else (
-            None if self.first_token is None else self.first_token - self.submitted)
+        ttft = (
+            m.ttft
+            if m is not None and m.ttft is not None
+            else (None if self.first_token is None else self.first_token - self.submitted)
+        )
         times = list(getattr(m, "token_times", None) or [])
         n = len(self.output.token_ids) if self.output is not None else self.num_tokens
         if len(times) > 1 and times[-1] > times[0]:
@@ -107,8 +110,12 @@ class Section:
             rate = (n - 1) / (self.last_token - self.first_token)
         else:
             rate = None
-        return {"ttft_ms": None if ttft is None else ttft * 1e3, "tok_s": rate, "tokens": n,
-                "finish_reason": self.finish_reason}
+        return {
+            "ttft_ms": None if ttft is None else ttft * 1e3,
+            "tok_s": rate,
+            "tokens": n,
+            "finish_reason": self.finish_reason,
+        }
 
 
 def _fmt_stats(st: dict[str, Any]) -> str:
@@ -122,9 +129,10 @@ def _fmt_stats(st: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
-_CSS = ("font-family: var(--jp-code-font-family, monospace); font-size: var(--jp-code-font-size, 13px); "
-        "white-space: pre-wrap; margin: 0;")
-
+_CSS = (
+    "font-family: var(--jp-code-font-family, monospace); font-size: var(--jp-code-font-size, 13px); "
+    "white-space: pre-wrap; margin: 0;"
+)
 
 
 class GenerateInterrupted(KeyboardInterrupt):
@@ -138,16 +146,27 @@ def show_interrupted(shell, etype, value, tb, tb_offset=None) -> list[str]:
     shell._showtraceback(KeyboardInterrupt, value, stb)
     return stb
 
+
 class GenerateRun:
     """One `%%generate` cell: its requests, their streams, and the display they update."""
 
-    def __init__(self, prompts: list[str] | list[tuple[str, dict]], params: SamplingParams, *, n: int = 1,
-                 chat: bool = False,
-                 hz: float = 10.0, display: bool = True, note: str | None = None,
-                 timeout: float | None = None):
+    def __init__(
+        self,
+        prompts: list[str] | list[tuple[str, dict]],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        chat: bool = False,
+        hz: float = 10.0,
+        display: bool = True,
+        note: str | None = None,
+        timeout: float | None = None,
+    ):
         if not prompts:
-            raise ValueError("the cell holds no prompt: write it below the %%generate line "
-                             "(separate several prompts with a line holding only ---)")
+            raise ValueError(
+                "the cell holds no prompt: write it below the %%generate line "
+                "(separate several prompts with a line holding only ---)"
+            )
         if n < 1:
             raise ValueError(f"--n must be >= 1, got {n}")
         self.chat = chat
@@ -324,8 +343,10 @@ class GenerateRun:
     def to_html(self) -> str:
         out = ['<div class="workbench-generate">']
         if self.note:
-            out.append(f'<div style="color: var(--jp-ui-font-color2, #666); margin-bottom: 4px;">'
-                       f'{html.escape(self.note)}</div>')
+            out.append(
+                f'<div style="color: var(--jp-ui-font-color2, #666); margin-bottom: 4px;">'
+                f"{html.escape(self.note)}</div>"
+            )
         for s in self.sections:
             prompt = s.prompt if len(s.prompt) <= 400 else s.prompt[:400] + "…"
             color = "#b00" if s.error or s.finish_reason == "abort" else "var(--jp-ui-font-color2, #666)"
@@ -335,7 +356,8 @@ class GenerateRun:
                 f'<pre style="{_CSS} color: var(--jp-ui-font-color2, #666);">{html.escape(prompt)}</pre>'
                 f'<pre style="{_CSS}">{html.escape(s.text)}</pre>'
                 f'<div style="font-size: 12px; color: {color};">{html.escape(self._footer(s))}</div>'
-                '</div>')
+                "</div>"
+            )
         if self.finished:
             out.append(f'<div style="font-size: 12px; font-weight: 600;">{html.escape(self.summary())}</div>')
         out.append("</div>")

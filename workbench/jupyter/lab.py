@@ -25,17 +25,33 @@ QUICKSTART = "00-quickstart.ipynb"
 def add_lab_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
     p.add_argument("--name", default="default", help="engine name the notebooks attach to (default 'default')")
-    p.add_argument("--notebook-dir", default=None,
-                   help="folder JupyterLab opens (default: ./notebooks, else the repository's notebooks/)")
-    p.add_argument("--open", dest="open_notebook", default=QUICKSTART, metavar="NOTEBOOK",
-                   help=f"notebook to open, relative to the notebook dir (default {QUICKSTART}; '' for none)")
+    p.add_argument(
+        "--notebook-dir",
+        default=None,
+        help="folder JupyterLab opens (default: ./notebooks, else the repository's notebooks/)",
+    )
+    p.add_argument(
+        "--open",
+        dest="open_notebook",
+        default=QUICKSTART,
+        metavar="NOTEBOOK",
+        help=f"notebook to open, relative to the notebook dir (default {QUICKSTART}; '' for none)",
+    )
     p.add_argument("--port", type=int, default=None, help="JupyterLab port (default: Jupyter's choice, 8888)")
     p.add_argument("--ip", default=None, help="JupyterLab interface (default: Jupyter's, localhost)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser (print the URL only)")
-    p.add_argument("--engine-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="how long the engine may take to load (default 600)")
-    p.add_argument("jupyter_args", nargs=argparse.REMAINDER,
-                   help="after --: further `jupyter lab` options, e.g. -- --ServerApp.token=secret")
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long the engine may take to load (default 600)",
+    )
+    p.add_argument(
+        "jupyter_args",
+        nargs=argparse.REMAINDER,
+        help="after --: further `jupyter lab` options, e.g. -- --ServerApp.token=secret",
+    )
 
 
 def notebook_dir(given: str | None) -> Path:
@@ -91,8 +107,14 @@ def free_port(start: int = 8888, tries: int = 50) -> int:
 def jupyter_command(args: argparse.Namespace, nb_dir: Path, port: int, token: str | None) -> list[str]:
     """`jupyter lab` on `nb_dir`; `token`: the one this command chose (None when the user passed
     their own, or asked for none, after --)."""
-    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={nb_dir}", f"--port={port}",
-           "--ServerApp.port_retries=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        f"--ServerApp.root_dir={nb_dir}",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",
+    ]
     if args.ip:
         cmd.append(f"--ip={args.ip}")
     if args.no_browser:
@@ -123,8 +145,10 @@ def lab_url(args: argparse.Namespace, nb_dir: Path, port: int, token: str | None
         if (nb_dir / args.open_notebook).exists():
             url += "/tree/" + urllib.parse.quote(args.open_notebook)
         else:
-            print(f"workbench lab: {nb_dir / args.open_notebook} does not exist; opening the folder instead",
-                  file=sys.stderr)
+            print(
+                f"workbench lab: {nb_dir / args.open_notebook} does not exist; opening the folder instead",
+                file=sys.stderr,
+            )
     return url + (f"?token={token}" if token else "")
 
 
@@ -156,13 +180,20 @@ def run_lab(args: argparse.Namespace, settings: dict) -> int:
     owned = False
     if conn.live_engine(name) is not None:
         client = connect(name)
-        print(f"workbench lab: attached to the running engine {name!r} (pid {client.pid}); it keeps running "
-              "after JupyterLab exits", file=sys.stderr, flush=True)
+        print(
+            f"workbench lab: attached to the running engine {name!r} (pid {client.pid}); it keeps running "
+            "after JupyterLab exits",
+            file=sys.stderr,
+            flush=True,
+        )
         if settings:
             client.configure(**{k: v for k, v in settings.items()})
     else:
-        print(f"workbench lab: starting engine {name!r} on {args.model or 'the embedded default model'}…",
-              file=sys.stderr, flush=True)
+        print(
+            f"workbench lab: starting engine {name!r} on {args.model or 'the embedded default model'}…",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             client = start_engine(args.model, name=name, timeout=args.engine_timeout, **settings)
         except Exception as e:
@@ -170,8 +201,12 @@ def run_lab(args: argparse.Namespace, settings: dict) -> int:
             return 1
         owned = True
         info = client.engine_info
-        print(f"workbench lab: engine {name!r} ready ({info.get('model')} on {info.get('device')}, pid "
-              f"{client.pid}); log: {client.log_file}", file=sys.stderr, flush=True)
+        print(
+            f"workbench lab: engine {name!r} ready ({info.get('model')} on {info.get('device')}, pid "
+            f"{client.pid}); log: {client.log_file}",
+            file=sys.stderr,
+            flush=True,
+        )
     env = dict(os.environ)
     env["WORKBENCH_ENGINE"] = name
     env[conn.ENV_RUNTIME_DIR] = str(conn.runtime_dir())
@@ -181,8 +216,11 @@ def run_lab(args: argparse.Namespace, settings: dict) -> int:
     cmd = jupyter_command(args, nb_dir, port, token)
     sign_tutorials(nb_dir)
     url = lab_url(args, nb_dir, port, given[-1] if given else token)
-    print(f"workbench lab: JupyterLab on {nb_dir}; Ctrl-C twice stops it (and the engine it started)",
-          file=sys.stderr, flush=True)
+    print(
+        f"workbench lab: JupyterLab on {nb_dir}; Ctrl-C twice stops it (and the engine it started)",
+        file=sys.stderr,
+        flush=True,
+    )
     print(f"workbench lab: open {url}", file=sys.stderr, flush=True)
     proc = None
     previous = {}

@@ -122,7 +122,7 @@ def _async_generate(lines: list[str]) -> list[str]:
         return lines
     if not runs_asyncio_await():
         return lines
-    args = first[len("%%generate"):].strip()
+    args = first[len("%%generate") :].strip()
     body = "".join(lines[1:])
     return [f"await __import__('workbench.jupyter.magics', fromlist=['_']).generate_cell_async({args!r}, {body!r})\n"]
 
@@ -148,27 +148,37 @@ async def generate_cell_async(line: str, cell: str) -> None:
 
 # -- argument parsing -----------------------------------------------------------------------------
 def _generate_parser() -> MagicArgumentParser:
-    p = MagicArgumentParser(prog="%%generate", add_help=True,
-                description="Generate from the prompts in the cell body (prompts separated by a line holding "
-                            "only --- are submitted together, so they batch; `--- max_tokens=8` gives the next "
-                            "prompt its own max_tokens, temperature, top_p, top_k, seed or ignore_eos).")
+    p = MagicArgumentParser(
+        prog="%%generate",
+        add_help=True,
+        description="Generate from the prompts in the cell body (prompts separated by a line holding "
+        "only --- are submitted together, so they batch; `--- max_tokens=8` gives the next "
+        "prompt its own max_tokens, temperature, top_p, top_k, seed or ignore_eos).",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens per completion (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
-                   "whose probability reaches P (default 1.0: all)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (default 1.0: all)",
+    )
     p.add_argument("--top-k", type=int, default=-1, help="sample among the K likeliest tokens (default -1: all)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same text")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-    p.add_argument("--chat", dest="chat", action="store_true", default=False,
-                   help="apply the model's chat template")
+    p.add_argument("--chat", dest="chat", action="store_true", default=False, help="apply the model's chat template")
     p.add_argument("--no-chat", dest="chat", action="store_false")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (seeds seed, seed+1, … if --seed)")
-    p.add_argument("-o", "--output", dest="var", default=None, metavar="VAR",
-                   help="store the list of RequestOutputs in VAR")
+    p.add_argument(
+        "-o", "--output", dest="var", default=None, metavar="VAR", help="store the list of RequestOutputs in VAR"
+    )
     p.add_argument("--timeline", action="store_true", help="show this cell's requests on a timeline")
-    p.add_argument("--no-start", action="store_true",
-                   help="do not start the embedded default engine when none runs (say what to run)")
+    p.add_argument(
+        "--no-start",
+        action="store_true",
+        help="do not start the embedded default engine when none runs (say what to run)",
+    )
     p.add_argument("--hz", type=float, default=10.0, help="display refresh rate (default 10, at most 20)")
     p.add_argument("--timeout", type=float, default=None, help="give up (and abort) after this many seconds")
     return p
@@ -184,8 +194,15 @@ def _prepare_generate(shell, line: str, cell: str):
     if args.var is not None and not args.var.isidentifier():
         raise UsageError(f"-o needs a Python variable name, got {args.var!r}")
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     try:
@@ -196,8 +213,10 @@ def _prepare_generate(shell, line: str, cell: str):
     except (TypeError, ValueError) as e:
         raise UsageError(f"%%generate: {e}") from None
     if not prompts:
-        raise UsageError("%%generate: the cell holds no prompt; write it under the %%generate line "
-                         "(separate several prompts with a line holding only ---)")
+        raise UsageError(
+            "%%generate: the cell holds no prompt; write it under the %%generate line "
+            "(separate several prompts with a line holding only ---)"
+        )
     notes: list[str] = []
     session = get_session()
     try:
@@ -207,8 +226,9 @@ def _prepare_generate(shell, line: str, cell: str):
         return None, {}
     note = " ".join(notes) or None
     cursor = client.timeline(since=1 << 62).cursor if args.timeline else None
-    run = GenerateRun(prompts, params, n=args.n, chat=args.chat, hz=min(20.0, max(0.5, args.hz)),
-                      note=note, timeout=args.timeout)
+    run = GenerateRun(
+        prompts, params, n=args.n, chat=args.chat, hz=min(20.0, max(0.5, args.hz)), note=note, timeout=args.timeout
+    )
     return run, {"client": client, "cursor": cursor, "args": args}
 
 
@@ -228,8 +248,15 @@ def _show_message(text: str, level: str = "info") -> None:
     display({"text/plain": text, "text/html": f'<div style="color: {color};">{html.escape(text)}</div>'}, raw=True)
 
 
-def show_timeline(client, *, since: int | None = None, until: int | None = None, only=None,
-                  last_s: float | None = None, title: str | None = None):
+def show_timeline(
+    client,
+    *,
+    since: int | None = None,
+    until: int | None = None,
+    only=None,
+    last_s: float | None = None,
+    title: str | None = None,
+):
     """Render engine activity (the cursor range after `since`, up to `until` included, or the
     last `last_s` seconds) as a static timeline; returns the view (None when there was nothing
     to show)."""
@@ -260,8 +287,9 @@ def show_timeline(client, *, since: int | None = None, until: int | None = None,
     wall = (max(data["steps"]["right"]) - min(data["steps"]["left"])) if steps else 0.0
     tokens = sum(s.output_tokens for s in tl.steps if only is None or any(b.request_id in set(only) for b in s.batch))
     summary = f"{steps} steps, {requests} requests, {tokens} output tokens over {wall:.2f} s"
-    view = static_timeline(data, red.num_lanes, lane_labels=red.lane_labels,
-                           title=(title or "Engine timeline") + f" — {summary}")
+    view = static_timeline(
+        data, red.num_lanes, lane_labels=red.lane_labels, title=(title or "Engine timeline") + f" — {summary}"
+    )
     display({"text/plain": f"[timeline: {summary}]"}, raw=True)
     display(view.widget())
     return view
@@ -308,19 +336,25 @@ class WorkbenchMagics(Magics):
         if holder is not None:
             current = session.client(reconnect=False)
             client = current if current is not None and current.name == name else session.connect(name)
-            msg = (f"Engine {name!r} is already running (pid {client.pid}, {client.engine_info.get('model')}): "
-                   "attached to it.")
+            msg = (
+                f"Engine {name!r} is already running (pid {client.pid}, {client.engine_info.get('model')}): "
+                "attached to it."
+            )
             level = "ok"
             if opts.get("model"):
-                msg += (f" It was NOT started on --model {opts['model']}: it keeps serving its own model. "
-                        "`%engine stop` first to start another model.")
+                msg += (
+                    f" It was NOT started on --model {opts['model']}: it keeps serving its own model. "
+                    "`%engine stop` first to start another model."
+                )
                 level = "warning"
             fixed = {k: v for k, v in settings.items() if setting_kind(k) == "restart"}
             current = client.settings()
             differ = {k: v for k, v in fixed.items() if current.get(k) != v}
             if differ:
-                msg += (f" Settings fixed at start differ ({', '.join(f'{k}={v!r}' for k, v in differ.items())}): "
-                        "`%engine stop` and start again to change them.")
+                msg += (
+                    f" Settings fixed at start differ ({', '.join(f'{k}={v!r}' for k, v in differ.items())}): "
+                    "`%engine stop` and start again to change them."
+                )
             live = {k: v for k, v in settings.items() if k not in fixed}
             if live:
                 client.configure(**live)
@@ -335,8 +369,11 @@ class WorkbenchMagics(Magics):
         except Exception as e:
             raise UsageError(f"%engine start: {e}") from None
         info = client.engine_info
-        _show_message(f"Engine {name!r} ready: {info.get('model')} on {info.get('device')} (pid {client.pid}) in "
-                      f"{time.monotonic() - t0:.1f} s. It stops with this kernel or with `%engine stop`.", "ok")
+        _show_message(
+            f"Engine {name!r} ready: {info.get('model')} on {info.get('device')} (pid {client.pid}) in "
+            f"{time.monotonic() - t0:.1f} s. It stops with this kernel or with `%engine stop`.",
+            "ok",
+        )
         return None
 
     def _engine_stop(self, words: list[str]):
@@ -357,11 +394,15 @@ class WorkbenchMagics(Magics):
         except Exception as e:
             raise UsageError(f"%engine connect: {e}") from None
         if words[0].startswith(("http://", "https://")):
-            _show_message(f"Attached to the OpenAI-compatible server {words[0]} ({client.engine_info.get('model')}); "
-                          f"{_share_remote(words[0], client)}", "ok")
+            _show_message(
+                f"Attached to the OpenAI-compatible server {words[0]} ({client.engine_info.get('model')}); "
+                f"{_share_remote(words[0], client)}",
+                "ok",
+            )
             return
-        _show_message(f"Attached to engine {client.name!r} (pid {client.pid}, {client.engine_info.get('model')}).",
-                      "ok")
+        _show_message(
+            f"Attached to engine {client.name!r} (pid {client.pid}, {client.engine_info.get('model')}).", "ok"
+        )
 
     def _engine_set(self, words: list[str]):
         from ..settings import parse_value, schema, validate
@@ -384,11 +425,17 @@ class WorkbenchMagics(Magics):
         client = engine_for_magics()
         before = client.settings()
         kinds = {e["name"]: e["kind"] for e in schema()}
-        slow = [k for k, v in changes.items() if before.get(k) != v and (
-            kinds.get(k) in ("relayout", "reload") or (k == "speculative" and v == "draft"))]
+        slow = [
+            k
+            for k, v in changes.items()
+            if before.get(k) != v and (kinds.get(k) in ("relayout", "reload") or (k == "speculative" and v == "draft"))
+        ]
         if slow:  # said first: a re-layout or loading a draft model takes seconds
-            _show_message("Applying " + ", ".join(f"{k}={changes[k]!r}" for k in slow) + ": the engine rebuilds "
-                          "or loads what it needs, pausing its steps meanwhile…", "info")
+            _show_message(
+                "Applying " + ", ".join(f"{k}={changes[k]!r}" for k in slow) + ": the engine rebuilds "
+                "or loads what it needs, pausing its steps meanwhile…",
+                "info",
+            )
         t0 = time.monotonic()
         try:
             after = client.configure(**changes)
@@ -411,8 +458,10 @@ class WorkbenchMagics(Magics):
 
         client = get_session().client()
         current = client.settings() if client is not None else {}
-        rows = [(e["name"], e["kind"], repr(current.get(e["name"], e["default"])), allowed_values(e["name"]), e["help"])
-                for e in schema()]
+        rows = [
+            (e["name"], e["kind"], repr(current.get(e["name"], e["default"])), allowed_values(e["name"]), e["help"])
+            for e in schema()
+        ]
         display(_table(["setting", "kind", "value", "allowed", "what"], rows), raw=True)
 
     def _engine_list(self, words: list[str]):
@@ -464,8 +513,11 @@ class WorkbenchMagics(Magics):
         p.add_argument("--hz", type=float, default=10.0, help="plot refresh rate (default 10, 1-20)")
         p.add_argument("--window", type=float, default=60.0, help="seconds of activity shown (default 60)")
         p.add_argument("--no-start", action="store_true", help="do not start the default engine when none runs")
-        p.add_argument("--keep", action="store_true",
-                       help="keep the dashboard this magic opened before (default: close it, one feed per kernel)")
+        p.add_argument(
+            "--keep",
+            action="store_true",
+            help="keep the dashboard this magic opened before (default: close it, one feed per kernel)",
+        )
         args = p.parse_args(shlex.split(line))
         if args is None:  # --help
             return None
@@ -531,8 +583,11 @@ def _table(headers: list[str], rows: list[tuple], title: str | None = None) -> d
     text.append("  ".join("-" * w for w in widths))
     text += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     cell = 'style="text-align: left; padding: 2px 10px 2px 0;"'
-    h = [f"<b>{html.escape(title)}</b>" if title else "", '<table style="border-collapse: collapse; font-size: 12px;">',
-         "<tr>" + "".join(f"<th {cell}>{html.escape(str(x))}</th>" for x in headers) + "</tr>"]
+    h = [
+        f"<b>{html.escape(title)}</b>" if title else "",
+        '<table style="border-collapse: collapse; font-size: 12px;">',
+        "<tr>" + "".join(f"<th {cell}>{html.escape(str(x))}</th>" for x in headers) + "</tr>",
+    ]
     for r in rows:
         h.append("<tr>" + "".join(f"<td {cell}>{html.escape(str(x))}</td>" for x in r) + "</tr>")
     h.append("</table>")
@@ -544,24 +599,40 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
     kinds = {e["name"]: e["kind"] for e in schema}
     rows: list[tuple] = []
     up = status.get("uptime_s", 0.0)
-    for key, label in (("name", "engine"), ("pid", "pid"), ("model", "model"), ("device", "device"),
-                       ("dtype", "dtype"), ("attention_backend", "attention"), ("kernel_variant", "kernels"),
-                       ("kernel_variant_reason", "kernels: why"), ("compute_path", "large steps in"),
-                       ("compute_path_reason", "large steps: why"), ("num_kv_blocks", "KV blocks"),
-                       ("block_size", "block size"), ("max_model_len", "max model len"),
-                       ("num_clients", "clients"), ("num_requests", "requests in flight")):
+    for key, label in (
+        ("name", "engine"),
+        ("pid", "pid"),
+        ("model", "model"),
+        ("device", "device"),
+        ("dtype", "dtype"),
+        ("attention_backend", "attention"),
+        ("kernel_variant", "kernels"),
+        ("kernel_variant_reason", "kernels: why"),
+        ("compute_path", "large steps in"),
+        ("compute_path_reason", "large steps: why"),
+        ("num_kv_blocks", "KV blocks"),
+        ("block_size", "block size"),
+        ("max_model_len", "max model len"),
+        ("num_clients", "clients"),
+        ("num_requests", "requests in flight"),
+    ):
         if key in status:
             rows.append(("engine", label, status[key]))
     rows.append(("engine", "uptime", f"{up:.0f} s"))
     for name, value in settings.items():
         rows.append((f"setting ({kinds.get(name, '?')})", name, repr(value)))
-    for key, label, fmt in (("output_tok_s", "output tok/s", "{:.1f}"), ("num_running", "running", "{}"),
-                            ("num_waiting", "waiting", "{}"), ("kv_usage", "KV usage", "{:.0%}"),
-                            ("prefix_hit_rate", "prefix hit rate", "{:.0%}"),
-                            ("spec_acceptance_rate", "spec acceptance", "{:.0%}"),
-                            ("ttft_p50_ms", "TTFT p50", "{:.0f} ms"), ("itl_p50_ms", "ITL p50", "{:.0f} ms"),
-                            ("total_finished", "finished requests", "{}"),
-                            ("total_output_tokens", "output tokens", "{}")):
+    for key, label, fmt in (
+        ("output_tok_s", "output tok/s", "{:.1f}"),
+        ("num_running", "running", "{}"),
+        ("num_waiting", "waiting", "{}"),
+        ("kv_usage", "KV usage", "{:.0%}"),
+        ("prefix_hit_rate", "prefix hit rate", "{:.0%}"),
+        ("spec_acceptance_rate", "spec acceptance", "{:.0%}"),
+        ("ttft_p50_ms", "TTFT p50", "{:.0f} ms"),
+        ("itl_p50_ms", "ITL p50", "{:.0f} ms"),
+        ("total_finished", "finished requests", "{}"),
+        ("total_output_tokens", "output tokens", "{}"),
+    ):
         if key in metrics:
             rows.append(("metrics", label, fmt.format(metrics[key])))
     return _table(["", "name", "value"], rows, title=f"Engine {status.get('name')!r}")

@@ -58,12 +58,41 @@ STATE_COLORS = {
 OTHER_COLOR = "#999999"
 
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "steps": ("left", "right", "bottom", "top", "seq", "phase", "color", "duration_ms", "batch_size",
-              "prefill_tokens", "decode_tokens", "prefix_hit_tokens", "spec", "kv", "composition", "requests",
-              "routing", "parts", "replica"),
+    "steps": (
+        "left",
+        "right",
+        "bottom",
+        "top",
+        "seq",
+        "phase",
+        "color",
+        "duration_ms",
+        "batch_size",
+        "prefill_tokens",
+        "decode_tokens",
+        "prefix_hit_tokens",
+        "spec",
+        "kv",
+        "composition",
+        "requests",
+        "routing",
+        "parts",
+        "replica",
+    ),
     "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens", "routed"),
-    "series": ("t", "tok_s", "tok_s_avg", "itl_ms", "kv_used", "kv_total", "kv_frac", "prefix_hit_rate",
-               "spec_accept_rate", "waiting", "running"),
+    "series": (
+        "t",
+        "tok_s",
+        "tok_s_avg",
+        "itl_ms",
+        "kv_used",
+        "kv_total",
+        "kv_frac",
+        "prefix_hit_rate",
+        "spec_accept_rate",
+        "waiting",
+        "running",
+    ),
     "ttft": ("t", "ttft_ms", "request", "lane"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
     "host": ("t", "engine_cpu_pct", "host_cpu_pct", "host_mem_pct", "kv_pct", "engine_rss_mb"),
@@ -81,8 +110,21 @@ def short_id(request_id: str) -> str:
 
 
 class _Bin:
-    __slots__ = ("index", "out_tokens", "itl_sum", "itl_n", "kv_used", "kv_total", "hits", "prefill",
-                 "proposed", "accepted", "waiting", "running", "steps")
+    __slots__ = (
+        "index",
+        "out_tokens",
+        "itl_sum",
+        "itl_n",
+        "kv_used",
+        "kv_total",
+        "hits",
+        "prefill",
+        "proposed",
+        "accepted",
+        "waiting",
+        "running",
+        "steps",
+    )
 
     def __init__(self, index: int):
         self.index = index
@@ -120,9 +162,17 @@ class TimelineReducer:
     are kept (the per-cell timeline of `%%generate --timeline`).
     """
 
-    def __init__(self, *, bin_s: float = BIN_S, smooth_s: float = SMOOTH_S, t0: float | None = None,
-                 max_lanes: int = 48,
-                 only: Iterable[str] | None = None, max_listed: int = 8, lanes_per_replica: int = 12):
+    def __init__(
+        self,
+        *,
+        bin_s: float = BIN_S,
+        smooth_s: float = SMOOTH_S,
+        t0: float | None = None,
+        max_lanes: int = 48,
+        only: Iterable[str] | None = None,
+        max_listed: int = 8,
+        lanes_per_replica: int = 12,
+    ):
         if bin_s <= 0:
             raise ValueError("bin_s must be > 0")
         self.bin_s = float(bin_s)
@@ -157,9 +207,11 @@ class TimelineReducer:
     # -- input --------------------------------------------------------------------------------
     def add(self, timeline: Any) -> None:
         handlers = {"requests": self._request, "steps": self._step, "changes": self._change}
-        events = [(int(_field(ev, "seq", 0)), order, ev, handler)
-                  for order, (field, handler) in enumerate(handlers.items())
-                  for ev in _field(timeline, field, None) or []]
+        events = [
+            (int(_field(ev, "seq", 0)), order, ev, handler)
+            for order, (field, handler) in enumerate(handlers.items())
+            for ev in _field(timeline, field, None) or []
+        ]
         events.sort(key=lambda e: (e[0], e[1]))
         for seq, _, ev, handler in events:
             if seq and seq <= self.cursor:
@@ -181,10 +233,15 @@ class TimelineReducer:
             return float(v) if isinstance(v, (int, float)) else nan
 
         cores, cpus = metrics.get("process_cpu_cores"), metrics.get("host_cpus")
-        self._emit("host", t=self._rel(time),
-                   engine_cpu_pct=100.0 * cores / cpus if isinstance(cores, (int, float)) and cpus else nan,
-                   host_cpu_pct=pct(metrics.get("host_cpu_percent")), host_mem_pct=pct(metrics.get("host_mem_percent")),
-                   kv_pct=100.0 * pct(metrics.get("kv_usage")), engine_rss_mb=pct(metrics.get("process_rss_mb")))
+        self._emit(
+            "host",
+            t=self._rel(time),
+            engine_cpu_pct=100.0 * cores / cpus if isinstance(cores, (int, float)) and cpus else nan,
+            host_cpu_pct=pct(metrics.get("host_cpu_percent")),
+            host_mem_pct=pct(metrics.get("host_mem_percent")),
+            kv_pct=100.0 * pct(metrics.get("kv_usage")),
+            engine_rss_mb=pct(metrics.get("process_rss_mb")),
+        )
 
     def tick(self, now: float, grace: float = 0.25) -> None:
         """Close the open time bin if it ended more than `grace` seconds before `now` (engine
@@ -274,9 +331,20 @@ class TimelineReducer:
     def _lane_rect(self, rid: str, left: float, right: float, state: str, tokens: int) -> None:
         lane = self._lane(rid)
         y = lane + 1
-        self._emit("lanes", left=left, right=right, bottom=y - ROW_HALF, top=y + ROW_HALF, lane=lane,
-                   request=short_id(rid), label=self._label.get(rid, short_id(rid)), state=state,
-                   color=STATE_COLORS.get(state, OTHER_COLOR), tokens=tokens, routed=self._routed.get(rid, ""))
+        self._emit(
+            "lanes",
+            left=left,
+            right=right,
+            bottom=y - ROW_HALF,
+            top=y + ROW_HALF,
+            lane=lane,
+            request=short_id(rid),
+            label=self._label.get(rid, short_id(rid)),
+            state=state,
+            color=STATE_COLORS.get(state, OTHER_COLOR),
+            tokens=tokens,
+            routed=self._routed.get(rid, ""),
+        )
 
     def _request(self, ev: Any) -> None:
         rid = _field(ev, "request_id")
@@ -320,14 +388,27 @@ class TimelineReducer:
     def _change(self, c: Any) -> None:
         start, end = float(_field(c, "start")), float(_field(c, "end"))
         label = change_label(_field(c, "changes", None) or {})
-        self._emit("changes", t=self._rel(start), end=self._rel(end), label=label, by=_field(c, "by", "") or "?",
-                   apply_ms=(end - start) * 1e3, relayout=bool(_field(c, "relayout", False)), color=CHANGE_COLOR)
+        self._emit(
+            "changes",
+            t=self._rel(start),
+            end=self._rel(end),
+            label=label,
+            by=_field(c, "by", "") or "?",
+            apply_ms=(end - start) * 1e3,
+            relayout=bool(_field(c, "relayout", False)),
+            color=CHANGE_COLOR,
+        )
 
     def _step(self, s: Any) -> None:
         batch = list(_field(s, "batch", None) or [])
-        entries = [(_field(b, "request_id") if not isinstance(b, (list, tuple)) else b[0],
-                    int(_field(b, "num_tokens") if not isinstance(b, (list, tuple)) else b[1]),
-                    _field(b, "kind") if not isinstance(b, (list, tuple)) else b[2]) for b in batch]
+        entries = [
+            (
+                _field(b, "request_id") if not isinstance(b, (list, tuple)) else b[0],
+                int(_field(b, "num_tokens") if not isinstance(b, (list, tuple)) else b[1]),
+                _field(b, "kind") if not isinstance(b, (list, tuple)) else b[2],
+            )
+            for b in batch
+        ]
         if self.only is not None:
             if not any(rid in self.only for rid, _, _ in entries):
                 return
@@ -347,14 +428,28 @@ class TimelineReducer:
         kv_used = int(_field(s, "kv_blocks_used", 0) or 0)
         kv_total = int(_field(s, "kv_blocks_total", 0) or 0)
         self.num_lanes = max(self.num_lanes, row)
-        self._emit("steps", left=left, right=right, bottom=row - ROW_HALF, top=row + ROW_HALF,
-                   seq=int(_field(s, "seq", 0)),
-                   phase=phase, color=PHASE_COLORS.get(phase, OTHER_COLOR), duration_ms=(end - start) * 1e3,
-                   batch_size=len(entries), prefill_tokens=prefill_tok, decode_tokens=decode_tok,
-                   prefix_hit_tokens=hits, spec=f"{accepted}/{proposed}" if proposed else "-",
-                   kv=f"{kv_used}/{kv_total}", composition=self._composition(entries),
-                   requests=self._listing(entries), routing=routing_text(_field(s, "expert_counts", None) or []),
-                   parts=parts_text(_field(s, "parts", None) or {}), replica=replica)
+        self._emit(
+            "steps",
+            left=left,
+            right=right,
+            bottom=row - ROW_HALF,
+            top=row + ROW_HALF,
+            seq=int(_field(s, "seq", 0)),
+            phase=phase,
+            color=PHASE_COLORS.get(phase, OTHER_COLOR),
+            duration_ms=(end - start) * 1e3,
+            batch_size=len(entries),
+            prefill_tokens=prefill_tok,
+            decode_tokens=decode_tok,
+            prefix_hit_tokens=hits,
+            spec=f"{accepted}/{proposed}" if proposed else "-",
+            kv=f"{kv_used}/{kv_total}",
+            composition=self._composition(entries),
+            requests=self._listing(entries),
+            routing=routing_text(_field(s, "expert_counts", None) or []),
+            parts=parts_text(_field(s, "parts", None) or {}),
+            replica=replica,
+        )
         for rid, ntok, kind in entries:
             if not self._wanted(rid):
                 continue
@@ -386,7 +481,7 @@ class TimelineReducer:
         return " · ".join(parts) or "empty"
 
     def _listing(self, entries: list[tuple[str, int, str]]) -> str:
-        shown = [f"{short_id(rid)}:{kind[0]}{n}" for rid, n, kind in entries[:self.max_listed]]
+        shown = [f"{short_id(rid)}:{kind[0]}{n}" for rid, n, kind in entries[: self.max_listed]]
         more = len(entries) - len(shown)
         return " ".join(shown) + (f" +{more}" if more > 0 else "")
 
@@ -417,13 +512,18 @@ class TimelineReducer:
                 self._emit_idle(b.index - 1)
         nan = float("nan")
         self._emit(
-            "series", t=(b.index + 1) * self.bin_s, tok_s=b.out_tokens / self.bin_s,
+            "series",
+            t=(b.index + 1) * self.bin_s,
+            tok_s=b.out_tokens / self.bin_s,
             tok_s_avg=self._windowed(b.index, b.out_tokens),
             itl_ms=b.itl_sum / b.itl_n * 1e3 if b.itl_n else nan,
-            kv_used=b.kv_used, kv_total=b.kv_total, kv_frac=b.kv_used / b.kv_total if b.kv_total else nan,
+            kv_used=b.kv_used,
+            kv_total=b.kv_total,
+            kv_frac=b.kv_used / b.kv_total if b.kv_total else nan,
             prefix_hit_rate=b.hits / (b.hits + b.prefill) if (b.hits + b.prefill) else nan,
             spec_accept_rate=b.accepted / b.proposed if b.proposed else nan,
-            waiting=b.waiting, running=b.running,
+            waiting=b.waiting,
+            running=b.running,
         )
         self._last_emitted_bin = b.index
 
@@ -439,9 +539,20 @@ class TimelineReducer:
 
     def _emit_idle(self, index: int) -> None:
         nan = float("nan")
-        self._emit("series", t=(index + 1) * self.bin_s, tok_s=0.0, tok_s_avg=self._windowed(index, 0), itl_ms=nan,
-                   kv_used=nan, kv_total=nan,
-                   kv_frac=nan, prefix_hit_rate=nan, spec_accept_rate=nan, waiting=0, running=0)
+        self._emit(
+            "series",
+            t=(index + 1) * self.bin_s,
+            tok_s=0.0,
+            tok_s_avg=self._windowed(index, 0),
+            itl_ms=nan,
+            kv_used=nan,
+            kv_total=nan,
+            kv_frac=nan,
+            prefix_hit_rate=nan,
+            spec_accept_rate=nan,
+            waiting=0,
+            running=0,
+        )
 
 
 # -- expert routing (mixture-of-experts models) -----------------------------------------------------

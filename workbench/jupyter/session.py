@@ -25,9 +25,11 @@ class NoEngineError(RuntimeError):
 
 
 def _how_to_start(name: str) -> str:
-    return (f"No engine named {name!r} is running. Start one with `%engine start` (the embedded default "
-            f"model; add `--model PATH` for another), attach to another with `%engine connect NAME`, or "
-            f"run `workbench serve --name {name}` in a terminal.")
+    return (
+        f"No engine named {name!r} is running. Start one with `%engine start` (the embedded default "
+        f"model; add `--model PATH` for another), attach to another with `%engine connect NAME`, or "
+        f"run `workbench serve --name {name}` in a terminal."
+    )
 
 
 class EngineSession:
@@ -73,13 +75,17 @@ class EngineSession:
         if not start:
             raise NoEngineError(_how_to_start(self.name))
         if say is not None:
-            say(f"No engine was running: starting the embedded default model as engine {self.name!r} "
-                "(stop it with `%engine stop`)…")
+            say(
+                f"No engine was running: starting the embedded default model as engine {self.name!r} "
+                "(stop it with `%engine stop`)…"
+            )
         t0 = time.monotonic()
         c = self.start(**start_kwargs)
         if say is not None:
-            say(f"Engine {self.name!r} ready: {c.engine_info.get('model')} on {c.engine_info.get('device')} "
-                f"(pid {c.pid}) in {time.monotonic() - t0:.1f} s.")
+            say(
+                f"Engine {self.name!r} ready: {c.engine_info.get('model')} on {c.engine_info.get('device')} "
+                f"(pid {c.pid}) in {time.monotonic() - t0:.1f} s."
+            )
         return c
 
     def start(self, model: str | None = None, *, name: str | None = None, timeout: float = 600.0, **settings):

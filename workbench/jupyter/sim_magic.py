@@ -62,5 +62,11 @@ class SimulateMagics(Magics):
             n = len(res.replicas)
             red.add(res.merged_timeline() if n > 1 else res.timeline)  # a band per replica
             red.tick(float("inf"), grace=0)
-            display(static_timeline(to_columns(red), red.num_lanes, lane_labels=red.lane_labels,
-                                    title=f"Simulated timeline ({n} replica{'s' if n > 1 else ''})").widget())
+            display(
+                static_timeline(
+                    to_columns(red),
+                    red.num_lanes,
+                    lane_labels=red.lane_labels,
+                    title=f"Simulated timeline ({n} replica{'s' if n > 1 else ''})",
+                ).widget()
+            )

@@ -47,8 +47,10 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def sweep_parser() -> MagicArgumentParser:
-    p = MagicArgumentParser(prog="%sweep", description="Measure a workload at every point of a settings grid "
-                "(grid entries: setting=v1,v2,...).")
+    p = MagicArgumentParser(
+        prog="%sweep",
+        description="Measure a workload at every point of a settings grid (grid entries: setting=v1,v2,...).",
+    )
     p.add_argument("grid", nargs="*", metavar="setting=v1,v2", help="one grid axis per entry")
     p.add_argument("--repeats", type=int, default=2, help="measured runs per point (default 2)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests after each configure (default 2)")
@@ -64,9 +66,12 @@ def sweep_parser() -> MagicArgumentParser:
     p.add_argument("--price", type=float, default=None, help="machine price per hour (USD)")
     p.add_argument("--watts", type=float, default=None, help="machine power draw (W)")
     p.add_argument("--no-resume", action="store_true", help="measure every point again")
-    p.add_argument("--simulate-first", action="store_true",
-                   help="predict every point with the simulator (calibrated on the engine) and measure only the "
-                        "predicted Pareto front")
+    p.add_argument(
+        "--simulate-first",
+        action="store_true",
+        help="predict every point with the simulator (calibrated on the engine) and measure only the "
+        "predicted Pareto front",
+    )
     p.add_argument("--no-record", action="store_true", help="do not write the run log")
     p.add_argument("--no-plot", action="store_true", help="show the table only")
     p.add_argument("-o", "--output", dest="var", default="_sweep", metavar="VAR", help="store the records in VAR")
@@ -121,12 +126,30 @@ def prepare(shell, line: str, cell: str | None) -> tuple[Any, dict[str, Any], ar
             raise UsageError(f"%sweep: no variable {args.workload!r} in the notebook")
         workload = ns[args.workload]
     else:
-        workload = {k: v for k, v in (("num_requests", args.requests), ("prompt_len", args.prompt_len),
-                                      ("output_len", args.output_len), ("seed", args.seed),
-                                      ("arrival", args.arrival), ("rate", args.rate)) if v is not None}
-    kwargs = dict(grid=grid, workload=workload, repeats=args.repeats, warmup=args.warmup,
-                  resume=not args.no_resume, price_per_hour=args.price, watts=args.watts,
-                  max_tokens=args.max_tokens, record=not args.no_record, simulate_first=args.simulate_first)
+        workload = {
+            k: v
+            for k, v in (
+                ("num_requests", args.requests),
+                ("prompt_len", args.prompt_len),
+                ("output_len", args.output_len),
+                ("seed", args.seed),
+                ("arrival", args.arrival),
+                ("rate", args.rate),
+            )
+            if v is not None
+        }
+    kwargs = dict(
+        grid=grid,
+        workload=workload,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        resume=not args.no_resume,
+        price_per_hour=args.price,
+        watts=args.watts,
+        max_tokens=args.max_tokens,
+        record=not args.no_record,
+        simulate_first=args.simulate_first,
+    )
     return engine, kwargs, args
 
 
@@ -148,8 +171,9 @@ class _WidgetProgress:
         from IPython.display import display
 
         self.loop = loop
-        self.bar = W.IntProgress(value=0, min=0, max=1, description="sweep", bar_style="info",
-                                 layout=W.Layout(width="420px"))
+        self.bar = W.IntProgress(
+            value=0, min=0, max=1, description="sweep", bar_style="info", layout=W.Layout(width="420px")
+        )
         self.label = W.HTML("starting…")
         display(W.HBox([self.bar, self.label]))
         self.n, self.total, self.desc = 0, 1, ""
@@ -176,6 +200,7 @@ class _WidgetProgress:
         def done():
             self._draw()
             self.bar.bar_style = "success" if self.n >= self.total else "warning"
+
         self.loop.call_soon_threadsafe(done)
 
 
@@ -240,9 +265,9 @@ def _async_sweep(lines: list[str]) -> list[str]:
         return lines
     first = lines[0].rstrip("\r\n")
     if first.startswith("%%sweep") and (first == "%%sweep" or first[7:8] in (" ", "\t")):
-        args, body = first[len("%%sweep"):].strip(), "".join(lines[1:])
+        args, body = first[len("%%sweep") :].strip(), "".join(lines[1:])
     elif first.startswith("%sweep") and first[6:7] in (" ", "\t", "") and not "".join(lines[1:]).strip():
-        args, body = first[len("%sweep"):].strip(), None
+        args, body = first[len("%sweep") :].strip(), None
     else:
         return lines
     from .magics import runs_asyncio_await

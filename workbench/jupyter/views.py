@@ -19,8 +19,16 @@ class TimelineView:
 
     ``live=True`` makes the x range follow the newest data over ``window_s`` seconds."""
 
-    def __init__(self, *, live: bool = True, window_s: float = 60.0, width: int = 900, title: str | None = None,
-                 bin_s: float = BIN_S, smooth_s: float = SMOOTH_S):
+    def __init__(
+        self,
+        *,
+        live: bool = True,
+        window_s: float = 60.0,
+        width: int = 900,
+        title: str | None = None,
+        bin_s: float = BIN_S,
+        smooth_s: float = SMOOTH_S,
+    ):
         from bokeh.models import ColumnDataSource
 
         self.live = live
@@ -32,8 +40,12 @@ class TimelineView:
         self.pushes = 0
 
     # -- data -------------------------------------------------------------------------------------
-    def push(self, drained: dict[str, dict[str, list]], num_lanes: int | None = None,
-             lane_labels: dict[int, str] | None = None) -> int:
+    def push(
+        self,
+        drained: dict[str, dict[str, list]],
+        num_lanes: int | None = None,
+        lane_labels: dict[int, str] | None = None,
+    ) -> int:
         """Stream new rows into the sources; returns how many sources changed. `lane_labels`
         (the reducer's) name the lanes on the y axis."""
         n = 0
@@ -49,8 +61,9 @@ class TimelineView:
         self.pushes += n
         return n
 
-    def load(self, data: dict[str, dict[str, list]], num_lanes: int | None = None,
-             lane_labels: dict[int, str] | None = None) -> None:
+    def load(
+        self, data: dict[str, dict[str, list]], num_lanes: int | None = None, lane_labels: dict[int, str] | None = None
+    ) -> None:
         """Replace all rows (a static view, or a reset after the engine restarted)."""
         for name, cols in COLUMNS.items():
             self.sources[name].data = {c: list(data.get(name, {}).get(c, [])) for c in cols}
@@ -88,37 +101,96 @@ class TimelineView:
         self._y_range = Range1d(start=1.6, end=-0.6)  # flipped: steps on top, lanes downwards
         from bokeh.plotting import figure
 
-        tl = figure(title=title or "Engine steps (top row) and requests (one lane each)", height=260,
-                    width=self.width, x_range=x_range, y_range=self._y_range, tools=tools,
-                    sizing_mode="stretch_width", x_axis_label="seconds", toolbar_location="above")
+        tl = figure(
+            title=title or "Engine steps (top row) and requests (one lane each)",
+            height=260,
+            width=self.width,
+            x_range=x_range,
+            y_range=self._y_range,
+            tools=tools,
+            sizing_mode="stretch_width",
+            x_axis_label="seconds",
+            toolbar_location="above",
+        )
         tl.yaxis.ticker = [0]
         tl.yaxis.major_label_overrides = {0: "steps"}
         tl.ygrid.grid_line_color = None
-        steps = tl.quad(left="left", right="right", bottom="bottom", top="top", color="color",
-                        source=self.sources["steps"], line_color=None)
-        lanes = tl.quad(left="left", right="right", bottom="bottom", top="top", color="color",
-                        source=self.sources["lanes"], line_color=None, alpha=0.9)
-        tl.add_tools(HoverTool(renderers=[steps], tooltips=[
-            ("step", "@seq (@phase)"), ("time", "@duration_ms{0.0} ms"), ("batch", "@batch_size: @composition"),
-            ("requests", "@requests"), ("tokens", "@prefill_tokens prefill, @decode_tokens decode"),
-            ("prefix hits", "@prefix_hit_tokens tok"), ("spec accepted", "@spec"), ("KV blocks", "@kv"),
-            ("expert routing", "@routing"), ("time went to", "@parts"),
-        ]))
-        tl.add_tools(HoverTool(renderers=[lanes], tooltips=[
-            ("request", "@label"), ("id", "@request (lane @lane)"), ("state", "@state"),
-            ("span", "@left{0.000} → @right{0.000} s"), ("tokens", "@tokens"),
-        ]))
+        steps = tl.quad(
+            left="left",
+            right="right",
+            bottom="bottom",
+            top="top",
+            color="color",
+            source=self.sources["steps"],
+            line_color=None,
+        )
+        lanes = tl.quad(
+            left="left",
+            right="right",
+            bottom="bottom",
+            top="top",
+            color="color",
+            source=self.sources["lanes"],
+            line_color=None,
+            alpha=0.9,
+        )
+        tl.add_tools(
+            HoverTool(
+                renderers=[steps],
+                tooltips=[
+                    ("step", "@seq (@phase)"),
+                    ("time", "@duration_ms{0.0} ms"),
+                    ("batch", "@batch_size: @composition"),
+                    ("requests", "@requests"),
+                    ("tokens", "@prefill_tokens prefill, @decode_tokens decode"),
+                    ("prefix hits", "@prefix_hit_tokens tok"),
+                    ("spec accepted", "@spec"),
+                    ("KV blocks", "@kv"),
+                    ("expert routing", "@routing"),
+                    ("time went to", "@parts"),
+                ],
+            )
+        )
+        tl.add_tools(
+            HoverTool(
+                renderers=[lanes],
+                tooltips=[
+                    ("request", "@label"),
+                    ("id", "@request (lane @lane)"),
+                    ("state", "@state"),
+                    ("span", "@left{0.000} → @right{0.000} s"),
+                    ("tokens", "@tokens"),
+                ],
+            )
+        )
         tl.yaxis.major_label_text_font_size = "8pt"
         changes = self.sources["changes"]
         # A settings change: a dashed line across every plot, a marker on top (hover: what, who,
         # how long), and its re-layout stall hatched in the steps row (zero width for live changes).
-        tl.quad(left="t", right="end", bottom=-ROW_HALF, top=ROW_HALF, source=changes,
-                fill_color=PHASE_COLORS["relayout"], hatch_pattern="/", hatch_color="white", line_color=None)
+        tl.quad(
+            left="t",
+            right="end",
+            bottom=-ROW_HALF,
+            top=ROW_HALF,
+            source=changes,
+            fill_color=PHASE_COLORS["relayout"],
+            hatch_pattern="/",
+            hatch_color="white",
+            line_color=None,
+        )
         self._change_lines(tl)
         marks = tl.scatter(x="t", y=-0.5, marker="inverted_triangle", size=11, color="color", source=changes)
-        tl.add_tools(HoverTool(renderers=[marks], tooltips=[
-            ("changed", "@label"), ("by", "@by"), ("applied in", "@apply_ms{0.0} ms"), ("at", "@t{0.000} s"),
-        ]))
+        tl.add_tools(
+            HoverTool(
+                renderers=[marks],
+                tooltips=[
+                    ("changed", "@label"),
+                    ("by", "@by"),
+                    ("applied in", "@apply_ms{0.0} ms"),
+                    ("at", "@t{0.000} s"),
+                ],
+            )
+        )
         # Legend swatches: glyphs of one NaN row each (never drawn on the plot; BokehJS draws no
         # swatch for a glyph without rows).
         nan = [float("nan")]
@@ -128,14 +200,34 @@ class TimelineView:
             legend_items.append(LegendItem(label=state, renderers=[r]))
         swatch = tl.scatter(x=nan, y=nan, marker="inverted_triangle", size=9, color=CHANGE_COLOR)
         legend_items.append(LegendItem(label="settings change", renderers=[swatch]))
-        tl.add_layout(Legend(items=legend_items, orientation="horizontal", location="top_left",
-                             label_text_font_size="8pt", glyph_height=10, glyph_width=10, spacing=4,
-                             padding=2, margin=2, background_fill_alpha=0.6), "above")
+        tl.add_layout(
+            Legend(
+                items=legend_items,
+                orientation="horizontal",
+                location="top_left",
+                label_text_font_size="8pt",
+                glyph_height=10,
+                glyph_width=10,
+                spacing=4,
+                padding=2,
+                margin=2,
+                background_fill_alpha=0.6,
+            ),
+            "above",
+        )
         self.timeline_figure = tl
 
         def small(title: str, y_label: str):
-            f = figure(title=title, height=170, width=self.width // 2, x_range=x_range, tools=tools,
-                       sizing_mode="stretch_width", toolbar_location=None, y_axis_label=y_label)
+            f = figure(
+                title=title,
+                height=170,
+                width=self.width // 2,
+                x_range=x_range,
+                tools=tools,
+                sizing_mode="stretch_width",
+                toolbar_location=None,
+                y_axis_label=y_label,
+            )
             f.title.text_font_size = "9pt"
             return f
 
@@ -144,13 +236,23 @@ class TimelineView:
         tput_line = tput.line("t", "tok_s_avg", source=series, line_width=2, color=PHASE_COLORS["decode"])
         tput_dots = tput.scatter("t", "tok_s", source=series, size=3, color=PHASE_COLORS["decode"], alpha=0.35)
         tput.y_range = DataRange1d(renderers=[tput_line, tput_dots], start=0)
-        tput.add_tools(HoverTool(renderers=[tput_line], tooltips=[
-            ("t", "@t{0.0} s"), (f"tok/s, {smooth_s:g} s average", "@tok_s_avg{0.0}"),
-            (f"tok/s in this {bin_s:g} s", "@tok_s{0.0}"), ("running", "@running"), ("waiting", "@waiting")],
-            mode="vline"))
+        tput.add_tools(
+            HoverTool(
+                renderers=[tput_line],
+                tooltips=[
+                    ("t", "@t{0.0} s"),
+                    (f"tok/s, {smooth_s:g} s average", "@tok_s_avg{0.0}"),
+                    (f"tok/s in this {bin_s:g} s", "@tok_s{0.0}"),
+                    ("running", "@running"),
+                    ("waiting", "@waiting"),
+                ],
+                mode="vline",
+            )
+        )
         lat = small("Latency: TTFT (dots) and inter-token (line)", "ms")
-        ttft = lat.scatter("t", "ttft_ms", source=self.sources["ttft"], size=6, color=PHASE_COLORS["prefill"],
-                           legend_label="TTFT")
+        ttft = lat.scatter(
+            "t", "ttft_ms", source=self.sources["ttft"], size=6, color=PHASE_COLORS["prefill"], legend_label="TTFT"
+        )
         itl = lat.line("t", "itl_ms", source=series, line_width=2, color=PHASE_COLORS["verify"], legend_label="ITL")
         lat.y_range = DataRange1d(renderers=[ttft, itl])
         lat.legend.location = "top_left"
@@ -163,28 +265,49 @@ class TimelineView:
         kv.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("used", "@kv_used / @kv_total")], mode="vline"))
         rates = small("Prefix hit rate and speculative acceptance", "fraction")
         rates.y_range = Range1d(-0.02, 1.05)
-        rates.line("t", "prefix_hit_rate", source=series, line_width=2, color=PHASE_COLORS["prefill"],
-                   legend_label="prefix hits")
+        rates.line(
+            "t",
+            "prefix_hit_rate",
+            source=series,
+            line_width=2,
+            color=PHASE_COLORS["prefill"],
+            legend_label="prefix hits",
+        )
         rates.scatter("t", "prefix_hit_rate", source=series, size=4, color=PHASE_COLORS["prefill"])
-        rates.line("t", "spec_accept_rate", source=series, line_width=2, color=PHASE_COLORS["verify"],
-                   legend_label="spec accepted")
+        rates.line(
+            "t",
+            "spec_accept_rate",
+            source=series,
+            line_width=2,
+            color=PHASE_COLORS["verify"],
+            legend_label="spec accepted",
+        )
         rates.scatter("t", "spec_accept_rate", source=series, size=4, color=PHASE_COLORS["verify"])
         rates.legend.location = "bottom_left"
         rates.legend.label_text_font_size = "8pt"
         host = small("Host: CPU, memory and KV cache in use", "% of the host")
         host.y_range = Range1d(-2, 102)
         hs = self.sources["host"]
-        for col, label, color in (("engine_cpu_pct", "engine CPU", PHASE_COLORS["prefill"]),
-                                  ("host_cpu_pct", "host CPU", PHASE_COLORS["mixed"]),
-                                  ("host_mem_pct", "host memory", PHASE_COLORS["relayout"]),
-                                  ("kv_pct", "KV cache", PHASE_COLORS["decode"])):
+        for col, label, color in (
+            ("engine_cpu_pct", "engine CPU", PHASE_COLORS["prefill"]),
+            ("host_cpu_pct", "host CPU", PHASE_COLORS["mixed"]),
+            ("host_mem_pct", "host memory", PHASE_COLORS["relayout"]),
+            ("kv_pct", "KV cache", PHASE_COLORS["decode"]),
+        ):
             host.line("t", col, source=hs, line_width=2, color=color, legend_label=label)
-        host.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("engine CPU", "@engine_cpu_pct{0.0} % of the host"),
-                                           ("host CPU", "@host_cpu_pct{0.0} %"),
-                                           ("host memory", "@host_mem_pct{0.0} %"),
-                                           ("engine memory", "@engine_rss_mb{0,0} MiB"),
-                                           ("KV cache", "@kv_pct{0.0} %")],
-                                 mode="vline"))
+        host.add_tools(
+            HoverTool(
+                tooltips=[
+                    ("t", "@t{0.0} s"),
+                    ("engine CPU", "@engine_cpu_pct{0.0} % of the host"),
+                    ("host CPU", "@host_cpu_pct{0.0} %"),
+                    ("host memory", "@host_mem_pct{0.0} %"),
+                    ("engine memory", "@engine_rss_mb{0,0} MiB"),
+                    ("KV cache", "@kv_pct{0.0} %"),
+                ],
+                mode="vline",
+            )
+        )
         host.legend.location = "top_left"
         host.legend.label_text_font_size = "8pt"
         host.legend.orientation = "horizontal"
@@ -196,8 +319,17 @@ class TimelineView:
 
     def _change_lines(self, fig) -> None:
         """Settings changes as vertical lines (past any y range; each plot's range ignores them)."""
-        fig.segment(x0="t", x1="t", y0=-1e9, y1=1e9, source=self.sources["changes"], color="color",
-                    line_dash="dashed", line_width=1.5, alpha=0.8)
+        fig.segment(
+            x0="t",
+            x1="t",
+            y0=-1e9,
+            y1=1e9,
+            source=self.sources["changes"],
+            color="color",
+            line_dash="dashed",
+            line_width=1.5,
+            alpha=0.8,
+        )
 
     def _set_lanes(self, num_lanes: int) -> None:
         lanes = max(1, num_lanes)
@@ -215,8 +347,13 @@ class TimelineView:
             axis.major_label_overrides = overrides
 
 
-def static_timeline(data: dict[str, dict[str, list]], num_lanes: int, *, title: str | None = None,
-                    lane_labels: dict[int, str] | None = None):
+def static_timeline(
+    data: dict[str, dict[str, list]],
+    num_lanes: int,
+    *,
+    title: str | None = None,
+    lane_labels: dict[int, str] | None = None,
+):
     """A finished timeline (for `%timeline` and `%%generate --timeline`) as a BokehModel."""
     view = TimelineView(live=False, title=title)
     view.load(data, num_lanes, lane_labels)
@@ -261,19 +398,44 @@ class ExpertHeatmap:
 
         self.source = ColumnDataSource({c: [] for c in ExpertLoad.COLUMNS})
         self.mapper = LinearColorMapper(palette="Viridis256", low=0.0, high=0.5)
-        self.figure = figure(title="Expert routing (recent steps)", height=self.FRAME_PX + self.ROW_PX, width=width,
-                             tools="hover,save", x_axis_label="expert", y_axis_label="MoE layer",
-                             y_range=(-0.5, 0.5))
-        self.figure.rect(x="expert", y="layer", width=0.95, height=0.95, source=self.source,
-                         fill_color={"field": "share", "transform": self.mapper}, line_color=None)
+        self.figure = figure(
+            title="Expert routing (recent steps)",
+            height=self.FRAME_PX + self.ROW_PX,
+            width=width,
+            tools="hover,save",
+            x_axis_label="expert",
+            y_axis_label="MoE layer",
+            y_range=(-0.5, 0.5),
+        )
+        self.figure.rect(
+            x="expert",
+            y="layer",
+            width=0.95,
+            height=0.95,
+            source=self.source,
+            fill_color={"field": "share", "transform": self.mapper},
+            line_color=None,
+        )
         # layers and experts are whole numbers: one tick each, never -0.5 or 1.5
         for axis in (self.figure.xaxis, self.figure.yaxis):
             axis.ticker = SingleIntervalTicker(interval=1, num_minor_ticks=0)
         self.figure.grid.visible = False
-        self.figure.add_layout(ColorBar(color_mapper=self.mapper, title="share of the layer's tokens", width=10,
-                                        title_text_font_size="10px", major_label_text_font_size="10px"), "right")
-        self.figure.select_one(HoverTool).tooltips = [("layer", "@layer"), ("expert", "@expert"),
-                                                      ("tokens", "@tokens"), ("share", "@share{0.0%}")]
+        self.figure.add_layout(
+            ColorBar(
+                color_mapper=self.mapper,
+                title="share of the layer's tokens",
+                width=10,
+                title_text_font_size="10px",
+                major_label_text_font_size="10px",
+            ),
+            "right",
+        )
+        self.figure.select_one(HoverTool).tooltips = [
+            ("layer", "@layer"),
+            ("expert", "@expert"),
+            ("tokens", "@tokens"),
+            ("share", "@share{0.0%}"),
+        ]
         self._model = None
 
     def update(self, columns: dict[str, list], imbalances: list[float]) -> None:
@@ -285,8 +447,10 @@ class ExpertHeatmap:
         self.mapper.high = max(max(shares, default=0.0), 1e-6)
         worst = max(((v, i) for i, v in enumerate(imbalances) if v == v), default=None)
         if worst is not None:
-            self.figure.title.text = (f"Expert routing over the recent steps · worst imbalance {worst[0]:.2f}x "
-                                      f"(layer {worst[1]}; 1.0x is even)")
+            self.figure.title.text = (
+                f"Expert routing over the recent steps · worst imbalance {worst[0]:.2f}x "
+                f"(layer {worst[1]}; 1.0x is even)"
+            )
 
     def widget(self):
         if self._model is None:

@@ -37,8 +37,19 @@ from ..jupyter.reducer import PHASE_COLORS, STATE_COLORS, TimelineReducer
 
 # The reducer's columns the browser draws (rows are its own; y comes from phase and lane there).
 DRAWN = {
-    "steps": ("left", "right", "seq", "phase", "color", "duration_ms", "batch_size", "prefill_tokens",
-              "decode_tokens", "composition", "parts"),
+    "steps": (
+        "left",
+        "right",
+        "seq",
+        "phase",
+        "color",
+        "duration_ms",
+        "batch_size",
+        "prefill_tokens",
+        "decode_tokens",
+        "composition",
+        "parts",
+    ),
     "lanes": ("left", "right", "lane", "request", "label", "state", "color"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),
     "host": ("t", "engine_cpu_pct", "host_cpu_pct", "host_mem_pct", "kv_pct", "engine_rss_mb"),
@@ -77,8 +88,9 @@ def history_window(steps: Any) -> int:
     return min(MAX_HISTORY_STEPS, max(SNAPSHOT_STEPS, value))
 
 
-def trim_timeline(timeline: dict[str, Any], max_steps: int, max_requests: int,
-                  max_entries: int | None = None) -> tuple[dict[str, Any], int]:
+def trim_timeline(
+    timeline: dict[str, Any], max_steps: int, max_requests: int, max_entries: int | None = None
+) -> tuple[dict[str, Any], int]:
     """Keep the newest steps/request events (and at most `max_entries` batch entries over the
     kept steps: a step of a 64-request batch is 64 times the bytes of a single stream's);
     returns the trimmed timeline and how many were cut."""
@@ -93,19 +105,28 @@ def trim_timeline(timeline: dict[str, Any], max_steps: int, max_requests: int,
                 keep = len(steps) - 1 - i
                 break
     cut = (len(steps) - keep) + max(0, len(requests) - max_requests)
-    steps = steps[len(steps) - keep:]
+    steps = steps[len(steps) - keep :]
     if len(requests) > max_requests:
-        requests = requests[len(requests) - max_requests:]
+        requests = requests[len(requests) - max_requests :]
     # Settings changes are few (the engine keeps the last 1000) and each is a marker: all are kept.
-    return {"steps": steps, "requests": requests, "changes": list(timeline.get("changes") or []),
-            "cursor": int(timeline.get("cursor") or 0)}, cut
+    return {
+        "steps": steps,
+        "requests": requests,
+        "changes": list(timeline.get("changes") or []),
+        "cursor": int(timeline.get("cursor") or 0),
+    }, cut
 
 
 class EventCoalescer:
     """Per-connection state: what the browser has been sent and what is pending."""
 
-    def __init__(self, rate_hz: float = DEFAULT_RATE_HZ, *, max_steps: int = DELTA_STEPS,
-                 max_requests: int = DELTA_REQUEST_EVENTS):
+    def __init__(
+        self,
+        rate_hz: float = DEFAULT_RATE_HZ,
+        *,
+        max_steps: int = DELTA_STEPS,
+        max_requests: int = DELTA_REQUEST_EVENTS,
+    ):
         self.rate_hz = clamp_rate(rate_hz)
         self.max_steps = max_steps
         self.max_requests = max_requests
@@ -182,9 +203,18 @@ class EventCoalescer:
         self._engine = {"state": "dead", "reason": reason}
 
     # -- output ---------------------------------------------------------------------------------
-    def snapshot(self, *, engine: str, status: dict[str, Any], settings: dict[str, Any],
-                 metrics: dict[str, Any], timeline: dict[str, Any], now: float,
-                 window: int = SNAPSHOT_STEPS, older: bool = False) -> dict[str, Any]:
+    def snapshot(
+        self,
+        *,
+        engine: str,
+        status: dict[str, Any],
+        settings: dict[str, Any],
+        metrics: dict[str, Any],
+        timeline: dict[str, Any],
+        now: float,
+        window: int = SNAPSHOT_STEPS,
+        older: bool = False,
+    ) -> dict[str, Any]:
         """The first message (or a wider one asked for later): the newest `window` steps and 4x
         as many request events; `older`: the engine holds events before these. Events
         subscribed before the snapshot was read and already covered by it (seq <= its cursor)
@@ -200,22 +230,44 @@ class EventCoalescer:
         # x = 0 at the engine process's start, so every view of it (panel, main-area timeline,
         # opened at any time) puts an event at the same x; else the earliest event shown
         started = status.get("started_monotonic")
-        t0 = started if isinstance(started, (int, float)) else _first_time(
-            tl, self.engine_time if self.engine_time is not None else now)
+        t0 = (
+            started
+            if isinstance(started, (int, float))
+            else _first_time(tl, self.engine_time if self.engine_time is not None else now)
+        )
         self.reducer = TimelineReducer(t0=t0)
         self.reducer.add(tl)
         self.snapshot_sent = True
         self.last_flush = now
         self.messages_sent += 1
-        return {"type": "snapshot", "engine": engine, "status": status, "settings": settings,
-                "metrics": metrics, "timeline": _without_batches(tl), "columns": self._columns(), "t0": self.reducer.t0,
-                "palette": {"phase": PHASE_COLORS, "state": STATE_COLORS}, "time": self.engine_time,
-                "rate": self.rate_hz, "window": window, "older": bool(older or cut)}
+        return {
+            "type": "snapshot",
+            "engine": engine,
+            "status": status,
+            "settings": settings,
+            "metrics": metrics,
+            "timeline": _without_batches(tl),
+            "columns": self._columns(),
+            "t0": self.reducer.t0,
+            "palette": {"phase": PHASE_COLORS, "state": STATE_COLORS},
+            "time": self.engine_time,
+            "rate": self.rate_hz,
+            "window": window,
+            "older": bool(older or cut),
+        }
 
     def pending(self) -> bool:
-        return bool(self._steps or self._requests or self._change_events or self._settings is not None or self._changes
-                    or self._metrics is not None or self._relayout or self._engine is not None
-                    or self._dropped)
+        return bool(
+            self._steps
+            or self._requests
+            or self._change_events
+            or self._settings is not None
+            or self._changes
+            or self._metrics is not None
+            or self._relayout
+            or self._engine is not None
+            or self._dropped
+        )
 
     def due(self, now: float) -> bool:
         """Whether a delta should go out now: something is pending and the rate allows it (an
@@ -242,8 +294,7 @@ class EventCoalescer:
         if self._steps or self._requests or self._change_events or self._pending_cursor > self.cursor:
             events = (*self._steps, *self._requests, *self._change_events)
             cursor = max(self.cursor, self._pending_cursor, *(e.get("seq", 0) for e in events))
-            part = {"steps": self._steps, "requests": self._requests, "changes": self._change_events,
-                    "cursor": cursor}
+            part = {"steps": self._steps, "requests": self._requests, "changes": self._change_events, "cursor": cursor}
             self.reducer.add(part)
             msg["timeline"] = _without_batches(part)
             self.cursor = cursor
@@ -288,8 +339,9 @@ def browser_columns(drained: dict[str, dict[str, list]]) -> dict[str, dict[str, 
     out = {}
     for name, columns in DRAWN.items():
         rows = drained.get(name) or {}
-        out[name] = {c: finite_or_none([round(v, 6) if isinstance(v, float) else v for v in rows.get(c, [])])
-                     for c in columns}
+        out[name] = {
+            c: finite_or_none([round(v, 6) if isinstance(v, float) else v for v in rows.get(c, [])]) for c in columns
+        }
     return out
 
 
@@ -302,7 +354,8 @@ def _without_batches(timeline: dict[str, Any]) -> dict[str, Any]:
 
 def _first_time(timeline: dict[str, Any], fallback: float) -> float:
     """The earliest event time in `timeline` (x = 0 of the drawn columns), else `fallback`."""
-    times = ([s.get("start") for s in timeline.get("steps") or []]
-             + [r.get("time") for r in timeline.get("requests") or []])
+    times = [s.get("start") for s in timeline.get("steps") or []] + [
+        r.get("time") for r in timeline.get("requests") or []
+    ]
     times = [t for t in times if isinstance(t, (int, float))]
     return min(times) if times else fallback

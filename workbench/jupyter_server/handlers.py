@@ -147,8 +147,7 @@ class EngineHandler(BaseHandler):
     async def get(self, name: str):
         try:
             client = await self.hub.client(name)
-            status, settings, metrics = await asyncio.gather(
-                client.astatus(), client.asettings(), client.ametrics())
+            status, settings, metrics = await asyncio.gather(client.astatus(), client.asettings(), client.ametrics())
             self.reply({"name": name, "status": status, "settings": settings, "metrics": metrics})
         except Exception as e:
             self.fail(e, name)
@@ -177,7 +176,7 @@ class SettingsHandler(BaseHandler):
         try:
             changes = self.body()
             if not changes:
-                raise ValueError("no settings to change; send an object such as {\"max_num_seqs\": 8}")
+                raise ValueError('no settings to change; send an object such as {"max_num_seqs": 8}')
             client = await self.hub.client(name)
             # The engine validates (same names and messages as configure() everywhere).
             settings = await client.aconfigure(**changes)
@@ -326,14 +325,20 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
         head = await client.atimeline(1 << 62)
         since = max(0, head.cursor - 5 * window)
         status, settings, metrics, timeline = await asyncio.gather(
-            client.astatus(), client.asettings(), client.ametrics(),
-            client.atimeline(since))
+            client.astatus(), client.asettings(), client.ametrics(), client.atimeline(since)
+        )
         first = min([e.seq for e in (*timeline.steps[:1], *timeline.requests[:1])], default=0)
         older = since > 0 and first == since + 1  # the ring buffer goes on before what was read
-        return self.coalescer.snapshot(engine=self.engine_name, status=_jsonable(status),
-                                       settings=_jsonable(settings), metrics=_jsonable(metrics),
-                                       timeline=_jsonable(timeline), now=time.monotonic(), window=window,
-                                       older=older)
+        return self.coalescer.snapshot(
+            engine=self.engine_name,
+            status=_jsonable(status),
+            settings=_jsonable(settings),
+            metrics=_jsonable(metrics),
+            timeline=_jsonable(timeline),
+            now=time.monotonic(),
+            window=window,
+            older=older,
+        )
 
     async def _send(self, msg: dict[str, Any]) -> None:
         if self.closed:
@@ -372,8 +377,13 @@ class InfoHandler(BaseHandler):
     def get(self):
         from .. import __version__
 
-        self.reply({"version": __version__, "bokeh": bokeh_version(),
-                    "bokeh_files": ["bokeh.min.js", "bokeh-widgets.min.js", "bokeh-tables.min.js", "bokeh-api.min.js"]})
+        self.reply(
+            {
+                "version": __version__,
+                "bokeh": bokeh_version(),
+                "bokeh_files": ["bokeh.min.js", "bokeh-widgets.min.js", "bokeh-tables.min.js", "bokeh-api.min.js"],
+            }
+        )
 
 
 class RunsHandler(BaseHandler):
@@ -388,9 +398,22 @@ class RunsHandler(BaseHandler):
             if not 1 <= limit <= 1000:
                 raise ValueError(f"limit must be 1..1000, got {limit}")
             runs = await asyncio.to_thread(list_runs, limit=limit)
-            self.reply({"runs": finite_or_none([
-                {**{k: r.get(k) for k in ("id", "kind", "status", "label", "started_at", "model", "device")},
-                 "headline": headline(r)} for r in runs])})
+            self.reply(
+                {
+                    "runs": finite_or_none(
+                        [
+                            {
+                                **{
+                                    k: r.get(k)
+                                    for k in ("id", "kind", "status", "label", "started_at", "model", "device")
+                                },
+                                "headline": headline(r),
+                            }
+                            for r in runs
+                        ]
+                    )
+                }
+            )
         except Exception as e:
             self.fail(e)
 

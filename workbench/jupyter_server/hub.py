@@ -34,25 +34,44 @@ class EngineHub:
 
         out = []
         for info in conn.list_engines():
-            out.append({
-                "name": info.name,
-                "pid": info.pid,
-                "model": info.model,
-                "transport": info.transport,
-                "connection_file": info.path,
-                "started_here": info.name in self._started,
-            })
+            out.append(
+                {
+                    "name": info.name,
+                    "pid": info.pid,
+                    "model": info.model,
+                    "transport": info.transport,
+                    "connection_file": info.path,
+                    "started_here": info.name in self._started,
+                }
+            )
         from ..cluster.engine import list_clusters
 
         for c in list_clusters():  # replicas on Ray (workbench.cluster): one entry, "cluster:NAME"
-            out.append({"name": f"cluster:{c['name']}", "pid": c.get("owner_pid"), "model": c.get("model"),
-                        "transport": "cluster", "connection_file": c["path"], "started_here": False,
-                        "replicas": [r["name"] for r in c["replicas"]]})
+            out.append(
+                {
+                    "name": f"cluster:{c['name']}",
+                    "pid": c.get("owner_pid"),
+                    "model": c.get("model"),
+                    "transport": "cluster",
+                    "connection_file": c["path"],
+                    "started_here": False,
+                    "replicas": [r["name"] for r in c["replicas"]],
+                }
+            )
         from ..remote import list_remotes
 
         for r in list_remotes():  # OpenAI-compatible servers registered with register_remote()
-            out.append({"name": r["name"], "pid": None, "model": r["model"], "transport": "http",
-                        "connection_file": None, "started_here": False, "remote_url": r["url"]})
+            out.append(
+                {
+                    "name": r["name"],
+                    "pid": None,
+                    "model": r["model"],
+                    "transport": "http",
+                    "connection_file": None,
+                    "started_here": False,
+                    "remote_url": r["url"],
+                }
+            )
         return out
 
     def runtime_dir(self) -> str:
@@ -100,8 +119,14 @@ class EngineHub:
         _quiet_close(held)
 
     # -- lifecycle ------------------------------------------------------------------------------
-    async def start(self, *, name: str | None = None, model: str | None = None,
-                    settings: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+    async def start(
+        self,
+        *,
+        name: str | None = None,
+        model: str | None = None,
+        settings: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
         """Spawn an engine (stopped when this server exits) and keep its client."""
         from ..ipc.launch import start_engine
         from ..settings import validate

@@ -45,7 +45,6 @@ def _supported_text() -> str:
     return ", ".join(f"{k} (model_type {v!r})" for k, v in SUPPORTED_ARCHITECTURES.items())
 
 
-
 # ----------------------------------------------------------------------------------- config
 @dataclass
 class ModelConfig:
@@ -96,9 +95,7 @@ class ModelConfig:
     moe_layers: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf_config(
-        cls, cfg: dict[str, Any], path: str | os.PathLike = "", name: str | None = None
-    ) -> ModelConfig:
+    def from_hf_config(cls, cfg: dict[str, Any], path: str | os.PathLike = "", name: str | None = None) -> ModelConfig:
         """Build from a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
@@ -117,11 +114,15 @@ class ModelConfig:
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         allowed = ("gelu_pytorch_tanh", "gelu_tanh") if arch == "gemma3" else ("silu", "swish")
         if act not in allowed:
-            raise ValueError(f"unsupported hidden activation {act!r} for {arch} in {path or 'config'}; "
-                             f"supported: {', '.join(allowed)}")
+            raise ValueError(
+                f"unsupported hidden activation {act!r} for {arch} in {path or 'config'}; "
+                f"supported: {', '.join(allowed)}"
+            )
         if cfg.get("attn_logit_softcapping") is not None:
-            raise ValueError(f"attn_logit_softcapping in {path or 'config'} is not supported (Gemma 2 style); "
-                             "Gemma 3 checkpoints have none")
+            raise ValueError(
+                f"attn_logit_softcapping in {path or 'config'} is not supported (Gemma 2 style); "
+                "Gemma 3 checkpoints have none"
+            )
 
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -193,8 +194,13 @@ class ModelConfig:
             qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
             qk_norm_per_head=arch != "olmoe",
             **moe,
-            **(gemma3_fields(hidden, cfg.get("query_pre_attn_scalar", 256), local_theta,
-                             cfg.get("final_logit_softcapping")) if gemma else {}),
+            **(
+                gemma3_fields(
+                    hidden, cfg.get("query_pre_attn_scalar", 256), local_theta, cfg.get("final_logit_softcapping")
+                )
+                if gemma
+                else {}
+            ),
         )
 
     def to_hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -241,11 +247,12 @@ class ModelConfig:
             out["hidden_activation"] = "gelu_pytorch_tanh"
             out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
             out["rope_local_base_freq"] = self.rope_local_theta
-            out["query_pre_attn_scalar"] = round(self.attention_scale ** -2)
+            out["query_pre_attn_scalar"] = round(self.attention_scale**-2)
             out["final_logit_softcapping"] = self.final_logit_softcapping
-            out["rope_parameters"] = {"full_attention": rope_parameters,
-                                      "sliding_attention": {"rope_type": "default",
-                                                            "rope_theta": self.rope_local_theta}}
+            out["rope_parameters"] = {
+                "full_attention": rope_parameters,
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_theta},
+            }
         return out
 
 
@@ -319,13 +326,19 @@ GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
-def gemma3_fields(hidden: int, query_pre_attn_scalar: float, local_theta: float | None,
-                  final_logit_softcapping: float | None) -> dict[str, Any]:
+def gemma3_fields(
+    hidden: int, query_pre_attn_scalar: float, local_theta: float | None, final_logit_softcapping: float | None
+) -> dict[str, Any]:
     """The ModelConfig fields that make a Llama-style config a Gemma 3 one (HF and GGUF alike)."""
-    return {"norm_offset": 1.0, "embed_scale": hidden**0.5, "sandwich_norms": True, "activation": "gelu_tanh",
-            "attention_scale": float(query_pre_attn_scalar) ** -0.5,
-            "rope_local_theta": float(local_theta if local_theta is not None else GEMMA3_LOCAL_ROPE_BASE),
-            "final_logit_softcapping": final_logit_softcapping}
+    return {
+        "norm_offset": 1.0,
+        "embed_scale": hidden**0.5,
+        "sandwich_norms": True,
+        "activation": "gelu_tanh",
+        "attention_scale": float(query_pre_attn_scalar) ** -0.5,
+        "rope_local_theta": float(local_theta if local_theta is not None else GEMMA3_LOCAL_ROPE_BASE),
+        "final_logit_softcapping": final_logit_softcapping,
+    }
 
 
 def layer_windows_of(arch: str, cfg: dict[str, Any], sliding: int | None) -> list[int]:
@@ -351,29 +364,43 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     Qwen3-MoE (`decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`)."""
     layers = int(cfg["num_hidden_layers"])
     if arch == "mixtral":
-        return {"num_experts": int(cfg["num_local_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
-                "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
-                "moe_layers": list(range(layers))}
+        return {
+            "num_experts": int(cfg["num_local_experts"]),
+            "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+            "moe_layers": list(range(layers)),
+        }
     if arch == "olmoe":
-        return {"num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
-                "moe_intermediate_size": int(cfg["intermediate_size"]),
-                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": list(range(layers))}
+        return {
+            "num_experts": int(cfg["num_experts"]),
+            "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "moe_layers": list(range(layers)),
+        }
     if arch == "qwen3_moe":
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or [])
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 4 / 5
         moe_layers = [i for i in range(layers) if experts and i not in dense and (i + 1) % step == 0]
-        return {"num_experts": experts, "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
-                "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
-                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "moe_layers": moe_layers}
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "moe_layers": moe_layers,
+        }
     return {}
 
 
 # Mixtral's names for the router and experts -> the names used here (Qwen3-MoE's).
-_MIXTRAL_NAMES = [(re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
-                  (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
-                  (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
-                  (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj.")]
+_MIXTRAL_NAMES = [
+    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+]
 
 
 def select_weights(
@@ -384,6 +411,7 @@ def select_weights(
         # saved from the bare LlamaModel: no "model." prefix
         raw = {(k if k.startswith("lm_head.") else "model." + k): v for k, v in raw.items()}
     if config.architecture == "mixtral":
+
         def rename(k: str) -> str:
             for pattern, repl in _MIXTRAL_NAMES:
                 k = pattern.sub(repl, k)
@@ -410,14 +438,10 @@ def select_weights(
             unknown.append(name)
             continue
         if want is not None and tuple(t.shape) != want:
-            raise ValueError(
-                f"{where}: weight {name} has shape {tuple(t.shape)}, expected {want} from the config"
-            )
+            raise ValueError(f"{where}: weight {name} has shape {tuple(t.shape)}, expected {want} from the config")
         out[name] = t.to(dtype).contiguous()
     if unknown:
-        warnings.warn(
-            f"{where}: ignoring {len(unknown)} unexpected tensors, e.g. {unknown[:3]}", stacklevel=3
-        )
+        warnings.warn(f"{where}: ignoring {len(unknown)} unexpected tensors, e.g. {unknown[:3]}", stacklevel=3)
     # Stable order: the expected order, then the optional biases.
     order = list(expected) + sorted(k for k in out if k not in expected)
     return {k: out[k] for k in order}
@@ -435,7 +459,6 @@ def weights_checksum(weights: dict[str, torch.Tensor]) -> str:
         if t.numel():
             h.update(memoryview(t.view(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
-
 
 
 def config_dict(config: ModelConfig) -> dict[str, Any]:

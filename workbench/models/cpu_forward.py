@@ -47,8 +47,10 @@ def why_not(model, on: bool) -> str | None:
     if not cpu.available():
         return f"no C kernels: {cpu.unavailable_reason()}"
     if not cpu.supports_decode(c.head_dim, c.num_attention_heads, c.num_key_value_heads):
-        return (f"the C kernels take head_dim % 16 == 0 (<= 256) and <= 16 query heads per KV head; "
-                f"this model has head_dim {c.head_dim}, {c.num_attention_heads}/{c.num_key_value_heads} heads")
+        return (
+            f"the C kernels take head_dim % 16 == 0 (<= 256) and <= 16 query heads per KV head; "
+            f"this model has head_dim {c.head_dim}, {c.num_attention_heads}/{c.num_key_value_heads} heads"
+        )
     return None
 
 
@@ -59,8 +61,10 @@ def why_not_fused(model) -> str | None:
     if c.moe_layers:
         return "mixture-of-experts layers: each chosen expert runs on our GEMVs, the routing in torch's ops"
     if c.sandwich_norms or c.norm_offset or c.activation != "silu":
-        return (f"{c.architecture}'s (1 + w) norms around attention and the MLP and its GELU-tanh MLP are "
-                "composed in torch's ops around our GEMVs")
+        return (
+            f"{c.architecture}'s (1 + w) norms around attention and the MLP and its GELU-tanh MLP are "
+            "composed in torch's ops around our GEMVs"
+        )
     if c.qk_norm:
         return "the per-head q/k norm of this architecture (Qwen3) is applied in torch's ops around our GEMVs"
     if any(model.windows):
@@ -91,8 +95,12 @@ class CpuKernelForward:
         width, width_why, _ = cpu.gemv_width()
         reason = cpu.variant_reason() + (f"; bf16 GEMVs in {width} registers ({width_why})" if width else "")
         reason += f"; layers not fused: {unfused}" if unfused else ""
-        return {"kernel_variant": cpu.variant(), "kernel_variant_reason": reason,
-                "compute_path": path, "compute_path_reason": why}
+        return {
+            "kernel_variant": cpu.variant(),
+            "kernel_variant_reason": reason,
+            "compute_path": path,
+            "compute_path_reason": why,
+        }
 
     @staticmethod
     def attention_ops() -> SimpleNamespace:
@@ -108,16 +116,19 @@ class CpuKernelForward:
         return SimpleNamespace(write_kv=reference.write_kv_ref, extend_attention=extend, decode_attention=decode)
 
     @staticmethod
-    def token_queries(tables: list[tuple[list[int], int]], positions: list[int],
-                      device: torch.device) -> TokenQueries | None:
+    def token_queries(
+        tables: list[tuple[list[int], int]], positions: list[int], device: torch.device
+    ) -> TokenQueries | None:
         """The step's tokens as one-query decodes (`tables`: each scheduled sequence's block table
         and token count, in token order), when the one-call layer can take that many rows."""
         if len(positions) > cpu.fused_max_rows():
             return None
         width = max(len(t) for t, _ in tables)
         rows = [t + [0] * (width - len(t)) for t, n in tables for _ in range(n)]
-        return TokenQueries(block_tables=torch.tensor(rows, dtype=torch.int32, device=device),
-                            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device))
+        return TokenQueries(
+            block_tables=torch.tensor(rows, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
+        )
 
     @staticmethod
     def gemm_rate(m: int, k: int, n: int, budget_s: float = 0.25, dtype: torch.dtype = torch.bfloat16) -> float:
@@ -148,8 +159,9 @@ class CpuKernelForward:
         rope = self.model.rope
         h = cpu.add_rms_norm(x, delta, layer.ln1, layer.eps)
         k_cache, v_cache, _, _ = attention.kv.layer(layer.index)
-        q = cpu.rope_write_kv(layer.qkv(h), positions, rope.cos, rope.sin, meta.slot_mapping, k_cache, v_cache,
-                              layer.nq)
+        q = cpu.rope_write_kv(
+            layer.qkv(h), positions, rope.cos, rope.sin, meta.slot_mapping, k_cache, v_cache, layer.nq
+        )
         o = attention.attend(q, layer.index, meta)
         h = cpu.add_rms_norm(x, layer.o(o.view(-1, layer.nq * layer.d)), layer.ln2, layer.eps)
         return layer.down(cpu.silu_mul(layer.gate_up(h)))
@@ -187,7 +199,17 @@ class CpuKernelForward:
             return None
         c, rope = self.model.config, self.model.rope
         return cpu.DecodeStep(
-            hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            intermediate=c.intermediate_size, block_size=attention.kv.k[0].shape[1], positions=positions,
-            slot_mapping=meta.slot_mapping, block_tables=tokens.block_tables, seq_lens=tokens.seq_lens,
-            cos=rope.cos, sin=rope.sin, scale=attention.scale)
+            hidden=c.hidden_size,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            intermediate=c.intermediate_size,
+            block_size=attention.kv.k[0].shape[1],
+            positions=positions,
+            slot_mapping=meta.slot_mapping,
+            block_tables=tokens.block_tables,
+            seq_lens=tokens.seq_lens,
+            cos=rope.cos,
+            sin=rope.sin,
+            scale=attention.scale,
+        )

@@ -67,12 +67,7 @@ def _fingerprint(gguf_path: Path) -> str:
 
 
 def _is_complete(d: Path) -> bool:
-    return (
-        (d / _COMPLETE_MARKER).is_file()
-        and (d / "config.json").is_file()
-        and (d / "model.safetensors").is_file()
-    )
-
+    return (d / _COMPLETE_MARKER).is_file() and (d / "config.json").is_file() and (d / "model.safetensors").is_file()
 
 
 def _remove_stale_tmp(parent: Path) -> None:

@@ -47,22 +47,36 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen3moe": "qwen3_moe",
-               "olmoe": "olmoe", "gemma3": "gemma3"}
+_GGUF_ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+    "gemma3": "gemma3",
+}
 # Gemma 3 wraps attention and the MLP in norms: llama.cpp's ffn_norm is the pre-MLP one there.
-_GEMMA3_LAYER_NAMES = {**_GGUF_LAYER_NAMES,
-                       "post_attention_norm.weight": "post_attention_layernorm.weight",
-                       "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 
 # Mixture-of-experts tensors: the router, and each expert projection stacked over the experts.
-_GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-                      "ffn_down_exps.weight": "down_proj"}
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
 
 # llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> how the original tokenizer splits text.
 _GPT2_PRE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"}
 _DIGITS_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501  (one regex, as llama.cpp spells it)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501  (one regex, as llama.cpp spells it)
+)
 _LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
 _REGEX_PRE = {
     "qwen2": _QWEN2_REGEX,
@@ -101,8 +115,10 @@ def gguf_tokenizer(reader) -> Tokenizer | None:
     if kind == "llama":
         return _sentencepiece_tokenizer(reader)
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer type {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
-                         "'llama' (SentencePiece)")
+        raise ValueError(
+            f"GGUF tokenizer type {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (SentencePiece)"
+        )
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
@@ -135,9 +151,7 @@ def gguf_tokenizer(reader) -> Tokenizer | None:
         )
     else:
         if pre not in _GPT2_PRE:
-            warnings.warn(
-                f"unknown GGUF pre-tokenizer {pre!r}; using the GPT-2 byte-level split", stacklevel=3
-            )
+            warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}; using the GPT-2 byte-level split", stacklevel=3)
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
 
@@ -200,8 +214,9 @@ def _sentencepiece_tokenizer(reader) -> Tokenizer:
         try:
             import transformers
         except ImportError as e:
-            raise RuntimeError(f"{src}: its SentencePiece tokenizer is converted by transformers: "
-                               "pip install transformers") from e
+            raise RuntimeError(
+                f"{src}: its SentencePiece tokenizer is converted by transformers: pip install transformers"
+            ) from e
         hf = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         tk = hf.backend_tokenizer
         cache.mkdir(parents=True, exist_ok=True)
@@ -210,15 +225,21 @@ def _sentencepiece_tokenizer(reader) -> Tokenizer:
         tmp.replace(cached)
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos_ids = [int(v) for v in (_field(reader, "tokenizer.ggml.eos_token_id"),
-                                _field(reader, "tokenizer.ggml.eot_token_id"))
-               if v is not None]
+    eos_ids = [
+        int(v)
+        for v in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
+        if v is not None
+    ]
     if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in eos_ids:
         eos_ids.append(tokens.index("<end_of_turn>"))  # Gemma's chat turns end there
-    return Tokenizer(tk, chat_template=_field(reader, "tokenizer.chat_template"),
-                     bos_token=None if bos_id is None else tokens[bos_id],
-                     eos_token=tokens[eos_ids[0]] if eos_ids else None, eos_token_ids=eos_ids,
-                     bos_token_id=None if bos_id is None else int(bos_id))
+    return Tokenizer(
+        tk,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        bos_token=None if bos_id is None else tokens[bos_id],
+        eos_token=tokens[eos_ids[0]] if eos_ids else None,
+        eos_token_ids=eos_ids,
+        bos_token_id=None if bos_id is None else int(bos_id),
+    )
 
 
 def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
@@ -234,9 +255,7 @@ def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
 def _gguf_config(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
-        raise ValueError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}"
-        )
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
 
     def meta(key: str, default: Any = None) -> Any:
         value = _field(reader, f"{arch}.{key}", default)
@@ -291,15 +310,14 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
         qk_norm_per_head=architecture != "olmoe",
         num_experts=experts,
         num_experts_per_tok=int(meta("expert_used_count", 0) or 0),
-        moe_intermediate_size=int(meta("expert_feed_forward_length",
-                                       0) or meta("feed_forward_length")) if experts else 0,
+        moe_intermediate_size=int(meta("expert_feed_forward_length", 0) or meta("feed_forward_length"))
+        if experts
+        else 0,
         norm_topk_prob=architecture == "mixtral" or bool(meta("expert_weights_norm", False)),
         moe_layers=moe_layers,
     )
     if config.vocab_size == 0:
-        config.vocab_size = int(
-            reader.tensors[[t.name for t in reader.tensors].index("token_embd.weight")].shape[1]
-        )
+        config.vocab_size = int(reader.tensors[[t.name for t in reader.tensors].index("token_embd.weight")].shape[1])
     if architecture == "gemma3":
         window = int(meta("attention.sliding_window", 0) or 0)
         config.sliding_window = window or None

@@ -21,17 +21,13 @@ def _weight_files(path: Path) -> list[Path]:
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
-            raise FileNotFoundError(
-                f"{path}: shard(s) listed in {index.name} are missing: {', '.join(missing)}"
-            )
+            raise FileNotFoundError(f"{path}: shard(s) listed in {index.name} are missing: {', '.join(missing)}")
         return [path / f for f in files]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")]
         hint = f" (found {', '.join(other[:3])}: only safetensors folders are supported)" if other else ""
-        raise FileNotFoundError(
-            f"{path}: no model weights (*.safetensors or model.safetensors.index.json){hint}"
-        )
+        raise FileNotFoundError(f"{path}: no model weights (*.safetensors or model.safetensors.index.json){hint}")
     return files
 
 
@@ -42,9 +38,7 @@ def load_hf_dir(path: Path, dtype: torch.dtype, name: str | None = None) -> Load
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     if not path.is_dir():
-        raise ValueError(
-            f"unsupported model file {path}: expected a Hugging Face model folder or a .gguf file"
-        )
+        raise ValueError(f"unsupported model file {path}: expected a Hugging Face model folder or a .gguf file")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: missing config.json (not a Hugging Face model folder)")
@@ -77,7 +71,6 @@ def load_hf_dir(path: Path, dtype: torch.dtype, name: str | None = None) -> Load
     return LoadedModel(config, weights, tokenizer, checksum, time.perf_counter() - t0)
 
 
-
 def _save_weights(weights: dict[str, torch.Tensor], file: Path) -> None:
     from safetensors.torch import save_file
 
@@ -103,9 +96,7 @@ def write_hf_dir(
     tokenizer: Tokenizer | None,
 ) -> None:
     """Write a Hugging Face-style model folder."""
-    (folder / "config.json").write_text(
-        json.dumps(config.to_hf_config("bfloat16"), indent=2), encoding="utf-8"
-    )
+    (folder / "config.json").write_text(json.dumps(config.to_hf_config("bfloat16"), indent=2), encoding="utf-8")
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids or None}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
     _save_weights(weights, folder / "model.safetensors")

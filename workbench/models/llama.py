@@ -254,8 +254,11 @@ class Transformer:
             rope_local = RotaryEmbedding(config, max_positions, device, self.embed.dtype, theta=local)
             self.ropes = [rope_local if w else self.rope for w in (config.layer_windows or [])]
         # Gemma 3 scales the embeddings by sqrt(hidden_size), rounded to the model's dtype as its reference does
-        self.embed_scale = (None if config.embed_scale is None
-                            else torch.tensor(config.embed_scale, dtype=self.embed.dtype, device=self.embed.device))
+        self.embed_scale = (
+            None
+            if config.embed_scale is None
+            else torch.tensor(config.embed_scale, dtype=self.embed.dtype, device=self.embed.device)
+        )
         self.softcap = config.final_logit_softcapping
         self.cpu_forward = None  # a CpuKernelForward while fused C layers serve this model
         self._why_not: str | None = "not set up yet"  # why no C kernel serves (None: they do)
@@ -283,11 +286,19 @@ class Transformer:
         or "cuda") and the dtype that large steps multiply in."""
         dt = str(self.embed.dtype).removeprefix("torch.")
         if self.embed.device.type == "cuda":
-            return {"kernel_variant": "cuda", "kernel_variant_reason": "a CUDA device: torch and our Triton kernels",
-                    "compute_path": dt, "compute_path_reason": "torch's CUDA kernels in the model's dtype"}
+            return {
+                "kernel_variant": "cuda",
+                "kernel_variant_reason": "a CUDA device: torch and our Triton kernels",
+                "compute_path": dt,
+                "compute_path_reason": "torch's CUDA kernels in the model's dtype",
+            }
         if self._why_not is not None:
-            return {"kernel_variant": "torch", "kernel_variant_reason": self._why_not,
-                    "compute_path": dt, "compute_path_reason": "torch's ops in the model's dtype"}
+            return {
+                "kernel_variant": "torch",
+                "kernel_variant_reason": self._why_not,
+                "compute_path": dt,
+                "compute_path_reason": "torch's ops in the model's dtype",
+            }
         from .cpu_forward import CpuKernelForward
 
         return CpuKernelForward.report(self._unfused)

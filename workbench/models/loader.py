@@ -33,9 +33,19 @@ from .gguf import load_gguf, read_gguf
 from .hf import load_hf_dir
 
 __all__ = [
-    "DEFAULT_MODEL", "SUPPORTED_ARCHITECTURES", "LoadedModel", "ModelConfig", "cache_root", "config_dict",
-    "convert_gguf_to_hf", "default_gguf_path", "ensure_converted", "expected_weight_shapes", "load_model",
-    "read_gguf", "weights_checksum",
+    "DEFAULT_MODEL",
+    "SUPPORTED_ARCHITECTURES",
+    "LoadedModel",
+    "ModelConfig",
+    "cache_root",
+    "config_dict",
+    "convert_gguf_to_hf",
+    "default_gguf_path",
+    "ensure_converted",
+    "expected_weight_shapes",
+    "load_model",
+    "read_gguf",
+    "weights_checksum",
 ]
 
 

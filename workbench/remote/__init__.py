@@ -47,5 +47,14 @@ from .prometheus import parse_prometheus, server_metrics
 from .registry import list_remotes, register_remote, registered_remote, unregister_remote
 from .wire import RemoteError, RemoteSettingsError
 
-__all__ = ["RemoteEngineClient", "RemoteError", "RemoteSettingsError", "list_remotes", "parse_prometheus",
-           "register_remote", "registered_remote", "server_metrics", "unregister_remote"]
+__all__ = [
+    "RemoteEngineClient",
+    "RemoteError",
+    "RemoteSettingsError",
+    "list_remotes",
+    "parse_prometheus",
+    "register_remote",
+    "registered_remote",
+    "server_metrics",
+    "unregister_remote",
+]

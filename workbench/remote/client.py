@@ -56,7 +56,6 @@ _clients = closed_at_exit()  # closed at exit (their loop threads are daemons)
 _TOK_WINDOW_S = 10.0  # output_tok_s window (as the engine's metrics())
 
 
-
 class _Pending:
     __slots__ = ("future", "arrival", "first")
 
@@ -71,8 +70,17 @@ class RemoteEngineClient(Engine):
 
     rpc_timeout: float = 30.0
 
-    def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, timeout: float = 10.0,
-                 request_timeout: float | None = 600.0, name: str | None = None, max_connections: int = 512):
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout: float = 10.0,
+        request_timeout: float | None = 600.0,
+        name: str | None = None,
+        max_connections: int = 512,
+    ):
         """`name`: what `.name` reports (default: the URL; a registered remote's engine name)."""
         base, query_model = split_url(url)
         self.base = base
@@ -107,8 +115,9 @@ class RemoteEngineClient(Engine):
         http_timeout = httpx.Timeout(timeout, read=request_timeout, pool=None)
 
         async def make_client():
-            return httpx.AsyncClient(base_url=self.base, headers=headers, timeout=http_timeout, limits=limits,
-                                     trust_env=False)
+            return httpx.AsyncClient(
+                base_url=self.base, headers=headers, timeout=http_timeout, limits=limits, trust_env=False
+            )
 
         self._http: httpx.AsyncClient = self._run(make_client(), timeout)
         try:
@@ -171,11 +180,14 @@ class RemoteEngineClient(Engine):
             except httpx.HTTPError as e:
                 raise EngineConnectError(f"no OpenAI-compatible server answered at {self.base}: {e}") from None
             if resp.status_code in (401, 403):
-                raise PermissionError(f"{self.base} refused the API key (HTTP {resp.status_code}); pass api_key= or "
-                                      f"set ${ENV_API_KEYS[0]}")
+                raise PermissionError(
+                    f"{self.base} refused the API key (HTTP {resp.status_code}); pass api_key= or "
+                    f"set ${ENV_API_KEYS[0]}"
+                )
             if resp.status_code >= 400:
-                raise EngineConnectError(f"{self.base}/v1/models answered HTTP {resp.status_code}: "
-                                         f"{error_message(resp.content)}")
+                raise EngineConnectError(
+                    f"{self.base}/v1/models answered HTTP {resp.status_code}: {error_message(resp.content)}"
+                )
             try:
                 models = resp.json().get("data") or []
             except ValueError:
@@ -215,7 +227,8 @@ class RemoteEngineClient(Engine):
         names = ", ".join(sorted(changes)) or "(none given)"
         raise RemoteSettingsError(
             f"settings of the remote {self.kind} server at {self.base} cannot be changed from here ({names}); "
-            "restart that server with the settings you want. settings() shows what it reports (read-only).")
+            "restart that server with the settings you want. settings() shows what it reports (read-only)."
+        )
 
     def settings(self) -> dict:
         """What the server reports about itself, under our setting names (read-only)."""
@@ -267,8 +280,11 @@ class RemoteEngineClient(Engine):
         from ..settings import schema
 
         reported = self.settings()
-        return [{**e, "kind": "read-only", "read_only": True, "engine_kind": e["kind"], "value": reported[e["name"]]}
-                for e in schema() if e["name"] in reported]
+        return [
+            {**e, "kind": "read-only", "read_only": True, "engine_kind": e["kind"], "value": reported[e["name"]]}
+            for e in schema()
+            if e["name"] in reported
+        ]
 
     def status(self) -> dict:
         return self._run(self._astatus(), self.rpc_timeout)
@@ -281,10 +297,17 @@ class RemoteEngineClient(Engine):
                 log.debug("%s: /workbench/status failed: %s", self.base, e)
         rs = self._remote_status
         st = {
-            "pid": None, "model": self.model, "device": f"remote ({self.kind})",
-            "uptime_s": rs.get("uptime_s"), "weights_checksum": rs.get("weights_checksum"),
-            "remote": self.base, "server": self.kind, "models": self.models, "max_model_len": self.max_model_len,
-            "metrics_endpoint": self.has_metrics, "read_only": True,
+            "pid": None,
+            "model": self.model,
+            "device": f"remote ({self.kind})",
+            "uptime_s": rs.get("uptime_s"),
+            "weights_checksum": rs.get("weights_checksum"),
+            "remote": self.base,
+            "server": self.kind,
+            "models": self.models,
+            "max_model_len": self.max_model_len,
+            "metrics_endpoint": self.has_metrics,
+            "read_only": True,
             "connected_s": time.monotonic() - self._connected_at,
             "num_requests": len(self._pending),
             **({"remote_engine": {k: v for k, v in rs.items() if k not in ("pid", "connection_file")}} if rs else {}),
@@ -308,17 +331,37 @@ class RemoteEngineClient(Engine):
         running = sum(1 for p in pending if p.first is not None)
         m: dict[str, Any] = {
             "output_tok_s": len(window) / _TOK_WINDOW_S if window else 0.0,
-            "num_waiting": len(pending) - running, "num_running": running,
-            "kv_blocks_used": None, "kv_blocks_total": None, "kv_usage": None,
-            "prefix_hit_rate": None, "spec_acceptance_rate": None, "spec_mean_accepted": None,
-            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
-            "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
-            "total_prompt_tokens": totals["prompt_tokens"], "total_output_tokens": totals["output_tokens"],
+            "num_waiting": len(pending) - running,
+            "num_running": running,
+            "kv_blocks_used": None,
+            "kv_blocks_total": None,
+            "kv_usage": None,
+            "prefix_hit_rate": None,
+            "spec_acceptance_rate": None,
+            "spec_mean_accepted": None,
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3,
+            "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+            "itl_p50_ms": percentile(itl, 50) * 1e3,
+            "itl_p99_ms": percentile(itl, 99) * 1e3,
+            "total_prompt_tokens": totals["prompt_tokens"],
+            "total_output_tokens": totals["output_tokens"],
             "total_finished": totals["finished"],
         }
-        sources = {k: "client" for k in ("output_tok_s", "num_waiting", "num_running", "ttft_p50_ms", "ttft_p99_ms",
-                                         "itl_p50_ms", "itl_p99_ms", "total_prompt_tokens", "total_output_tokens",
-                                         "total_finished")}
+        sources = {
+            k: "client"
+            for k in (
+                "output_tok_s",
+                "num_waiting",
+                "num_running",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "itl_p50_ms",
+                "itl_p99_ms",
+                "total_prompt_tokens",
+                "total_output_tokens",
+                "total_finished",
+            )
+        }
         m["client_num_waiting"], m["client_num_running"] = m["num_waiting"], m["num_running"]
         if self.has_metrics:
             text = await self._get_text("/metrics")
@@ -375,14 +418,34 @@ class RemoteEngineClient(Engine):
         def dropped(name: str) -> None:  # once per field and client
             if name not in self._warned:
                 self._warned.add(name)
-                warnings.warn(f"the {self.kind} server at {self.base} has no parameter for SamplingParams.{name}; "
-                              "sent without it", stacklevel=6)
+                warnings.warn(
+                    f"the {self.kind} server at {self.base} has no parameter for SamplingParams.{name}; "
+                    "sent without it",
+                    stacklevel=6,
+                )
 
-        return request_body(self.model, prompt, ids, sp, chat, extra=self._extra, token_ids=self._token_ids,
-                            usage_in_stream=self._usage_in_stream, dropped=dropped)
+        return request_body(
+            self.model,
+            prompt,
+            ids,
+            sp,
+            chat,
+            extra=self._extra,
+            token_ids=self._token_ids,
+            usage_in_stream=self._usage_in_stream,
+            dropped=dropped,
+        )
 
-    async def _request(self, rid: str, prompt: str | None, ids: list[int] | None, sp: SamplingParams, chat: bool,
-                       sink: Callable[[Any], None] | None, stream: bool) -> None:
+    async def _request(
+        self,
+        rid: str,
+        prompt: str | None,
+        ids: list[int] | None,
+        sp: SamplingParams,
+        chat: bool,
+        sink: Callable[[Any], None] | None,
+        stream: bool,
+    ) -> None:
         """Run one streamed request; deliver chunks (stream) or the final one to `sink`."""
         arrival = time.monotonic()
         with self._lock:
@@ -390,8 +453,13 @@ class RemoteEngineClient(Engine):
             if pend is None:
                 pend = self._pending[rid] = _Pending(None, arrival)
             pend.arrival = arrival
-        self._record(arrival, rid, "arrived", f"prompt_tokens={len(ids)}" if ids is not None else None,
-                     prompt_label(prompt if isinstance(prompt, str) else None))
+        self._record(
+            arrival,
+            rid,
+            "arrived",
+            f"prompt_tokens={len(ids)}" if ids is not None else None,
+            prompt_label(prompt if isinstance(prompt, str) else None),
+        )
         text_parts: list[str] = []
         token_ids: list[int] = []
         token_times: list[float] = []
@@ -455,11 +523,17 @@ class RemoteEngineClient(Engine):
             error = e
         end = time.monotonic()
         out = RequestOutput(
-            request_id=rid, prompt_token_ids=prompt_ids, token_ids=token_ids, text="".join(text_parts),
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            token_ids=token_ids,
+            text="".join(text_parts),
             finish_reason=finish if error is None else "abort",
             metrics=RequestMetrics(arrival=arrival, first_token=pend.first, finished=end, token_times=token_times),
-            prompt=prompt, logprobs=lps, error=None if error is None else f"{type(error).__name__}: {error}",
-            usage=usage)
+            prompt=prompt,
+            logprobs=lps,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+            usage=usage,
+        )
         self._record(end, rid, "finished", out.finish_reason if error is None else "error")
         with self._lock:
             self._pending.pop(rid, None)
@@ -471,8 +545,15 @@ class RemoteEngineClient(Engine):
         if sink is not None:
             deliver(sink, error if error is not None else StreamChunk(rid, "", [], out.finish_reason, output=out))
 
-    def submit(self, batch, sink: Callable[[Any], None], *, chat: bool = False, stream: bool = False,
-               into: list[str] | None = None) -> list[str]:
+    def submit(
+        self,
+        batch,
+        sink: Callable[[Any], None],
+        *,
+        chat: bool = False,
+        stream: bool = False,
+        into: list[str] | None = None,
+    ) -> list[str]:
         if self._closed:
             raise WorkbenchIPCError(f"this client of {self.base} is closed")
         if self._dead is not None:
@@ -510,14 +591,13 @@ class RemoteEngineClient(Engine):
 
     # -- events ---------------------------------------------------------------------------------
     def _subscribe(self, sub: EventSubscription, timeout: float = 10.0) -> EventSubscription:
-        """"timeline" increments (this client's requests) and "metrics" once a second."""
+        """ "timeline" increments (this client's requests) and "metrics" once a second."""
         if self._closed:
             raise WorkbenchIPCError(f"this client of {self.base} is closed")
         with self._lock:
             self._subs.append(sub)
         self._ensure_ticker()
         return sub
-
 
     def _ensure_ticker(self) -> None:
         with self._lock:
@@ -614,5 +694,3 @@ class RemoteEngineClient(Engine):
         """A remote server is not stopped by its clients: this only closes the connection."""
         log.info("%s is a remote server: shutdown() only disconnects (stop the server where it runs)", self.base)
         self.close()
-
-

@@ -59,27 +59,48 @@ def histogram_quantile(samples, name: str, q: float) -> float | None:
 
 # name prefix -> where our metric keys come from
 _FAMILIES: dict[str, dict[str, Any]] = {
-    "vllm:": {}, "workbench:": {},  # vLLM's names (ours mirror them)
-    "sglang:": {"running": "num_running_reqs", "waiting": "num_queue_reqs", "kv": ("token_usage",),
-                "prefix_rate": "cache_hit_rate", "spec_len": "spec_accept_length", "tok_s": "gen_throughput",
-                "gen": "generation_tokens_total", "prompt": "prompt_tokens_total"},
-    "llamacpp:": {"running": "requests_processing", "waiting": "requests_deferred", "kv": ("kv_cache_usage_ratio",),
-                  "gen": "tokens_predicted_total", "prompt": "prompt_tokens_total",
-                  "tok_s": "predicted_tokens_seconds"},
+    "vllm:": {},
+    "workbench:": {},  # vLLM's names (ours mirror them)
+    "sglang:": {
+        "running": "num_running_reqs",
+        "waiting": "num_queue_reqs",
+        "kv": ("token_usage",),
+        "prefix_rate": "cache_hit_rate",
+        "spec_len": "spec_accept_length",
+        "tok_s": "gen_throughput",
+        "gen": "generation_tokens_total",
+        "prompt": "prompt_tokens_total",
+    },
+    "llamacpp:": {
+        "running": "requests_processing",
+        "waiting": "requests_deferred",
+        "kv": ("kv_cache_usage_ratio",),
+        "gen": "tokens_predicted_total",
+        "prompt": "prompt_tokens_total",
+        "tok_s": "predicted_tokens_seconds",
+    },
     "tgi_": {"running": "batch_current_size", "waiting": "queue_size"},
 }
-_VLLM_NAMES = {"running": "num_requests_running", "waiting": "num_requests_waiting",
-               "kv": ("kv_cache_usage_perc", "gpu_cache_usage_perc"), "prefix_rate": "gpu_prefix_cache_hit_rate",
-               "prefix_hits": "prefix_cache_hits_total", "prefix_queries": "prefix_cache_queries_total",
-               "spec_rate": "spec_decode_draft_acceptance_rate",
-               "spec_accepted": "spec_decode_num_accepted_tokens_total",
-               "spec_draft": "spec_decode_num_draft_tokens_total", "gen": "generation_tokens_total",
-               "prompt": "prompt_tokens_total", "finished": "request_success_total",
-               "ttft": "time_to_first_token_seconds", "itl": ("inter_token_latency_seconds",
-                                                              "time_per_output_token_seconds")}
+_VLLM_NAMES = {
+    "running": "num_requests_running",
+    "waiting": "num_requests_waiting",
+    "kv": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prefix_rate": "gpu_prefix_cache_hit_rate",
+    "prefix_hits": "prefix_cache_hits_total",
+    "prefix_queries": "prefix_cache_queries_total",
+    "spec_rate": "spec_decode_draft_acceptance_rate",
+    "spec_accepted": "spec_decode_num_accepted_tokens_total",
+    "spec_draft": "spec_decode_num_draft_tokens_total",
+    "gen": "generation_tokens_total",
+    "prompt": "prompt_tokens_total",
+    "finished": "request_success_total",
+    "ttft": "time_to_first_token_seconds",
+    "itl": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+}
 _FAMILIES["vllm:"] = _FAMILIES["workbench:"] = _VLLM_NAMES
-_FAMILIES["sglang:"].update(ttft="time_to_first_token_seconds",
-                            itl=("inter_token_latency_seconds", "time_per_output_token_seconds"))
+_FAMILIES["sglang:"].update(
+    ttft="time_to_first_token_seconds", itl=("inter_token_latency_seconds", "time_per_output_token_seconds")
+)
 
 
 def metrics_prefix(samples) -> str | None:
@@ -99,7 +120,7 @@ def server_metrics(samples) -> dict[str, Any]:
 
     def first(key, fn=_sum):
         spec = names.get(key)
-        for n in ((spec,) if isinstance(spec, str) else spec or ()):
+        for n in (spec,) if isinstance(spec, str) else spec or ():
             v = fn(samples, prefix + n)
             if v is not None:
                 return v
@@ -131,7 +152,7 @@ def server_metrics(samples) -> dict[str, Any]:
         out["output_tok_s"] = v
     for key, label in (("ttft", "ttft"), ("itl", "itl")):
         spec = names.get(key)
-        for n in ((spec,) if isinstance(spec, str) else spec or ()):
+        for n in (spec,) if isinstance(spec, str) else spec or ():
             if prefix + n + "_bucket" in samples:
                 for q in (50, 99):
                     v = histogram_quantile(samples, prefix + n, q / 100)

@@ -54,8 +54,12 @@ def registered_remote(name_or_file) -> dict | None:
         return None
     if not isinstance(entry, dict) or not isinstance(entry.get("remote_url"), str):
         return None
-    return {"url": entry["remote_url"], "model": entry.get("model"), "api_key": entry.get("api_key"),
-            "name": entry.get("name")}
+    return {
+        "url": entry["remote_url"],
+        "model": entry.get("model"),
+        "api_key": entry.get("api_key"),
+        "name": entry.get("name"),
+    }
 
 
 def list_remotes() -> list[dict]:

@@ -24,8 +24,6 @@ class RemoteError(WorkbenchIPCError):
     """The remote server failed (5xx) or answered something that is not the OpenAI API."""
 
 
-
-
 # -- helpers --------------------------------------------------------------------------------------
 def split_url(url: str) -> tuple[str, str | None]:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -153,13 +151,23 @@ def transport_error(base: str, e: BaseException) -> BaseException:
         return TimeoutError(f"{base} did not answer in time: {e}")
     return EngineDeadError(f"cannot reach {base}: {e}")
 
+
 # -- the client -----------------------------------------------------------------------------------
 # Fields beyond OpenAI's that each kind of server takes, by our SamplingParams name -> its name.
 EXTRA_FIELDS = {
-    "workbench": {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                  "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"},
-    "llama.cpp": {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty",
-                  "ignore_eos": "ignore_eos"},
+    "workbench": {
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "repetition_penalty": "repetition_penalty",
+        "ignore_eos": "ignore_eos",
+        "stop_token_ids": "stop_token_ids",
+    },
+    "llama.cpp": {
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "repetition_penalty": "repeat_penalty",
+        "ignore_eos": "ignore_eos",
+    },
     "llama-cpp-python": {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty"},
     "tgi": {"repetition_penalty": "repetition_penalty"},
 }
@@ -167,13 +175,27 @@ EXTRA_FIELDS["vllm"] = EXTRA_FIELDS["sglang"] = EXTRA_FIELDS["workbench"]
 TOKEN_ID_KINDS = ("workbench", "vllm")  # return_token_ids / return_tokens_as_token_ids
 
 
-def request_body(model: str | None, prompt: str | None, ids: list[int] | None, sp: SamplingParams, chat: bool, *,
-                 extra: dict[str, str], token_ids: bool, usage_in_stream: bool,
-                 dropped: Callable[[str], None]) -> tuple[str, dict]:
+def request_body(
+    model: str | None,
+    prompt: str | None,
+    ids: list[int] | None,
+    sp: SamplingParams,
+    chat: bool,
+    *,
+    extra: dict[str, str],
+    token_ids: bool,
+    usage_in_stream: bool,
+    dropped: Callable[[str], None],
+) -> tuple[str, dict]:
     """(path, JSON body) of one streamed request. `extra` maps our sampling fields onto this server's
     names; a non-default field it has none for is left out and reported to `dropped`."""
-    body: dict[str, Any] = {"model": model, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-                            "top_p": sp.top_p, "stream": True}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "stream": True,
+    }
     if usage_in_stream:
         body["stream_options"] = {"include_usage": True}
     if sp.seed is not None:

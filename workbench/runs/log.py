@@ -1,7 +1,6 @@
 """`RunLog`: the SQLite file behind the run log, and the flat views of a run (headline metrics,
 export rows, the targets text). See the package docstring for the guarantees."""
 
-
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +24,24 @@ SCHEMA_VERSION = 1
 STATUSES = ("running", "completed", "interrupted", "failed", "abandoned")
 KINDS = ("bench", "scenario", "sweep", "sweep_point", "simulation")
 JSON_COLUMNS = ("settings", "workload", "metrics", "versions", "machine", "extra")
-COLUMNS = ("id", "kind", "parent_id", "status", "started_at", "finished_at", "label", "key", "model",
-           "weights_checksum", "device", "host", "pid", "pid_start", *JSON_COLUMNS, "error")
+COLUMNS = (
+    "id",
+    "kind",
+    "parent_id",
+    "status",
+    "started_at",
+    "finished_at",
+    "label",
+    "key",
+    "model",
+    "weights_checksum",
+    "device",
+    "host",
+    "pid",
+    "pid_start",
+    *JSON_COLUMNS,
+    "error",
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -58,8 +73,15 @@ CREATE INDEX IF NOT EXISTS runs_started ON runs(started_at);
 """
 
 # Headline metrics shown by `list` and put first by `compare`.
-HEADLINE = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cost_per_mtok",
-            "joules_per_token")
+HEADLINE = (
+    "output_tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "cost_per_mtok",
+    "joules_per_token",
+)
 
 
 _OFF = ("off", "none", "0", "false", "no")
@@ -88,7 +110,7 @@ def _process_start(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read().decode(errors="replace")
-        return data[data.rindex(")") + 2:].split()[19]
+        return data[data.rindex(")") + 2 :].split()[19]
     except (OSError, ValueError, IndexError):
         return None
 
@@ -123,7 +145,6 @@ def _dumps(v: Any) -> str | None:
     if v is None:
         return None
     return json.dumps(v, default=json_default, allow_nan=True)
-
 
 
 # ----------------------------------------------------------------------------- the log
@@ -216,21 +237,45 @@ class RunLog:
             conn.close()
 
     # -- writing -----------------------------------------------------------------------------
-    def start(self, kind: str, *, parent_id: int | None = None, label: str | None = None, key: str | None = None,
-              model: str | None = None, weights_checksum: str | None = None, device: str | None = None,
-              settings: dict | None = None, workload: dict | None = None, metrics: dict | None = None,
-              extra: dict | None = None, facts: bool = True) -> int:
+    def start(
+        self,
+        kind: str,
+        *,
+        parent_id: int | None = None,
+        label: str | None = None,
+        key: str | None = None,
+        model: str | None = None,
+        weights_checksum: str | None = None,
+        device: str | None = None,
+        settings: dict | None = None,
+        workload: dict | None = None,
+        metrics: dict | None = None,
+        extra: dict | None = None,
+        facts: bool = True,
+    ) -> int:
         """Insert a run as `running` (before its work starts); returns its id."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         pid = os.getpid()
         row = {
-            "kind": kind, "parent_id": parent_id, "status": "running", "started_at": _now(), "label": label,
-            "key": key, "model": model, "weights_checksum": weights_checksum, "device": device,
-            "host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
-            "settings": _dumps(settings), "workload": _dumps(workload), "metrics": _dumps(metrics),
+            "kind": kind,
+            "parent_id": parent_id,
+            "status": "running",
+            "started_at": _now(),
+            "label": label,
+            "key": key,
+            "model": model,
+            "weights_checksum": weights_checksum,
+            "device": device,
+            "host": socket.gethostname(),
+            "pid": pid,
+            "pid_start": _process_start(pid),
+            "settings": _dumps(settings),
+            "workload": _dumps(workload),
+            "metrics": _dumps(metrics),
             "versions": _dumps(package_versions()) if facts else None,
-            "machine": _dumps(machine_facts()) if facts else None, "extra": _dumps(extra),
+            "machine": _dumps(machine_facts()) if facts else None,
+            "extra": _dumps(extra),
         }
         cols = ", ".join(row)
         marks = ", ".join("?" for _ in row)
@@ -260,8 +305,15 @@ class RunLog:
     def reopen(self, run_id: int) -> None:
         """Mark an earlier run as running again in this process (a resumed sweep)."""
         pid = os.getpid()
-        self.update(run_id, status="running", finished_at=None, host=socket.gethostname(), pid=pid,
-                    pid_start=_process_start(pid), error=None)
+        self.update(
+            run_id,
+            status="running",
+            finished_at=None,
+            host=socket.gethostname(),
+            pid=pid,
+            pid_start=_process_start(pid),
+            error=None,
+        )
 
     def finish_children(self, parent_id: int, status: str, error: str | None = None) -> int:
         """Finish the `running` children of a run written by this process (after an interrupt)."""
@@ -269,20 +321,24 @@ class RunLog:
             return conn.execute(
                 "UPDATE runs SET status = ?, finished_at = ?, error = COALESCE(error, ?) "
                 "WHERE parent_id = ? AND status = 'running' AND host = ? AND pid = ?",
-                (status, _now(), error, int(parent_id), socket.gethostname(), os.getpid())).rowcount
+                (status, _now(), error, int(parent_id), socket.gethostname(), os.getpid()),
+            ).rowcount
 
     def reap(self) -> int:
         """Mark `running` runs whose writer is gone (this host, dead or reused pid) `abandoned`."""
         host = socket.gethostname()
         with self._read() as conn:
-            rows = conn.execute("SELECT id, pid, pid_start FROM runs WHERE status = 'running' AND host = ?",
-                                (host,)).fetchall()
+            rows = conn.execute(
+                "SELECT id, pid, pid_start FROM runs WHERE status = 'running' AND host = ?", (host,)
+            ).fetchall()
         dead = [r["id"] for r in rows if r["pid"] != os.getpid() and not _alive(r["pid"], r["pid_start"])]
         if dead:
             with self._write() as conn:
-                conn.executemany("UPDATE runs SET status = 'abandoned', error = COALESCE(error, ?) "
-                                 "WHERE id = ? AND status = 'running'",
-                                 [("the writing process ended before the run finished", i) for i in dead])
+                conn.executemany(
+                    "UPDATE runs SET status = 'abandoned', error = COALESCE(error, ?) "
+                    "WHERE id = ? AND status = 'running'",
+                    [("the writing process ended before the run finished", i) for i in dead],
+                )
         return len(dead)
 
     # -- reading -----------------------------------------------------------------------------
@@ -310,8 +366,16 @@ class RunLog:
                 out["children"] = [self._row(k) for k in kids]
         return out
 
-    def list(self, *, kind: str | None = None, status: str | None = None, parent_id: int | None = None,
-             children: bool = False, limit: int | None = 50, model: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self,
+        *,
+        kind: str | None = None,
+        status: str | None = None,
+        parent_id: int | None = None,
+        children: bool = False,
+        limit: int | None = 50,
+        model: str | None = None,
+    ) -> list[dict[str, Any]]:
         """Runs newest first. Sweep points are left out unless `children=True` or `parent_id` is given."""
         self.reap()
         where, args = [], []
@@ -342,8 +406,9 @@ class RunLog:
         """Runs of `kind` with resume key `key`, newest first."""
         self.reap()
         with self._read() as conn:
-            rows = conn.execute("SELECT * FROM runs WHERE kind = ? AND key = ? ORDER BY id DESC",
-                                (kind, key)).fetchall()
+            rows = conn.execute(
+                "SELECT * FROM runs WHERE kind = ? AND key = ? ORDER BY id DESC", (kind, key)
+            ).fetchall()
         return [self._row(r) for r in rows]
 
     def children(self, run_id: int) -> list[dict[str, Any]]:
@@ -361,7 +426,7 @@ class RunLog:
         for i in ids:
             run = self.get(i)
             kids = run.pop("children", [])
-            for r in (kids if run["kind"] == "sweep" and kids else [run]):
+            for r in kids if run["kind"] == "sweep" and kids else [run]:
                 out.setdefault(r["id"], r)
         return list(out.values())
 
@@ -381,19 +446,39 @@ class RunLog:
                     pass  # the measured run is gone from this log
         flat = [flatten(r.get("metrics") or {}) for r in runs]
         names = _ordered_union(flat, HEADLINE)
-        metrics = {n: [f.get(n) for f in flat] for n in names
-                   if any(isinstance(f.get(n), (int, float)) and not isinstance(f.get(n), bool) for f in flat)}
+        metrics = {
+            n: [f.get(n) for f in flat]
+            for n in names
+            if any(isinstance(f.get(n), (int, float)) and not isinstance(f.get(n), bool) for f in flat)
+        }
         sets = [r.get("settings") or {} for r in runs]
         keys = _ordered_union(sets, ())
-        differ = {k: [s.get(k) for s in sets] for k in keys if len({json.dumps(s.get(k),
-                                                                               default=str) for s in sets}) > 1}
+        differ = {
+            k: [s.get(k) for s in sets] for k in keys if len({json.dumps(s.get(k), default=str) for s in sets}) > 1
+        }
         checksums = {r.get("weights_checksum") for r in runs}
         return {
-            "runs": [{**{k: r.get(k) for k in ("id", "kind", "parent_id", "status", "started_at", "label", "model",
-                                                "weights_checksum", "device")},
-                      # a sweep point's number in its sweep, as the sweep's records and plots name it
-                      "point": (r.get("extra") or {}).get("index") if r.get("kind") == "sweep_point" else None}
-                     for r in runs],
+            "runs": [
+                {
+                    **{
+                        k: r.get(k)
+                        for k in (
+                            "id",
+                            "kind",
+                            "parent_id",
+                            "status",
+                            "started_at",
+                            "label",
+                            "model",
+                            "weights_checksum",
+                            "device",
+                        )
+                    },
+                    # a sweep point's number in its sweep, as the sweep's records and plots name it
+                    "point": (r.get("extra") or {}).get("index") if r.get("kind") == "sweep_point" else None,
+                }
+                for r in runs
+            ],
             "metrics": metrics,
             "settings": differ,
             "same_weights": len(checksums) == 1 and None not in checksums,
@@ -401,8 +486,14 @@ class RunLog:
             "predictions": _predictions(runs),
         }
 
-    def export(self, path: str | os.PathLike | None = None, *, ids: Iterable[int] | None = None,
-               fmt: str | None = None, kind: str | None = None) -> str:
+    def export(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        ids: Iterable[int] | None = None,
+        fmt: str | None = None,
+        kind: str | None = None,
+    ) -> str:
         """All runs (or `ids`, sweeps with their points) as CSV (one flat row per run: settings.*,
         metrics.*, ...) or JSON (everything, nested). Written to `path` when given; returns the text."""
         if fmt is None:
@@ -465,8 +556,23 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def export_row(run: dict) -> dict[str, Any]:
-    row = {k: run.get(k) for k in ("id", "kind", "parent_id", "status", "started_at", "finished_at", "label",
-                                  "model", "weights_checksum", "device", "host", "error")}
+    row = {
+        k: run.get(k)
+        for k in (
+            "id",
+            "kind",
+            "parent_id",
+            "status",
+            "started_at",
+            "finished_at",
+            "label",
+            "model",
+            "weights_checksum",
+            "device",
+            "host",
+            "error",
+        )
+    }
     for col in ("settings", "metrics", "workload", "versions"):
         v = run.get(col)
         if isinstance(v, dict):
@@ -483,8 +589,13 @@ def _predictions(runs: list[dict]) -> list[dict[str, Any]]:
         if target is None:
             continue
         pred, meas = headline(r), headline(target)
-        out.append({"simulation": r["id"], "measured": target["id"],
-                    "error": {k: pred[k] / meas[k] - 1 for k in pred if k in meas and meas[k]}})
+        out.append(
+            {
+                "simulation": r["id"],
+                "measured": target["id"],
+                "error": {k: pred[k] / meas[k] - 1 for k in pred if k in meas and meas[k]},
+            }
+        )
     return out
 
 

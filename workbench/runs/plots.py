@@ -15,13 +15,18 @@ from typing import Any
 
 THROUGHPUT = ("output_tok_s",)
 LATENCY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-NAMES = {"output_tok_s": "output tok/s", "ttft_p50_ms": "TTFT p50", "ttft_p99_ms": "TTFT p99",
-         "itl_p50_ms": "ITL p50", "itl_p99_ms": "ITL p99"}
+NAMES = {
+    "output_tok_s": "output tok/s",
+    "ttft_p50_ms": "TTFT p50",
+    "ttft_p99_ms": "TTFT p99",
+    "itl_p50_ms": "ITL p50",
+    "itl_p99_ms": "ITL p99",
+}
 RUN_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C")
 
 
 def _metric_name(key: str, base: str) -> str:
-    """"results.workbench.ttft_p50_ms" -> "workbench TTFT p50"; "ttft_p50_ms" -> "TTFT p50"."""
+    """ "results.workbench.ttft_p50_ms" -> "workbench TTFT p50"; "ttft_p50_ms" -> "TTFT p50"."""
     prefix = key[: -len(base)].rstrip(".")
     system = prefix.split(".", 1)[1] if prefix.startswith("results.") else prefix
     return f"{system} {NAMES[base]}".strip()
@@ -32,8 +37,9 @@ def comparison(cmp: dict[str, Any]) -> dict[str, Any]:
     (one per metric and run: ``metric``, ``run``, ``value``, ``color``) and ``settings``: the
     settings that differ, one row per setting with each run's value."""
     if len(cmp["runs"]) < 2:
-        raise ValueError("compare needs two or more runs (or a sweep with two or more points), got "
-                         f"{[r['id'] for r in cmp['runs']]}")
+        raise ValueError(
+            f"compare needs two or more runs (or a sweep with two or more points), got {[r['id'] for r in cmp['runs']]}"
+        )
     runs = [run_label(r) for r in cmp["runs"]]
     out: dict[str, Any] = {"runs": runs, "colors": [RUN_COLORS[i % len(RUN_COLORS)] for i in range(len(runs))]}
     for part, bases in (("throughput", THROUGHPUT), ("latency", LATENCY)):
@@ -52,13 +58,18 @@ def comparison(cmp: dict[str, Any]) -> dict[str, Any]:
     # on an axis sized for TTFT)
     ttft = [i for i, m in enumerate(out["latency"]["metric"]) if "ttft" in m.lower()]
     itl = [i for i in range(len(out["latency"]["metric"])) if i not in ttft]
-    out["figures"] = [f for f in (
-        {"title": "Output tokens/s (higher is better)", "unit": "tok/s", "rows": out["throughput"]},
-        {"title": "Time to first token (lower is better)", "unit": "ms", "rows": _take(out["latency"], ttft)},
-        {"title": "Inter-token latency (lower is better)", "unit": "ms", "rows": _take(out["latency"], itl)},
-    ) if f["rows"]["metric"]]
-    out["settings"] = [{"setting": name, "values": [_show(v) for v in values]}
-                       for name, values in cmp["settings"].items()]
+    out["figures"] = [
+        f
+        for f in (
+            {"title": "Output tokens/s (higher is better)", "unit": "tok/s", "rows": out["throughput"]},
+            {"title": "Time to first token (lower is better)", "unit": "ms", "rows": _take(out["latency"], ttft)},
+            {"title": "Inter-token latency (lower is better)", "unit": "ms", "rows": _take(out["latency"], itl)},
+        )
+        if f["rows"]["metric"]
+    ]
+    out["settings"] = [
+        {"setting": name, "values": [_show(v) for v in values]} for name, values in cmp["settings"].items()
+    ]
     # A caveat only for what is known to differ: a run without a recorded checksum is not "different".
     known = {r.get("weights_checksum") for r in cmp["runs"]} - {None}
     out["same_weights"] = False if len(known) > 1 else None
@@ -88,13 +99,28 @@ def _show(v: Any) -> str:
 
 def settings_html(comp: dict[str, Any]) -> str:
     """The settings that differ, as an HTML table (a Bokeh Div in a notebook)."""
-    caveats = [text for flag, text in ((comp.get("same_workload"), "different workloads"),
-                                       (comp.get("same_weights"), "different weights")) if flag is False]
+    caveats = [
+        text
+        for flag, text in (
+            (comp.get("same_workload"), "different workloads"),
+            (comp.get("same_weights"), "different weights"),
+        )
+        if flag is False
+    ]
     head = "".join(f"<th style='color:{c}'>{html.escape(r)}</th>" for r, c in zip(comp["runs"], comp["colors"]))
-    body = "".join("<tr><td><code>" + html.escape(s["setting"]) + "</code></td>"
-                   + "".join(f"<td>{html.escape(v)}</td>" for v in s["values"]) + "</tr>" for s in comp["settings"])
-    table = (f"<table><tr><th>setting</th>{head}</tr>{body}</table>" if comp["settings"]
-             else "<i>no setting differs between these runs</i>")
+    body = "".join(
+        "<tr><td><code>"
+        + html.escape(s["setting"])
+        + "</code></td>"
+        + "".join(f"<td>{html.escape(v)}</td>" for v in s["values"])
+        + "</tr>"
+        for s in comp["settings"]
+    )
+    table = (
+        f"<table><tr><th>setting</th>{head}</tr>{body}</table>"
+        if comp["settings"]
+        else "<i>no setting differs between these runs</i>"
+    )
     note = f"<p><b>Caution:</b> {' and '.join(caveats)}; the numbers are not like for like.</p>" if caveats else ""
     return f"<b>Settings that differ</b>{table}{note}"
 
@@ -115,8 +141,15 @@ def plot(ids: Iterable[int], *, db=None):
         rows, unit = spec["rows"], spec["unit"]
         x = [(m, r.split(" ")[0]) for m, r in zip(rows["metric"], rows["run"])]  # "#5": full names in the table
         src = ColumnDataSource({**rows, "x": x})
-        f = figure(x_range=FactorRange(*dict.fromkeys(x), group_padding=0.6), height=280, width=420,
-                   title=spec["title"], y_axis_label=unit, tools="save", toolbar_location="above")
+        f = figure(
+            x_range=FactorRange(*dict.fromkeys(x), group_padding=0.6),
+            height=280,
+            width=420,
+            title=spec["title"],
+            y_axis_label=unit,
+            tools="save",
+            toolbar_location="above",
+        )
         f.vbar(x="x", top="value", width=0.85, color="color", source=src)
         f.add_tools(HoverTool(tooltips=[("run", "@run"), ("metric", "@metric"), ("value", "@value{0.0} " + unit)]))
         f.y_range.start = 0

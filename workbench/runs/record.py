@@ -1,7 +1,6 @@
 """Recording runs as they happen: `safe_start`/`safe_finish` (a broken run log warns, never fails
 the run) and the `record_bench` / `record_scenarios` decorators that wrap the bench entry points."""
 
-
 from __future__ import annotations
 
 import functools
@@ -68,8 +67,11 @@ def _recorded(fn, kind: str, start_fields, finish_fields):
 
 
 def _model_arg(args: tuple, kwargs: dict, position: int) -> str | None:
-    model = args[position] if len(args) > position and isinstance(args[position], (str, os.PathLike)) \
+    model = (
+        args[position]
+        if len(args) > position and isinstance(args[position], (str, os.PathLike))
         else kwargs.get("model")
+    )
     return None if model is None else str(model)
 
 
@@ -79,8 +81,11 @@ def _bench_start_fields(args: tuple, kwargs: dict) -> dict[str, Any]:
         "label": "bench " + ",".join(map(str, what or ("workbench", "hf_sequential", "hf_static"))),
         "model": _model_arg(args, kwargs, 0),
         "settings": kwargs.get("settings") or {},
-        "workload": {k: kwargs.get(k) for k in ("num_requests", "arrival", "rate", "seed", "quick", "prompt_len",
-                                                "output_len") if k in kwargs},
+        "workload": {
+            k: kwargs.get(k)
+            for k in ("num_requests", "arrival", "rate", "seed", "quick", "prompt_len", "output_len")
+            if k in kwargs
+        },
     }
 
 
@@ -157,11 +162,17 @@ def bench_fields(report: dict) -> dict[str, Any]:
     }
     if report.get("endpoints"):  # `workbench bench --endpoint`: the servers measured
         metrics["endpoints"] = report["endpoints"]
-    fields = _report_fields(report, label="bench " + ",".join(results), metrics=metrics,
-                            extra={"systems": report.get("systems"),
-                                   "loadavg": [report.get("loadavg_start"), report.get("loadavg_end")]})
-    fields["model"] = report.get("model") or ",".join(
-        sorted({str(e.get("model")) for e in (report.get("endpoints") or {}).values()})) or None
+    fields = _report_fields(
+        report,
+        label="bench " + ",".join(results),
+        metrics=metrics,
+        extra={"systems": report.get("systems"), "loadavg": [report.get("loadavg_start"), report.get("loadavg_end")]},
+    )
+    fields["model"] = (
+        report.get("model")
+        or ",".join(sorted({str(e.get("model")) for e in (report.get("endpoints") or {}).values()}))
+        or None
+    )
     return fields
 
 
@@ -169,8 +180,10 @@ def scenario_fields(report: dict) -> dict[str, Any]:
     """What a finished `run_scenarios` report contributes to its run-log row: the ratios and targets
     first (the headline), then each scenario's full result."""
     names = list(report.get("scenarios") or ())
-    metrics = {"ratios": report.get("ratios"), "targets": report.get("targets"),
-               **{n: report.get(n) for n in names}}
-    return _report_fields(report, label="scenario " + ",".join(names), metrics=metrics,
-                          extra={"scenarios": names, "quick": report.get("quick"),
-                                 "with_peers": report.get("with_peers")})
+    metrics = {"ratios": report.get("ratios"), "targets": report.get("targets"), **{n: report.get(n) for n in names}}
+    return _report_fields(
+        report,
+        label="scenario " + ",".join(names),
+        metrics=metrics,
+        extra={"scenarios": names, "quick": report.get("quick"), "with_peers": report.get("with_peers")},
+    )

@@ -14,5 +14,15 @@ from .profiles import PROFILES, Profile
 from .routes import RoutedResult, route
 from .simulator import ROUTERS, SimResult, Simulator
 
-__all__ = ["PROFILES", "ROUTERS", "FittedCost", "Profile", "RooflineCost", "RoutedResult", "SimResult", "Simulator",
-           "StepShape", "route"]
+__all__ = [
+    "PROFILES",
+    "ROUTERS",
+    "FittedCost",
+    "Profile",
+    "RooflineCost",
+    "RoutedResult",
+    "SimResult",
+    "Simulator",
+    "StepShape",
+    "route",
+]

@@ -57,12 +57,28 @@ class StepShape:
 
     def features(self, threshold: int = 1 << 30) -> list[float]:
         big = 1.0 if self.prefill_tokens + self.decode_tokens > threshold else 0.0
-        return [1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attended / 1e3,
-                (self.attended - self.prefill_attended) / 1e3, self.num_seqs, big, big * self.decode_tokens]
+        return [
+            1.0,
+            self.prefill_tokens,
+            self.decode_tokens,
+            self.prefill_attended / 1e3,
+            (self.attended - self.prefill_attended) / 1e3,
+            self.num_seqs,
+            big,
+            big * self.decode_tokens,
+        ]
 
 
-FEATURES = ("overhead_s", "per_prefill_token_s", "per_decode_token_s", "per_1k_prefill_attended_s",
-            "per_1k_decode_attended_s", "per_seq_s", "large_step_s", "per_decode_token_large_s")
+FEATURES = (
+    "overhead_s",
+    "per_prefill_token_s",
+    "per_decode_token_s",
+    "per_1k_prefill_attended_s",
+    "per_1k_decode_attended_s",
+    "per_seq_s",
+    "large_step_s",
+    "per_decode_token_large_s",
+)
 THRESHOLDS = (4, 8, 16, 32, 64, 128)  # step sizes (tokens) tried as the kernel switch
 BUSY_GAP_S = 0.01  # a next step this soon after a step's end: the engine was busy in between
 
@@ -167,9 +183,16 @@ class FittedCost:
         err = np.abs(pred - y) / np.maximum(y, 1e-9)
         ss_res = float(np.sum((y - pred) ** 2))
         ss_tot = float(np.sum((y - y.mean()) ** 2)) or 1e-30
-        report = {"kind": "fitted", "steps": len(shapes), "mape": mape, "p90_error": float(np.quantile(err, 0.9)),
-                  "r2": 1.0 - ss_res / ss_tot, "threshold_tokens": threshold if threshold < 1 << 30 else None,
-                  "coefficients": dict(zip(FEATURES, map(float, coef))), "mean_step_ms": float(y.mean() * 1e3)}
+        report = {
+            "kind": "fitted",
+            "steps": len(shapes),
+            "mape": mape,
+            "p90_error": float(np.quantile(err, 0.9)),
+            "r2": 1.0 - ss_res / ss_tot,
+            "threshold_tokens": threshold if threshold < 1 << 30 else None,
+            "coefficients": dict(zip(FEATURES, map(float, coef))),
+            "mean_step_ms": float(y.mean() * 1e3),
+        }
         return cls([float(c) for c in coef], threshold, report, (list(shapes), list(seconds)))
 
     @classmethod
@@ -178,8 +201,10 @@ class FittedCost:
         shapes, seconds = [], []
         for f in fits:
             if not f.samples[0]:
-                raise ValueError("a fit read back from its coefficients has no steps to pool; pool fits made by "
-                                 "FittedCost.fit or Simulator.calibrate in this process")
+                raise ValueError(
+                    "a fit read back from its coefficients has no steps to pool; pool fits made by "
+                    "FittedCost.fit or Simulator.calibrate in this process"
+                )
             shapes += f.samples[0]
             seconds += f.samples[1]
         return cls.fit(shapes, seconds)

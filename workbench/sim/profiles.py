@@ -50,8 +50,16 @@ def cpu_profile(quick: bool = True) -> Profile:
 
     bw = max(measure_bandwidth(1 << 28 if quick else 1 << 30, repeats=3))
     flops = CpuKernelForward.gemm_rate(64, 576, 2304, budget_s=0.05 if quick else 0.25)
-    return Profile("cpu", bw, flops / 1e3, 2.0, device="cpu", bandwidth_efficiency=1.0, compute_efficiency=1.0,
-                   source="measured on this host")
+    return Profile(
+        "cpu",
+        bw,
+        flops / 1e3,
+        2.0,
+        device="cpu",
+        bandwidth_efficiency=1.0,
+        compute_efficiency=1.0,
+        source="measured on this host",
+    )
 
 
 def get_profile(profile: str | Profile) -> Profile:

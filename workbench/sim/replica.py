@@ -37,8 +37,19 @@ class Request:
 
 
 class Replica:
-    def __init__(self, index: int, settings: EngineSettings, num_blocks: int, cost, *, decode_only: bool = False,
-                 timeline_capacity: int = 20_000, acceptance: float = 0.0, seed: int = 0, draft_cost=None):
+    def __init__(
+        self,
+        index: int,
+        settings: EngineSettings,
+        num_blocks: int,
+        cost,
+        *,
+        decode_only: bool = False,
+        timeline_capacity: int = 20_000,
+        acceptance: float = 0.0,
+        seed: int = 0,
+        draft_cost=None,
+    ):
         self.index = index
         self.decode_only = decode_only  # a decode replica of a disaggregated layout
         self.settings = settings
@@ -60,8 +71,15 @@ class Replica:
     def busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    def add(self, req: Request, t: float, *, tokens: list[int] | None = None, max_tokens: int | None = None,
-            kv_transferred: bool = False) -> None:
+    def add(
+        self,
+        req: Request,
+        t: float,
+        *,
+        tokens: list[int] | None = None,
+        max_tokens: int | None = None,
+        kv_transferred: bool = False,
+    ) -> None:
         if not self.busy:
             self.t = max(self.t, t)
         rid = str(req.index)
@@ -69,8 +87,10 @@ class Replica:
         seq = Sequence(rid, ids, SamplingParams(max_tokens=max_tokens or req.max_tokens, ignore_eos=True), t)
         need = self.scheduler.blocks_needed(len(ids) + seq.params.max_tokens)
         if need is not None:
-            raise ValueError(f"request {req.index} needs {need} KV blocks ({len(ids)} prompt + {seq.params.max_tokens} "
-                             f"output tokens), more than the {self.scheduler.kv_blocks[1]} the cache has")
+            raise ValueError(
+                f"request {req.index} needs {need} KV blocks ({len(ids)} prompt + {seq.params.max_tokens} "
+                f"output tokens), more than the {self.scheduler.kv_blocks[1]} the cache has"
+            )
         self.requests[rid] = req
         req.replica = self.index
         self.outstanding += len(ids) + seq.params.max_tokens
@@ -116,8 +136,11 @@ class Replica:
         self.busy_s += end - start
         self.steps += 1
         verified = {i for i, s in enumerate(sched.scheduled) if s.kind == "verify"}
-        sampled = {i: TOKEN for i, s in enumerate(sched.scheduled) if i not in verified
-                   and s.seq.num_computed_tokens + s.num_tokens >= len(s.seq.token_ids)}  # `samples`
+        sampled = {
+            i: TOKEN
+            for i, s in enumerate(sched.scheduled)
+            if i not in verified and s.seq.num_computed_tokens + s.num_tokens >= len(s.seq.token_ids)
+        }  # `samples`
         self.scheduler.update_from_output(sched, sampled, verified)
         emitted: dict[int, int] = dict.fromkeys(sampled, 1)
         for i in verified:
@@ -153,7 +176,6 @@ class Replica:
         return done
 
 
-
 # -- the event loops ------------------------------------------------------------------------------------
 def run_colocated(reqs: list[Request], replicas: list[Replica], router) -> None:
     arrivals = sorted(reqs, key=lambda r: (r.arrival, r.index))
@@ -174,8 +196,11 @@ def run_colocated(reqs: list[Request], replicas: list[Replica], router) -> None:
 
 
 def disaggregated_pools(layout, settings, blocks, cost, replica) -> tuple[list[Replica], list[Replica]]:
-    if (not isinstance(layout, (tuple, list)) or len(layout) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in layout)):
+    if (
+        not isinstance(layout, (tuple, list))
+        or len(layout) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in layout)
+    ):
         raise ValueError(f"disaggregated must be (prefill replicas, decode replicas), each >= 1; got {layout!r}")
     p, d = layout
     prefill = [replica(i, settings, blocks, cost) for i in range(p)]
@@ -202,8 +227,9 @@ def run_disaggregated(reqs, pools, router, cost, kv_gbs: float, kv_bytes_per_tok
                 prefill[pick_p(req, prefill, handed)].add(req, t, max_tokens=1)
                 handed += 1
             else:
-                decode[pick_d(req, decode, 0)].add(req, t, tokens=req.prompt + [TOKEN],
-                                                    max_tokens=req.max_tokens - 1, kv_transferred=True)
+                decode[pick_d(req, decode, 0)].add(
+                    req, t, tokens=req.prompt + [TOKEN], max_tokens=req.max_tokens - 1, kv_transferred=True
+                )
         elif nxt is not None:
             for req, _seq in nxt.step():
                 if nxt in prefill and req.max_tokens > 1:
@@ -237,5 +263,6 @@ def pick_router(router, replicas: list[Replica]):
 
 def check_router(router) -> None:
     if not callable(router) and router not in ROUTERS:
-        raise ValueError(f"router must be one of {', '.join(ROUTERS)} or a function (request, replicas) -> index; "
-                         f"got {router!r}")
+        raise ValueError(
+            f"router must be one of {', '.join(ROUTERS)} or a function (request, replicas) -> index; got {router!r}"
+        )

@@ -26,9 +26,24 @@ class RoutedResult:
         tokens = sum(p["output_tokens"] for p in per.values())
         cost = sum((p.get("cost_per_mtok") or 0.0) * p["output_tokens"] for p in per.values())
         out["cost_per_mtok"] = cost / tokens if tokens else None  # each token at its route's price
-        out["routes"] = {name: {"requests": p["requests"], "share": p["requests"] / max(len(self.records), 1),
-                                **{k: p[k] for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "cost_per_mtok",
-                                                     "joules_per_token", "replicas")}} for name, p in per.items()}
+        out["routes"] = {
+            name: {
+                "requests": p["requests"],
+                "share": p["requests"] / max(len(self.records), 1),
+                **{
+                    k: p[k]
+                    for k in (
+                        "output_tok_s",
+                        "ttft_p50_ms",
+                        "itl_p50_ms",
+                        "cost_per_mtok",
+                        "joules_per_token",
+                        "replicas",
+                    )
+                },
+            }
+            for name, p in per.items()
+        }
         return out
 
 
@@ -45,9 +60,15 @@ def route_requests(requests: list[BenchRequest], first: Simulator, sim: Simulato
     return out
 
 
-def route(workload, routes: list[tuple[str, Simulator, Callable[[BenchRequest], bool] | None]], *,
-          settings: dict[str, Any] | None = None, replicas: int | dict[str, int] = 1, slo=None,
-          record: bool = False) -> RoutedResult:
+def route(
+    workload,
+    routes: list[tuple[str, Simulator, Callable[[BenchRequest], bool] | None]],
+    *,
+    settings: dict[str, Any] | None = None,
+    replicas: int | dict[str, int] = 1,
+    slo=None,
+    record: bool = False,
+) -> RoutedResult:
     """Send each request of `workload` to the first route whose predicate takes it (None: every
     request), e.g. short prompts to a small model, the rest to a large one; each route is its own
     simulator (its model, its accelerator or its calibration) and pool of `replicas`."""
@@ -67,7 +88,8 @@ def route(workload, routes: list[tuple[str, Simulator, Callable[[BenchRequest], 
     for name, sim, _ in routes:
         if chosen[name]:
             n = replicas.get(name, 1) if isinstance(replicas, dict) else replicas
-            results[name] = sim.run(route_requests(chosen[name], first, sim), settings, replicas=n, slo=slo,
-                                    record=record)
+            results[name] = sim.run(
+                route_requests(chosen[name], first, sim), settings, replicas=n, slo=slo, record=record
+            )
     records = sorted((rec for res in results.values() for rec in res.records), key=lambda r: r.index)
     return RoutedResult(results, records)

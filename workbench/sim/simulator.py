@@ -68,13 +68,21 @@ __all__ = ["ROUTERS", "SimResult", "Simulator"]
 DEFAULT_NUM_KV_BLOCKS = 4096
 DEFAULT_SPEC_ACCEPTANCE = 0.6  # per draft token, when nothing was measured (an assumption)
 
+
 class SimResult:
     """A simulated run: per-request records, each replica's timeline, and the bench's summary."""
 
     run_id: int | None = None  # its row in the run log
 
-    def __init__(self, records: list[RequestRecord], replicas: list[Replica], *, config: dict[str, Any],
-                 requests: list[Request], wall_s: float):
+    def __init__(
+        self,
+        records: list[RequestRecord],
+        replicas: list[Replica],
+        *,
+        config: dict[str, Any],
+        requests: list[Request],
+        wall_s: float,
+    ):
         self.records, self.replicas, self.config, self.requests = records, replicas, config, requests
         self.wall_s = wall_s
         self._summary: dict[str, Any] | None = None
@@ -89,7 +97,7 @@ class SimResult:
         return [r.timeline.read() for r in self.replicas]
 
     def replica_names(self) -> list[str]:
-        """"r0", "r1", ...; with disaggregation "prefill-0", ..., "decode-0", ...."""
+        """ "r0", "r1", ...; with disaggregation "prefill-0", ..., "decode-0", ...."""
         decode = [r for r in self.replicas if r.decode_only]
         if not decode:
             return [f"r{r.index}" for r in self.replicas]
@@ -110,14 +118,26 @@ class SimResult:
         split = any(r.decode_only for r in self.replicas)
         events = []
         for name, tl in zip(self.replica_names(), self.timelines):
+
             def rid(r: str, name=name) -> str:
                 return f"{r}@{name}" if split else r
 
-            events += [(s.start, "steps", msgspec.structs.replace(
-                s, replica=name, batch=[msgspec.structs.replace(b, request_id=rid(b.request_id)) for b in s.batch]))
-                for s in tl.steps]
-            events += [(q.time, "requests", msgspec.structs.replace(q, replica=name, request_id=rid(q.request_id)))
-                       for q in tl.requests]
+            events += [
+                (
+                    s.start,
+                    "steps",
+                    msgspec.structs.replace(
+                        s,
+                        replica=name,
+                        batch=[msgspec.structs.replace(b, request_id=rid(b.request_id)) for b in s.batch],
+                    ),
+                )
+                for s in tl.steps
+            ]
+            events += [
+                (q.time, "requests", msgspec.structs.replace(q, replica=name, request_id=rid(q.request_id)))
+                for q in tl.requests
+            ]
             events += [(c.start, "changes", msgspec.structs.replace(c, replica=name)) for c in tl.changes]
         out = Timeline(steps=[], requests=[], changes=[], cursor=0)
         for seq, (_, field, ev) in enumerate(sorted(events, key=lambda e: e[0]), 1):
@@ -147,8 +167,11 @@ class SimResult:
         out["busy_s"] = sum(r.busy_s for r in self.replicas)
         out["replicas"] = len(self.replicas)
         prices = resolve(cfg.get("price_per_hour"), cfg.get("watts"), cfg.get("device", "cuda"))
-        out.update(run_costs(out["output_tok_s"], prices["price_per_hour"] * len(self.replicas),
-                             prices["watts"] * len(self.replicas)))
+        out.update(
+            run_costs(
+                out["output_tok_s"], prices["price_per_hour"] * len(self.replicas), prices["watts"] * len(self.replicas)
+            )
+        )
         out["simulated_requests_per_wall_s"] = len(self.records) / self.wall_s if self.wall_s > 0 else None
         return out
 
@@ -169,9 +192,20 @@ def _meets(r: RequestRecord, slo: dict[str, float]) -> bool:
 class Simulator:
     """See the module docstring. `cost` is any step-cost model (seconds from a `StepShape`)."""
 
-    def __init__(self, profile: str | Profile | None = "h200", model=None, *, cost=None,
-                 settings: dict[str, Any] | None = None, num_kv_blocks: int | None = None, block_size: int = 16,
-                 tokenizer=None, vocab_size: int | None = None, device: str | None = None, source: str | None = None):
+    def __init__(
+        self,
+        profile: str | Profile | None = "h200",
+        model=None,
+        *,
+        cost=None,
+        settings: dict[str, Any] | None = None,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        device: str | None = None,
+        source: str | None = None,
+    ):
         self.base_settings = dict(settings or {})
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -195,8 +229,14 @@ class Simulator:
 
     # -- construction from a live engine ------------------------------------------------------------
     @classmethod
-    def calibrate(cls, engine, *, workload: dict[str, Any] | None = None, measure: bool = True,
-                  progress: Callable[[str], None] | None = None) -> Simulator:
+    def calibrate(
+        cls,
+        engine,
+        *,
+        workload: dict[str, Any] | None = None,
+        measure: bool = True,
+        progress: Callable[[str], None] | None = None,
+    ) -> Simulator:
         """Fit the step cost from `engine`'s own steps (an `LLM` or an engine-process client):
         with `measure`, a calibration run first (a burst of mixed lengths and a single stream);
         without, the steps already on its timeline. `progress` (e.g. `print`) is told each part
@@ -210,28 +250,45 @@ class Simulator:
         cursor = eng.timeline(since=1 << 62).cursor if measure else None
         if measure:
             vocab = status.get("vocab_size") or 256
-            parts = list(calibration_workloads(workload, vocab, status.get("max_model_len") or 2048,
-                                               settings.get("max_num_seqs") or 64))
+            parts = list(
+                calibration_workloads(
+                    workload, vocab, status.get("max_model_len") or 2048, settings.get("max_num_seqs") or 64
+                )
+            )
             started = time.perf_counter()
             for i, w in enumerate(parts, 1):
                 if progress is not None:
                     prompt = sum(r.prompt_len for r in w.requests)
-                    progress(f"calibrating {i}/{len(parts)}: {len(w.requests)} request(s), {prompt} prompt tokens "
-                             f"({time.perf_counter() - started:.0f} s so far)")
+                    progress(
+                        f"calibrating {i}/{len(parts)}: {len(w.requests)} request(s), {prompt} prompt tokens "
+                        f"({time.perf_counter() - started:.0f} s so far)"
+                    )
                 run_workload(eng, w.requests)
             if progress is not None:
                 progress(f"calibrated in {time.perf_counter() - started:.0f} s")
         tl = eng.timeline(since=cursor)
         shapes, seconds = shapes_from_timeline(tl.steps, tl.requests)
         cost = FittedCost.fit(shapes, seconds)
-        sim = cls(None, status.get("model"), cost=cost, settings=settings,
-                  num_kv_blocks=status.get("num_kv_blocks"), block_size=status.get("block_size") or 16,
-                  tokenizer=tok, vocab_size=status.get("vocab_size"), device=str(status.get("device", "cpu")),
-                  source="fitted")
+        sim = cls(
+            None,
+            status.get("model"),
+            cost=cost,
+            settings=settings,
+            num_kv_blocks=status.get("num_kv_blocks"),
+            block_size=status.get("block_size") or 16,
+            tokenizer=tok,
+            vocab_size=status.get("vocab_size"),
+            device=str(status.get("device", "cpu")),
+            source="fitted",
+        )
         metrics = eng.metrics()
-        sim.calibration = {"engine": status.get("model"), "device": status.get("device"),
-                           "quantization": settings.get("quantization", "none"),
-                           "spec_acceptance_rate": metrics.get("spec_acceptance_rate") or None, **cost.describe()}
+        sim.calibration = {
+            "engine": status.get("model"),
+            "device": status.get("device"),
+            "quantization": settings.get("quantization", "none"),
+            "spec_acceptance_rate": metrics.get("spec_acceptance_rate") or None,
+            **cost.describe(),
+        }
         return sim
 
     calibration: dict[str, Any] | None = None
@@ -251,16 +308,31 @@ class Simulator:
             raise ValueError(f"pooled calibrations must share engine, device and quantization; got {sorted(layouts)}")
         last = sims[-1]
         cost = FittedCost.pooled([s.cost for s in sims])
-        sim = cls(None, last.model_name, cost=cost, settings=last.base_settings, num_kv_blocks=last.num_kv_blocks,
-                  block_size=last.block_size, tokenizer=last.tokenizer, vocab_size=last.vocab_size,
-                  device=last.device, source="fitted")
-        sim.calibration = {**cals[-1], **cost.describe(),
-                           "calibrations": sum(c.get("calibrations", 1) for c in cals)}
+        sim = cls(
+            None,
+            last.model_name,
+            cost=cost,
+            settings=last.base_settings,
+            num_kv_blocks=last.num_kv_blocks,
+            block_size=last.block_size,
+            tokenizer=last.tokenizer,
+            vocab_size=last.vocab_size,
+            device=last.device,
+            source="fitted",
+        )
+        sim.calibration = {**cals[-1], **cost.describe(), "calibrations": sum(c.get("calibrations", 1) for c in cals)}
         return sim
 
     @classmethod
-    def from_calibration(cls, calibration: dict[str, Any], *, settings: dict[str, Any] | None = None,
-                         num_kv_blocks: int | None = None, block_size: int = 16, model=None) -> Simulator:
+    def from_calibration(
+        cls,
+        calibration: dict[str, Any],
+        *,
+        settings: dict[str, Any] | None = None,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        model=None,
+    ) -> Simulator:
         """A simulator with a recorded fit (`sim.calibration`, as the run log keeps it)."""
         names = list(calibration["coefficients"])
         from .cost import FEATURES
@@ -269,9 +341,16 @@ class Simulator:
             raise ValueError(f"this calibration has the features {names}; this version fits {list(FEATURES)}")
         threshold = calibration.get("threshold_tokens") or (1 << 30)
         cost = FittedCost([float(calibration["coefficients"][k]) for k in FEATURES], threshold, dict(calibration))
-        sim = cls(None, model if model is not None else calibration.get("engine"), cost=cost, settings=settings,
-                  num_kv_blocks=num_kv_blocks, block_size=block_size, device=str(calibration.get("device") or "cpu"),
-                  source="fitted")
+        sim = cls(
+            None,
+            model if model is not None else calibration.get("engine"),
+            cost=cost,
+            settings=settings,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            device=str(calibration.get("device") or "cpu"),
+            source="fitted",
+        )
         sim.calibration = dict(calibration)
         return sim
 
@@ -295,8 +374,9 @@ class Simulator:
             cal = sim.get("calibration")
             if cal and row.get("host") == socket.gethostname() and (cal.get("engine") or row.get("model")) == name:
                 try:
-                    found = cls.from_calibration(cal, settings=row.get("settings"),
-                                                 num_kv_blocks=(row.get("extra") or {}).get("num_kv_blocks"))
+                    found = cls.from_calibration(
+                        cal, settings=row.get("settings"), num_kv_blocks=(row.get("extra") or {}).get("num_kv_blocks")
+                    )
                 except (ValueError, KeyError, TypeError):
                     continue
                 found.source = f"fitted (run log #{row['id']})"
@@ -304,8 +384,12 @@ class Simulator:
         return None
 
     def describe(self) -> dict[str, Any]:
-        d = {"source": self.source, "model": self.model_name, "device": self.device,
-             "cost": self.cost.describe() if hasattr(self.cost, "describe") else repr(self.cost)}
+        d = {
+            "source": self.source,
+            "model": self.model_name,
+            "device": self.device,
+            "cost": self.cost.describe() if hasattr(self.cost, "describe") else repr(self.cost),
+        }
         if self.calibration:
             d["calibration"] = self.calibration
         return d
@@ -327,8 +411,10 @@ class Simulator:
         if isinstance(workload, (list, tuple)) and all(isinstance(r, BenchRequest) for r in workload):
             return list(workload)
         if workload is not None and not isinstance(workload, dict):
-            raise TypeError("workload must be a dict of workbench bench parameters, a Workload, a list of "
-                            f"BenchRequest or a recorded Timeline; got {type(workload).__name__}")
+            raise TypeError(
+                "workload must be a dict of workbench bench parameters, a Workload, a list of "
+                f"BenchRequest or a recorded Timeline; got {type(workload).__name__}"
+            )
         kw = {**DEFAULT_WORKLOAD, **(workload or {})}
         unknown = set(kw) - set(WORKLOAD_KEYS)
         if unknown:
@@ -339,15 +425,30 @@ class Simulator:
             if k in kw:
                 kw[k] = tuple(kw[k])
         tok = self.text_tokenizer()
-        return list(make_workload(tokenizer=tok, vocab_size=None if tok is not None else self.vocab_size or 49152,
-                                  **kw).requests)
+        return list(
+            make_workload(
+                tokenizer=tok, vocab_size=None if tok is not None else self.vocab_size or 49152, **kw
+            ).requests
+        )
 
-    def run(self, workload=None, settings: dict[str, Any] | None = None, replicas: int = 1,
-            router: str | Callable = "round_robin", *, disaggregated: tuple[int, int] | None = None,
-            kv_transfer_gbs: float = 25.0, slo: dict[str, float] | None = None, spec_acceptance: float | None = None,
-            price_per_hour: float | None = None, watts: float | None = None,
-            timeline_capacity: int = 20_000, record: bool = True, run_log=None,
-            predicts: int | None = None) -> SimResult:
+    def run(
+        self,
+        workload=None,
+        settings: dict[str, Any] | None = None,
+        replicas: int = 1,
+        router: str | Callable = "round_robin",
+        *,
+        disaggregated: tuple[int, int] | None = None,
+        kv_transfer_gbs: float = 25.0,
+        slo: dict[str, float] | None = None,
+        spec_acceptance: float | None = None,
+        price_per_hour: float | None = None,
+        watts: float | None = None,
+        timeline_capacity: int = 20_000,
+        record: bool = True,
+        run_log=None,
+        predicts: int | None = None,
+    ) -> SimResult:
         """Simulate `workload` under `settings` (the engine's names; live ones only matter).
         `record`: write the run log (kind "simulation"; `run_log` a path or RunLog; `predicts`:
         the id of the measured run this predicts, so `workbench runs compare` sets them side by side).
@@ -365,8 +466,9 @@ class Simulator:
         reqs = [Request(r.index, list(r.prompt_token_ids), r.max_tokens, r.arrival_s) for r in requests]
         acceptance = self._acceptance(spec_acceptance)
         cost = self._cost_for(s)
-        replica = functools.partial(Replica, timeline_capacity=timeline_capacity, acceptance=acceptance,
-                                    draft_cost=self._draft_cost(s))
+        replica = functools.partial(
+            Replica, timeline_capacity=timeline_capacity, acceptance=acceptance, draft_cost=self._draft_cost(s)
+        )
         if disaggregated is not None:
             pools = disaggregated_pools(disaggregated, s, blocks, cost, replica)
             all_replicas = pools[0] + pools[1]
@@ -376,18 +478,27 @@ class Simulator:
                 raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
             all_replicas = [replica(i, s, blocks, cost) for i in range(replicas)]
             run_colocated(reqs, all_replicas, router)
-        records = [RequestRecord(r.index, r.arrival, len(r.prompt), [TOKEN] * len(r.token_times), r.token_times,
-                                 r.finished) for r in reqs]
+        records = [
+            RequestRecord(r.index, r.arrival, len(r.prompt), [TOKEN] * len(r.token_times), r.token_times, r.finished)
+            for r in reqs
+        ]
         prof = self.profile
         if price_per_hour is None and prof is not None:
             price_per_hour = prof.price_per_hour
         if watts is None and prof is not None:
             watts = prof.watts
-        config = {"settings": s.as_dict() if hasattr(s, "as_dict") else {}, "replicas": len(all_replicas),
-                  "router": router if isinstance(router, str) else getattr(router, "__name__", "custom"),
-                  "disaggregated": list(disaggregated) if disaggregated else None, "slo": slo,
-                  "num_kv_blocks": blocks, "device": self.device, "price_per_hour": price_per_hour, "watts": watts,
-                  **self.describe()}
+        config = {
+            "settings": s.as_dict() if hasattr(s, "as_dict") else {},
+            "replicas": len(all_replicas),
+            "router": router if isinstance(router, str) else getattr(router, "__name__", "custom"),
+            "disaggregated": list(disaggregated) if disaggregated else None,
+            "slo": slo,
+            "num_kv_blocks": blocks,
+            "device": self.device,
+            "price_per_hour": price_per_hour,
+            "watts": watts,
+            **self.describe(),
+        }
         if cost is not self.cost:  # carried to this layout (see RescaledCost): said where it is read
             config["cost"] = cost.describe()
         res = SimResult(records, all_replicas, config=config, requests=reqs, wall_s=time.perf_counter() - t_wall)
@@ -405,20 +516,35 @@ class Simulator:
         label = f"simulate {self.source}" + (f" {self.profile.name}" if self.profile is not None else "")
         extra = {k: cfg[k] for k in ("replicas", "router", "disaggregated", "slo", "num_kv_blocks")}
         extra.update(simulator=self.describe(), predicts=predicts)
-        run_id = safe_start(log, "simulation", label=label, model=self.model_name, device=f"simulated {self.device}",
-                            settings=cfg["settings"], workload=workload, extra=extra)
+        run_id = safe_start(
+            log,
+            "simulation",
+            label=label,
+            model=self.model_name,
+            device=f"simulated {self.device}",
+            settings=cfg["settings"],
+            workload=workload,
+            extra=extra,
+        )
         safe_finish(log, run_id, "completed", metrics=res.summary())
         return run_id
 
-    def replicas_for(self, slo: dict[str, float], workload=None, *, settings=None, router="least_outstanding",
-                     attainment: float = 0.99, max_replicas: int = 64) -> int | None:
+    def replicas_for(
+        self,
+        slo: dict[str, float],
+        workload=None,
+        *,
+        settings=None,
+        router="least_outstanding",
+        attainment: float = 0.99,
+        max_replicas: int = 64,
+    ) -> int | None:
         """The smallest replica count whose SLO attainment reaches `attainment` (None: not within
         `max_replicas`)."""
         lo, hi, best = 1, max_replicas, None
         while lo <= hi:  # attainment grows with replicas: bisect
             mid = (lo + hi) // 2
-            res = self.run(workload, settings, replicas=mid, router=router, slo=slo, timeline_capacity=16,
-                           record=False)
+            res = self.run(workload, settings, replicas=mid, router=router, slo=slo, timeline_capacity=16, record=False)
             if res.summary()["slo_attainment"] >= attainment:
                 best, hi = mid, mid - 1
             else:
@@ -462,8 +588,10 @@ class Simulator:
     def _rescaled(self, target: ModelShape, what: str):
         """The fit carried to another layout by this machine's roofline ratio (see RescaledCost)."""
         if not str(self.device or "cpu").startswith("cpu"):
-            raise ValueError(f"this step-cost fit was measured on {self.device}; simulating {what} needs a "
-                             "calibration at that layout (or a roofline profile): no roofline of that GPU here")
+            raise ValueError(
+                f"this step-cost fit was measured on {self.device}; simulating {what} needs a "
+                "calibration at that layout (or a roofline profile): no roofline of that GPU here"
+            )
         fitted_at = (self.calibration or {}).get("quantization") or "none"
         prof = self._cpu()
         measured = self._shape(quantization=fitted_at)
@@ -488,9 +616,10 @@ class Simulator:
         try:
             return self._shape().kv_bytes_per_token
         except (OSError, ValueError) as e:
-            raise ValueError(f"a disaggregated layout costs the KV transfer from the model's KV bytes per token, "
-                             f"and the config of {self.model_name!r} is not at hand: {e}") from None
-
+            raise ValueError(
+                f"a disaggregated layout costs the KV transfer from the model's KV bytes per token, "
+                f"and the config of {self.model_name!r} is not at hand: {e}"
+            ) from None
 
 
 def _check_slo(slo) -> dict[str, float]:

@@ -14,6 +14,7 @@ from ..timeline import Timeline
 WORKLOAD_KEYS = ("num_requests", "seed", "prompt_len", "output_len", "arrival", "rate")
 DEFAULT_WORKLOAD = {"num_requests": 64, "arrival": "poisson", "rate": 4.0, "seed": 0}
 
+
 def trace_requests(timeline: Timeline, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
     """A recorded timeline as a workload: every request that arrived and finished in it, at its
     arrival offset, with its prompt length (the "arrived" event) and the tokens its steps produced
@@ -42,19 +43,31 @@ def trace_requests(timeline: Timeline, vocab_size: int, seed: int = 0) -> list[B
         raise ValueError("the timeline holds no request that arrived, ran and finished: nothing to replay")
     t0 = arrived[keep[0]][0]
     rng = random.Random(seed)
-    return [BenchRequest(i, [rng.randrange(3, vocab_size) for _ in range(arrived[rid][1])], produced[rid],
-                         arrived[rid][0] - t0) for i, rid in enumerate(keep)]
+    return [
+        BenchRequest(
+            i, [rng.randrange(3, vocab_size) for _ in range(arrived[rid][1])], produced[rid], arrived[rid][0] - t0
+        )
+        for i, rid in enumerate(keep)
+    ]
 
 
 def describe_workload(workload, requests: list[BenchRequest]) -> dict[str, Any]:
     if isinstance(workload, Workload):
         return workload.describe()
     if isinstance(workload, Timeline):
-        return {"trace": "timeline", "requests": len(requests), "prompt_tokens": sum(r.prompt_len for r in requests),
-                "output_tokens": sum(r.max_tokens for r in requests)}
+        return {
+            "trace": "timeline",
+            "requests": len(requests),
+            "prompt_tokens": sum(r.prompt_len for r in requests),
+            "output_tokens": sum(r.max_tokens for r in requests),
+        }
     d = {**DEFAULT_WORKLOAD, **(workload or {})} if isinstance(workload, dict) or workload is None else {}
-    return {**{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}, "requests": len(requests),
-            "prompt_tokens": sum(r.prompt_len for r in requests), "output_tokens": sum(r.max_tokens for r in requests)}
+    return {
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()},
+        "requests": len(requests),
+        "prompt_tokens": sum(r.prompt_len for r in requests),
+        "output_tokens": sum(r.max_tokens for r in requests),
+    }
 
 
 def calibration_workloads(workload, vocab: int, max_len: int, max_num_seqs: int = 64) -> Iterable[Workload]:
@@ -68,13 +81,19 @@ def calibration_workloads(workload, vocab: int, max_len: int, max_num_seqs: int 
         yield make_workload(vocab_size=vocab, **workload)
         return
     longest = max(32, min(512, max_len // 2 - 64))
-    yield make_workload(max(8, min(max_num_seqs, 64)), seed=11, vocab_size=vocab, prompt_len=(32, longest),
-                        output_len=(8, 64))
+    yield make_workload(
+        max(8, min(max_num_seqs, 64)), seed=11, vocab_size=vocab, prompt_len=(32, longest), output_len=(8, 64)
+    )
     if max_num_seqs > 16:
         yield make_workload(16, seed=15, vocab_size=vocab, prompt_len=(32, longest), output_len=(32, 64))
     yield make_workload(8, seed=12, vocab_size=vocab, prompt_len=(32, longest // 2), output_len=(32, 32))
-    yield make_workload(4, seed=14, vocab_size=vocab,
-                        prompt_len=(longest, max(longest, min(2 * longest, max_len - 160))), output_len=(32, 96))
+    yield make_workload(
+        4,
+        seed=14,
+        vocab_size=vocab,
+        prompt_len=(longest, max(longest, min(2 * longest, max_len - 160))),
+        output_len=(32, 96),
+    )
     yield make_workload(1, seed=13, vocab_size=vocab, prompt_len=(32, 64), output_len=(64, 64))
 
 

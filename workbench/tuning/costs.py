@@ -52,8 +52,10 @@ def machine_defaults(device: str | None = None) -> dict[str, float]:
 def resolve(price_per_hour: float | None, watts: float | None, device: str | None = None) -> dict[str, float]:
     """The user's figures where given, else the documented defaults for the device."""
     d = machine_defaults(device)
-    out = {"price_per_hour": d["price_per_hour"] if price_per_hour is None else float(price_per_hour),
-           "watts": d["watts"] if watts is None else float(watts)}
+    out = {
+        "price_per_hour": d["price_per_hour"] if price_per_hour is None else float(price_per_hour),
+        "watts": d["watts"] if watts is None else float(watts),
+    }
     for k, v in out.items():
         if not v >= 0:
             raise ValueError(f"{k} must be >= 0, got {v!r}")
@@ -96,12 +98,17 @@ def phase_split(steps: Iterable[Any]) -> dict[str, float]:
         decode_s += dur * (1.0 - share)
         prefill_tokens += p
         output_tokens += int(get("output_tokens", 0) or 0)
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "prefill_tokens": prefill_tokens,
-            "decode_output_tokens": output_tokens}
+    return {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "prefill_tokens": prefill_tokens,
+        "decode_output_tokens": output_tokens,
+    }
 
 
-def run_costs(output_tok_s: float | None, price_per_hour: float, watts: float,
-              split: dict[str, float] | None = None) -> dict[str, float | None]:
+def run_costs(
+    output_tok_s: float | None, price_per_hour: float, watts: float, split: dict[str, float] | None = None
+) -> dict[str, float | None]:
     """Cost and energy of one run: end to end from wall-clock output throughput, and (given a
     `phase_split`) for prefill and decode separately."""
     out: dict[str, float | None] = {
@@ -124,21 +131,34 @@ def run_costs(output_tok_s: float | None, price_per_hour: float, watts: float,
     return out
 
 
-def live_costs(metrics: dict, steps: Iterable[Any] | None = None, *, price_per_hour: float | None = None,
-               watts: float | None = None, device: str | None = None) -> dict[str, float | None]:
+def live_costs(
+    metrics: dict,
+    steps: Iterable[Any] | None = None,
+    *,
+    price_per_hour: float | None = None,
+    watts: float | None = None,
+    device: str | None = None,
+) -> dict[str, float | None]:
     """For the dashboard: cost and energy at the engine's current output rate (its `metrics()`),
     and per phase when recent timeline `steps` are given."""
     m = resolve(price_per_hour, watts, device)
-    return run_costs(metrics.get("output_tok_s"), m["price_per_hour"], m["watts"],
-                     phase_split(steps) if steps is not None else None)
+    return run_costs(
+        metrics.get("output_tok_s"), m["price_per_hour"], m["watts"], phase_split(steps) if steps is not None else None
+    )
 
 
 class LiveCosts:
     """Cost and energy over the engine's last `window_s` seconds of steps, for the dashboard:
     feed it the timeline events (`add`), ask with the latest `metrics()` (`costs`, `html`)."""
 
-    def __init__(self, window_s: float = 10.0, *, price_per_hour: float | None = None, watts: float | None = None,
-                 device: str | None = None):
+    def __init__(
+        self,
+        window_s: float = 10.0,
+        *,
+        price_per_hour: float | None = None,
+        watts: float | None = None,
+        device: str | None = None,
+    ):
         from collections import deque
 
         self.window_s = window_s
@@ -160,8 +180,12 @@ class LiveCosts:
                 self._steps.popleft()
 
     def costs(self, metrics: dict) -> dict[str, float | None]:
-        return run_costs(metrics.get("output_tok_s"), self.prices["price_per_hour"], self.prices["watts"],
-                         phase_split(self._steps) if self._steps else None)
+        return run_costs(
+            metrics.get("output_tok_s"),
+            self.prices["price_per_hour"],
+            self.prices["watts"],
+            phase_split(self._steps) if self._steps else None,
+        )
 
     def html(self, metrics: dict) -> str:
         """One line: end-to-end cost and energy per output token at the current rate, then each
@@ -170,8 +194,13 @@ class LiveCosts:
         machine = f"at ${self.prices['price_per_hour']:g}/h and {self.prices['watts']:g} W"
         if c["cost_per_mtok"] is None:
             return f"cost: nothing generated in the last {self.window_s:g} s ({machine})"
-        parts = [f"prefill ${c['prefill_cost_per_mtok']:.3g}/M prompt tok" if c.get("prefill_cost_per_mtok") else None,
-                 f"decode ${c['decode_cost_per_mtok']:.3g}/M output tok" if c.get("decode_cost_per_mtok") else None]
+        parts = [
+            f"prefill ${c['prefill_cost_per_mtok']:.3g}/M prompt tok" if c.get("prefill_cost_per_mtok") else None,
+            f"decode ${c['decode_cost_per_mtok']:.3g}/M output tok" if c.get("decode_cost_per_mtok") else None,
+        ]
         phases = "; ".join(p for p in parts if p)
-        return (f"cost ${c['cost_per_mtok']:.3g} per million output tokens, {c['joules_per_token']:.3g} J each"
-                + (f" ({phases})" if phases else "") + f" {machine}")
+        return (
+            f"cost ${c['cost_per_mtok']:.3g} per million output tokens, {c['joules_per_token']:.3g} J each"
+            + (f" ({phases})" if phases else "")
+            + f" {machine}"
+        )

@@ -1,7 +1,6 @@
 """The settings grid: its points, in the order that re-lays out least, their labels, and the
 constants the sweep's parts share."""
 
-
 import hashlib
 import itertools
 import json
@@ -14,11 +13,38 @@ DEFAULT_WORKLOAD = {"num_requests": 16, "prompt_len": (16, 64), "output_len": (8
 DEFAULT_MAX_TOKENS = 32  # output length for prompt-list workloads
 SPREAD_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cost_per_mtok")
 QUANT_DEFAULTS = {"quantization": "none", "kv_cache_dtype": "auto"}
-TABLE_COLUMNS = ("output_tok_s", "output_tok_s_min", "output_tok_s_max", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-                 "itl_p99_ms", "kv_usage_peak", "prefix_hit_rate", "spec_acceptance_rate", "delta_ppl",
-                 "cost_per_mtok", "joules_per_token", "pareto", "noisy", "overlaps", "repeats", "resumed", "source")
-COST_COLUMNS = ("output_tok_s", "cost_per_mtok", "joules_per_token", "prefill_tok_s", "prefill_cost_per_mtok",
-                "prefill_joules_per_token", "decode_tok_s", "decode_cost_per_mtok", "decode_joules_per_token")
+TABLE_COLUMNS = (
+    "output_tok_s",
+    "output_tok_s_min",
+    "output_tok_s_max",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "kv_usage_peak",
+    "prefix_hit_rate",
+    "spec_acceptance_rate",
+    "delta_ppl",
+    "cost_per_mtok",
+    "joules_per_token",
+    "pareto",
+    "noisy",
+    "overlaps",
+    "repeats",
+    "resumed",
+    "source",
+)
+COST_COLUMNS = (
+    "output_tok_s",
+    "cost_per_mtok",
+    "joules_per_token",
+    "prefill_tok_s",
+    "prefill_cost_per_mtok",
+    "prefill_joules_per_token",
+    "decode_tok_s",
+    "decode_cost_per_mtok",
+    "decode_joules_per_token",
+)
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -35,8 +61,10 @@ def grid_points(grid: dict[str, Sequence[Any] | Any]) -> list[dict[str, Any]]:
         if name not in names:
             raise ValueError(f"unknown setting {name!r} in the grid; known settings: {', '.join(names)}")
         if setting_kind(name) == RESTART:
-            raise ValueError(f"setting {name!r} is fixed when the engine starts and cannot be swept live; "
-                             "start one engine per value instead")
+            raise ValueError(
+                f"setting {name!r} is fixed when the engine starts and cannot be swept live; "
+                "start one engine per value instead"
+            )
         if isinstance(vals, (str, bytes)) or not isinstance(vals, Iterable):
             vals = [vals]
         vals = list(vals)

@@ -1,7 +1,6 @@
 """One measured run at the engine's current settings: the sweep's hold on the engine, the run
 through the workload driver, and what is read around it (timeline, counters, costs, perplexity)."""
 
-
 import contextlib
 import math
 import statistics
@@ -25,8 +24,10 @@ class SweepTarget:
 
     def __init__(self, engine: Engine, cancel: threading.Event | None = None):
         if not isinstance(engine, Engine):
-            raise TypeError(f"sweep needs a workbench Engine (an LLM, an EngineClient from start_engine/connect, or "
-                            f"a RemoteEngineClient); got {type(engine).__name__}")
+            raise TypeError(
+                f"sweep needs a workbench Engine (an LLM, an EngineClient from start_engine/connect, or "
+                f"a RemoteEngineClient); got {type(engine).__name__}"
+            )
         self.obj = engine
         self.cancel = cancel
         # Ids of requests sent and not yet known to be done; filled before anything is sent, so an
@@ -83,8 +84,9 @@ class SweepTarget:
             if not (m.get("num_running") or m.get("num_waiting")):
                 return
             if time.monotonic() > deadline:
-                warnings.warn("the engine is still busy with other requests; measuring anyway", RuntimeWarning,
-                              stacklevel=3)
+                warnings.warn(
+                    "the engine is still busy with other requests; measuring anyway", RuntimeWarning, stacklevel=3
+                )
                 return
             time.sleep(0.05)
 
@@ -95,8 +97,15 @@ class SweepTarget:
 
 
 # ----------------------------------------------------------------------------- measuring
-def measure_run(eng: SweepTarget, workload: Workload, *, price_per_hour: float, watts: float, progress=None,
-                reset_prefix_cache: bool = True) -> dict[str, Any]:
+def measure_run(
+    eng: SweepTarget,
+    workload: Workload,
+    *,
+    price_per_hour: float,
+    watts: float,
+    progress=None,
+    reset_prefix_cache: bool = True,
+) -> dict[str, Any]:
     """One measured run of the workload at the engine's current settings."""
     if reset_prefix_cache:
         eng.reset_prefix_cache()
@@ -118,8 +127,9 @@ def measure_run(eng: SweepTarget, workload: Workload, *, price_per_hour: float, 
     out["spec_acceptance_rate"] = delta("spec_accepted") / proposed if proposed > 0 else None
     out["spec_mean_accepted"] = delta("spec_accepted") / delta("spec_verifies") if delta("spec_verifies") > 0 else None
     out["preemptions"] = delta("preemptions")
-    usage = [(s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0, max(s.end - s.start, 0.0))
-             for s in steps]
+    usage = [
+        (s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0, max(s.end - s.start, 0.0)) for s in steps
+    ]
     busy = sum(d for _, d in usage)
     out["kv_usage_peak"] = max((u for u, _ in usage), default=None)
     out["kv_usage_mean"] = sum(u * d for u, d in usage) / busy if busy > 0 else None
@@ -147,8 +157,9 @@ def perplexity(eng: SweepTarget, ids: list[int]) -> float | None:
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repeated runs, plus min/max/std of the headline metrics."""
     out: dict[str, Any] = {}
-    keys = [k for k in runs[0] if all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)
-                                      for r in runs)]
+    keys = [
+        k for k in runs[0] if all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in runs)
+    ]
     for k in keys:
         out[k] = statistics.median(r[k] for r in runs)
     for k in runs[0]:

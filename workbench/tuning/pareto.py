@@ -57,8 +57,12 @@ def spread(values: Sequence[float]) -> dict[str, float | None]:
     v = [float(x) for x in values if x is not None and not math.isnan(float(x))]
     if not v:
         return {"median": None, "min": None, "max": None, "std": None}
-    return {"median": statistics.median(v), "min": min(v), "max": max(v),
-            "std": statistics.stdev(v) if len(v) > 1 else 0.0}
+    return {
+        "median": statistics.median(v),
+        "min": min(v),
+        "max": max(v),
+        "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+    }
 
 
 def ranges_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -80,13 +84,17 @@ def noise_overlaps(points: Sequence[dict], key: str) -> list[list[int]]:
             rng.append((lo, hi))
     out = []
     for i, a in enumerate(rng):
-        out.append([j for j, b in enumerate(rng) if j != i and a is not None and b is not None
-                    and ranges_overlap(a, b)])
+        out.append(
+            [j for j, b in enumerate(rng) if j != i and a is not None and b is not None and ranges_overlap(a, b)]
+        )
     return out
 
 
-def annotate(records: list[dict[str, Any]], throughput: str = "output_tok_s",
-             latencies: Sequence[str] = ("ttft_p99_ms", "itl_p99_ms")) -> None:
+def annotate(
+    records: list[dict[str, Any]],
+    throughput: str = "output_tok_s",
+    latencies: Sequence[str] = ("ttft_p99_ms", "itl_p99_ms"),
+) -> None:
     """Set on each record: `pareto` (non-dominated on throughput and every latency), one
     `pareto_<latency>` flag per latency (the two-objective fronts the plots draw), `overlaps`
     (labels of points whose throughput spread overlaps this one) and `noisy` (any overlap)."""

@@ -19,8 +19,7 @@ from typing import Any
 FRONT = "#d62728"
 OTHER = "#1f77b4"
 NOISY = "#ff7f0e"
-LATENCY_NAMES = {"ttft_p99_ms": "p99 TTFT", "itl_p99_ms": "p99 ITL", "ttft_p50_ms": "p50 TTFT",
-                 "itl_p50_ms": "p50 ITL"}
+LATENCY_NAMES = {"ttft_p99_ms": "p99 TTFT", "itl_p99_ms": "p99 ITL", "ttft_p50_ms": "p50 TTFT", "itl_p50_ms": "p50 ITL"}
 
 
 def _num(v: Any) -> float:
@@ -30,8 +29,21 @@ def _num(v: Any) -> float:
 def plot_data(records: Sequence[dict], latencies: Sequence[str] = ("ttft_p99_ms", "itl_p99_ms")) -> dict[str, list]:
     """The columns the plot draws (plain lists, testable without Bokeh)."""
     data: dict[str, list] = {
-        "index": [], "label": [], "settings": [], "x": [], "x_lo": [], "x_hi": [], "cost": [], "joules": [],
-        "delta_ppl": [], "delta_ppl_text": [], "run": [], "repeats": [], "noise": [], "ring": [], "ring_width": [],
+        "index": [],
+        "label": [],
+        "settings": [],
+        "x": [],
+        "x_lo": [],
+        "x_hi": [],
+        "cost": [],
+        "joules": [],
+        "delta_ppl": [],
+        "delta_ppl_text": [],
+        "run": [],
+        "repeats": [],
+        "noise": [],
+        "ring": [],
+        "ring_width": [],
     }
     for lat in latencies:
         for suffix in ("", "_lo", "_hi", "_color", "_size"):
@@ -80,8 +92,14 @@ def front_line(records: Sequence[dict], latency: str) -> tuple[list[float], list
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def pareto_plot(records: Sequence[dict], *, latencies: Sequence[str] = ("ttft_p99_ms", "itl_p99_ms"),
-                width: int = 460, height: int = 360, title: str | None = None):
+def pareto_plot(
+    records: Sequence[dict],
+    *,
+    latencies: Sequence[str] = ("ttft_p99_ms", "itl_p99_ms"),
+    width: int = 460,
+    height: int = 360,
+    title: str | None = None,
+):
     """A Bokeh `row` of one figure per latency metric (see the module doc)."""
     from bokeh.layouts import column, row
     from bokeh.models import ColumnDataSource, Div, HoverTool, Whisker
@@ -91,35 +109,61 @@ def pareto_plot(records: Sequence[dict], *, latencies: Sequence[str] = ("ttft_p9
     figs = []
     for lat in latencies:
         name = LATENCY_NAMES.get(lat, lat)
-        p = figure(width=width, height=height, title=f"throughput vs {name}", x_axis_label="output tokens/s",
-                   y_axis_label=f"{name} (ms)", tools="pan,wheel_zoom,box_zoom,tap,reset,save",
-                   toolbar_location="above")
-        p.add_layout(Whisker(source=source, base=lat, lower="x_lo", upper="x_hi", dimension="width",
-                             line_color="#888888"))
-        p.add_layout(Whisker(source=source, base="x", lower=f"{lat}_lo", upper=f"{lat}_hi", dimension="height",
-                             line_color="#888888"))
+        p = figure(
+            width=width,
+            height=height,
+            title=f"throughput vs {name}",
+            x_axis_label="output tokens/s",
+            y_axis_label=f"{name} (ms)",
+            tools="pan,wheel_zoom,box_zoom,tap,reset,save",
+            toolbar_location="above",
+        )
+        p.add_layout(
+            Whisker(source=source, base=lat, lower="x_lo", upper="x_hi", dimension="width", line_color="#888888")
+        )
+        p.add_layout(
+            Whisker(
+                source=source, base="x", lower=f"{lat}_lo", upper=f"{lat}_hi", dimension="height", line_color="#888888"
+            )
+        )
         xs, ys = front_line(records, lat)
         if xs:
             p.line(xs, ys, line_color=FRONT, line_dash="dashed", line_width=2, legend_label="Pareto front")
-        dots = p.scatter("x", lat, source=source, size=f"{lat}_size", fill_color=f"{lat}_color",
-                         line_color="ring", line_width="ring_width", fill_alpha=0.85,
-                         selection_fill_color="#2ca02c", nonselection_fill_alpha=0.35)
-        p.add_tools(HoverTool(renderers=[dots], tooltips=[
-            ("point", "point @index: @label (@run)"),
-            ("output tok/s", "@x{0.0} (repeats: @x_lo{0.0} - @x_hi{0.0})"),
-            (name, f"@{{{lat}}}{{0.0}} ms (@{{{lat}_lo}}{{0.0}} - @{{{lat}_hi}}{{0.0}})"),
-            ("$ / M output tokens", "@cost{0.0000}"),
-            ("J / output token", "@joules{0.000}"),
-            ("delta ppl", "@delta_ppl_text"),
-            ("repeats", "@repeats"),
-            ("noise", "@noise"),
-        ]))
+        dots = p.scatter(
+            "x",
+            lat,
+            source=source,
+            size=f"{lat}_size",
+            fill_color=f"{lat}_color",
+            line_color="ring",
+            line_width="ring_width",
+            fill_alpha=0.85,
+            selection_fill_color="#2ca02c",
+            nonselection_fill_alpha=0.35,
+        )
+        p.add_tools(
+            HoverTool(
+                renderers=[dots],
+                tooltips=[
+                    ("point", "point @index: @label (@run)"),
+                    ("output tok/s", "@x{0.0} (repeats: @x_lo{0.0} - @x_hi{0.0})"),
+                    (name, f"@{{{lat}}}{{0.0}} ms (@{{{lat}_lo}}{{0.0}} - @{{{lat}_hi}}{{0.0}})"),
+                    ("$ / M output tokens", "@cost{0.0000}"),
+                    ("J / output token", "@joules{0.000}"),
+                    ("delta ppl", "@delta_ppl_text"),
+                    ("repeats", "@repeats"),
+                    ("noise", "@noise"),
+                ],
+            )
+        )
         if xs:
             p.legend.location = "top_left"
             p.legend.background_fill_alpha = 0.6
         figs.append(p)
-    note = Div(text=(title + " &mdash; " if title else "") + "red: Pareto front; orange ring: throughput spread "
-               "overlaps another point (a difference inside the noise); whiskers: min-max over repeats.")
+    note = Div(
+        text=(title + " &mdash; " if title else "") + "red: Pareto front; orange ring: throughput spread "
+        "overlaps another point (a difference inside the noise); whiskers: min-max over repeats."
+    )
     layout = column(note, row(*figs))
     layout.tags = ["workbench-sweep"]
     layout._workbench_source = source  # for show(): tapping a point picks it
@@ -159,12 +203,24 @@ def widget(records, engine=None):
         output_notebook(resources=bokeh_resources(), hide_banner=True)  # never a CDN
         bshow(layout)
         plot_widget = None
-    best = max(range(len(records)), key=lambda i: (bool(records[i].get("pareto")),
-                                                   records[i].get("output_tok_s") or 0), default=0)
-    picker = W.Dropdown(options=[(point_name(i, r), i) for i, r in enumerate(records)], value=best if records else None,
-                        description="point", layout=W.Layout(width="420px"))
-    button = W.Button(description="Apply to engine", button_style="primary", icon="check",
-                      disabled=engine is None or not records, tooltip="engine.configure(**point settings)")
+    best = max(
+        range(len(records)),
+        key=lambda i: (bool(records[i].get("pareto")), records[i].get("output_tok_s") or 0),
+        default=0,
+    )
+    picker = W.Dropdown(
+        options=[(point_name(i, r), i) for i, r in enumerate(records)],
+        value=best if records else None,
+        description="point",
+        layout=W.Layout(width="420px"),
+    )
+    button = W.Button(
+        description="Apply to engine",
+        button_style="primary",
+        icon="check",
+        disabled=engine is None or not records,
+        tooltip="engine.configure(**point settings)",
+    )
     status = W.HTML("" if engine is not None else "<i>no engine attached: pass engine=</i>")
 
     def apply(_=None):
@@ -179,6 +235,7 @@ def widget(records, engine=None):
     button.on_click(apply)
     source = getattr(layout, "_workbench_source", None)
     if source is not None and plot_widget is not None:
+
         def picked(attr, old, new):
             if new:
                 picker.value = int(new[0])

@@ -1,6 +1,5 @@
 """`SweepResult`: a sweep's records with tables, Pareto fronts, noise report, plots and `apply`."""
 
-
 import html
 from collections.abc import Sequence
 from typing import Any
@@ -14,8 +13,20 @@ class SweepResult(list):
     `apply`. Attributes: `engine`, `grid`, `workload` (definition), `run_id` (the run log's sweep
     row), `price_per_hour`, `watts`, `baseline_ppl`, `status`."""
 
-    def __init__(self, records=(), *, engine=None, grid=None, workload=None, run_id=None, price_per_hour=None,
-                 watts=None, baseline_ppl=None, status="completed", key=None):
+    def __init__(
+        self,
+        records=(),
+        *,
+        engine=None,
+        grid=None,
+        workload=None,
+        run_id=None,
+        price_per_hour=None,
+        watts=None,
+        baseline_ppl=None,
+        status="completed",
+        key=None,
+    ):
         super().__init__(records)
         self.engine, self.grid, self.workload, self.run_id = engine, grid, workload, run_id
         self.price_per_hour, self.watts, self.baseline_ppl = price_per_hour, watts, baseline_ppl
@@ -75,8 +86,10 @@ class SweepResult(list):
         lines = []
         for r in self:
             if r.get("noisy"):
-                lines.append(f"{r['label']}: throughput {r['output_tok_s_min']:.1f}-{r['output_tok_s_max']:.1f} tok/s "
-                             f"overlaps {', '.join(r['overlaps'])}")
+                lines.append(
+                    f"{r['label']}: throughput {r['output_tok_s_min']:.1f}-{r['output_tok_s_max']:.1f} tok/s "
+                    f"overlaps {', '.join(r['overlaps'])}"
+                )
         return "\n".join(lines) or "no overlapping spreads"
 
     def plot(self, **kwargs):
@@ -104,10 +117,17 @@ class SweepResult(list):
         cols = list(rows[0])
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         body = "".join(
-            "<tr" + (' style="font-weight:bold"' if r.get("pareto") else "") + ">"
-            + "".join(f"<td>{html.escape(_cell(r[c]))}</td>" for c in cols) + "</tr>" for r in rows)
-        return (f"<div><b>sweep</b> ({len(self)} points, {self.status}; bold: Pareto front; noisy: throughput spread "
-                f"overlaps another point)<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
+            "<tr"
+            + (' style="font-weight:bold"' if r.get("pareto") else "")
+            + ">"
+            + "".join(f"<td>{html.escape(_cell(r[c]))}</td>" for c in cols)
+            + "</tr>"
+            for r in rows
+        )
+        return (
+            f"<div><b>sweep</b> ({len(self)} points, {self.status}; bold: Pareto front; noisy: throughput spread "
+            f"overlaps another point)<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+        )
 
 
 class Rows(list):
@@ -118,8 +138,9 @@ class Rows(list):
             return "<i>no rows</i>"
         cols = list(dict.fromkeys(k for r in self for k in r))
         head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in cols) + "</tr>"
-                       for r in self)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in cols) + "</tr>" for r in self
+        )
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -142,7 +163,16 @@ def record_from_row(row: dict) -> dict | None:
     metrics = row.get("metrics") or {}
     if "point" not in extra or not metrics:
         return None
-    rec = {"index": extra.get("index"), "label": extra.get("label"), "point": extra["point"], **extra["point"],
-           **metrics, "settings": row.get("settings"), "run_id": row["id"], "key": row.get("key"),
-           "configure_s": extra.get("configure_s"), "resumed": True}
+    rec = {
+        "index": extra.get("index"),
+        "label": extra.get("label"),
+        "point": extra["point"],
+        **extra["point"],
+        **metrics,
+        "settings": row.get("settings"),
+        "run_id": row["id"],
+        "key": row.get("key"),
+        "configure_s": extra.get("configure_s"),
+        "resumed": True,
+    }
     return rec

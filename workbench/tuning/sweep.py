@@ -32,7 +32,6 @@ grid, repeats, base settings) are taken from the run log, not rerun; `resume=Fal
 everything again.
 """
 
-
 import contextlib
 import json
 import sys
@@ -84,14 +83,27 @@ def _make_progress(progress, total: int):
         return _TextProgress("sweep", total)
 
 
-
 # ----------------------------------------------------------------------------- the sweep
-def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int = 1, warmup: int = 2,
-          resume: bool | Sequence[dict] = True, price_per_hour: float | None = None, watts: float | None = None,
-          max_tokens: int = DEFAULT_MAX_TOKENS, ppl_tokens: int = 256, reset_prefix_cache: bool = True,
-          progress=True, record: bool = True, run_log: str | RunLog | None = None,
-          on_point: Callable[[dict], Any] | None = None, cancel: threading.Event | None = None,
-          simulate_first: bool | Any = False) -> SweepResult:
+def sweep(
+    engine,
+    grid: dict[str, Sequence[Any]],
+    workload=None,
+    *,
+    repeats: int = 1,
+    warmup: int = 2,
+    resume: bool | Sequence[dict] = True,
+    price_per_hour: float | None = None,
+    watts: float | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    ppl_tokens: int = 256,
+    reset_prefix_cache: bool = True,
+    progress=True,
+    record: bool = True,
+    run_log: str | RunLog | None = None,
+    on_point: Callable[[dict], Any] | None = None,
+    cancel: threading.Event | None = None,
+    simulate_first: bool | Any = False,
+) -> SweepResult:
     """Measure `workload` at every point of `grid` on the running `engine`; one record per point.
 
     repeats: measured runs per point (spread and noise flags need >= 2). warmup: short warm-up
@@ -123,9 +135,15 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
     grid_keys = list(points[0])
     grid_values = {k: list(dict.fromkeys(p[k] for p in points)) for k in grid_keys}
     base = {k: v for k, v in original.items() if k not in grid_keys}
-    identity = {"model": status.get("model"), "weights_checksum": status.get("weights_checksum"), "device": device,
-                "workload": wdef["fingerprint"], "repeats": repeats, "warmup": warmup,
-                "reset_prefix_cache": reset_prefix_cache}
+    identity = {
+        "model": status.get("model"),
+        "weights_checksum": status.get("weights_checksum"),
+        "device": device,
+        "workload": wdef["fingerprint"],
+        "repeats": repeats,
+        "warmup": warmup,
+        "reset_prefix_cache": reset_prefix_cache,
+    }
     sweep_key = stable_hash({**identity, "base": base, "grid": points})
     if record and (run_log is not None or recording_enabled()):
         log = run_log if isinstance(run_log, RunLog) else RunLog(run_log)
@@ -154,10 +172,17 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
             parent_id = None
     if parent_id is None:
         parent_id = safe_start(
-            log, "sweep", label="sweep " + " x ".join(f"{k}[{len(v)}]" for k, v in grid_values.items()),
-            key=sweep_key, model=status.get("model"), weights_checksum=status.get("weights_checksum"), device=device,
-            settings=original, workload=wdef,
-            extra={"grid": grid_values, "repeats": repeats, "warmup": warmup, **prices})
+            log,
+            "sweep",
+            label="sweep " + " x ".join(f"{k}[{len(v)}]" for k, v in grid_values.items()),
+            key=sweep_key,
+            model=status.get("model"),
+            weights_checksum=status.get("weights_checksum"),
+            device=device,
+            settings=original,
+            workload=wdef,
+            extra={"grid": grid_values, "repeats": repeats, "warmup": warmup, **prices},
+        )
 
     todo = []
     for p in points:
@@ -167,12 +192,18 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
     skip = _off_the_predicted_front(predicted, len(todo))
     measure = [t for i, t in enumerate(todo) if t[1] not in reuse and i not in skip]
     if skip:
-        print(f"sweep: simulated all {len(todo)} points; measuring the {len(measure)} on the predicted front "
-              "(and any the simulator cannot model)", file=sys.stderr)
+        print(
+            f"sweep: simulated all {len(todo)} points; measuring the {len(measure)} on the predicted front "
+            "(and any the simulator cannot model)",
+            file=sys.stderr,
+        )
     if reuse and len(measure) < len(todo) - len(skip):
-        print(f"sweep: {len(todo) - len(measure)} of {len(todo)} points already measured"
-              + (f" (run log sweep #{parent_id})" if parent_id else "") + "; resuming (resume=False measures again)",
-              file=sys.stderr)
+        print(
+            f"sweep: {len(todo) - len(measure)} of {len(todo)} points already measured"
+            + (f" (run log sweep #{parent_id})" if parent_id else "")
+            + "; resuming (resume=False measures again)",
+            file=sys.stderr,
+        )
 
     ppl_ids: list[int] = []
     if ppl_tokens and any(is_quantised({**original, **p}) for p, _ in measure):
@@ -181,13 +212,20 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
             if len(ppl_ids) >= ppl_tokens:
                 break
         limit = int(status.get("max_model_len") or ppl_tokens)
-        ppl_ids = ppl_ids[:min(ppl_tokens, limit)]
+        ppl_ids = ppl_ids[: min(ppl_tokens, limit)]
 
     bar = _make_progress(progress, len(measure) * repeats * len(w))
     records: list[dict] = []
-    result = SweepResult(engine=engine, grid=grid_values,
-                         workload=wdef, run_id=parent_id, price_per_hour=prices["price_per_hour"],
-                         watts=prices["watts"], status="running", key=sweep_key)
+    result = SweepResult(
+        engine=engine,
+        grid=grid_values,
+        workload=wdef,
+        run_id=parent_id,
+        price_per_hour=prices["price_per_hour"],
+        watts=prices["watts"],
+        status="running",
+        key=sweep_key,
+    )
     touched: set[str] = set()
     outcome, error = "completed", None
     child_id = None
@@ -216,42 +254,94 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
             if mismatch:
                 raise RuntimeError(f"the engine did not take the settings {mismatch} (asked, got)")
             where = {} if replica is None else {"replica": replica}
-            point_id = safe_start(log, "sweep_point", parent_id=parent_id, label=label, key=key,
-                                  model=status.get("model"), weights_checksum=status.get("weights_checksum"),
-                                  device=device, settings=settings_now, workload=wdef, facts=False,
-                                  extra={"point": p, "label": label, "index": index, **where})
+            point_id = safe_start(
+                log,
+                "sweep_point",
+                parent_id=parent_id,
+                label=label,
+                key=key,
+                model=status.get("model"),
+                weights_checksum=status.get("weights_checksum"),
+                device=device,
+                settings=settings_now,
+                workload=wdef,
+                facts=False,
+                extra={"point": p, "label": label, "index": index, **where},
+            )
             if replica is None:
                 child_id = point_id  # finished as interrupted or failed if the sweep stops in this point
             try:
                 if warmup:
-                    warm = [BenchRequest(r.index, r.prompt_token_ids, min(r.max_tokens, 8), 0.0)
-                            for r in w.requests[:warmup]]
+                    warm = [
+                        BenchRequest(r.index, r.prompt_token_ids, min(r.max_tokens, 8), 0.0)
+                        for r in w.requests[:warmup]
+                    ]
                     target.run(warm)
-                runs = [measure_run(target, w, progress=bar, reset_prefix_cache=reset_prefix_cache, **prices)
-                        for _ in range(repeats)]
+                runs = [
+                    measure_run(target, w, progress=bar, reset_prefix_cache=reset_prefix_cache, **prices)
+                    for _ in range(repeats)
+                ]
                 agg = aggregate(runs)
                 ppl = None
                 if ppl_ids and is_quantised(settings_now):
-                    qkey = json.dumps([settings_now.get(k) for k in ("quantization", "quant_group_size",
-                                                                     "kv_cache_dtype")])
+                    qkey = json.dumps(
+                        [settings_now.get(k) for k in ("quantization", "quant_group_size", "kv_cache_dtype")]
+                    )
                     if qkey not in ppl_cache:  # the same weights give the same perplexity at every other setting
                         ppl_cache[qkey] = perplexity(target, ppl_ids)
                     ppl = ppl_cache[qkey]
             except BaseException as e:
                 if replica is not None:
-                    safe_finish(log, point_id, "failed" if not isinstance(e, KeyboardInterrupt) else "interrupted",
-                                error=f"{type(e).__name__}: {e}")
+                    safe_finish(
+                        log,
+                        point_id,
+                        "failed" if not isinstance(e, KeyboardInterrupt) else "interrupted",
+                        error=f"{type(e).__name__}: {e}",
+                    )
                 raise
             agg["ppl"] = ppl
             base_ppl = result.baseline_ppl
             agg["delta_ppl"] = ppl - base_ppl if ppl is not None and base_ppl is not None else None
             agg["repeats"] = repeats
-            rec = {"index": index, "label": label, "point": p, **p, **agg, "runs": runs, "settings": settings_now,
-                   "run_id": point_id, "key": key, "configure_s": configure_s, "resumed": False, "source": "measured",
-                   "predicted": predicted.get(index), **where}
-            safe_finish(log, point_id, "completed", metrics={k: v for k, v in rec.items() if k not in (
-                "index", "label", "point", "settings", "run_id", "key", "configure_s", "resumed", "replica", *p)},
-                extra={"point": p, "label": label, "index": index, "configure_s": configure_s, **where})
+            rec = {
+                "index": index,
+                "label": label,
+                "point": p,
+                **p,
+                **agg,
+                "runs": runs,
+                "settings": settings_now,
+                "run_id": point_id,
+                "key": key,
+                "configure_s": configure_s,
+                "resumed": False,
+                "source": "measured",
+                "predicted": predicted.get(index),
+                **where,
+            }
+            safe_finish(
+                log,
+                point_id,
+                "completed",
+                metrics={
+                    k: v
+                    for k, v in rec.items()
+                    if k
+                    not in (
+                        "index",
+                        "label",
+                        "point",
+                        "settings",
+                        "run_id",
+                        "key",
+                        "configure_s",
+                        "resumed",
+                        "replica",
+                        *p,
+                    )
+                },
+                extra={"point": p, "label": label, "index": index, "configure_s": configure_s, **where},
+            )
             if replica is None:
                 child_id = None
             return rec
@@ -263,8 +353,17 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
         for index, (p, key) in enumerate(todo):
             label = point_label(p)
             if index in skip:
-                rec = {"index": index, "label": label, "point": p, **p, **predicted[index], "source": "simulated",
-                       "predicted": predicted[index], "key": key, "resumed": False}
+                rec = {
+                    "index": index,
+                    "label": label,
+                    "point": p,
+                    **p,
+                    **predicted[index],
+                    "source": "simulated",
+                    "predicted": predicted[index],
+                    "key": key,
+                    "resumed": False,
+                }
             elif key in reuse:
                 rec = dict(reuse[key], index=index, label=label)
             elif fanned:
@@ -299,23 +398,44 @@ def sweep(engine, grid: dict[str, Sequence[Any]], workload=None, *, repeats: int
         if records:
             annotate(result)
         best = max((r for r in result if r.get("pareto")), key=lambda r: r.get("output_tok_s") or 0, default=None)
-        safe_finish(log, parent_id, outcome, error=error, metrics={
-            "points": len(todo), "completed_points": len(result),
-            "measured_now": sum(not r.get("resumed") for r in result),
-            "best": None if best is None else {k: best.get(k) for k in ("label", "output_tok_s", "ttft_p99_ms",
-                                                                        "itl_p99_ms", "cost_per_mtok",
-                                                                        "joules_per_token")},
-            "pareto": [r["label"] for r in result if r.get("pareto")],
-            "noisy": [r["label"] for r in result if r.get("noisy")],
-            "baseline_ppl": result.baseline_ppl, **prices})
+        safe_finish(
+            log,
+            parent_id,
+            outcome,
+            error=error,
+            metrics={
+                "points": len(todo),
+                "completed_points": len(result),
+                "measured_now": sum(not r.get("resumed") for r in result),
+                "best": None
+                if best is None
+                else {
+                    k: best.get(k)
+                    for k in ("label", "output_tok_s", "ttft_p99_ms", "itl_p99_ms", "cost_per_mtok", "joules_per_token")
+                },
+                "pareto": [r["label"] for r in result if r.get("pareto")],
+                "noisy": [r["label"] for r in result if r.get("noisy")],
+                "baseline_ppl": result.baseline_ppl,
+                **prices,
+            },
+        )
         _LAST[0] = result
     return result
 
 
 # Settings the simulator models (the scheduler's); a point changing any other is always measured.
 SIMULATED_SETTINGS = frozenset({"batching", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "prefix_caching"})
-PREDICTED_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cost_per_mtok",
-                  "joules_per_token", "kv_usage_peak", "preemptions")
+PREDICTED_KEYS = (
+    "output_tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "cost_per_mtok",
+    "joules_per_token",
+    "kv_usage_peak",
+    "preemptions",
+)
 
 
 def _fan_out(cluster, pending: list[tuple[int, dict, str]], measure_point, cancel, touched: set) -> dict[int, dict]:
@@ -440,8 +560,9 @@ def _restore(eng: SweepTarget, settings: dict) -> None:
             if attempt == 2:
                 raise
         except Exception as e:
-            warnings.warn(f"sweep: could not restore the engine's settings {settings}: {e}", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"sweep: could not restore the engine's settings {settings}: {e}", RuntimeWarning, stacklevel=3
+            )
             return
 
 

@@ -1,6 +1,5 @@
 """The workload a sweep runs: the bench's seeded workloads, or the user's prompts, as token ids."""
 
-
 from typing import Any
 
 from ..bench.workload import BenchRequest, Workload, make_workload
@@ -24,8 +23,9 @@ def _local_tokenizer(engine, status: dict):
     return None
 
 
-def make_sweep_workload(engine, workload=None, *, max_tokens: int = DEFAULT_MAX_TOKENS, status: dict | None = None
-                        ) -> Workload:
+def make_sweep_workload(
+    engine, workload=None, *, max_tokens: int = DEFAULT_MAX_TOKENS, status: dict | None = None
+) -> Workload:
     """The workload a sweep runs, as token ids (the bench `Workload`):
 
     - None, an int (number of requests) or a dict of `make_workload` arguments: a bench workload
@@ -45,8 +45,10 @@ def make_sweep_workload(engine, workload=None, *, max_tokens: int = DEFAULT_MAX_
         elif isinstance(workload, dict):
             unknown = set(workload) - {"num_requests", "seed", "prompt_len", "output_len", "arrival", "rate"}
             if unknown:
-                raise ValueError(f"unknown workload option(s) {sorted(unknown)}; allowed: num_requests, seed, "
-                                 "prompt_len, output_len, arrival, rate")
+                raise ValueError(
+                    f"unknown workload option(s) {sorted(unknown)}; allowed: num_requests, seed, "
+                    "prompt_len, output_len, arrival, rate"
+                )
             kw.update(workload)
         kw["prompt_len"], kw["output_len"] = tuple(kw["prompt_len"]), tuple(kw["output_len"])
         tok = _local_tokenizer(engine, status)
@@ -70,12 +72,19 @@ def make_sweep_workload(engine, workload=None, *, max_tokens: int = DEFAULT_MAX_
             it = iter(encoded)
             ids = [next(it) if x is None else x for x in ids]
         reqs = [BenchRequest(i, x, max_tokens, 0.0) for i, x in enumerate(ids)]
-        w = Workload(reqs, seed=0, source="prompts", prompt_len_range=(min(map(len, ids)), max(map(len, ids))),
-                     output_len_range=(max_tokens, max_tokens))
+        w = Workload(
+            reqs,
+            seed=0,
+            source="prompts",
+            prompt_len_range=(min(map(len, ids)), max(map(len, ids))),
+            output_len_range=(max_tokens, max_tokens),
+        )
         w.extra["prompts"] = [p if isinstance(p, str) else None for p in workload]
         return w
-    raise TypeError("workload must be None, an int, a dict of make_workload options, a bench Workload or a "
-                    f"list of prompts; got {type(workload).__name__}")
+    raise TypeError(
+        "workload must be None, an int, a dict of make_workload options, a bench Workload or a "
+        f"list of prompts; got {type(workload).__name__}"
+    )
 
 
 def _tokenize(engine, status: dict, texts: list[str]) -> list[list[int]]:
