@@ -582,6 +582,100 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, 0x88), _mm512_shuffle_f32x4(c01, c23, 0xDD));
 }
 
+// The dot products of one query with 16 key rows (nt of them real), as one vector. Called with a
+// constant DW, the 16 partial sums stay in registers (see pv_head).
+static inline __attribute__((always_inline)) __m512 qk16(const __m512bh *qb, const bf16 *k_cache,
+                                                         const int64_t *rows, int nt, const __mmask32 *dmask,
+                                                         const int64_t DW) {
+    __m512 dots[16];
+    for (int i = 0; i < 16; i++) {
+        dots[i] = _mm512_setzero_ps();
+        if (i >= nt) continue;
+        const bf16 *kr = k_cache + rows[i];
+        for (int64_t c = 0; c < DW; c++)
+            dots[i] = _mm512_dpbf16_ps(dots[i], (__m512bh)_mm512_maskz_loadu_epi16(dmask[c], kr + c * 32), qb[c]);
+    }
+    return sum16(dots);
+}
+
+// acc += sum_t p[t] v_t over a chunk for one query head, keys in pairs (an odd last key pairs
+// with itself at p = 0): each vdpbf16ps takes two keys. Called with a constant DW, the accumulators
+// stay in registers; indexed by runtime head and width they lived on the stack, and every update
+// waited for its store to forward (slow for Zen 4's split 512-bit stores).
+static inline __attribute__((always_inline)) void pv_head(__m512 *acc_lo, __m512 *acc_hi, const float *p,
+                                                          const bf16 *v_cache, const int64_t *rows, int64_t cn,
+                                                          const __mmask32 *dmask, const int64_t DW, int prefetch,
+                                                          int64_t D) {
+    __m512 lo_acc[MAX_D / 32], hi_acc[MAX_D / 32];
+    for (int64_t c = 0; c < DW; c++) {
+        lo_acc[c] = acc_lo[c];
+        hi_acc[c] = acc_hi[c];
+    }
+    for (int64_t t = 0; t < cn; t += 2) {
+        const bf16 *r0 = v_cache + rows[t], *r1 = t + 1 < cn ? v_cache + rows[t + 1] : r0;
+        if (prefetch)
+            for (int64_t a = t + KV_AHEAD; a < t + KV_AHEAD + 2 && a < cn; a++) prefetch_row(v_cache + rows[a], D);
+        // the probabilities are bf16 values already: their top 16 bits are the bf16
+        union {
+            float f;
+            uint32_t u;
+        } p0 = {p[t]}, p1 = {t + 1 < cn ? p[t + 1] : 0.f};
+        __m512bh pp = (__m512bh)_mm512_set1_epi32((int)((p0.u >> 16) | (p1.u & 0xffff0000u)));
+        for (int64_t c = 0; c < DW; c++) {
+            __m512i a = _mm512_maskz_loadu_epi16(dmask[c], r0 + c * 32);
+            __m512i b = _mm512_maskz_loadu_epi16(dmask[c], r1 + c * 32);
+            lo_acc[c] = _mm512_dpbf16_ps(lo_acc[c], (__m512bh)_mm512_unpacklo_epi16(a, b), pp);
+            hi_acc[c] = _mm512_dpbf16_ps(hi_acc[c], (__m512bh)_mm512_unpackhi_epi16(a, b), pp);
+        }
+    }
+    for (int64_t c = 0; c < DW; c++) {
+        acc_lo[c] = lo_acc[c];
+        acc_hi[c] = hi_acc[c];
+    }
+}
+
+// pv_head for every head of the group at once (G * DW <= 8: 16 accumulators at most): each pair
+// of value rows is loaded and interleaved once for all of them.
+static inline __attribute__((always_inline)) void pv_heads(__m512 acc_lo[][MAX_D / 32], __m512 acc_hi[][MAX_D / 32],
+                                                           float scores[][KV_CHUNK], const bf16 *v_cache,
+                                                           const int64_t *rows, int64_t cn, const __mmask32 *dmask,
+                                                           const int64_t G, const int64_t DW, int64_t D) {
+    __m512 lo_acc[8], hi_acc[8];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < DW; c++) {
+            lo_acc[g * DW + c] = acc_lo[g][c];
+            hi_acc[g * DW + c] = acc_hi[g][c];
+        }
+    for (int64_t t = 0; t < cn; t += 2) {
+        const bf16 *r0 = v_cache + rows[t], *r1 = t + 1 < cn ? v_cache + rows[t + 1] : r0;
+        for (int64_t a = t + KV_AHEAD; a < t + KV_AHEAD + 2 && a < cn; a++) prefetch_row(v_cache + rows[a], D);
+        __m512i lo[4], hi[4];
+        for (int64_t c = 0; c < DW; c++) {
+            __m512i a = _mm512_maskz_loadu_epi16(dmask[c], r0 + c * 32);
+            __m512i b = _mm512_maskz_loadu_epi16(dmask[c], r1 + c * 32);
+            lo[c] = _mm512_unpacklo_epi16(a, b);
+            hi[c] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            // the probabilities are bf16 values already: their top 16 bits are the bf16
+            union {
+                float f;
+                uint32_t u;
+            } p0 = {scores[g][t]}, p1 = {t + 1 < cn ? scores[g][t + 1] : 0.f};
+            __m512bh pp = (__m512bh)_mm512_set1_epi32((int)((p0.u >> 16) | (p1.u & 0xffff0000u)));
+            for (int64_t c = 0; c < DW; c++) {
+                lo_acc[g * DW + c] = _mm512_dpbf16_ps(lo_acc[g * DW + c], (__m512bh)lo[c], pp);
+                hi_acc[g * DW + c] = _mm512_dpbf16_ps(hi_acc[g * DW + c], (__m512bh)hi[c], pp);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < DW; c++) {
+            acc_lo[g][c] = lo_acc[g * DW + c];
+            acc_hi[g][c] = hi_acc[g * DW + c];
+        }
+}
+
 static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *tables,
                         const int32_t *lens, bf16 *out, int64_t b, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
                         int64_t bs, int64_t W, float scale) {
@@ -618,17 +712,11 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             int nt = cn - t0 < 16 ? (int)(cn - t0) : 16;
             for (int64_t a = t0 + KV_AHEAD; a < t0 + KV_AHEAD + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
             for (int64_t g = 0; g < G; g++) {
-                __m512 dots[16];
-                for (int i = 0; i < 16; i++) {
-                    dots[i] = _mm512_setzero_ps();
-                    if (i >= nt) continue;
-                    const bf16 *kr = k_cache + rows[t0 + i];
-                    for (int64_t c = 0; c < DW; c++)
-                        dots[i] = _mm512_dpbf16_ps(dots[i], (__m512bh)_mm512_maskz_loadu_epi16(dmask[c], kr + c * 32),
-                                                   qb[g][c]);
-                }
+                __m512 dots = DW == 2   ? qk16(qb[g], k_cache, rows + t0, nt, dmask, 2)
+                              : DW == 4 ? qk16(qb[g], k_cache, rows + t0, nt, dmask, 4)
+                                        : qk16(qb[g], k_cache, rows + t0, nt, dmask, DW);
                 _mm512_mask_storeu_ps(scores[g] + t0, (__mmask16)((1u << nt) - 1),
-                                      _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));
+                                      _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
             }
         }
         for (int64_t a = 0; a < KV_AHEAD && a < cn; a++) prefetch_row(v_cache + rows[a], D);  // fetched during the softmax
@@ -639,24 +727,30 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                 acc_hi[g][c] = _mm512_mul_ps(acc_hi[g][c], corr);
             }
         }
-        // acc_g += sum_t p[g][t] v_t, keys in pairs (an odd last key pairs with itself at p = 0)
-        for (int64_t t = 0; t < cn; t += 2) {
-            const bf16 *r0 = v_cache + rows[t], *r1 = t + 1 < cn ? v_cache + rows[t + 1] : r0;
-            for (int64_t a = t + KV_AHEAD; a < t + KV_AHEAD + 2 && a < cn; a++) prefetch_row(v_cache + rows[a], D);
-            __m512i lo[MAX_D / 32], hi[MAX_D / 32];
-            for (int64_t c = 0; c < DW; c++) {
-                __m512i a = _mm512_maskz_loadu_epi16(dmask[c], r0 + c * 32), b2 = _mm512_maskz_loadu_epi16(dmask[c], r1 + c * 32);
-                lo[c] = _mm512_unpacklo_epi16(a, b2);
-                hi[c] = _mm512_unpackhi_epi16(a, b2);
-            }
+        // acc_g += sum_t p[g][t] v_t: every head of the group at once where their accumulators fit
+        // in registers (each value row loaded and interleaved once), else one head at a time (the
+        // value rows from the caches after the first head's pass, which prefetches them)
+        if (G * DW <= 8) {
+            if (G == 3 && DW == 2)
+                pv_heads(acc_lo, acc_hi, scores, v_cache, rows, cn, dmask, 3, 2, D);
+            else if (G == 4 && DW == 2)
+                pv_heads(acc_lo, acc_hi, scores, v_cache, rows, cn, dmask, 4, 2, D);
+            else if (G == 2 && DW == 4)
+                pv_heads(acc_lo, acc_hi, scores, v_cache, rows, cn, dmask, 2, 4, D);
+            else if (G == 1 && DW == 4)
+                pv_heads(acc_lo, acc_hi, scores, v_cache, rows, cn, dmask, 1, 4, D);
+            else if (G == 2 && DW == 2)
+                pv_heads(acc_lo, acc_hi, scores, v_cache, rows, cn, dmask, 2, 2, D);
+            else
+                pv_heads(acc_lo, acc_hi, scores, v_cache, rows, cn, dmask, G, DW, D);
+        } else {
             for (int64_t g = 0; g < G; g++) {
-                // the probabilities are bf16 values already: their top 16 bits are the bf16
-                union { float f; uint32_t u; } p0 = {scores[g][t]}, p1 = {t + 1 < cn ? scores[g][t + 1] : 0.f};
-                __m512bh pp = (__m512bh)_mm512_set1_epi32((int)((p0.u >> 16) | (p1.u & 0xffff0000u)));
-                for (int64_t c = 0; c < DW; c++) {
-                    acc_lo[g][c] = _mm512_dpbf16_ps(acc_lo[g][c], (__m512bh)lo[c], pp);
-                    acc_hi[g][c] = _mm512_dpbf16_ps(acc_hi[g][c], (__m512bh)hi[c], pp);
-                }
+                if (DW == 2)
+                    pv_head(acc_lo[g], acc_hi[g], scores[g], v_cache, rows, cn, dmask, 2, g == 0, D);
+                else if (DW == 4)
+                    pv_head(acc_lo[g], acc_hi[g], scores[g], v_cache, rows, cn, dmask, 4, g == 0, D);
+                else
+                    pv_head(acc_lo[g], acc_hi[g], scores[g], v_cache, rows, cn, dmask, DW, g == 0, D);
             }
         }
     }
