@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from . import hostmem
+
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_kernels.c", HERE / "cpu_vec.h")
 COMMON_FLAGS = ["-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-Wall", "-Werror"]
@@ -772,7 +774,8 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     groups = (n + TILE_OUTPUTS - 1) // TILE_OUTPUTS
     padded = torch.zeros(groups * TILE_OUTPUTS, k, dtype=torch.bfloat16)
     padded[:n] = weight
-    return padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+    packed = hostmem.ARENA.empty((groups, k // 2, 4, 16, 2), torch.bfloat16)  # streamed like the weights
+    return packed.copy_(padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4))
 
 
 class Tiles:

@@ -29,7 +29,7 @@ from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
 from . import live_settings, sampler
-from .attention import KVCache
+from .attention import KVCache, on_device
 from .hostload import HostSampler
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -62,7 +62,7 @@ class LLMEngine:
                 c.num_hidden_layers, s.block_size, c.num_key_value_heads, c.head_dim, self.dtype, s.kv_cache_dtype
             ),
         )
-        weights = {k: v.to(self.device) for k, v in loaded.weights.items()}
+        weights = on_device(loaded.weights, self.device)
         self.runner = ModelRunner(
             c,
             weights,
@@ -253,7 +253,7 @@ class LLMEngine:
             loaded = load_model(draft_model, dtype=self.dtype)
             check_same_vocabulary(self.model_config, self.tokenizer, loaded.config, loaded.tokenizer, draft_model)
             config, source = loaded.config, str(draft_model)
-            weights = {k: v.to(self.device) for k, v in loaded.weights.items()}
+            weights = on_device(loaded.weights, self.device)
         runner = ModelRunner(
             config,
             weights,
