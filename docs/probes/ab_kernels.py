@@ -4,7 +4,8 @@ moves by a third within a minute, so separate runs cannot be compared).
     python docs/probes/ab_kernels.py gemv avx2 old=/tmp/old/cpu_kernels.c new=kernels/cpu_kernels.c
     python docs/probes/ab_kernels.py attention avx512_bf16 old=... new=...
 
-gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1), GB/s of weights.
+gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1), GB/s of weights;
+GEMV=ymm for the ymm-register GEMVs, HUGE=1 for weights in 2 MiB pages (both as the engine on Zen 4).
 attention: paged decode attention, 64 sequences x 300 tokens (env B, L), 9 query / 3 KV heads of
 64, over 30 layers' caches (env LAYERS; 30 read from DRAM, as in a wide decode step; 1 stays in
 the caches), ms per layer call. Each version is
@@ -41,6 +42,13 @@ if what == "gemv":
     M = int(os.environ.get("M", "1"))
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
     ws = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes]
+    if os.environ.get("HUGE") == "1":  # the weights in 2 MiB pages, as the engine holds them
+        from workbench_kernels import hostmem
+
+        ws = [hostmem.ARENA.copy(w) for w in ws]
+    if os.environ.get("GEMV") == "ymm":  # bf16 GEMVs in ymm registers (what gemv_width picks on Zen 4)
+        for lib in libs.values():
+            lib.wb_set_gemv_ymm(ctypes.c_int64(1))
     xs = {k: torch.randn(M, k, generator=g).bfloat16() for _, k in shapes}
     ys = [torch.empty(M, n, dtype=torch.bfloat16) for n, _ in shapes]
     fns = {}
