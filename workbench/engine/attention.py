@@ -21,14 +21,6 @@ from ..models.cpu_forward import CpuKernelForward, TokenQueries
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
-def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A model's weights where it runs; on a CPU, in huge pages (`hostmem`: the GEMVs stream them
-    faster than from 4 KiB pages)."""
-    if torch.device(device).type == "cpu":
-        return {k: hostmem.ARENA.copy(v.to(device)) for k, v in weights.items()}
-    return {k: v.to(device) for k, v in weights.items()}
-
-
 class KVCache:
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype, device):
         store = KV_DTYPES.get(kv_cache_dtype, dtype)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from workbench_kernels import hostmem
 
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
@@ -29,13 +30,22 @@ from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
 from . import live_settings, sampler
-from .attention import KVCache, on_device
+from .attention import KVCache
 from .hostload import HostSampler
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabulary
+
+
+def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A model's weights where it runs; on a CPU, in huge pages (`hostmem`: the GEMVs stream them
+    faster than from 4 KiB pages)."""
+    if torch.device(device).type == "cpu":
+        return {k: hostmem.ARENA.copy(v.to(device)) for k, v in weights.items()}
+    return {k: v.to(device) for k, v in weights.items()}
+
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
