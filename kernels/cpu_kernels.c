@@ -140,7 +140,10 @@ static float *to_f32(const bf16 *x, int64_t n) {
 // is bf16 here. The register width is the host's, chosen by measurement (cpu.gemv_width): a core
 // whose AVX-512 units are 256 bits wide (Zen 4) streams the weights faster in ymm registers, with
 // half the prefetch distance: SmolLM2's 121 GEMVs of a token at 21.6-21.8 GB/s in zmm, 25.9-31.2
-// in ymm on a 2-vCPU Zen 4 guest (zmm with the shorter distance: 23.2).
+// in ymm on a 2-vCPU Zen 4 guest (zmm with the shorter distance: 23.2). There a single row (a lone
+// decode) streams faster on the hardware prefetchers alone: weights in 2 MiB pages, eight
+// interleaved pairs of runs, 25.3-43.2 -> 27.2-49.7 GB/s, faster in every pair; with 4 rows it was
+// a wash (19.7-26.9 against 22.7-25.8) and with 8 the prefetch won (11.5-12.5 against 9.4-10.7).
 static int gemv_ymm = 0;
 void wb_set_gemv_ymm(int64_t on) { gemv_ymm = on != 0; }
 int64_t wb_gemv_ymm(void) { return gemv_ymm; }
@@ -153,7 +156,7 @@ static inline float hsum256(__m256 t) {
 }
 
 static inline void gemv_bf16_row_ymm(const bf16 *x, const bf16 *wr, const bf16 *bias, bf16 *y, int64_t N,
-                                     int64_t K, int64_t m0, int64_t n, const int M) {
+                                     int64_t K, int64_t m0, int64_t n, const int M, int prefetch) {
     const int U = row_accs(M);
     __m256 acc[MAX_M][ROW_ACCS];
     for (int m = 0; m < M; m++)
@@ -161,7 +164,7 @@ static inline void gemv_bf16_row_ymm(const bf16 *x, const bf16 *wr, const bf16 *
     int64_t k = 0;
     for (; k + 16 * U <= K; k += 16 * U) {
         for (int u = 0; u < U; u++) {
-            if (!(u & 1)) PREFETCH(wr + BF16_AHEAD_YMM + k + 16 * u);  // a cache line per 32 values
+            if (prefetch && !(u & 1)) PREFETCH(wr + BF16_AHEAD_YMM + k + 16 * u);  // a line per 32 values
             __m256bh wv = (__m256bh)_mm256_loadu_si256((const __m256i *)(wr + k + 16 * u));
             for (int m = 0; m < M; m++)
                 acc[m][u] = _mm256_dpbf16_ps(acc[m][u], wv,
@@ -204,11 +207,12 @@ static inline void gemv_bf16_row_zmm(const bf16 *x, const bf16 *wr, const bf16 *
     row_acc_store(acc, M, U, y, N, m0, n, bias);
 }
 
+// `rows`: the call's activation rows (M: this group's, at most MAX_M)
 static inline void gemv_bf16_block(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *y, int64_t N,
-                                   int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
+                                   int64_t K, int64_t rows, int64_t m0, int64_t n0, int nr, const int M) {
     for (int r = 0; r < nr; r++) {
         if (gemv_ymm)
-            gemv_bf16_row_ymm(x, w + (n0 + r) * K, bias, y, N, K, m0, n0 + r, M);
+            gemv_bf16_row_ymm(x, w + (n0 + r) * K, bias, y, N, K, m0, n0 + r, M, rows > 1);
         else
             gemv_bf16_row_zmm(x, w + (n0 + r) * K, bias, y, N, K, m0, n0 + r, M);
     }
@@ -252,7 +256,7 @@ void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bia
                   int64_t K, int64_t group) {
     (void)aux, (void)group;
 #if WB_BF16_DOT
-    ROW_BLOCKS(PARALLEL, gemv_bf16_block, x, w, bias, y, N, K);
+    ROW_BLOCKS(PARALLEL, gemv_bf16_block, x, w, bias, y, N, K, M);
 #else
     float *xf = to_f32(x, M * K);
     ROW_BLOCKS(PARALLEL, gemv_bf16_block, xf, w, bias, y, N, K);
@@ -930,6 +934,49 @@ static inline uint32_t bf_pair(bf16 a, bf16 b) { return (uint32_t)a | ((uint32_t
 #define BCAST_PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t *)(p)))
 #endif
 
+#if WB_BF16_DOT
+// The G (<= EXT_SHARED_G) query heads of one KV head together: each key (value) pair is broadcast
+// once for all of them instead of once per head, the broadcasts being what the loops waited on.
+// G is a constant in each inlined copy, so the G x 8 accumulators stay in registers.
+#define EXT_SHARED_G 3
+
+// scores of 8 keys for G heads: s[g][i] = q_g . k_i (lanes: the tile's queries)
+static inline __attribute__((always_inline)) void ext_qk8(const int G, const uint32_t *qt, const bf16 *const *kr,
+                                                          int64_t D, __m512 s[][8]) {
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 8; i++) s[g][i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        __m512bh qv[EXT_SHARED_G];
+        for (int g = 0; g < G; g++) qv[g] = (__m512bh)_mm512_load_si512(qt + (g * D / 2 + p) * 16);
+        for (int i = 0; i < 8; i++) {
+            __m512bh kb = BCAST_PAIR(kr[i] + 2 * p);
+            for (int g = 0; g < G; g++) s[g][i] = _mm512_dpbf16_ps(s[g][i], qv[g], kb);
+        }
+    }
+}
+
+// acc^T[g][d0 .. d0 + 8) = corr[g] * acc^T + P_g . V over the chunk's key pairs (probability pairs
+// packed per head at sc + g * chunk * 16, value pairs at vp)
+static inline __attribute__((always_inline)) void ext_pv8(const int G, float *acc, const float *sc, int64_t chunk,
+                                                          const uint32_t *vp, int64_t cn, int64_t D, int64_t d0,
+                                                          const vf *corr) {
+    __m512 a[EXT_SHARED_G][8];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 8; i++) a[g][i] = _mm512_mul_ps(_mm512_load_ps(acc + (g * D + d0 + i) * 16), corr[g]);
+    for (int64_t t = 0; t < cn; t += 2) {
+        __m512bh pp[EXT_SHARED_G];
+        for (int g = 0; g < G; g++) pp[g] = (__m512bh)_mm512_load_si512(sc + (g * chunk + t / 2) * 16);
+        const uint32_t *vr = vp + t / 2 * D + d0;
+        for (int i = 0; i < 8; i++) {
+            __m512bh vb = BCAST_PAIR(vr + i);
+            for (int g = 0; g < G; g++) a[g][i] = _mm512_dpbf16_ps(a[g][i], pp[g], vb);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 8; i++) _mm512_store_ps(acc + (g * D + d0 + i) * 16, a[g][i]);
+}
+#endif
+
 static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, bf16 *out,
                         int64_t row0, int64_t nq, int64_t p0, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
                         int64_t bs, float scale) {
@@ -975,6 +1022,24 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             for (int64_t a = t0 + KV_AHEAD; a < t0 + KV_AHEAD + 8 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
             const bf16 *kr[8];
             for (int64_t i = 0; i < 8; i++) kr[i] = k_cache + rows[t0 + (i < nt ? i : nt - 1)];
+#if WB_BF16_DOT
+            if (G <= EXT_SHARED_G) {
+                __m512 s[EXT_SHARED_G][8];
+                const uint32_t *qu = (const uint32_t *)qt;
+                if (G == 3) ext_qk8(3, qu, kr, D, s);
+                else if (G == 2) ext_qk8(2, qu, kr, D, s);
+                else ext_qk8(1, qu, kr, D, s);
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t i = 0; i < nt; i++) {
+                        int64_t m = c0 + t0 + i - p0;
+                        vf sv = vf_mul(s[g][i], vf_set1(scale));
+                        if (m > 0) sv = vf_add(sv, vf_load(bias[m]));
+                        vf_store(sc + (g * chunk + t0 + i) * 16, sv);
+                        mx[g] = vf_max(mx[g], sv);
+                    }
+                continue;
+            }
+#endif
             for (int64_t g = 0; g < G; g++) {
                 vf s[8];
                 for (int i = 0; i < 8; i++) s[i] = vf_zero();
@@ -1007,13 +1072,20 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             if (t + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + KV_AHEAD], D);
             if (t + 1 + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + 1 + KV_AHEAD], D);
             const bf16 *v0 = v_cache + rows[t], *v1 = t + 1 < cn ? v_cache + rows[t + 1] : NULL;
-            for (int64_t d = 0; d < D; d++) vp[t / 2 * D + d] = bf_pair(v0[d], v1 ? v1[d] : 0);
+            for (int64_t d = 0; d < D; d += 16) {  // 16 dims at a time: v0 in the low halves, v1 in the high
+                __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d)));
+                __m512i hi = v1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + d))), 16)
+                                : _mm512_setzero_si512();
+                _mm512_storeu_si512(vp + t / 2 * D + d, _mm512_or_si512(lo, hi));
+            }
         }
 #endif
         // pass 2: probabilities (bf16-rounded), the running sums, then P.V a block of 16 dims at a time
+        // (8 dims for all G heads at once where they share the value broadcasts)
+        vf corrs[EXT_GD / 16];
         for (int64_t g = 0; g < G; g++) {
             vf new_max = vf_max(run_max[g], mx[g]);
-            vf corr = vf_exp(vf_sub(run_max[g], new_max));
+            vf corr = corrs[g] = vf_exp(vf_sub(run_max[g], new_max));
             run_max[g] = new_max;
             vf sum = vf_zero();
             for (int64_t t = 0; t < cn; t++) {
@@ -1035,6 +1107,7 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                                         : _mm512_setzero_si512();
                 _mm512_storeu_si512(sg + t / 2 * 16, _mm512_or_si512(lo, hi));  // packed in place
             }
+            if (G <= EXT_SHARED_G) continue;  // P.V below, all heads at once
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 vf a[16];
                 for (int i = 0; i < 16; i++) a[i] = vf_mul(vf_load(ag + (d0 + i) * 16), corr);
@@ -1058,6 +1131,14 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             }
 #endif
         }
+#if WB_BF16_DOT
+        if (G <= EXT_SHARED_G)
+            for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                if (G == 3) ext_pv8(3, acc, sc, chunk, vp, cn, D, d0, corrs);
+                else if (G == 2) ext_pv8(2, acc, sc, chunk, vp, cn, D, d0, corrs);
+                else ext_pv8(1, acc, sc, chunk, vp, cn, D, d0, corrs);
+            }
+#endif
     }
     for (int64_t g = 0; g < G; g++) {
         float res[16];
@@ -1134,7 +1215,7 @@ static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M,
         return;
     }
     if (L->kind == 0) {
-        ROW_BLOCKS(SHARED, gemv_bf16_block, x, (const bf16 *)L->w, L->bias, y, N, K);
+        ROW_BLOCKS(SHARED, gemv_bf16_block, x, (const bf16 *)L->w, L->bias, y, N, K, M);
         return;
     }
 #endif

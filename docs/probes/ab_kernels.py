@@ -8,7 +8,9 @@ gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1),
 GEMV=ymm for the ymm-register GEMVs, HUGE=1 for weights in 2 MiB pages (both as the engine on Zen 4).
 attention: paged decode attention, 64 sequences x 300 tokens (env B, L), 9 query / 3 KV heads of
 64, over 30 layers' caches (env LAYERS; 30 read from DRAM, as in a wide decode step; 1 stays in
-the caches), ms per layer call. Each version is
+the caches), ms per layer call. extend: prefill attention of a mixed step's prompts (env N, the
+new tokens of each of S sequences, default 2 x 238, after CTX cached tokens), same heads, GFLOP/s
+of the causal work over LAYERS layers. Each version is
 built with the variant's flags; the output's max difference from the first version is printed.
 """
 
@@ -63,43 +65,46 @@ if what == "gemv":
             and ys[-1].clone()
         )
     unit, scale = "GB/s", sum(n * k * 2 for n, k in shapes) / 1e9
-elif what == "attention":
-    B, L, layers = (int(os.environ.get(k, d)) for k, d in (("B", 64), ("L", 300), ("LAYERS", 30)))
+elif what in ("attention", "extend"):
     Hq, Hkv, D, bs = 9, 3, 64, 16
-    nb = B * ((L + bs - 1) // bs) + 4
+    if what == "attention":
+        B, L, layers = (int(os.environ.get(k, d)) for k, d in (("B", 64), ("L", 300), ("LAYERS", 30)))
+        S, per_seq = B, (L + bs - 1) // bs
+        q, lens = torch.randn(B, Hq, D, generator=g).bfloat16(), torch.full((B,), L, dtype=torch.int32)
+    else:
+        S, N, ctx, layers = (int(os.environ.get(k, d)) for k, d in (("S", 2), ("N", 238), ("CTX", 0), ("LAYERS", 30)))
+        per_seq = (ctx + N + bs - 1) // bs
+        q = torch.randn(S * N, Hq, D, generator=g).bfloat16()
+        cu = torch.arange(0, S * N + 1, N, dtype=torch.int32)
+        lens = torch.full((S,), ctx + N, dtype=torch.int32)
+    nb = S * per_seq + 4
     kc = [torch.randn(nb, bs, Hkv, D, generator=g).bfloat16() for _ in range(layers)]
     vc = [torch.randn(nb, bs, Hkv, D, generator=g).bfloat16() for _ in range(layers)]
-    tables = torch.randperm(nb, generator=g)[: B * ((L + bs - 1) // bs)].view(B, -1).int().contiguous()
-    q, lens = torch.randn(B, Hq, D, generator=g).bfloat16(), torch.full((B,), L, dtype=torch.int32)
+    tables = torch.randperm(nb, generator=g)[: S * per_seq].view(S, -1).int().contiguous()
     fns = {}
     for name, lib in libs.items():
-        f = lib.wb_paged_decode
-        f.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        f = lib.wb_paged_decode if what == "attention" else lib.wb_paged_extend
+        pointers = 6 if what == "attention" else 7
+        f.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 6 + [ctypes.c_float]
 
         def run(f=f):
             for i in range(layers):
                 out = torch.empty_like(q)
-                f(
-                    q.data_ptr(),
-                    kc[i].data_ptr(),
-                    vc[i].data_ptr(),
-                    tables.data_ptr(),
-                    lens.data_ptr(),
-                    out.data_ptr(),
-                    B,
-                    Hq,
-                    Hkv,
-                    D,
-                    bs,
-                    tables.shape[1],
-                    0.125,
+                tensors = (
+                    (q, kc[i], vc[i], tables, lens, out)
+                    if what == "attention"
+                    else (q, kc[i], vc[i], tables, cu, lens, out)
                 )
+                f(*(t.data_ptr() for t in tensors), S, Hq, Hkv, D, bs, tables.shape[1], 0.125)
             return out
 
         fns[name] = run
-    unit, scale = "ms per layer", None
+    if what == "attention":
+        unit, scale = "ms per layer", None
+    else:  # QK and PV over the causal pairs of every query head
+        unit, scale = "GFLOP/s", layers * S * Hq * 4 * D * (N * ctx + N * (N + 1) / 2) / 1e9
 else:
-    raise SystemExit(f"unknown probe {what!r}; allowed: gemv, attention")
+    raise SystemExit(f"unknown probe {what!r}; allowed: gemv, attention, extend")
 
 best, outs = dict.fromkeys(fns, float("inf")), {}
 for _ in range(8):
