@@ -1,16 +1,21 @@
 """Our server against vLLM's CPU build, interleaved: both servers up at once (idle, each uses no
 CPU), every workload run on one then the other, in alternating order, for several rounds. This
 host's speed moves by a third within minutes (docs/benchmarks.md), so only ratios taken within a
-round, and their median over rounds, compare the two. Each round draws new prompts (a seed per
-round), so neither server's prefix cache holds an earlier round's; runs are 2 s apart (a server's
-threads spin a while after its run, slowing whatever runs next).
+round, and their median over rounds, compare the two. Every workload of every round draws its own
+prompts (a seed per round and workload), so no server's prefix cache holds a prompt it is about to
+be timed on: vLLM's 4 GB cache kept all 64 of the W64 run's prompts, and when the Poisson run
+reused them (as it did before 2026-12-03) vLLM's TTFT tail measured its cache, not its prefill.
+`poisson_repeat` measures that on purpose: the W64 prompts of the same round again, at 1
+request/s (give both servers the same KV memory for it: `--setting kv_cache_memory_mb=4096`).
+Runs are 2 s apart (a server's threads spin a while after its run, slowing whatever runs next).
 
     python docs/probes/vs_vllm.py [--rounds 3] [--workloads w64,poisson,vllm2,vllminf] [--setting K=V]
                                   [--vllm-python PATH] [--json OUT]
 
 w64: the bench's 64 requests at once (`workbench bench` workload, text prompts, our client);
-poisson: the same 64 at 1 request/s; vllm2 / vllminf: vLLM's own client (`vllm bench serve`,
-random 256 in / 128 out, 64 prompts) at 2 requests/s and all at once. Each line: both servers'
+poisson: 64 others like them at 1 request/s; poisson_repeat: w64's own at 1 request/s;
+vllm2 / vllminf: vLLM's own client (`vllm bench serve`, random 256 in / 128 out, 64 prompts) at 2
+requests/s and all at once (each its own prompts). Each line: both servers'
 figures and ours / vLLM's; the last lines: the medians over rounds.
 """
 
@@ -70,9 +75,11 @@ def main() -> int:
         ]
 
     # a new seed each round: the prompts of earlier rounds sit in the prefix caches (vLLM's 4 GB keeps them all)
+    fresh = 1000  # a seed offset: another workload's prompts
     workloads = {
         "w64": lambda seed: ours_workload("all", None, seed),
-        "poisson": lambda seed: ours_workload("poisson", 1.0, seed),
+        "poisson": lambda seed: ours_workload("poisson", 1.0, seed + fresh),
+        "poisson_repeat": lambda seed: ours_workload("poisson", 1.0, seed),
     }
     settings = dict(kv.split("=", 1) for kv in args.setting)
     out = {"machine": machine_facts()["cpu"], "vllm": vllm_version(python), "settings": settings, "rounds": []}
@@ -97,7 +104,7 @@ def main() -> int:
                             tokenizer=hf_dir,
                             num_prompts=64,
                             request_rate=None if wname == "vllminf" else 2.0,
-                            seed=rnd,
+                            seed=rnd if wname == "vllm2" else rnd + fresh,
                         )
                         row[server] = {k: r[v] for k, v in CLIENT_KEYS.items()}
                     else:
