@@ -977,10 +977,23 @@ static inline __attribute__((always_inline)) void ext_pv8(const int G, float *ac
 }
 #endif
 
+// one key's scores for the tile's 16 query lanes: scaled, masked where the key is on the diagonal
+// (m > 0: later than some of the tile's queries), stored, and folded into the running maximum
+static inline __attribute__((always_inline)) void ext_score(vf s, float scale, int64_t m, float bias[][16],
+                                                            float *dst, vf *mx) {
+    vf sv = vf_mul(s, vf_set1(scale));
+    if (m > 0) sv = vf_add(sv, vf_load(bias[m]));
+    vf_store(dst, sv);
+    *mx = vf_max(*mx, sv);
+}
+
 static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, bf16 *out,
                         int64_t row0, int64_t nq, int64_t p0, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
                         int64_t bs, float scale) {
     int64_t G = Hq / Hkv, L = p0 + nq;  // keys 0 .. L - 1: the last query's context
+#if WB_BF16_DOT
+    const int shared = G <= EXT_SHARED_G;  // all heads in one pass over each key (value) broadcast
+#endif
     float *buf = ext_buffers();
     // q^T [G][D][16] (bf16 pairs [G][D/2][16] where the dot is vdpbf16ps), acc^T [G][D][16],
     // scores [G][chunk][16], value pairs [chunk/2][D] (vdpbf16ps)
@@ -1023,20 +1036,15 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             const bf16 *kr[8];
             for (int64_t i = 0; i < 8; i++) kr[i] = k_cache + rows[t0 + (i < nt ? i : nt - 1)];
 #if WB_BF16_DOT
-            if (G <= EXT_SHARED_G) {
+            if (shared) {
                 __m512 s[EXT_SHARED_G][8];
                 const uint32_t *qu = (const uint32_t *)qt;
                 if (G == 3) ext_qk8(3, qu, kr, D, s);
                 else if (G == 2) ext_qk8(2, qu, kr, D, s);
                 else ext_qk8(1, qu, kr, D, s);
                 for (int64_t g = 0; g < G; g++)
-                    for (int64_t i = 0; i < nt; i++) {
-                        int64_t m = c0 + t0 + i - p0;
-                        vf sv = vf_mul(s[g][i], vf_set1(scale));
-                        if (m > 0) sv = vf_add(sv, vf_load(bias[m]));
-                        vf_store(sc + (g * chunk + t0 + i) * 16, sv);
-                        mx[g] = vf_max(mx[g], sv);
-                    }
+                    for (int64_t i = 0; i < nt; i++)
+                        ext_score(s[g][i], scale, c0 + t0 + i - p0, bias, sc + (g * chunk + t0 + i) * 16, &mx[g]);
                 continue;
             }
 #endif
@@ -1056,13 +1064,8 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                     for (int i = 0; i < 8; i++) s[i] = vf_fma(qv, vf_set1(bf2f(kr[i][d])), s[i]);
                 }
 #endif
-                for (int64_t i = 0; i < nt; i++) {
-                    int64_t m = c0 + t0 + i - p0;  // > 0: a key some of the tile's queries must not see
-                    vf sv = vf_mul(s[i], vf_set1(scale));
-                    if (m > 0) sv = vf_add(sv, vf_load(bias[m]));
-                    vf_store(sc + (g * chunk + t0 + i) * 16, sv);
-                    mx[g] = vf_max(mx[g], sv);
-                }
+                for (int64_t i = 0; i < nt; i++)
+                    ext_score(s[i], scale, c0 + t0 + i - p0, bias, sc + (g * chunk + t0 + i) * 16, &mx[g]);
             }
         }
 #if WB_BF16_DOT
@@ -1107,7 +1110,7 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                                         : _mm512_setzero_si512();
                 _mm512_storeu_si512(sg + t / 2 * 16, _mm512_or_si512(lo, hi));  // packed in place
             }
-            if (G <= EXT_SHARED_G) continue;  // P.V below, all heads at once
+            if (shared) continue;  // P.V below, all heads at once
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 vf a[16];
                 for (int i = 0; i < 16; i++) a[i] = vf_mul(vf_load(ag + (d0 + i) * 16), corr);
@@ -1132,7 +1135,7 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
 #endif
         }
 #if WB_BF16_DOT
-        if (G <= EXT_SHARED_G)
+        if (shared)
             for (int64_t d0 = 0; d0 < D; d0 += 8) {
                 if (G == 3) ext_pv8(3, acc, sc, chunk, vp, cn, D, d0, corrs);
                 else if (G == 2) ext_pv8(2, acc, sc, chunk, vp, cn, D, d0, corrs);
