@@ -364,12 +364,13 @@ def test_last_chunk_carries_its_logprobs(tiny_qwen2):
 
 
 def test_draw_samples_the_distribution_and_never_a_filtered_token():
-    """The exponential race with E = -log U: empirical frequencies match the probabilities
-    (within 5 standard errors over 40,000 draws), zero-probability tokens never come up, and one
-    generator seed gives one sequence of draws."""
+    """Inverse-CDF draws: empirical frequencies match the probabilities (within 5 standard errors
+    over 40,000 draws), zero-probability tokens never come up (nor past the end, where u x total
+    rounds up), one generator seed gives one sequence of draws, and a row drawn in a batch gives
+    what it gives alone."""
     import torch
 
-    from workbench.engine.sampler import draw
+    from workbench.engine.sampler import draw, draw_rows
 
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0])
     g = torch.Generator().manual_seed(7)
@@ -381,6 +382,15 @@ def test_draw_samples_the_distribution_and_never_a_filtered_token():
     assert counts[4] == 0 and counts[5] == 0
     a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]
+    tail = torch.tensor([0.0, 1.0, 0.0, 0.0])  # every uniform lands on token 1, even u -> 1
+    assert all(draw(tail, g) == 1 for _ in range(200))
+    unnormalised = probs * 3.7  # probabilities() may hand over rows that sum to ~1, not 1
+    rows = torch.stack([unnormalised, torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0]), unnormalised])
+    gens = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
+    alone = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
+    for _ in range(20):
+        batch = draw_rows(rows.clone(), gens)  # it consumes its input
+        assert batch == [draw(rows[i], alone[i]) for i in range(3)] and batch[1] in (4, 5)
 
 
 def test_greedy_takes_the_first_of_tied_maxima_in_every_dtype():

@@ -1,8 +1,10 @@
 """Logits to tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
 
-Each request owns a torch.Generator, and sampling draws an exponential race
-(argmax p_i / E_i, E_i = -log U_i ~ Exp(1)) from it, so a seeded request samples the same tokens
-whatever else shares its batch.
+Each request owns a torch.Generator and a draw takes one uniform U from it: the token is where
+U x (total mass) falls in the row's cumulative distribution (inverse CDF). A seeded request samples
+the same tokens whatever else shares its batch, and a batch of rows draws with one cumsum and one
+search: at 64 sampled rows over a 49,152-token vocabulary, 27 ms of per-row noise (an exponential
+race, a uniform per token) became ~3 ms, on a step of ~200 ms.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The distribution each (non-greedy) request samples from, after all its filters."""
-    temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], device=logits.device)
-    logits = logits / temps.unsqueeze(1)
+    temps = [max(s.params.temperature, 1e-5) for s in seqs]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
     top_k = [s.params.top_k for s in seqs]
     top_p = [s.params.top_p for s in seqs]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -51,12 +54,23 @@ def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """One sample from each row of `probs` [n, V] (non-negative, any positive total), row i with only
+    `generators[i]`: zero-probability tokens never come up. Consumes `probs` (an fp32 one becomes
+    the cumulative sums in place: a fresh 12 MB tensor a step cost 4-5 ms in page faults)."""
+    cdf = probs if probs.dtype == torch.float32 and probs.is_contiguous() else probs.float().contiguous()
+    torch.cumsum(cdf, -1, out=cdf)
+    total = cdf[:, -1:]
+    u = torch.tensor([[float(torch.rand((), generator=g, dtype=torch.float64))] for g in generators])
+    # u < 1, but u x total can round up to total: the largest float below it keeps the search
+    # inside the row (and on a token of positive mass: the first cdf entry above the target)
+    target = torch.minimum((u * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One sample from a probability vector, using only this request's generator."""
-    # E = -log(U) is Exp(1); torch.rand + log is 6x faster on CPUs than exponential_ (0.12 vs
-    # 0.70 ms over a 49,152-token vocabulary: 45 ms of every step at 64 sampled sequences).
-    noise = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device).log_().neg_()
-    return int((probs / noise).argmax())
+    return draw_rows(probs.unsqueeze(0).clone(), [generator])[0]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -74,9 +88,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     rest = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rest:
         sub = [seqs[i] for i in rest]
-        probs = probabilities(logits[rest], sub)
-        for row, i in enumerate(rest):
-            out[i] = draw(probs[row], seqs[i].generator)
+        rows = logits if len(rest) == len(seqs) else logits[rest]  # a list index copies every row
+        for i, t in zip(rest, draw_rows(probabilities(rows, sub), [s.generator for s in sub])):
+            out[i] = t
     return out
 
 
