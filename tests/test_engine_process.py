@@ -277,7 +277,7 @@ def test_outputs_go_only_to_the_requester(engine):
         ("batching", "static", "continuous"),
         ("batching", "off", "continuous"),
         ("max_num_seqs", 1, 64),
-        ("max_num_batched_tokens", 16, 512),
+        ("max_num_batched_tokens", 16, 1024),
         ("kv_cache", False, True),
         ("prefix_caching", False, True),
         ("attention_backend", "torch", "auto"),

@@ -53,7 +53,7 @@ def test_every_magic_through_nbclient(engine, tmp_path):
         "%dashboard",
         "_dashboard.pump(); "
         "print(sorted(_dashboard.controls)[:3], _dashboard.controls['max_num_batched_tokens'].value)",
-        "%engine set max_num_batched_tokens=512",
+        "%engine set max_num_batched_tokens=1024",
         # the blocking path (no input transformer): a helper thread runs it, output lands in this cell
         "get_ipython().run_cell_magic('generate', '--max-tokens 3 -o outs2', 'Hi')\nprint(len(outs2))",
     ]
@@ -69,12 +69,12 @@ def test_every_magic_through_nbclient(engine, tmp_path):
     assert "smollm2-135m" in flat[2] and "batching" in flat[2]
     assert "Prompt 2" in flat[3] and "TTFT" in flat[3] and "application/vnd.jupyter.widget-view+json" in flat[3]
     assert "'length'" in flat[4] or "'stop'" in flat[4]
-    assert "max_num_batched_tokens: 512" in flat[5]
+    assert "max_num_batched_tokens: 1024" in flat[5]
     assert "[timeline: " in flat[6]
     assert "application/vnd.jupyter.widget-view+json" in flat[7]
     assert "256" in flat[8]
     assert "Prompt 1" in flat[10] and "finish:" in flat[10] and '"1\\n"' in flat[10]
-    assert engine.settings()["max_num_batched_tokens"] == 512
+    assert engine.settings()["max_num_batched_tokens"] == 1024
 
 
 def test_iopub_rate_of_16_prompts_with_a_dashboard_open(kernel, engine):

@@ -167,7 +167,7 @@ def test_notebook_runs_clean(engine, path):
     assert settings["batching"] == "continuous" and settings["speculative"] == "off", (
         f"{path.name} left the shared engine changed: {settings}"
     )
-    assert settings["prefix_caching"] and settings["max_num_batched_tokens"] == 512, (
+    assert settings["prefix_caching"] and settings["max_num_batched_tokens"] == 1024, (
         f"{path.name} left the shared engine changed: {settings}"
     )
     assert settings["quantization"] == "none" and settings["kv_cache_dtype"] == "auto", (

@@ -35,7 +35,7 @@ class EngineSettings(HasTraits):
         kind=LIVE,
         doc="most sequences in one batch",
     )
-    max_num_batched_tokens = Int(512, min=16, max=1 << 20).tag(
+    max_num_batched_tokens = Int(1024, min=16, max=1 << 20).tag(
         label="Token budget per step",
         kind=LIVE,
         doc="token budget per step (chunked-prefill size)",
