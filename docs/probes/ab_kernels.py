@@ -6,6 +6,8 @@ moves by a third within a minute, so separate runs cannot be compared).
 
 gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1), GB/s of weights;
 GEMV=ymm for the ymm-register GEMVs, HUGE=1 for weights in 2 MiB pages (both as the engine on Zen 4).
+quant: the same token as `quantization=int4` runs it: 120 int4 GEMVs (groups of 32) and the int8
+head, GB/s of what they read (codes, scales).
 attention: paged decode attention, 64 sequences x 300 tokens (env B, L), 9 query / 3 KV heads of
 64, over 30 layers' caches (env LAYERS; 30 read from DRAM, as in a wide decode step; 1 stays in
 the caches), ms per layer call. extend: prefill attention of a mixed step's prompts (env N, the
@@ -65,6 +67,38 @@ if what == "gemv":
             and ys[-1].clone()
         )
     unit, scale = "GB/s", sum(n * k * 2 for n, k in shapes) / 1e9
+elif what == "quant":
+    from workbench.models.linear import int4_codes, native_int4, quantize_int8
+
+    M = int(os.environ.get("M", "1"))
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+    ops = []  # (kind, weights, aux, n, k, group): int4 layers in groups of 32, the head in int8
+    for i, (n, k) in enumerate(shapes):
+        w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+        if i < len(shapes) - 1:
+            ops.append(("int4", *native_int4(*int4_codes(w, 32)), n, k, 32))
+        else:
+            ops.append(("int8", *quantize_int8(w), n, k, 0))
+    if os.environ.get("HUGE") == "1":
+        from workbench_kernels import hostmem
+
+        ops = [(kind, hostmem.ARENA.copy(a), hostmem.ARENA.copy(b), n, k, gr) for kind, a, b, n, k, gr in ops]
+    xs = {k: torch.randn(M, k, generator=g).bfloat16() for _, k in shapes}
+    ys = [torch.empty(M, n, dtype=torch.bfloat16) for n, _ in shapes]
+    fns = {}
+    for name, lib in libs.items():
+        for f in (lib.wb_gemv_int4, lib.wb_gemv_int8):
+            f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+
+        def run(lib=lib):
+            for (kind, a, b, n, k, gr), y in zip(ops, ys):
+                getattr(lib, f"wb_gemv_{kind}")(
+                    xs[k].data_ptr(), a.data_ptr(), b.data_ptr(), None, y.data_ptr(), M, n, k, gr
+                )
+            return torch.cat([y.flatten() for y in ys[-2:]])
+
+        fns[name] = run
+    unit, scale = "GB/s", sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b, *_ in ops) / 1e9
 elif what in ("attention", "extend"):
     Hq, Hkv, D, bs = 9, 3, 64, 16
     if what == "attention":
@@ -104,7 +138,7 @@ elif what in ("attention", "extend"):
     else:  # QK and PV over the causal pairs of every query head
         unit, scale = "GFLOP/s", layers * S * Hq * 4 * D * (N * ctx + N * (N + 1) / 2) / 1e9
 else:
-    raise SystemExit(f"unknown probe {what!r}; allowed: gemv, attention, extend")
+    raise SystemExit(f"unknown probe {what!r}; allowed: gemv, quant, attention, extend")
 
 best, outs = dict.fromkeys(fns, float("inf")), {}
 for _ in range(8):
