@@ -19,10 +19,12 @@ def single_stream_line(name: str, r: dict) -> str:
     """gpt-fast style: tok/s, achieved GB/s and the fraction of the measured bandwidth."""
     if "achieved_gb_s" not in r:  # a peer serving other weights (llama.cpp's GGUF)
         return f"{name}: {r['decode_tok_s']:.1f} tok/s decode ({r['output_tok_s']:.1f} end to end)"
+    segments = len(r.get("bandwidth_fraction_segments") or ()) or 1
     return (
         f"{name}: {r['decode_tok_s']:.1f} tok/s decode ({r['output_tok_s']:.1f} end to end), "
         f"{_num(r['achieved_gb_s'])} GB/s achieved, {100 * r['bandwidth_fraction']:.1f}% of the "
-        f"{_num(r['bandwidth_gb_s'])} GB/s measured around the run (limit {_num(r['decode_limit_tok_s'])} tok/s; "
+        f"{_num(r['bandwidth_gb_s'])} GB/s measured around it (median over {segments} segment(s); "
+        f"limit {_num(r['decode_limit_tok_s'])} tok/s; "
         f"{100 * r['bandwidth_fraction_of_roofline']:.1f}% of the roofline's)"
     )
 

@@ -8,8 +8,10 @@ Systems:
 - `workbench`: our engine in this process (`LLM`), served by the workload driver (`driver.py`):
   requests released when their arrival time comes, the engine stepped in between; TTFT counted
   from each request's release;
-- `workbench_single_stream`: one request, short prompt, 256 output tokens: decode tok/s, achieved
-  GB/s (weight bytes x tok/s) and the fraction of the bandwidth measured just before and after it;
+- `workbench_single_stream`: a short prompt, 256 output tokens in SINGLE_STREAM_SEGMENTS requests
+  one after another, the read bandwidth measured before and after each: decode tok/s, achieved
+  GB/s (weight bytes x tok/s) and the median over segments of each one's fraction of its own
+  bandwidth (a shared host's rate swings within seconds, so a fraction pairs close-by readings);
 - `hf_sequential`, `hf_static`: transformers `generate` (see `peers.py`), in the dtype that is
   faster on this host (`hf_dtype="auto"`: bf16 where the measured bf16 matmul beats fp32, else fp32);
 - `llama_server`: llama.cpp's server on the model's GGUF, same requests (see `llama_cpp.py`); with
@@ -24,9 +26,11 @@ Systems:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -80,22 +84,43 @@ def warm_up_engine(engine, vocab_size: int) -> None:
     engine.reset_prefix_cache()
 
 
-def single_stream_summary(records: list[RequestRecord], start: float, roof: dict, bandwidth_gb_s: float) -> dict:
-    """Summary of the one-request run plus decode tok/s, achieved GB/s and the fraction of the
-    bandwidth measured around the run (`bandwidth_around`): a shared host's bandwidth drifts by a
-    third over a bench, so the roofline's, from its start, is reported beside it."""
-    s = summarize(records, start)
-    times = records[0].token_times
-    decode_tok_s = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-    gb_s = roof["weight_bytes"] * decode_tok_s / 1e9
-    start_bw = roof["memory_bandwidth_gb_s"]
+SINGLE_STREAM_SEGMENTS = 4
+
+# One segment of a single-stream run: its records, its start, and the best read bandwidth measured
+# just before and just after it.
+Segment = tuple[list[RequestRecord], float, float]
+
+
+def single_stream_summary(segments: list[Segment], roof: dict) -> dict:
+    """Summary of the single-stream requests plus decode tok/s, achieved GB/s and the fraction of
+    the bandwidth measured around each segment, their median: on a shared guest the rate moved
+    24-52 GB/s within minutes and a decode step 10.6-18.2 ms within seconds, so one pair of
+    readings around a whole run paired a slow run with a fast reading. The roofline's bandwidth
+    (the bench's start) is reported beside it."""
+    records = [r for recs, _, _ in segments for r in recs]
+    s = summarize(records, segments[0][1])
+    weight_bytes, start_bw = roof["weight_bytes"], roof["memory_bandwidth_gb_s"]
+    tokens = seconds = 0.0
+    fractions, bandwidths = [], []
+    for recs, _, bw in segments:
+        times = recs[0].token_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            continue
+        n, dt = len(times) - 1, times[-1] - times[0]
+        tokens, seconds = tokens + n, seconds + dt
+        fractions.append(weight_bytes * n / dt / 1e9 / bw if bw else 0.0)
+        bandwidths.append(bw)
+    decode_tok_s = tokens / seconds if seconds else 0.0
+    gb_s = weight_bytes * decode_tok_s / 1e9
+    bandwidth_gb_s = statistics.median(bandwidths) if bandwidths else 0.0
     s.update(
         decode_tok_s=decode_tok_s,
         achieved_gb_s=gb_s,
         bandwidth_gb_s=bandwidth_gb_s,
-        bandwidth_fraction=gb_s / bandwidth_gb_s if bandwidth_gb_s else 0.0,
+        bandwidth_fraction=statistics.median(fractions) if fractions else 0.0,
+        bandwidth_fraction_segments=fractions,
         bandwidth_fraction_of_roofline=gb_s / start_bw if start_bw else 0.0,
-        decode_limit_tok_s=bandwidth_gb_s * 1e9 / roof["weight_bytes"],
+        decode_limit_tok_s=bandwidth_gb_s * 1e9 / weight_bytes,
     )
     return s
 
@@ -105,6 +130,16 @@ def bandwidth_around(run, device) -> tuple[Any, float]:
     before = measure_bandwidth(1 << 28, repeats=3, device=device)
     out = run()
     return out, max(before + measure_bandwidth(1 << 28, repeats=3, device=device))
+
+
+def run_segments(run, device) -> list[Segment]:
+    """SINGLE_STREAM_SEGMENTS runs of `run()` (it returns records and start), each between two
+    bandwidth readings."""
+    out = []
+    for _ in range(SINGLE_STREAM_SEGMENTS):
+        (recs, start), bw = bandwidth_around(run, device)
+        out.append((recs, start, bw))
+    return out
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -266,6 +301,8 @@ def run_bench(
         seed=seed,
     )
     ss_workload = Workload([ss_req], seed)
+    # ours and transformers: the same tokens in segments, the bandwidth read around each
+    ss_part = Workload([dataclasses.replace(ss_req, max_tokens=max(2, ss_tokens // SINGLE_STREAM_SEGMENTS))], seed)
 
     report: dict[str, Any] = {
         "model": model_name,
@@ -305,16 +342,14 @@ def run_bench(
         report["engine_status"] = {k: v for k, v in engine.status().items() if k not in ("pid", "uptime_s")}
         if single_stream:
             engine.reset_prefix_cache()
-            bar = progress("workbench_single_stream", 1)
+            bar = progress("workbench_single_stream", SINGLE_STREAM_SEGMENTS)
             try:
-                (recs, start), bw = bandwidth_around(
-                    lambda: run_workload(engine, ss_workload.requests, progress=bar), device
-                )
+                segments = run_segments(lambda: run_workload(engine, ss_part.requests, progress=bar), device)
             finally:
                 bar.close()
-            results["workbench_single_stream"] = single_stream_summary(recs, start, roof, bw)
-            results["workbench_single_stream"]["step_breakdown"] = _breakdown(engine, start)
-            records["workbench_single_stream"] = recs
+            results["workbench_single_stream"] = single_stream_summary(segments, roof)
+            results["workbench_single_stream"]["step_breakdown"] = _breakdown(engine, segments[0][1])
+            records["workbench_single_stream"] = [r for recs, _, _ in segments for r in recs]
         del engine
         gc.collect()
 
@@ -338,15 +373,13 @@ def run_bench(
             results[name] = summarize(recs, start)
             records[name] = recs
         if single_stream and "hf_sequential" in systems:
-            bar = progress("hf_single_stream", 1)
+            bar = progress("hf_single_stream", SINGLE_STREAM_SEGMENTS)
             try:
-                (recs, start), bw = bandwidth_around(
-                    lambda: run_hf(hf, ss_workload, batch_size=1, progress=bar.update), device
-                )
+                segments = run_segments(lambda: run_hf(hf, ss_part, batch_size=1, progress=bar.update), device)
             finally:
                 bar.close()
-            results["hf_single_stream"] = single_stream_summary(recs, start, roof, bw)
-            records["hf_single_stream"] = recs
+            results["hf_single_stream"] = single_stream_summary(segments, roof)
+            records["hf_single_stream"] = [r for recs, _, _ in segments for r in recs]
         del hf
         gc.collect()
 
