@@ -384,6 +384,7 @@ def test_draw_samples_the_distribution_and_never_a_filtered_token():
     assert [draw(probs, a) for _ in range(50)] == [draw(probs, b) for _ in range(50)]
     tail = torch.tensor([0.0, 1.0, 0.0, 0.0])  # every uniform lands on token 1, even u -> 1
     assert all(draw(tail, g) == 1 for _ in range(200))
+    assert 0 <= draw(torch.full((4,), float("nan")), g) < 4  # no finite mass: still a token
     unnormalised = probs * 3.7  # probabilities() may hand over rows that sum to ~1, not 1
     rows = torch.stack([unnormalised, torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0]), unnormalised])
     gens = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]

@@ -65,7 +65,8 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[in
     # u < 1, but u x total can round up to total: the largest float below it keeps the search
     # inside the row (and on a token of positive mass: the first cdf entry above the target)
     target = torch.minimum((u * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()
+    # clamped: a row with no finite mass (NaN logits) must still name a token of the vocabulary
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1).tolist()
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
