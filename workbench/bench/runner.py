@@ -348,7 +348,9 @@ def run_bench(
             finally:
                 bar.close()
             results["workbench_single_stream"] = single_stream_summary(segments, roof)
-            results["workbench_single_stream"]["step_breakdown"] = _breakdown(engine, segments[0][1])
+            # the last segment's steps: the span of all of them would count the bandwidth readings
+            # between segments as time between steps
+            results["workbench_single_stream"]["step_breakdown"] = _breakdown(engine, segments[-1][1])
             records["workbench_single_stream"] = [r for recs, _, _ in segments for r in recs]
         del engine
         gc.collect()
