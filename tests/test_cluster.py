@@ -102,7 +102,7 @@ def test_configure_reaches_every_replica_or_the_one_named(two):
     r1 = two.replicas()[1]["name"]
     two.configure(max_num_batched_tokens=100, replica=r1)
     tokens = [two.replica(r["name"]).settings()["max_num_batched_tokens"] for r in two.replicas()]
-    assert tokens == [512, 100]
+    assert tokens == [1024, 100]
     with pytest.raises(ValueError, match="max_num_seqs"):
         two.configure(max_num_seqs=0)
     with pytest.raises(KeyError, match="no replica named"):
@@ -112,9 +112,12 @@ def test_configure_reaches_every_replica_or_the_one_named(two):
 def test_the_timeline_is_merged_with_the_replica_on_each_event(two):
     outs = two.generate(prompt_token_ids=prompts(4, 2), params=GREEDY)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # the replicas' events arrive on their own, after the outputs
         tl = two.timeline()
-        if {s.replica for s in tl.steps} == {r["name"] for r in two.replicas()}:
+        seen = {(ev.request_id, ev.kind) for ev in tl.requests}
+        if {s.replica for s in tl.steps} == {r["name"] for r in two.replicas()} and all(
+            (o.request_id, "first_token") in seen for o in outs
+        ):
             break
         time.sleep(0.1)
     assert {s.replica for s in tl.steps} == {r["name"] for r in two.replicas()}

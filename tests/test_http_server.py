@@ -419,10 +419,10 @@ def test_oversized_prompts_are_refused_while_a_stream_runs(server):
     assert tokens == alone.json()["choices"][0]["token_ids"]
 
 
-def _own_front(tmp_path, *flags: str):
-    from http_helpers import free_port, make_tiny_tokenized_model, wait_http
+def _own_front(tmp_path, *flags: str, max_len: int | None = None):
+    from http_helpers import MAX_LEN, free_port, make_tiny_tokenized_model, wait_http
 
-    model = make_tiny_tokenized_model(tmp_path / "m")
+    model = make_tiny_tokenized_model(tmp_path / "m", max_len=max_len or MAX_LEN)
     port = free_port()
     name = f"drain-{port}"
     log = tmp_path / "front.log"
@@ -469,10 +469,12 @@ def test_sigterm_drains_streams_then_ends_them_cleanly(tmp_path):
     event and [DONE] (a complete body, no cut connection); queued requests get a 503."""
     from workbench.ipc import connection as conn
 
-    proc, url, name, log = _own_front(tmp_path, "--drain-timeout", "1.5", "--max-num-seqs", "1")
+    # 16,000 tokens each, one at a time: the tiny model decodes ~1,000 tokens/s, and 2,000 could
+    # finish before the deadline (it did once in a full run)
+    proc, url, name, log = _own_front(tmp_path, "--drain-timeout", "1.5", "--max-num-seqs", "1", max_len=16384)
     try:
-        body = {"prompt": "Once", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
-        got = [([], []) for _ in range(4)]  # 2000 tokens each, one at a time: seconds of work
+        body = {"prompt": "Once", "max_tokens": 16000, "temperature": 0, "ignore_eos": True}
+        got = [([], []) for _ in range(4)]
         threads = [threading.Thread(target=_sse_lines, args=(url, body, lines, st)) for lines, st in got]
         for t in threads:
             t.start()

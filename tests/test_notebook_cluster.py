@@ -48,7 +48,7 @@ def test_cluster_notebook_and_its_claims(tmp_path_factory, monkeypatch):
     assert "the three questions with one preamble went to one replica" in out
     r0, r1 = re.findall(r"(nb10-r\d): node", out)
     changed, back = re.findall(r"\{'nb10-r0': (\d+), 'nb10-r1': (\d+)\}", out)
-    assert changed == ("512", "256") and back == ("512", "512")
+    assert changed == ("1024", "256") and back == ("1024", "1024")
     capacity, rate = map(
         float,
         re.search(
