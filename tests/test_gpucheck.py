@@ -17,7 +17,10 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     out = tmp_path / "gpu" / "check.json"
     done = subprocess.run(
         [sys.executable, "-m", "workbench.cli", "gpucheck", "--dry-run", "--output", str(out)],
-        cwd=ROOT,
+        # not the repo root: `python -m` puts the working directory first on sys.path, where our
+        # kernels/ folder shadows Hugging Face's `kernels` package (transformers imports it once
+        # installed, as a fresh venv now has it)
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=850,
@@ -69,7 +72,10 @@ def test_gpucheck_without_cuda_says_how_to_dry_run(tmp_path):
         pytest.skip("this machine has a GPU: the real check would run")
     done = subprocess.run(
         [sys.executable, "-m", "workbench.cli", "gpucheck", "--output", str(tmp_path / "x.json")],
-        cwd=ROOT,
+        # not the repo root: `python -m` puts the working directory first on sys.path, where our
+        # kernels/ folder shadows Hugging Face's `kernels` package (transformers imports it once
+        # installed, as a fresh venv now has it)
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
