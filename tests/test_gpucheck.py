@@ -4,11 +4,8 @@ script a lent GPU runs once cannot rot between the sessions that have one."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
