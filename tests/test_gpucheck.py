@@ -8,20 +8,24 @@ import sys
 import pytest
 
 
+def _gpucheck(cwd, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`workbench gpucheck ARGS` in `cwd`, never the repo root: `python -m` puts the working
+    directory first on sys.path, where our kernels/ folder shadows Hugging Face's `kernels` package
+    (transformers imports it once installed, as a fresh venv now has it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "gpucheck", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     out = tmp_path / "gpu" / "check.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "workbench.cli", "gpucheck", "--dry-run", "--output", str(out)],
-        # not the repo root: `python -m` puts the working directory first on sys.path, where our
-        # kernels/ folder shadows Hugging Face's `kernels` package (transformers imports it once
-        # installed, as a fresh venv now has it)
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=850,
-    )
+    done = _gpucheck(tmp_path, "--dry-run", "--output", str(out), timeout=850)
     assert done.returncode == 0, done.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["dry_run"] is True and "Triton interpreter" in rep["device"]["name"]
@@ -67,15 +71,6 @@ def test_gpucheck_without_cuda_says_how_to_dry_run(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the real check would run")
-    done = subprocess.run(
-        [sys.executable, "-m", "workbench.cli", "gpucheck", "--output", str(tmp_path / "x.json")],
-        # not the repo root: `python -m` puts the working directory first on sys.path, where our
-        # kernels/ folder shadows Hugging Face's `kernels` package (transformers imports it once
-        # installed, as a fresh venv now has it)
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _gpucheck(tmp_path, "--output", str(tmp_path / "x.json"), timeout=120)
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "--dry-run" in done.stderr
     assert not (tmp_path / "x.json").exists()

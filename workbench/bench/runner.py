@@ -91,14 +91,18 @@ SINGLE_STREAM_SEGMENTS = 4
 Segment = tuple[list[RequestRecord], float, float]
 
 
+def segment_records(segments: list[Segment]) -> list[RequestRecord]:
+    """The segments' request records, in order."""
+    return [r for recs, _, _ in segments for r in recs]
+
+
 def single_stream_summary(segments: list[Segment], roof: dict) -> dict:
     """Summary of the single-stream requests plus decode tok/s, achieved GB/s and the fraction of
     the bandwidth measured around each segment, their median: on a shared guest the rate moved
     24-52 GB/s within minutes and a decode step 10.6-18.2 ms within seconds, so one pair of
     readings around a whole run paired a slow run with a fast reading. The roofline's bandwidth
     (the bench's start) is reported beside it."""
-    records = [r for recs, _, _ in segments for r in recs]
-    s = summarize(records, segments[0][1])
+    s = summarize(segment_records(segments), segments[0][1])
     weight_bytes, start_bw = roof["weight_bytes"], roof["memory_bandwidth_gb_s"]
     tokens = seconds = 0.0
     fractions, bandwidths = [], []
@@ -351,7 +355,7 @@ def run_bench(
             # the last segment's steps: the span of all of them would count the bandwidth readings
             # between segments as time between steps
             results["workbench_single_stream"]["step_breakdown"] = _breakdown(engine, segments[-1][1])
-            records["workbench_single_stream"] = [r for recs, _, _ in segments for r in recs]
+            records["workbench_single_stream"] = segment_records(segments)
         del engine
         gc.collect()
 
@@ -381,7 +385,7 @@ def run_bench(
             finally:
                 bar.close()
             results["hf_single_stream"] = single_stream_summary(segments, roof)
-            records["hf_single_stream"] = [r for recs, _, _ in segments for r in recs]
+            records["hf_single_stream"] = segment_records(segments)
         del hf
         gc.collect()
 
