@@ -34,9 +34,14 @@ def test_capacity_planning_notebook_and_its_claims(tmp_path_factory):
     # the measured workload is the bench's English text, as the notebook says; calibrating shows progress
     assert "24 requests, prompts from 'text'" in out
     assert "calibrating 1/" in out and "calibrated in" in out
-    # predicted vs measured: every error printed, and a calibrated fit is not far off on this host
+    # predicted vs measured: every error printed, and a calibrated fit is not far off on this host.
+    # Throughput sums the whole run and holds within a few percent; the ITL median is a ~13 ms small
+    # step, and one slow minute of a shared host moved it by a third in CI (-33%, with throughput 0%
+    # and TTFT -6%), so the latencies get a wider band. A fit missing a term is off by 2x or more.
     errs = [int(x) for x in re.findall(r"predicted +[\d.]+ \(([+-]\d+)%\)", out)]
-    assert len(errs) == 3 and all(abs(e) <= 30 for e in errs), errs
+    assert len(errs) == 3, errs
+    tok_s, ttft_p50, itl_p50 = errs
+    assert abs(tok_s) <= 25 and abs(ttft_p50) <= 50 and abs(itl_p50) <= 50, errs
     # replicas vs SLO: too few fail it, the printed count meets it, more only cost more
     att = {int(n): float(a) for n, a in re.findall(r"(\d) replica\(s\): SLO met by ([\d.]+)%", out)}
     need = int(re.search(r"meeting the SLO for 99% of requests: (\d+)", out).group(1))
