@@ -449,6 +449,8 @@ def test_timeline_marks_changes_follows_and_names_lanes(lab, engine, browser):
         def rgb(hex_color: str) -> str:
             return "rgb({}, {}, {})".format(*(int(hex_color[i : i + 2], 16) for i in (1, 3, 5)))
 
+        # the legend is drawn once the palette arrives (on a loaded host, after the canvas)
+        page.wait_for_selector(".wb-TimelineWidget .wb-Legend-swatch", state="attached")
         swatches = page.locator(".wb-TimelineWidget .wb-Legend-item").evaluate_all(
             "items => items.map(i => [i.textContent, i.firstChild.style.background])"
         )

@@ -591,3 +591,60 @@ async def test_a_kernel_socket_closed_while_its_kernel_prints_logs_no_traceback(
         await jp_fetch("api", "kernels", kernel, method="DELETE")
     seen = [f"{r.getMessage()}: {r.exc_info[1]!r}" if r.exc_info else r.getMessage() for r in errors.records]
     assert not seen, "\n".join(seen[:5])
+
+
+@aio
+async def test_a_websocket_write_failing_as_its_socket_closes_is_dropped_quietly():
+    """A write that starts on an open socket and fails when the peer goes away fails in the future
+    tornado returns, which jupyter_server never awaits: asyncio logged "Task exception was never
+    retrieved" with a traceback in the lab's log (seen in a full run). The kernel socket's writes
+    retrieve it. Real sockets: a tornado server whose client vanishes during a 32 MB message."""
+    import gc
+    import logging
+
+    import tornado.web
+    from tornado.websocket import WebSocketHandler, websocket_connect
+
+    from workbench.jupyter_server.kernel_socket import dropping_when_closed
+
+    opened: asyncio.Queue = asyncio.Queue()
+
+    class Echo(WebSocketHandler):
+        def open(self):
+            opened.put_nowait(self)
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.messages: list[str] = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    seen, log = Records(), logging.getLogger("test-kernel-socket")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(seen)
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addHandler(seen)
+    server = tornado.web.Application([(r"/ws", Echo)]).listen(0, "127.0.0.1")
+    port = next(iter(server._sockets.values())).getsockname()[1]
+    try:
+        client = await websocket_connect(f"ws://127.0.0.1:{port}/ws")
+        handler = await asyncio.wait_for(opened.get(), 10)
+        write = dropping_when_closed(handler.write_message, log, "kernel k")
+        pending = write(b"x" * (32 << 20), binary=True)
+        assert pending is not None and not pending.done()  # still being sent...
+        client.protocol.stream.close()  # ...when the peer goes away
+        await asyncio.wait([pending], timeout=10)  # (waits without retrieving the outcome)
+        assert pending.done()  # failed (not read here: asyncio would complain if nobody did)
+        del pending
+        gc.collect()
+        await asyncio.sleep(0.1)
+        assert write(b"late") is None  # closed: dropped at once
+    finally:
+        server.stop()
+        log.removeHandler(seen)
+        asyncio_log.removeHandler(seen)
+    assert not [m for m in seen.messages if "never retrieved" in m], seen.messages
+    assert "kernel k: message dropped, its websocket closed while it was sent" in seen.messages
+    assert "kernel k: message dropped, its websocket is closing" in seen.messages

@@ -86,10 +86,11 @@ class DraftProposer:
                     drafts[seqs[i].request_id].append(tok)
             if sampled:
                 p = sampler.probabilities(logits[sampled], [seqs[i] for i in sampled])
-                for row, i in enumerate(sampled):
-                    rid = seqs[i].request_id
-                    drafts[rid].append(sampler.draw(p[row], seqs[i].generator))
-                    probs[rid].append(p[row])
+                # one batched draw (draw_rows sums its input in place: p is kept for the verify)
+                tokens = sampler.draw_rows(p.clone(), [seqs[i].generator for i in sampled])
+                for row, (i, tok) in enumerate(zip(sampled, tokens)):
+                    drafts[seqs[i].request_id].append(tok)
+                    probs[seqs[i].request_id].append(p[row])
             for s, view in zip(seqs, views):
                 scheduler.draft_computed(s, len(view.token_ids) if j == 0 else s.draft_computed + 1)
         return {rid: (toks, torch.stack(probs[rid]) if probs[rid] else None) for rid, toks in drafts.items()}

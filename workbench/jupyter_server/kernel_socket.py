@@ -8,7 +8,9 @@ jupyter_server writes them to the closing socket from paths that do not expect i
 out of the ZeroMQ callback: a traceback in the lab's log for every such message. A `%dashboard`
 or a streaming `%%generate` sends many, so a closed or reloaded page printed a screenful. Those
 messages are for a browser that is gone: they are dropped, as jupyter_server's own legacy-protocol
-path already does.
+path already does. A write that starts while the socket is open and fails when it closes fails
+later, in the future tornado returns, which jupyter_server never awaits: asyncio then logged
+"Task exception was never retrieved" with the traceback. That failure is retrieved here too.
 """
 
 from __future__ import annotations
@@ -20,16 +22,32 @@ from tornado.websocket import WebSocketClosedError
 class KernelSocketConnection(ZMQChannelsWebsocketConnection):
     @property
     def write_message(self):
-        write = self.websocket_handler.write_message
+        return dropping_when_closed(self.websocket_handler.write_message, self.log, f"kernel {self.kernel_id}")
 
-        def write_unless_closed(message, binary: bool = False):
-            try:
-                return write(message, binary=binary)
-            except WebSocketClosedError:
-                self.log.debug("kernel %s: message dropped, its websocket is closing", self.kernel_id)
-                return None
 
-        return write_unless_closed
+def dropping_when_closed(write, log, who: str):
+    """`write` (a websocket's write_message) that drops a message for a closed socket, whether it
+    is closed already or closes while the message is sent."""
+
+    def write_unless_closed(message, binary: bool = False):
+        try:
+            pending = write(message, binary=binary)
+        except WebSocketClosedError:
+            log.debug("%s: message dropped, its websocket is closing", who)
+            return None
+        if pending is not None:
+            pending.add_done_callback(retrieve)
+        return pending
+
+    def retrieve(pending) -> None:
+        # retrieving the exception is what keeps asyncio from logging it at garbage collection
+        error = None if pending.cancelled() else pending.exception()
+        if isinstance(error, WebSocketClosedError):
+            log.debug("%s: message dropped, its websocket closed while it was sent", who)
+        elif error is not None:
+            log.error("%s: a websocket write failed", who, exc_info=error)
+
+    return write_unless_closed
 
 
 def use_for(serverapp) -> None:
