@@ -1,7 +1,7 @@
 """The CPU fast path: C kernels (cpu_kernels.c over the vector layer cpu_vec.h) for bf16 decode,
 one source built per instruction set, the best variant the CPU runs picked at load time.
 
-Variants, best first: x86 "avx512_bf16" (vdpbf16ps), "avx512", "avx2" (AVX2 + FMA + F16C), and on
+Variants, best first: x86 "avx512_bf16" (vdpbf16ps, and VNNI for int8), "avx512", "avx2" (AVX2 + FMA + F16C), and on
 ARM "neon"; "portable" (plain C the compiler vectorises) runs anywhere. Each is built on first use
 with the system C compiler into a per-user cache keyed by the sources, the variant's flags and the
 torch build, then loaded with ctypes (no torch headers, so a build takes seconds). The library links
@@ -17,8 +17,8 @@ Layouts (all row-major and contiguous):
     activations and bf16 weights: bfloat16; linear weights [N, K] as in torch;
     int8 weights: q int8 [N, K] with one bfloat16 scale per row (w = q * scale);
     int4 weights: q uint8 [N, K / 2], in runs of 32 values where byte j packs value j (low
-    nibble) and value j + 16 (high nibble); scale_low float32 [N, K / group, 2] with
-    w = q * scale + low;
+    nibble) and value j + 16 (high nibble); scale_zero bfloat16 [N, K / group, 2] with
+    w = (q - 8) * scale + zero (torch's convention and values), groups a power of two >= 32;
     paged KV cache as documented in reference.py (bf16 caches only; head_dim % 16 == 0).
 """
 
@@ -44,14 +44,14 @@ COMMON_FLAGS = ["-O3", "-fPIC", "-fopenmp", "-std=c11", "-ffp-contract=off", "-W
 # architecture. -ffp-contract=off: multiplies and adds are fused only where the source says so,
 # so every variant keeps torch's rounding points in the elementwise ops.
 VARIANT_FLAGS = {
-    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "neon": [],  # NEON (Advanced SIMD) is part of every aarch64 CPU
     "portable": ["-DWB_PORTABLE"],
 }
 VARIANT_NEEDS = {
-    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"),
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "fma"),
     "avx2": ("avx2", "fma", "f16c"),
     "neon": ("asimd",),
@@ -300,6 +300,11 @@ class Gemv:
         self.n = weight.shape[0]
         self.k = weight.shape[1] * (2 if kind == "int4" else 1)
         self.group = group
+        if kind == "int4" and (self.k % 32 or group < 32 or group & (group - 1) or self.k % group):
+            raise ValueError(
+                f"the int4 kernel takes rows of a multiple of 32 values in groups of a power of two >= 32 "
+                f"that divides them; got {self.k} values in groups of {group}"
+            )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -392,7 +397,9 @@ class DecodeStep:
                 intermediate,
             )
         ]
-        xf = torch.empty(t * max(hidden, heads * head_dim, intermediate), dtype=torch.float32)
+        # the GEMVs' activation scratch: fp32 copies, or the quantised kernels' re-laid-out rows
+        # (under 2 K + 128 floats a row: cpu_kernels.c, quant_scratch_bytes)
+        xf = torch.empty(t * (2 * max(hidden, heads * head_dim, intermediate) + 128), dtype=torch.float32)
         self._keep = (positions, slot_mapping, block_tables, seq_lens, cos, sin, xf)
         self.t, self.hidden = t, hidden
         self.struct = _Step(
@@ -502,9 +509,9 @@ def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
 
 
 def gemv_int4(
-    x: torch.Tensor, q: torch.Tensor, scale_low: torch.Tensor, group: int, bias: torch.Tensor | None = None
+    x: torch.Tensor, q: torch.Tensor, scale_zero: torch.Tensor, group: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    return Gemv("int4", q, scale_low, bias, group)(x.contiguous())
+    return Gemv("int4", q, scale_zero, bias, group)(x.contiguous())
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,8 @@ static inline void row_acc_store(vf acc[MAX_M][ROW_ACCS], const int M, const int
     }
 }
 
-// Activations as fp32, for the kernels that multiply in fp32.
+#if !WB_BF16_DOT
+// Activations as fp32, for the kernels that multiply in fp32 (the builds without vdpbf16ps).
 static void bf16_to_f32(const bf16 *x, float *f, int64_t n) {
     for (int64_t i = 0; i < n; i++) f[i] = bf2f(x[i]);
 }
@@ -133,6 +134,7 @@ static float *to_f32(const bf16 *x, int64_t n) {
     bf16_to_f32(x, f, n);
     return f;
 }
+#endif
 
 #if WB_BF16_DOT
 #include <immintrin.h>
@@ -265,6 +267,206 @@ void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bia
 }
 
 // int8 weights, per-row scale: y = (x . q) * scale. K % 16 == 0.
+// int4 weights, asymmetric groups in torch's convention: w = (q - 8) * scale + zero, q in 0..15.
+// Row n holds K/2 bytes; within each run of 32 values, byte j packs value j (low nibble) and value
+// j + 16 (high nibble), so one 16-byte load unpacks into two 16-lane vectors. `scale_zero` is bf16
+// [N, K / group, 2] (torch's own values: 4 bytes a group, not fp32's 8). K % 32 == 0; group is a
+// power of two >= 32.
+#if WB_BF16_DOT
+// Widening each int8 weight or int4 code to fp32 and multiplying it there cost more cycles than
+// reading it: SmolLM2's int4 layers and int8 head of a token read 13-16 GB/s that way, where its
+// bf16 GEMVs read 29 (2-vCPU Zen 4). Here both multiply in the formats the weights already are:
+//
+// int8: the activations as int16 fixed point, one scale per activation row (max |x| -> 32767), and
+// vpdpwssd (32 int16 products an instruction, summed exactly in int32). Rounding x costs at most
+// max|x| / 65534 an element: under bf16's own rounding for every element within a factor of 128
+// of the row's largest, so the sums agree with the fp32 kernel's to the output's bf16 rounding.
+//
+// int4: a code q in 0..15 under the high bits 0x4300 is the bf16 number 128 + q, exactly; one
+// and/or makes the codes bf16 and vdpbf16ps multiplies them by the bf16 activations as they are.
+// A group sums to scale * sum((128 + q) x) + (zero - 136 scale) * sum(x): the first term in the
+// loop, the second once per row at the end, as the dot of the row's (scale, zero) pairs with the
+// (-136 sum(x), sum(x)) of each group, computed once per call.
+//
+// Each call first re-lays out its activations (int8_prepare, int4_prepare) in a scratch of
+// quant_scratch_bytes(M, K); the weights and their layouts are every build's.
+
+#define INT8_SPAN 4096 // int32 lanes flush to fp32 every INT8_SPAN values: 256 products of <= 127 * 32767
+
+static inline int64_t run_pairs_len(int64_t K) { return (K + 63) & ~(int64_t)63; }
+
+static int64_t quant_scratch_bytes(int64_t M, int64_t K) {
+    return (M * run_pairs_len(K) * 2 + M * (K / 16 + 1) * 4 + 127) & ~(int64_t)63;
+}
+
+// The scratch: [M, K] int16 activations (int8) or [M, K rounded up to 64] re-laid-out bf16 ones
+// (int4), then per row the int8 scale or the int4 group sums.
+static inline float *quant_scratch_tail(void *scratch, int64_t M, int64_t K) {
+    return (float *)((bf16 *)scratch + M * run_pairs_len(K));
+}
+
+static void int8_prepare(const bf16 *x, int64_t M, int64_t K, void *scratch) {
+    int16_t *x16 = (int16_t *)scratch;
+    float *dx = quant_scratch_tail(scratch, M, K);
+    for (int64_t m = 0; m < M; m++) {
+        float top = 0;
+        for (int64_t k = 0; k < K; k++) top = fmaxf(top, fabsf(bf2f(x[m * K + k])));
+        float inv = top > 0 ? 32767.0f / top : 0.0f;
+        dx[m] = top / 32767.0f;
+        for (int64_t k = 0; k < K; k++) x16[m * K + k] = (int16_t)nearbyintf(fminf(fmaxf(bf2f(x[m * K + k]) * inv, -32767.0f), 32767.0f));
+    }
+}
+
+// Each weight row whole, one after another (a thread's rows are one sequential stream, prefetched
+// QUANT_AHEAD bytes ahead), as the bf16 GEMVs read theirs: in 4-row lockstep the int8 head read
+// 7 GB/s on one thread whatever the arithmetic cost.
+#define QUANT_AHEAD 2048
+
+// The four rows of a block summed across their lanes at once (three shuffle-and-add rounds for all
+// four, not four reductions: a short row's reduction cost a third of its time) and stored.
+static inline void store_rows4(vf a[ROWS], bf16 *y, int64_t N, int64_t m, int64_t n0, int nr, const bf16 *bias) {
+    _Static_assert(ROWS == 4, "store_rows4 sums four rows");
+    __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+    __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, 0x88), _mm512_shuffle_f32x4(a01, a23, 0xDD));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E)); // 128-bit lane r: row r's four partial sums
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+    float sums[16];
+    _mm512_storeu_ps(sums, t);
+    for (int r = 0; r < nr; r++) store_row(y, N, m, n0 + r, sums[4 * r], bias);
+}
+static inline void gemv_int8_block(const int16_t *x16, const float *dx, const int8_t *q, const bf16 *scale,
+                                   const bf16 *bias, bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr,
+                                   const int M) {
+    vf acc[MAX_M][ROWS];
+    acc_clear(acc, M);
+    for (int r = 0; r < nr; r++) {
+        const int8_t *wr = q + (n0 + r) * K;
+        for (int64_t k0 = 0; k0 < K; k0 += INT8_SPAN) {
+            int64_t end = K - k0 < INT8_SPAN ? K : k0 + INT8_SPAN, k = k0;
+            __m512i part[MAX_M][2];
+            for (int m = 0; m < M; m++) part[m][0] = part[m][1] = _mm512_setzero_si512();
+            for (; k + 64 <= end; k += 64) {
+                PREFETCH(wr + QUANT_AHEAD + k);
+                __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + k)));
+                __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + k + 32)));
+                for (int m = 0; m < M; m++) {
+                    const int16_t *xr = x16 + (m0 + m) * K + k;
+                    part[m][0] = _mm512_dpwssd_epi32(part[m][0], w0, _mm512_loadu_si512(xr));
+                    part[m][1] = _mm512_dpwssd_epi32(part[m][1], w1, _mm512_loadu_si512(xr + 32));
+                }
+            }
+            for (; k < end; k += 32) {
+                __mmask32 mk = end - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (end - k)) - 1);
+                __m512i w = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mk, wr + k));
+                for (int m = 0; m < M; m++)
+                    part[m][0] = _mm512_dpwssd_epi32(part[m][0], w, _mm512_maskz_loadu_epi16(mk, x16 + (m0 + m) * K + k));
+            }
+            for (int m = 0; m < M; m++)
+                acc[m][r] = _mm512_add_ps(acc[m][r], _mm512_cvtepi32_ps(_mm512_add_epi32(part[m][0], part[m][1])));
+        }
+        // the row's scale and the activations' fixed-point scale, on the lanes before the sum
+        for (int m = 0; m < M; m++) acc[m][r] = _mm512_mul_ps(acc[m][r], _mm512_set1_ps(dx[m0 + m] * bf2f(scale[n0 + r])));
+    }
+    for (int m = 0; m < M; m++) store_rows4(acc[m], y, N, m0 + m, n0, nr, bias);
+}
+
+// A row's activations as [run0 0..15, run1 0..15, run0 16..31, run1 16..31] per 64 values (the
+// order two runs' codes widen to from one 32-byte load; zero-padded to whole 64s), then each
+// row's (-136 sum(x), sum(x)) per group.
+static void int4_prepare(const bf16 *x, int64_t M, int64_t K, int64_t group, void *scratch) {
+    int64_t K64 = run_pairs_len(K), G = K / group;
+    bf16 *xp = (bf16 *)scratch;
+    float *sums = quant_scratch_tail(scratch, M, K);
+    for (int64_t m = 0; m < M; m++) {
+        const bf16 *xr = x + m * K;
+        bf16 *o = xp + m * K64;
+        for (int64_t k = 0; k < K64; k += 64)
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t from[4] = {k + j, k + 32 + j, k + 16 + j, k + 48 + j};
+                for (int h = 0; h < 4; h++) o[k + 16 * h + j] = from[h] < K ? xr[from[h]] : 0;
+            }
+        for (int64_t g = 0; g < G; g++) {
+            float sx = 0;
+            for (int64_t j = 0; j < group; j++) sx += bf2f(xr[g * group + j]);
+            sums[(m * G + g) * 2] = -136.0f * sx;
+            sums[(m * G + g) * 2 + 1] = sx;
+        }
+    }
+}
+
+// One step of a row: 64 values (two runs, or one at the end of a row) into acc.
+static inline void int4_step(const uint8_t *wq, const bf16 *s, const bf16 *xp, int64_t K64, int whole, int pair,
+                             vf *acc, const int M) {
+    const __m512i nibble = _mm512_set1_epi16(0x000F), as_bf16 = _mm512_set1_epi16(0x4300);
+    // groups of 32: lanes 0-7 sum the first run and 8-15 the second, so they take scale0 and scale1,
+    // the bf16 words 0 and 2 of (scale0, zero0, scale1, zero1) in each lane's high half (= fp32)
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x20000, 0x20000, 0x20000, 0x20000, 0x20000,
+                                           0x20000, 0x20000, 0x20000);
+    __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(whole ? 0xffffffffu : 0xffffu, wq));
+    __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(b, nibble, as_bf16, 0xEA); // (b & 0xF) | 0x4300
+    __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), as_bf16);
+    __m512 sv = pair && whole ? _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+                                    0xAAAAAAAAu, pick, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)s))))
+                              : _mm512_set1_ps(bf2f(s[0]));
+    for (int m = 0; m < M; m++) {
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(xp + m * K64));
+        acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(t, hi, (__m512bh)_mm512_loadu_si512(xp + m * K64 + 32)), sv, acc[m]);
+    }
+}
+
+static inline void gemv_int4_block(const bf16 *xp, const float *cv, const uint8_t *q, const bf16 *sl,
+                                   const bf16 *bias, bf16 *y, int64_t N, int64_t K, int64_t group, int64_t m0,
+                                   int64_t n0, int nr, const int M) {
+    const int64_t K64 = run_pairs_len(K), G = K / group;
+    const int gshift = __builtin_ctzll(group), pair = group == 32; // group: a power of two (cpu.py checks)
+    const bf16 *x0 = xp + m0 * K64;
+    vf rows[MAX_M][ROWS];
+    acc_clear(rows, M);
+    for (int r = 0; r < nr; r++) {
+        const int64_t n = n0 + r;
+        const uint8_t *wr = q + n * (K / 2);
+        const bf16 *sr = sl + n * G * 2;
+        vf acc[2][MAX_M]; // two chains, alternate steps
+        for (int m = 0; m < M; m++) acc[0][m] = acc[1][m] = vf_zero();
+        int64_t k = 0;
+        for (; k + 128 <= K; k += 128) {
+            PREFETCH(wr + QUANT_AHEAD + k / 2);
+            int4_step(wr + k / 2, sr + ((k >> gshift) << 1), x0 + k, K64, 1, pair, acc[0], M);
+            int4_step(wr + k / 2 + 32, sr + (((k + 64) >> gshift) << 1), x0 + k + 64, K64, 1, pair, acc[1], M);
+        }
+        for (; k < K; k += 64)
+            int4_step(wr + k / 2, sr + ((k >> gshift) << 1), x0 + k, K64, K - k >= 64, pair, acc[0], M);
+        for (int m = 0; m < M; m++) {
+            // the zero term joins the lanes before the sum across them
+            vf a = _mm512_add_ps(acc[0][m], acc[1][m]);
+            const float *c = cv + (m0 + m) * G * 2;
+            for (int64_t i = 0; i < G * 2; i += 16) a = vf_fma(vf_load_bf_n(sr + i, G * 2 - i), vf_load_n(c + i, G * 2 - i), a);
+            rows[m][r] = a;
+        }
+    }
+    for (int m = 0; m < M; m++) store_rows4(rows[m], y, N, m0 + m, n0, nr, bias);
+}
+
+void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M,
+                  int64_t N, int64_t K, int64_t group) {
+    (void)group;
+    void *scratch = aligned_alloc(64, quant_scratch_bytes(M, K));
+    int8_prepare(x, M, K, scratch);
+    ROW_BLOCKS(PARALLEL, gemv_int8_block, (const int16_t *)scratch, quant_scratch_tail(scratch, M, K), q, scale, bias,
+               y, N, K);
+    free(scratch);
+}
+
+void wb_gemv_int4(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const bf16 *bias, bf16 *y, int64_t M,
+                  int64_t N, int64_t K, int64_t group) {
+    void *scratch = aligned_alloc(64, quant_scratch_bytes(M, K));
+    int4_prepare(x, M, K, group, scratch);
+    ROW_BLOCKS(PARALLEL, gemv_int4_block, (const bf16 *)scratch, quant_scratch_tail(scratch, M, K), q, scale_zero,
+               bias, y, N, K, group);
+    free(scratch);
+}
+#else
 static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 *scale, const bf16 *bias,
                                    bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
     vf acc[MAX_M][ROWS];
@@ -290,11 +492,7 @@ void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 
     free(xf);
 }
 
-// int4 weights, asymmetric groups: w = q * scale + low, q in 0..15. Row n holds K/2 bytes; within
-// each run of 32 values, byte j packs value j (low nibble) and value j + 16 (high nibble), so one
-// 16-byte load unpacks into two 16-lane vectors. `scale_low` is fp32 [N, K / group, 2].
-// K % 32 == 0 and group % 32 == 0.
-static inline void gemv_int4_block(const float *xf, const uint8_t *q, const float *sl, const bf16 *bias,
+static inline void gemv_int4_block(const float *xf, const uint8_t *q, const bf16 *sl, const bf16 *bias,
                                    bf16 *y, int64_t N, int64_t K, int64_t group, int64_t m0, int64_t n0,
                                    int nr, const int M) {
     vf acc[MAX_M][ROWS];
@@ -308,7 +506,7 @@ static inline void gemv_int4_block(const float *xf, const uint8_t *q, const floa
     int64_t groups = K / group;
     for (int r = 0; r < nr && m0 == 0; r++) {
         const char *p = (const char *)(sl + (n0 + r + PREFETCH_BLOCKS * ROWS) * groups * 2);
-        for (int64_t o = 0; o < groups * 8; o += 64) PREFETCH(p + o);
+        for (int64_t o = 0; o < groups * 4; o += 64) PREFETCH(p + o);
     }
     for (int64_t k = 0; k < K; k += 32) {
         vf xlo[MAX_M], xhi[MAX_M];
@@ -322,7 +520,9 @@ static inline void gemv_int4_block(const float *xf, const uint8_t *q, const floa
             int64_t n = n0 + r;
             if ((k & 127) == 0) PREFETCH(q + (n + PREFETCH_BLOCKS * ROWS) * (K / 2) + k / 2);
             const uint8_t *qb = q + n * (K / 2) + k / 2;
-            vf scale = vf_set1(sl[(n * groups + g) * 2]), low = vf_set1(sl[(n * groups + g) * 2 + 1]);
+            // low = zero - 8 scale, rounded once in fp32 as torch rounds it
+            float s = bf2f(sl[(n * groups + g) * 2]);
+            vf scale = vf_set1(s), low = vf_set1(bf2f(sl[(n * groups + g) * 2 + 1]) - 8.0f * s);
 #if defined(WB_AVX512)
             __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
             __m512 table = _mm512_fmadd_ps(codes, scale, low);
@@ -341,12 +541,13 @@ static inline void gemv_int4_block(const float *xf, const uint8_t *q, const floa
     acc_store(acc, M, nr, y, N, m0, n0, NULL, bias);
 }
 
-void wb_gemv_int4(const bf16 *x, const uint8_t *q, const float *scale_low, const bf16 *bias, bf16 *y, int64_t M,
+void wb_gemv_int4(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const bf16 *bias, bf16 *y, int64_t M,
                   int64_t N, int64_t K, int64_t group) {
     float *xf = to_f32(x, M * K);
-    ROW_BLOCKS(PARALLEL, gemv_int4_block, xf, q, scale_low, bias, y, N, K, group);
+    ROW_BLOCKS(PARALLEL, gemv_int4_block, xf, q, scale_zero, bias, y, N, K, group);
     free(xf);
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Batched decode steps (tens of rows) on AVX-512 BF16: a GEMM over weights packed for it. At these
@@ -1221,19 +1422,30 @@ static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M,
         ROW_BLOCKS(SHARED, gemv_bf16_block, x, (const bf16 *)L->w, L->bias, y, N, K, M);
         return;
     }
-#endif
+    // the quantised kernels' activations, re-laid out once (xf holds quant_scratch_bytes)
+    const float *tail = quant_scratch_tail(xf, M, K);
+    if (L->kind == 1) {
+#pragma omp single
+        int8_prepare(x, M, K, xf);
+        ROW_BLOCKS(SHARED, gemv_int8_block, (const int16_t *)xf, tail, (const int8_t *)L->w, (const bf16 *)L->aux,
+                   L->bias, y, N, K);
+    } else {
+#pragma omp single
+        int4_prepare(x, M, K, L->group, xf);
+        ROW_BLOCKS(SHARED, gemv_int4_block, (const bf16 *)xf, tail, (const uint8_t *)L->w, (const bf16 *)L->aux,
+                   L->bias, y, N, K, L->group);
+    }
+#else
 #pragma omp single
     bf16_to_f32(x, xf, M * K);
-#if !WB_BF16_DOT
     if (L->kind == 0)
         ROW_BLOCKS(SHARED, gemv_bf16_block, xf, (const bf16 *)L->w, L->bias, y, N, K);
-    else
-#endif
-    if (L->kind == 1)
+    else if (L->kind == 1)
         ROW_BLOCKS(SHARED, gemv_int8_block, xf, (const int8_t *)L->w, (const bf16 *)L->aux, L->bias, y, N, K);
     else
-        ROW_BLOCKS(SHARED, gemv_int4_block, xf, (const uint8_t *)L->w, (const float *)L->aux, L->bias, y, N, K,
+        ROW_BLOCKS(SHARED, gemv_int4_block, xf, (const uint8_t *)L->w, (const bf16 *)L->aux, L->bias, y, N, K,
                    L->group);
+#endif
 }
 
 // One layer inside the caller's parallel region (all threads call it): x (the residual stream)

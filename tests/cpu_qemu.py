@@ -95,10 +95,10 @@ class QemuKernels:
         self._call(1, [x, q, scale, bias, y], [m, q.shape[0], k])
         return y
 
-    def gemv_int4(self, x, q, scale_low, group, bias=None):
+    def gemv_int4(self, x, q, scale_zero, group, bias=None):
         m, k = x.shape
         y = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
-        self._call(2, [x, q, scale_low, bias, y], [m, q.shape[0], k, group])
+        self._call(2, [x, q, scale_zero, bias, y], [m, q.shape[0], k, group])
         return y
 
     def add_rms_norm(self, x, delta, weight, eps):

@@ -7,7 +7,8 @@ moves by a third within a minute, so separate runs cannot be compared).
 gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1), GB/s of weights;
 GEMV=ymm for the ymm-register GEMVs, HUGE=1 for weights in 2 MiB pages (both as the engine on Zen 4).
 quant: the same token as `quantization=int4` runs it: 120 int4 GEMVs (groups of 32) and the int8
-head, GB/s of what they read (codes, scales).
+head, GB/s of what they read (codes, scales). Every version gets today's operand layouts
+(linear.native_int4: bf16 scale and zero pairs since 2026-12-03; older sources took fp32 pairs).
 attention: paged decode attention, 64 sequences x 300 tokens (env B, L), 9 query / 3 KV heads of
 64, over 30 layers' caches (env LAYERS; 30 read from DRAM, as in a wide decode step; 1 stays in
 the caches), ms per layer call. extend: prefill attention of a mixed step's prompts (env N, the

@@ -206,10 +206,9 @@ def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, w: torc
 
 
 def native_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int4 kernel's operands: nibble-packed codes and fp32 (scale, low) per row and group,
-    from torch's convention w = (q - 8) * scale + zero, so both kernels multiply by the same weights."""
-    scale, zero = scales_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
-    return cpu.pack_int4(codes), torch.stack([scale, zero - 8 * scale], -1).contiguous()
+    """The int4 kernel's operands: nibble-packed codes and bf16 (scale, zero) [out, groups, 2], torch's
+    own values and convention w = (q - 8) * scale + zero, so both kernels multiply by the same weights."""
+    return cpu.pack_int4(codes), scales_zeros.transpose(0, 1).to(torch.bfloat16).contiguous()
 
 
 def fp8_supported(device: torch.device) -> bool:
