@@ -289,7 +289,8 @@ def test_a_top_level_kernels_import_from_the_checkout_root_gets_hugging_faces():
     """`python -m ...` started at the checkout's root puts it first on sys.path, where the kernels/
     folder (installed as workbench_kernels) shadows the name of Hugging Face's `kernels` package,
     which transformers imports when it is installed. That import gets Hugging Face's package, or,
-    where it is not installed, an ImportError that says what the folder is."""
+    where it is not installed, an empty module (transformers probes for the package by importing
+    it, and an error there broke vLLM's server started from the root)."""
     import importlib.metadata
     import subprocess
     import sys
@@ -297,11 +298,13 @@ def test_a_top_level_kernels_import_from_the_checkout_root_gets_hugging_faces():
     code = "import kernels, workbench_kernels.cpu as c; print(kernels.__file__); print(c.__name__)"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
     try:
-        importlib.metadata.version("kernels")
+        installed = bool(importlib.metadata.version("kernels"))
     except importlib.metadata.PackageNotFoundError:
-        assert r.returncode != 0 and "is this checkout's workbench_kernels" in r.stderr, r.stderr
-        return
+        installed = False
     assert r.returncode == 0, r.stderr
     path, cpu_module = r.stdout.split()
-    assert Path(path).parent.parent != ROOT.parent and "site-packages" in path
     assert cpu_module == "workbench_kernels.cpu"
+    if installed:
+        assert Path(path).parent.parent != ROOT.parent and "site-packages" in path
+    else:
+        assert Path(path).parent.parent == ROOT.parent
