@@ -273,14 +273,16 @@ void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bia
 // [N, K / group, 2] (torch's own values: 4 bytes a group, not fp32's 8). K % 32 == 0; group is a
 // power of two >= 32.
 #if WB_BF16_DOT
-// Widening each int8 weight or int4 code to fp32 and multiplying it there cost more cycles than
-// reading it: SmolLM2's int4 layers and int8 head of a token read 13-16 GB/s that way, where its
-// bf16 GEMVs read 29 (2-vCPU Zen 4). Here both multiply in the formats the weights already are:
+// Widening each int8 weight or int4 code to fp32 and multiplying it there, four rows in lockstep,
+// bound these GEMVs by arithmetic and access order, not memory: SmolLM2's int4 layers and int8
+// head of a token read 13-16 GB/s that way, where its bf16 GEMVs read 29 (2-vCPU Zen 4). Here both
+// multiply in the formats the weights already are, and read rows as the bf16 GEMVs do:
 //
 // int8: the activations as int16 fixed point, one scale per activation row (max |x| -> 32767), and
 // vpdpwssd (32 int16 products an instruction, summed exactly in int32). Rounding x costs at most
-// max|x| / 65534 an element: under bf16's own rounding for every element within a factor of 128
-// of the row's largest, so the sums agree with the fp32 kernel's to the output's bf16 rounding.
+// max|x| / 65534 an element, under bf16's own rounding for every element within a factor of 128
+// of the row's largest; a sum moves by at most that times sum |w|, which only sums cancelling to
+// near zero notice against their own bf16 rounding.
 //
 // int4: a code q in 0..15 under the high bits 0x4300 is the bf16 number 128 + q, exactly; one
 // and/or makes the codes bf16 and vdpbf16ps multiplies them by the bf16 activations as they are.
