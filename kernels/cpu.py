@@ -300,7 +300,7 @@ class Gemv:
         self.n = weight.shape[0]
         self.k = weight.shape[1] * (2 if kind == "int4" else 1)
         self.group = group
-        if kind == "int4" and (self.k % 32 or group < 32 or group & (group - 1) or self.k % group):
+        if kind == "int4" and (group < 32 or group & (group - 1) or self.k % group):  # so k % 32 == 0 too
             raise ValueError(
                 f"the int4 kernel takes rows of a multiple of 32 values in groups of a power of two >= 32 "
                 f"that divides them; got {self.k} values in groups of {group}"

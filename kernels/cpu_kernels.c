@@ -337,6 +337,7 @@ static inline void store_rows4(vf a[ROWS], bf16 *y, int64_t N, int64_t m, int64_
     _mm512_storeu_ps(sums, t);
     for (int r = 0; r < nr; r++) store_row(y, N, m, n0 + r, sums[4 * r], bias);
 }
+
 static inline void gemv_int8_block(const int16_t *x16, const float *dx, const int8_t *q, const bf16 *scale,
                                    const bf16 *bias, bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr,
                                    const int M) {
