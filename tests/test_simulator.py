@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import workbench
 from workbench import LLM, Simulator
@@ -531,3 +532,20 @@ def test_the_calibration_covers_mid_width_and_long_context_small_steps():
     assert all(len(r.prompt_token_ids) >= 512 for r in long_prompts)
     assert len({r.max_tokens for r in long_prompts}) > 1  # decodes narrow from 4 to 1 as they finish
     assert [len(w.requests) for w in calibration_workloads(None, 256, 2048, 16)] == [16, 8, 4, 1]
+
+
+def test_cpu_profile_takes_the_engines_fastest_matmul_path(monkeypatch):
+    """Without native bf16 instructions (Zen 3, AVX2) oneDNN's bf16 runs ~10x slower than its fp32
+    and the engine takes fp32 (`gemm_path`); the profile counted bf16 alone, so even one stream
+    looked compute-bound there and int8 weights saved nothing in the simulator."""
+    from workbench_kernels import cpu
+
+    from workbench.sim.profiles import cpu_profile
+
+    rates = {torch.bfloat16: 12.0, torch.float32: 150.0}
+    monkeypatch.setattr(cpu, "gemm_rate", lambda dtype, *a, **kw: rates[dtype])
+    monkeypatch.setattr(cpu, "tiles_available", lambda: False)
+    assert cpu_profile().peak_tflops == pytest.approx(0.150)
+    monkeypatch.setattr(cpu, "tiles_available", lambda: True)
+    monkeypatch.setattr(cpu, "tiles_rate", lambda *a, **kw: 400.0)
+    assert cpu_profile().peak_tflops == pytest.approx(0.400)

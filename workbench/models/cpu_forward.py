@@ -131,9 +131,10 @@ class CpuKernelForward:
         )
 
     @staticmethod
-    def gemm_rate(m: int, k: int, n: int, budget_s: float = 0.25, dtype: torch.dtype = torch.bfloat16) -> float:
+    def gemm_rate(m: int, k: int, n: int, budget_s: float = 0.25, dtype: torch.dtype | None = torch.bfloat16) -> float:
         """GFLOP/s of an m x k x n linear as the engine runs it on this CPU (oneDNN's packed layout
-        in bf16 or fp32, our tiles in bf16), the best of them (RuntimeError: no C kernels here)."""
+        in bf16 or fp32, our tiles in bf16), the best of them in `dtype` (None: in any, as the
+        engine's `gemm_path` picks) (RuntimeError: no C kernels here)."""
         return cpu.engine_gemm_rate(m, k, n, budget_s=budget_s, dtype=dtype)
 
     def __call__(self, x, positions, attention, meta) -> torch.Tensor:

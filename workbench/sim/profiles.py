@@ -43,13 +43,15 @@ PROFILES: dict[str, Profile] = {
 
 def cpu_profile(quick: bool = True) -> Profile:
     """This host, measured now: read bandwidth (bench.roofline) and the best batch-shaped matmul
-    rate as the engine runs it (the CPU fast path's `gemm_rate`: oneDNN bf16 or fp32, our tiles),
-    the engine's typical per-step overhead on a CPU (2 ms) at full efficiency (they are measured)."""
+    rate as the engine runs it (the fastest of oneDNN bf16, oneDNN fp32 and our tiles, as the
+    engine's `gemm_path` picks: without native bf16 instructions oneDNN's bf16 runs ~10x slower
+    than its fp32, which the engine takes there), the engine's typical per-step overhead on a CPU
+    (2 ms) at full efficiency (they are measured)."""
     from ..bench.roofline import measure_bandwidth
     from ..models.cpu_forward import CpuKernelForward
 
     bw = max(measure_bandwidth(1 << 28 if quick else 1 << 30, repeats=3))
-    flops = CpuKernelForward.gemm_rate(64, 576, 2304, budget_s=0.05 if quick else 0.25)
+    flops = CpuKernelForward.gemm_rate(64, 576, 2304, budget_s=0.05 if quick else 0.25, dtype=None)
     return Profile(
         "cpu",
         bw,
