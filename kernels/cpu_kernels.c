@@ -31,6 +31,18 @@
 #define WB_BF16_DOT 0
 #define WB_VARIANT WB_ISA
 #endif
+// The builds whose quantised GEMVs take activations re-laid out per call (int8_prepare,
+// int4_prepare) instead of plain fp32 copies: AVX-512 BF16 and AVX2.
+#if defined(__AVX2__) && !defined(WB_AVX512) && !defined(WB_PORTABLE)
+#define WB_AVX2_ONLY 1
+#else
+#define WB_AVX2_ONLY 0
+#endif
+#if WB_BF16_DOT || WB_AVX2_ONLY
+#define WB_QUANT_PREPARED 1
+#else
+#define WB_QUANT_PREPARED 0
+#endif
 
 int wb_abi_version(void) { return 3; }
 // The instruction set this build was compiled for, as cpu.py names the variants.
@@ -307,18 +319,6 @@ static inline float *quant_scratch_tail(void *scratch, int64_t M, int64_t K) {
     return (float *)((bf16 *)scratch + M * run_pairs_len(K));
 }
 
-static void int8_prepare(const bf16 *x, int64_t M, int64_t K, void *scratch) {
-    int16_t *x16 = (int16_t *)scratch;
-    float *dx = quant_scratch_tail(scratch, M, K);
-    for (int64_t m = 0; m < M; m++) {
-        float top = 0;
-        for (int64_t k = 0; k < K; k++) top = fmaxf(top, fabsf(bf2f(x[m * K + k])));
-        float inv = top > 0 ? 32767.0f / top : 0.0f;
-        dx[m] = top / 32767.0f;
-        for (int64_t k = 0; k < K; k++) x16[m * K + k] = (int16_t)nearbyintf(fminf(fmaxf(bf2f(x[m * K + k]) * inv, -32767.0f), 32767.0f));
-    }
-}
-
 // Each weight row whole, one after another (a thread's rows are one sequential stream, prefetched
 // QUANT_AHEAD bytes ahead), as the bf16 GEMVs read theirs: in 4-row lockstep the int8 head read
 // 7 GB/s on one thread whatever the arithmetic cost.
@@ -451,24 +451,158 @@ static inline void gemv_int4_block(const bf16 *xp, const float *cv, const uint8_
     for (int m = 0; m < M; m++) store_rows4(rows[m], y, N, m0 + m, n0, nr, bias);
 }
 
-void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M,
-                  int64_t N, int64_t K, int64_t group) {
-    (void)group;
-    void *scratch = aligned_alloc(64, quant_scratch_bytes(M, K));
-    int8_prepare(x, M, K, scratch);
-    ROW_BLOCKS(PARALLEL, gemv_int8_block, (const int16_t *)scratch, quant_scratch_tail(scratch, M, K), q, scale, bias,
-               y, N, K);
-    free(scratch);
+#elif WB_AVX2_ONLY
+// AVX2 (Zen 3 and older): widening each int8 weight or int4 code to fp32 (vpmovzxbd, vcvtdq2ps)
+// bound these GEMVs at 4-13 G values/s a core, under half the bf16 GEMVs' DRAM rate, and
+// vcvtdq2ps and the widening loads share the pipes the multiply-adds need (a 2-vCPU Zen 3
+// guest). Here neither converts in the loop, and rows are read whole, one after another:
+//
+// int8: as the AVX-512 BF16 build, activations as int16 fixed point (one scale per activation
+// row, the same bound) and vpmaddwd (16 exact int16 products an instruction, summed in int32).
+//
+// int4: a code q under the high bits 0x4300 is the bf16 number 128 + q, and a bf16 number in the
+// high half of a 32-bit lane is the same fp32 number: a shift (even codes) or an and (odd codes)
+// makes the codes fp32 exactly, so the activations stay exact fp32. They are re-laid out per run of
+// 32 as the codes widen (even values, then odd, for each nibble half). A group sums to
+// scale * sum((128 + q) x) + (zero - 136 scale) * sum(x), the second term one dot per row as in
+// the AVX-512 BF16 build.
+
+#define INT8_SPAN 4096 // int32 lanes flush to fp32 every INT8_SPAN values: 256 products of <= 128 * 32767
+#define QUANT_AHEAD 2048
+
+static int64_t quant_scratch_bytes(int64_t M, int64_t K) { return (M * K * 4 + M * (K / 16 + 1) * 4 + 127) & ~(int64_t)63; }
+
+// The scratch: [M, K] int16 activations (int8) or fp32 re-laid-out ones (int4), then per row the
+// int8 scale or the int4 group sums.
+static inline float *quant_scratch_tail(void *scratch, int64_t M, int64_t K) { return (float *)scratch + M * K; }
+
+static inline void gemv_int8_block(const int16_t *x16, const float *dx, const int8_t *q, const bf16 *scale,
+                                   const bf16 *bias, bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr,
+                                   const int M) {
+    vf acc[MAX_M][ROWS];
+    for (int r = 0; r < nr; r++) {
+        const int8_t *wr = q + (n0 + r) * K;
+        __m256 row[MAX_M];
+        for (int m = 0; m < M; m++) row[m] = _mm256_setzero_ps();
+        for (int64_t k0 = 0; k0 < K; k0 += INT8_SPAN) {
+            int64_t end = K - k0 < INT8_SPAN ? K : k0 + INT8_SPAN, k = k0;
+            __m256i part[MAX_M][2];
+            for (int m = 0; m < M; m++) part[m][0] = part[m][1] = _mm256_setzero_si256();
+            for (; k + 32 <= end; k += 32) {
+                PREFETCH(wr + QUANT_AHEAD + k);
+                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
+                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k + 16)));
+                for (int m = 0; m < M; m++) {
+                    const int16_t *xr = x16 + (m0 + m) * K + k;
+                    part[m][0] = _mm256_add_epi32(part[m][0], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xr)));
+                    part[m][1] =
+                        _mm256_add_epi32(part[m][1], _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xr + 16))));
+                }
+            }
+            if (k < end) { // K % 16 == 0
+                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + k)));
+                for (int m = 0; m < M; m++)
+                    part[m][0] = _mm256_add_epi32(
+                        part[m][0], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(x16 + (m0 + m) * K + k))));
+            }
+            for (int m = 0; m < M; m++)
+                row[m] = _mm256_add_ps(row[m], _mm256_cvtepi32_ps(_mm256_add_epi32(part[m][0], part[m][1])));
+        }
+        // the row's scale and the activations' fixed-point scale, on the lanes before the sum
+        for (int m = 0; m < M; m++) {
+            acc[m][r].a = _mm256_mul_ps(row[m], _mm256_set1_ps(dx[m0 + m] * bf2f(scale[n0 + r])));
+            acc[m][r].b = _mm256_setzero_ps();
+        }
+    }
+    acc_store(acc, M, nr, y, N, m0, n0, NULL, bias);
 }
 
-void wb_gemv_int4(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const bf16 *bias, bf16 *y, int64_t M,
-                  int64_t N, int64_t K, int64_t group) {
-    void *scratch = aligned_alloc(64, quant_scratch_bytes(M, K));
-    int4_prepare(x, M, K, group, scratch);
-    ROW_BLOCKS(PARALLEL, gemv_int4_block, (const bf16 *)scratch, quant_scratch_tail(scratch, M, K), q, scale_zero,
-               bias, y, N, K, group);
-    free(scratch);
+// Per run of 32: [x0 x2 .. x14, x1 x3 .. x15, x16 x18 .. x30, x17 .. x31] (the order the codes come
+// out in), then each row's (-136 sum(x), sum(x)) per group. K % 32 == 0.
+static void int4_prepare(const bf16 *x, int64_t M, int64_t K, int64_t group, void *scratch) {
+    int64_t G = K / group;
+    float *xp = (float *)scratch, *sums = quant_scratch_tail(scratch, M, K);
+    for (int64_t m = 0; m < M; m++) {
+        const bf16 *xr = x + m * K;
+        float *o = xp + m * K;
+        for (int64_t k = 0; k < K; k += 32)
+            for (int64_t j = 0; j < 8; j++) {
+                o[k + j] = bf2f(xr[k + 2 * j]);
+                o[k + 8 + j] = bf2f(xr[k + 2 * j + 1]);
+                o[k + 16 + j] = bf2f(xr[k + 16 + 2 * j]);
+                o[k + 24 + j] = bf2f(xr[k + 16 + 2 * j + 1]);
+            }
+        for (int64_t g = 0; g < G; g++) {
+            float sx = 0;
+            for (int64_t j = 0; j < group; j++) sx += bf2f(xr[g * group + j]);
+            sums[(m * G + g) * 2] = -136.0f * sx;
+            sums[(m * G + g) * 2 + 1] = sx;
+        }
+    }
 }
+
+// One group of a row: sum((128 + q) x) over its runs of 32, times the group's scale, into row.
+static inline void int4_group(const uint8_t *wq, const float *x, int64_t K, int64_t group, const bf16 *sz,
+                              __m256 *row, const int M) {
+    const __m256i nibble = _mm256_set1_epi16(0x000F), as_bf16 = _mm256_set1_epi16(0x4300);
+    const __m256i high_half = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 even[MAX_M], odd[MAX_M];
+    for (int m = 0; m < M; m++) even[m] = odd[m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < group; k += 32) {
+        if ((k & 127) == 0) PREFETCH(wq + QUANT_AHEAD + k / 2);
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wq + k / 2)));
+        __m256i lo = _mm256_or_si256(_mm256_and_si256(w, nibble), as_bf16);
+        __m256i hi = _mm256_or_si256(_mm256_srli_epi16(w, 4), as_bf16);
+        __m256 lo_even = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+        __m256 lo_odd = _mm256_castsi256_ps(_mm256_and_si256(lo, high_half));
+        __m256 hi_even = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+        __m256 hi_odd = _mm256_castsi256_ps(_mm256_and_si256(hi, high_half));
+        for (int m = 0; m < M; m++) {
+            const float *xr = x + m * K + k;
+            __m256 e = _mm256_fmadd_ps(lo_even, _mm256_loadu_ps(xr), even[m]);
+            __m256 o = _mm256_fmadd_ps(lo_odd, _mm256_loadu_ps(xr + 8), odd[m]);
+            even[m] = _mm256_fmadd_ps(hi_even, _mm256_loadu_ps(xr + 16), e);
+            odd[m] = _mm256_fmadd_ps(hi_odd, _mm256_loadu_ps(xr + 24), o);
+        }
+    }
+    // the scale: the low bf16 of the group's (scale, zero) pair, shifted into an fp32's high half
+    __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi32(*(const int32_t *)sz), 16));
+    for (int m = 0; m < M; m++) row[m] = _mm256_fmadd_ps(_mm256_add_ps(even[m], odd[m]), s, row[m]);
+}
+
+static inline void gemv_int4_block(const float *xp, const float *cv, const uint8_t *q, const bf16 *sl,
+                                   const bf16 *bias, bf16 *y, int64_t N, int64_t K, int64_t group, int64_t m0,
+                                   int64_t n0, int nr, const int M) {
+    const int64_t G = K / group;
+    const float *x0 = xp + m0 * K;
+    vf acc[MAX_M][ROWS];
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *wr = q + (n0 + r) * (K / 2);
+        const bf16 *sr = sl + (n0 + r) * G * 2;
+        __m256 row[2][MAX_M]; // two chains, alternate groups
+        for (int m = 0; m < M; m++) row[0][m] = row[1][m] = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 2 <= G; g += 2) {
+            int4_group(wr + g * group / 2, x0 + g * group, K, group, sr + 2 * g, row[0], M);
+            int4_group(wr + (g + 1) * group / 2, x0 + (g + 1) * group, K, group, sr + 2 * g + 2, row[1], M);
+        }
+        if (g < G) int4_group(wr + g * group / 2, x0 + g * group, K, group, sr + 2 * g, row[0], M);
+        for (int m = 0; m < M; m++) {
+            // the zero term joins the lanes before the sum across them (whole 8s, then one by one)
+            const float *c = cv + (m0 + m) * G * 2;
+            __m256 a = _mm256_add_ps(row[0][m], row[1][m]), z = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= G * 2; i += 8)
+                z = _mm256_fmadd_ps(wb_widen8(_mm_loadu_si128((const __m128i *)(sr + i))), _mm256_loadu_ps(c + i), z);
+            float rest = 0;
+            for (; i < G * 2; i++) rest += bf2f(sr[i]) * c[i];
+            acc[m][r].a = _mm256_add_ps(a, z);
+            acc[m][r].b = _mm256_set_ps(0, 0, 0, 0, 0, 0, 0, rest);
+        }
+    }
+    acc_store(acc, M, nr, y, N, m0, n0, NULL, bias);
+}
+
 #else
 static inline void gemv_int8_block(const float *xf, const int8_t *q, const bf16 *scale, const bf16 *bias,
                                    bf16 *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int nr, const int M) {
@@ -549,6 +683,40 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const
     float *xf = to_f32(x, M * K);
     ROW_BLOCKS(PARALLEL, gemv_int4_block, xf, q, scale_zero, bias, y, N, K, group);
     free(xf);
+}
+#endif
+
+#if WB_QUANT_PREPARED
+// The int8 activations as int16 fixed point, max |x| -> 32767, and each row's scale (both builds).
+static void int8_prepare(const bf16 *x, int64_t M, int64_t K, void *scratch) {
+    int16_t *x16 = (int16_t *)scratch;
+    float *dx = quant_scratch_tail(scratch, M, K);
+    for (int64_t m = 0; m < M; m++) {
+        float top = 0;
+        for (int64_t k = 0; k < K; k++) top = fmaxf(top, fabsf(bf2f(x[m * K + k])));
+        float inv = top > 0 ? 32767.0f / top : 0.0f;
+        dx[m] = top / 32767.0f;
+        for (int64_t k = 0; k < K; k++) x16[m * K + k] = (int16_t)nearbyintf(fminf(fmaxf(bf2f(x[m * K + k]) * inv, -32767.0f), 32767.0f));
+    }
+}
+
+void wb_gemv_int8(const bf16 *x, const int8_t *q, const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M,
+                  int64_t N, int64_t K, int64_t group) {
+    (void)group;
+    void *scratch = aligned_alloc(64, quant_scratch_bytes(M, K));
+    int8_prepare(x, M, K, scratch);
+    ROW_BLOCKS(PARALLEL, gemv_int8_block, (const int16_t *)scratch, quant_scratch_tail(scratch, M, K), q, scale, bias,
+               y, N, K);
+    free(scratch);
+}
+
+void wb_gemv_int4(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const bf16 *bias, bf16 *y, int64_t M,
+                  int64_t N, int64_t K, int64_t group) {
+    void *scratch = aligned_alloc(64, quant_scratch_bytes(M, K));
+    int4_prepare(x, M, K, group, scratch);
+    ROW_BLOCKS(PARALLEL, gemv_int4_block, (const void *)scratch, quant_scratch_tail(scratch, M, K), q, scale_zero,
+               bias, y, N, K, group);
+    free(scratch);
 }
 #endif
 
@@ -1425,6 +1593,15 @@ static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M,
         ROW_BLOCKS(SHARED, gemv_bf16_block, x, (const bf16 *)L->w, L->bias, y, N, K, M);
         return;
     }
+#else
+    if (L->kind == 0) {
+#pragma omp single
+        bf16_to_f32(x, xf, M * K);
+        ROW_BLOCKS(SHARED, gemv_bf16_block, xf, (const bf16 *)L->w, L->bias, y, N, K);
+        return;
+    }
+#endif
+#if WB_QUANT_PREPARED
     // the quantised kernels' activations, re-laid out once (xf holds quant_scratch_bytes)
     const float *tail = quant_scratch_tail(xf, M, K);
     if (L->kind == 1) {
@@ -1435,15 +1612,13 @@ static void linear_shared(const wb_linear *L, const bf16 *x, bf16 *y, int64_t M,
     } else {
 #pragma omp single
         int4_prepare(x, M, K, L->group, xf);
-        ROW_BLOCKS(SHARED, gemv_int4_block, (const bf16 *)xf, tail, (const uint8_t *)L->w, (const bf16 *)L->aux,
+        ROW_BLOCKS(SHARED, gemv_int4_block, (const void *)xf, tail, (const uint8_t *)L->w, (const bf16 *)L->aux,
                    L->bias, y, N, K, L->group);
     }
 #else
 #pragma omp single
     bf16_to_f32(x, xf, M * K);
-    if (L->kind == 0)
-        ROW_BLOCKS(SHARED, gemv_bf16_block, xf, (const bf16 *)L->w, L->bias, y, N, K);
-    else if (L->kind == 1)
+    if (L->kind == 1)
         ROW_BLOCKS(SHARED, gemv_int8_block, xf, (const int8_t *)L->w, (const bf16 *)L->aux, L->bias, y, N, K);
     else
         ROW_BLOCKS(SHARED, gemv_int4_block, xf, (const uint8_t *)L->w, (const bf16 *)L->aux, L->bias, y, N, K,

@@ -147,14 +147,6 @@ static inline vf vf_load_i8(const int8_t *p) {
     WB_BOTH(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
     return r;
 }
-static inline vf vf_load_u4(const uint8_t *p, int high) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    if (high) b = _mm_srli_epi16(b, 4);
-    b = _mm_and_si128(b, _mm_set1_epi8(15));
-    vf r;
-    WB_BOTH(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
-    return r;
-}
 static inline float vf_sum(vf v) {
     __m256 s = _mm256_add_ps(v.a, v.b);
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));

@@ -159,14 +159,18 @@ def test_gemv_int8_matches_torch_kernel(kern, m, k):
     x = torch.randn(m, k, generator=g).to(BF)
     q, s = quantize_int8(w)
     out, ref = kern.gemv_int8(x, q, s), torch.ops.aten._weight_int8pack_mm(x, q, s)
-    fixed_point = kern is cpu and cpu.variant() == "avx512_bf16"
+    fixed_point = kern is cpu and cpu.variant() in INT8_FIXED_POINT
     assert_within_ulps(out, ref, 0.05, slack=int8_fixed_point_slack(q, s, x) if fixed_point else 0.0)
 
 
+# the builds whose int8 GEMV takes its activations as int16 fixed point (vpdpwssd, vpmaddwd)
+INT8_FIXED_POINT = ("avx512_bf16", "avx2")
+
+
 def int8_fixed_point_slack(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """What the avx512_bf16 int8 GEMV's int16 activations (one scale per row, max |x| -> 32767) may
-    move each output by: max|x| / 65534 times sum |w|, which only sums cancelling to near zero
-    notice against their own ulp."""
+    """What an int8 GEMV's int16 activations (one scale per row, max |x| -> 32767) may move each
+    output by: max|x| / 65534 times sum |w|, which only sums cancelling to near zero notice against
+    their own ulp."""
     return (q.float().abs() * s.float()[:, None]).sum(1) * x.float().abs().amax(1, keepdim=True) / 65534
 
 
@@ -204,7 +208,7 @@ def test_linear_native_switch_keeps_results(native_variant, seed):
         lin.native = False
         ref = lin(x)
         lin.native = True
-        fixed_point = mode == "int8" and native_variant == "avx512_bf16"
+        fixed_point = mode == "int8" and native_variant in INT8_FIXED_POINT
         assert_within_ulps(lin(x), ref, 0.1, slack=int8_fixed_point_slack(*lin._q, x) if fixed_point else 0.0)
     lin.native = True
     big = torch.randn(cpu.MAX_ROWS + 1, 64).to(BF)  # more rows than a GEMV takes: torch's kernel
