@@ -302,34 +302,70 @@ def fused_moe_case(
     return {"time_s": t, "bytes": moved, "GBps": moved / t / 1e9, "max_abs_err": err, "experts_used": used}
 
 
-def sweep(ops, timer, device, log) -> dict:
-    best = {}
-    decode_grid = [
-        dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
-    ]
-    prefill_grid = [
-        dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-        for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
-    ]
-    for label, hq, hkv, d in SHAPES:
-        for kind, grid in (("decode", decode_grid), ("prefill", prefill_grid)):
-            rows = []
-            for cfg in grid:
+DECODE_GRID = [
+    dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
+]
+PREFILL_GRID = [
+    dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+]
+
+
+def sweep(
+    ops,
+    timer,
+    device,
+    log,
+    *,
+    shapes=SHAPES,
+    grids=None,
+    deadline: float | None = None,
+    decode_sizes: dict | None = None,
+    prefill_sizes: dict | None = None,
+    dtype=torch.bfloat16,
+    iters: tuple[int, int] = (10, 5),
+) -> dict:
+    """Time each launch configuration of `grids` ({"decode": [...], "prefill": [...]}) per shape;
+    per shape and kind, the three fastest and the default configuration's time (timed first, as
+    the grid's, so both meet the same conditions). Stops where time.monotonic() passes `deadline`
+    (what was timed is kept, `complete` False)."""
+    grids = grids or {"decode": DECODE_GRID, "prefill": PREFILL_GRID}
+    best: dict = {}
+    for label, hq, hkv, d in shapes:
+        for kind, grid in grids.items():
+            default = ops.decode_config(d, dtype, dtype) if kind == "decode" else ops.extend_config(d, dtype)
+            key = f"{kind} {label} {hq}q/{hkv}kv d{d}"
+            rows, complete = [], True
+            for i, cfg in enumerate([default, *(c for c in grid if c != default)]):
+                if deadline is not None and time.monotonic() > deadline:
+                    complete = False
+                    break
                 try:
                     if kind == "decode":
-                        t = decode_case(ops, None, timer, hq, hkv, d, "bf16", device, 10, cfg)["time_s"]
+                        sized = decode_sizes or {}
+                        its = iters[0]
+                        r = decode_case(ops, None, timer, hq, hkv, d, "bf16", device, its, cfg, dtype=dtype, **sized)
                     else:
-                        t = prefill_case(ops, timer, hq, hkv, d, device, 5, cfg)["time_s"]
+                        sized = prefill_sizes or {}
+                        r = prefill_case(ops, timer, hq, hkv, d, device, iters[1], cfg, dtype=dtype, **sized)
                 except Exception as e:  # e.g. out of shared memory
-                    log(f"  sweep {kind} {label} d{d} {cfg}: failed ({type(e).__name__})")
+                    log(f"  sweep {key} {cfg}: failed ({type(e).__name__})")
                     continue
-                rows.append((t, cfg))
+                rows.append((r["time_s"], cfg, i == 0))
+            if not rows:
+                continue
+            default_us = next((t * 1e6 for t, _, first in rows if first), None)
             rows.sort(key=lambda r: r[0])
-            key = f"{kind} {label} {hq}q/{hkv}kv d{d}"
-            best[key] = [{"time_us": t * 1e6, **cfg} for t, cfg in rows[:3]]
-            if rows:
-                log(f"  {key}: best {rows[0][1]} {rows[0][0] * 1e6:.1f} us (default-config run above for comparison)")
-            torch.cuda.empty_cache()
+            best[key] = {
+                "default": {**default, "time_us": default_us},
+                "fastest": [{"time_us": t * 1e6, **cfg} for t, cfg, _ in rows[:3]],
+                "configs_timed": len(rows),
+                "complete": complete,
+            }
+            speedup = f", {default_us / (rows[0][0] * 1e6):.2f}x the default" if default_us else ""
+            log(f"  {key}: best {rows[0][1]} {rows[0][0] * 1e6:.1f} us{speedup} ({len(rows)} configs)")
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     return best
 
 

@@ -284,6 +284,28 @@ void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bia
 // j + 16 (high nibble), so one 16-byte load unpacks into two 16-lane vectors. `scale_zero` is bf16
 // [N, K / group, 2] (torch's own values: 4 bytes a group, not fp32's 8). K % 32 == 0; group is a
 // power of two >= 32.
+#if WB_QUANT_PREPARED
+#define INT8_SPAN 4096 // int32 lanes flush to fp32 every INT8_SPAN values: 256 products of <= 128 * 32767
+
+// Each weight row whole, one after another (a thread's rows are one sequential stream, prefetched
+// QUANT_AHEAD bytes ahead), as the bf16 GEMVs read theirs: in 4-row lockstep the int8 head read
+// 7 GB/s on one thread whatever the arithmetic cost.
+#define QUANT_AHEAD 2048
+
+// Each activation row's (-136 sum(x), sum(x)) per group, [M, K / group, 2] floats: the pairs the
+// rows' bf16 (scale, zero) pairs dot into the int4 zero term.
+static void int4_group_sums(const bf16 *x, int64_t M, int64_t K, int64_t group, float *sums) {
+    int64_t G = K / group;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float sx = 0;
+            for (int64_t j = 0; j < group; j++) sx += bf2f(x[m * K + g * group + j]);
+            sums[(m * G + g) * 2] = -136.0f * sx;
+            sums[(m * G + g) * 2 + 1] = sx;
+        }
+}
+#endif
+
 #if WB_BF16_DOT
 // Widening each int8 weight or int4 code to fp32 and multiplying it there, four rows in lockstep,
 // bound these GEMVs by arithmetic and access order, not memory: SmolLM2's int4 layers and int8
@@ -305,8 +327,6 @@ void wb_gemv_bf16(const bf16 *x, const bf16 *w, const void *aux, const bf16 *bia
 // Each call first re-lays out its activations (int8_prepare, int4_prepare) in a scratch of
 // quant_scratch_bytes(M, K); the weights and their layouts are every build's.
 
-#define INT8_SPAN 4096 // int32 lanes flush to fp32 every INT8_SPAN values: 256 products of <= 127 * 32767
-
 static inline int64_t run_pairs_len(int64_t K) { return (K + 63) & ~(int64_t)63; }
 
 static int64_t quant_scratch_bytes(int64_t M, int64_t K) {
@@ -318,11 +338,6 @@ static int64_t quant_scratch_bytes(int64_t M, int64_t K) {
 static inline float *quant_scratch_tail(void *scratch, int64_t M, int64_t K) {
     return (float *)((bf16 *)scratch + M * run_pairs_len(K));
 }
-
-// Each weight row whole, one after another (a thread's rows are one sequential stream, prefetched
-// QUANT_AHEAD bytes ahead), as the bf16 GEMVs read theirs: in 4-row lockstep the int8 head read
-// 7 GB/s on one thread whatever the arithmetic cost.
-#define QUANT_AHEAD 2048
 
 // The four rows of a block summed across their lanes at once (three shuffle-and-add rounds for all
 // four, not four reductions: a short row's reduction cost a third of its time) and stored.
@@ -378,9 +393,8 @@ static inline void gemv_int8_block(const int16_t *x16, const float *dx, const in
 // order two runs' codes widen to from one 32-byte load; zero-padded to whole 64s), then each
 // row's (-136 sum(x), sum(x)) per group.
 static void int4_prepare(const bf16 *x, int64_t M, int64_t K, int64_t group, void *scratch) {
-    int64_t K64 = run_pairs_len(K), G = K / group;
+    int64_t K64 = run_pairs_len(K);
     bf16 *xp = (bf16 *)scratch;
-    float *sums = quant_scratch_tail(scratch, M, K);
     for (int64_t m = 0; m < M; m++) {
         const bf16 *xr = x + m * K;
         bf16 *o = xp + m * K64;
@@ -389,13 +403,8 @@ static void int4_prepare(const bf16 *x, int64_t M, int64_t K, int64_t group, voi
                 const int64_t from[4] = {k + j, k + 32 + j, k + 16 + j, k + 48 + j};
                 for (int h = 0; h < 4; h++) o[k + 16 * h + j] = from[h] < K ? xr[from[h]] : 0;
             }
-        for (int64_t g = 0; g < G; g++) {
-            float sx = 0;
-            for (int64_t j = 0; j < group; j++) sx += bf2f(xr[g * group + j]);
-            sums[(m * G + g) * 2] = -136.0f * sx;
-            sums[(m * G + g) * 2 + 1] = sx;
-        }
     }
+    int4_group_sums(x, M, K, group, quant_scratch_tail(scratch, M, K));
 }
 
 // One step of a row: 64 values (two runs, or one at the end of a row) into acc.
@@ -467,9 +476,6 @@ static inline void gemv_int4_block(const bf16 *xp, const float *cv, const uint8_
 // scale * sum((128 + q) x) + (zero - 136 scale) * sum(x), the second term one dot per row as in
 // the AVX-512 BF16 build.
 
-#define INT8_SPAN 4096 // int32 lanes flush to fp32 every INT8_SPAN values: 256 products of <= 128 * 32767
-#define QUANT_AHEAD 2048
-
 static int64_t quant_scratch_bytes(int64_t M, int64_t K) { return (M * K * 4 + M * (K / 16 + 1) * 4 + 127) & ~(int64_t)63; }
 
 // The scratch: [M, K] int16 activations (int8) or fp32 re-laid-out ones (int4), then per row the
@@ -520,8 +526,7 @@ static inline void gemv_int8_block(const int16_t *x16, const float *dx, const in
 // Per run of 32: [x0 x2 .. x14, x1 x3 .. x15, x16 x18 .. x30, x17 .. x31] (the order the codes come
 // out in), then each row's (-136 sum(x), sum(x)) per group. K % 32 == 0.
 static void int4_prepare(const bf16 *x, int64_t M, int64_t K, int64_t group, void *scratch) {
-    int64_t G = K / group;
-    float *xp = (float *)scratch, *sums = quant_scratch_tail(scratch, M, K);
+    float *xp = (float *)scratch;
     for (int64_t m = 0; m < M; m++) {
         const bf16 *xr = x + m * K;
         float *o = xp + m * K;
@@ -532,13 +537,8 @@ static void int4_prepare(const bf16 *x, int64_t M, int64_t K, int64_t group, voi
                 o[k + 16 + j] = bf2f(xr[k + 16 + 2 * j]);
                 o[k + 24 + j] = bf2f(xr[k + 16 + 2 * j + 1]);
             }
-        for (int64_t g = 0; g < G; g++) {
-            float sx = 0;
-            for (int64_t j = 0; j < group; j++) sx += bf2f(xr[g * group + j]);
-            sums[(m * G + g) * 2] = -136.0f * sx;
-            sums[(m * G + g) * 2 + 1] = sx;
-        }
     }
+    int4_group_sums(x, M, K, group, quant_scratch_tail(scratch, M, K));
 }
 
 // One group of a row: sum((128 + q) x) over its runs of 32, times the group's scale, into row.
@@ -588,7 +588,8 @@ static inline void gemv_int4_block(const float *xp, const float *cv, const uint8
         }
         if (g < G) int4_group(wr + g * group / 2, x0 + g * group, K, group, sr + 2 * g, row[0], M);
         for (int m = 0; m < M; m++) {
-            // the zero term joins the lanes before the sum across them (whole 8s, then one by one)
+            // the zero term joins the lanes before the sum across them: whole 8s, then one by one (the
+            // shared vf_load_n tail goes through a zero-padded copy: 7-8% slower on the token here)
             const float *c = cv + (m0 + m) * G * 2;
             __m256 a = _mm256_add_ps(row[0][m], row[1][m]), z = _mm256_setzero_ps();
             int64_t i = 0;

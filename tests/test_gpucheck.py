@@ -50,12 +50,28 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     for run in ("triton", "torch_ops", "triton_cuda_graphs"):
         assert "error" not in eng[run], eng[run]
         assert eng[run]["results"]["workbench"]["output_tok_s"] > 0
-    assert "hf_static" in eng["triton"]["results"] and "hf_sequential" in eng["triton"]["results"]
+    assert "hf_static" in eng["triton"]["results"]
+    assert {"hf_sequential", "hf_single_stream"} <= set(eng["hf_sequential"]["results"])
+    assert set(rep["sections_s"]) == {
+        "kernels",
+        "exactness",
+        "triton",
+        "cuda_graphs",
+        "hf_sequential",
+        "torch_ops",
+        "sweep",
+    }
+    assert rep["skipped"] == [] and "errors" not in rep
+    # the sweep timed the default and the grid's configuration for each shape and kind
+    assert len(rep["sweep"]) == 4
+    for r in rep["sweep"].values():
+        assert r["configs_timed"] == 2 and r["complete"] and r["default"]["time_us"] > 0, r
     assert eng["triton"]["engine_status"]["attention_backend"] == "triton"
     assert eng["torch_ops"]["engine_status"]["attention_backend"] == "torch"
     # the engine on this device's Triton kernels gives transformers' fp32 greedy tokens, every request
     for check in eng["exactness"].values():
         assert check["identical_requests"] == check["requests"] == 5, check
+        assert check["sampled_repeatable"] is True, check
     graphs = rep["cuda_graphs"]
     assert graphs["buckets"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert graphs["steps"]["replayed"] == 0 and graphs["steps"]["eager"] > 0
@@ -73,4 +89,31 @@ def test_gpucheck_without_cuda_says_how_to_dry_run(tmp_path):
         pytest.skip("this machine has a GPU: the real check would run")
     done = _gpucheck(tmp_path, "--output", str(tmp_path / "x.json"), timeout=120)
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr and "--dry-run" in done.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_budget_spent_skips_every_section_and_still_writes_the_report(tmp_path):
+    out = tmp_path / "check.json"
+    done = _gpucheck(tmp_path, "--dry-run", "--budget-s", "0", "--output", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert [s.split(":")[0] for s in rep["skipped"]] == [
+        "kernels",
+        "exactness",
+        "triton",
+        "cuda_graphs",
+        "hf_sequential",
+        "torch_ops",
+        "sweep",
+    ]
+    assert rep["kernels"] == [] and rep["limits"]["copy_GBps"] > 0
+    assert "skipped sweep: past the 0 s budget" in out.with_suffix(".md").read_text()
+
+
+def test_an_unknown_section_is_refused_naming_the_known_ones(tmp_path):
+    done = _gpucheck(
+        tmp_path, "--dry-run", "--only", "kernels,graphs", "--output", str(tmp_path / "x.json"), timeout=300
+    )
+    assert done.returncode == 2
+    assert "unknown gpucheck section(s) graphs" in done.stderr and "cuda_graphs" in done.stderr
     assert not (tmp_path / "x.json").exists()

@@ -485,44 +485,86 @@ def _add_gpucheck(sub: argparse._SubParsersAction) -> None:
         help="the JSON report (default docs/gpu/gpucheck.json, or gpucheck-dryrun.json); the summary "
         "goes beside it as .md",
     )
+    p.add_argument(
+        "--only",
+        default=None,
+        metavar="SECTION,...",
+        help="run only these sections (the device's limits always): kernels, exactness, triton, cuda_graphs, "
+        "hf_sequential, torch_ops, sweep",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="skip the sections that would start after S seconds, and stop the sweep there (default 420 on a "
+        "GPU, none on a dry run); the report is rewritten after every section",
+    )
     p.set_defaults(_run=_run_gpucheck)
 
 
 def _run_gpucheck(args: argparse.Namespace) -> int:
+    import time
+
     from .gpucheck import run_gpucheck, write_report
 
-    def log(msg: str) -> None:
-        print(f"[gpucheck] {msg}", file=sys.stderr, flush=True)
+    started = time.monotonic()
 
+    def log(msg: str) -> None:
+        print(f"[gpucheck +{time.monotonic() - started:.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     try:
-        report = run_gpucheck(dry_run=args.dry_run, log=log)
-    except RuntimeError as e:
+        report = run_gpucheck(
+            dry_run=args.dry_run,
+            log=log,
+            only=only,
+            budget_s=args.budget_s,
+            checkpoint=lambda rep: write_report(rep, args.output),
+        )
+    except (RuntimeError, ValueError) as e:
         print(f"workbench gpucheck: {e}", file=sys.stderr)
         return 2
     path, md = write_report(report, args.output)
     print(md.read_text())
     log(f"wrote {path} and {md}")
-    failed = [k["name"] for k in report["kernels"] if "error" in k] + [
-        name for name, r in report["engine"].items() if isinstance(r, dict) and "error" in r
-    ]
+    exact = report["engine"].get("exactness") or {}
+    failed = (
+        [k["name"] for k in report["kernels"] if "error" in k]
+        + list(report.get("errors", {}))
+        + [f"exactness {name}" for name, x in exact.items() if x["identical_requests"] != x["requests"]]
+        + [f"seeded sampling {name}" for name, x in exact.items() if not x.get("sampled_repeatable", True)]
+    )
     if failed:
         log(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
 
 
-_SUBCOMMANDS = [_add_serve, _add_generate, _add_bench, _add_runs, _add_lab, _add_simulate, _add_gpucheck]
+_SUBCOMMANDS = {
+    "serve": _add_serve,
+    "generate": _add_generate,
+    "bench": _add_bench,
+    "runs": _add_runs,
+    "lab": _add_lab,
+    "simulate": _add_simulate,
+    "gpucheck": _add_gpucheck,
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command`, only that subcommand's (each one's arguments import its modules,
+    and a lent GPU machine lacks the serving stack's packages, e.g. pyzmq: gpucheck needs none of it)."""
     parser = argparse.ArgumentParser(prog="workbench", description="Serving Workbench: a live, tunable LLM engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in _SUBCOMMANDS:
-        add(sub)
+    for name, add in _SUBCOMMANDS.items():
+        if command in (None, name):
+            add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv and argv[0] in _SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)
     if run is None:

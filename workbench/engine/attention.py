@@ -66,6 +66,9 @@ class AttnMetadata:
     # A CUDA graph's decode: the split-KV count fixed at capture (the Triton kernel then reads no
     # length on the host); None: chosen per step
     decode_num_splits: int | None = None
+    # The longest decode context, known on the host (the Triton backend's): the kernel picks its
+    # split count from it instead of reading seq_lens.max() back from the device in every layer
+    decode_max_seq_len: int | None = None
 
 
 class AttentionBackend:
@@ -94,7 +97,12 @@ class AttentionBackend:
         """Attention of q over the cache, whose new keys/values are already written."""
         k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
         window = {"window": self.windows[layer]} if self.windows[layer] else {}
-        splits = {"num_splits": meta.decode_num_splits} if meta.decode_num_splits else {}
+        if meta.decode_num_splits:
+            splits = {"num_splits": meta.decode_num_splits}
+        elif meta.decode_max_seq_len:
+            splits = {"max_seq_len": meta.decode_max_seq_len}
+        else:
+            splits = {}
         nd = meta.num_decode
         if nd == q.shape[0]:
             return self.ops.decode_attention(
@@ -121,6 +129,7 @@ class AttentionBackend:
                 k_scale,
                 v_scale,
                 **window,
+                **splits,
             )
         out[nd:] = self.ops.extend_attention(
             q[nd:],
@@ -142,6 +151,14 @@ class CpuKernelAttention(AttentionBackend):
 
     def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
         meta.cpu_tokens = CpuKernelForward.token_queries(tables, positions, meta.slot_mapping.device)
+
+
+class TritonAttention(AttentionBackend):
+    """Our Triton kernels (the GPU's backend)."""
+
+    def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
+        if meta.num_decode:  # the first num_decode tokens are decodes: each one's context ends at it
+            meta.decode_max_seq_len = max(positions[: meta.num_decode]) + 1
 
 
 def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
@@ -167,7 +184,7 @@ def make_backend(
 ) -> AttentionBackend:
     """The backend `attention_backend=name` selects here (see `backend_ops`)."""
     resolved, ops = backend_ops(name, device, cpu_kernels)
-    cls = CpuKernelAttention if resolved == "cpu" else AttentionBackend
+    cls = {"cpu": CpuKernelAttention, "triton": TritonAttention}.get(resolved, AttentionBackend)
     return cls(resolved, ops, kv, head_dim, scale, windows)
 
 

@@ -88,9 +88,8 @@ def pad_decode(
             f"{bucket} x {max_blocks} blocks"
         )
     pad = bucket - n
-    table = torch.zeros(bucket, max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    rows = [t + [0] * (max_blocks - len(t)) for t in tables] + [[0] * max_blocks] * pad
+    table = torch.tensor(rows, dtype=torch.int32)  # one tensor from lists: a row at a time cost ~2 us each
     return DecodeInputs(
         input_ids=torch.tensor(ids + [0] * pad, dtype=torch.int64),
         positions=torch.tensor(positions + [0] * pad, dtype=torch.int64),

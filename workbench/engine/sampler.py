@@ -61,7 +61,8 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[in
     cdf = probs if probs.dtype == torch.float32 and probs.is_contiguous() else probs.float().contiguous()
     torch.cumsum(cdf, -1, out=cdf)
     total = cdf[:, -1:]
-    u = torch.tensor([[float(torch.rand((), generator=g, dtype=torch.float64))] for g in generators])
+    # drawn from each request's (CPU) generator, then beside the rows: a seed gives the same tokens on any device
+    u = torch.tensor([[float(torch.rand((), generator=g, dtype=torch.float64))] for g in generators], device=cdf.device)
     # u < 1, but u x total can round up to total: the largest float below it keeps the search
     # inside the row (and on a token of positive mass: the first cdf entry above the target)
     target = torch.minimum((u * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
