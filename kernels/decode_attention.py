@@ -179,15 +179,17 @@ def _decode_reduce_kernel(
 def decode_config(head_dim: int, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> dict:
     """The default launch configuration (block_n, num_warps, num_stages) for a shape.
 
-    Untuned guesses for Hopper-class GPUs (spill-free when compiled for sm_90 in 16-bit);
-    `bench.py --sweep` times alternatives."""
+    16-bit on an H200 (Triton 3.6, 64 sequences x 4096 tokens, `bench.py --sweep`, docs/gpu/): d128
+    takes the fastest of the sweep's 18 on two machines (1.14x and 1.16x the earlier 64/4/3); d64
+    keeps the earlier guess, as the two machines ranked its configurations differently (64/4/2
+    first on one at 70.7 us, 107.7 on the other). fp32 (exactness checks) stays an untuned guess."""
     if interpreting():
         return dict(block_n=64, num_warps=4, num_stages=1)
     if q_dtype == torch.float32:
         return dict(block_n=32, num_warps=8, num_stages=2)
     if head_dim <= 64:
         return dict(block_n=128, num_warps=4, num_stages=3)
-    return dict(block_n=64, num_warps=4, num_stages=3)
+    return dict(block_n=32, num_warps=4, num_stages=2)
 
 
 def _num_sms(device: torch.device) -> int:

@@ -26,7 +26,9 @@ QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-per-head symmetric quantisation: x [T, H, D] -> (values [T, H, D], scale [T, H])."""
     amax = x.float().abs().amax(dim=-1).clamp(min=1e-6)
-    scale = amax / QMAX[dtype]
+    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal, which
+    # rounds otherwise than the division the kernels (div_rn) and the CPU do (seen on an H200)
+    scale = amax / torch.full_like(amax, QMAX[dtype])
     y = x.float() / scale.unsqueeze(-1)
     if dtype == torch.int8:
         y = y.round().clamp(-127, 127)
@@ -87,8 +89,8 @@ def extend_attention_ref(
         if n == length and not (0 < window < length):
             mask, causal = None, True
         else:
-            qpos = torch.arange(length - n, length).unsqueeze(1)
-            kpos = torch.arange(length).unsqueeze(0)
+            qpos = torch.arange(length - n, length, device=q.device).unsqueeze(1)
+            kpos = torch.arange(length, device=q.device).unsqueeze(0)
             mask, causal = kpos <= qpos, False
             if window > 0:
                 mask = mask & (kpos > qpos - window)

@@ -136,7 +136,9 @@ class LLMEngine:
             )
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.monotonic())
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
-        seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # on the CPU whatever the device: the sampler draws one uniform a row from it on the host (a CUDA
+        # generator raised there), and a seed then gives the same uniforms on every device
+        seq.generator = torch.Generator().manual_seed(seed)
         self.outputs.add(seq, prompt)
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(ids)
