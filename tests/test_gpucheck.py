@@ -117,3 +117,16 @@ def test_an_unknown_section_is_refused_naming_the_known_ones(tmp_path):
     assert done.returncode == 2
     assert "unknown gpucheck section(s) graphs" in done.stderr and "cuda_graphs" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_gpucheck_parses_without_the_serving_stack(tmp_path):
+    """A lent GPU machine's image has torch and Triton but not pyzmq: the CLI builds only the
+    subcommand asked for (building every parser imported zmq and stopped the device run at once)."""
+    code = (
+        "import sys; sys.modules['zmq'] = None\n"  # `import zmq` now raises ImportError
+        "from workbench.cli import main\n"
+        "sys.exit(main(['gpucheck', '--help']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--budget-s" in done.stdout and "--only" in done.stdout
