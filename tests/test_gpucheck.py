@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+# gpucheck's sections, in the order they run (the most needed first: a spent budget skips the last)
+EVERY_SECTION = ["kernels", "exactness", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep"]
+
 
 def _gpucheck(cwd, *args: str, timeout: float) -> subprocess.CompletedProcess:
     """`workbench gpucheck ARGS` in `cwd`, never the repo root: `python -m` puts the working
@@ -52,15 +55,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
         assert eng[run]["results"]["workbench"]["output_tok_s"] > 0
     assert "hf_static" in eng["triton"]["results"]
     assert {"hf_sequential", "hf_single_stream"} <= set(eng["hf_sequential"]["results"])
-    assert set(rep["sections_s"]) == {
-        "kernels",
-        "exactness",
-        "triton",
-        "cuda_graphs",
-        "hf_sequential",
-        "torch_ops",
-        "sweep",
-    }
+    assert list(rep["sections_s"]) == EVERY_SECTION
     assert rep["skipped"] == [] and "errors" not in rep
     # the sweep timed the default and the grid's configuration for each shape and kind
     assert len(rep["sweep"]) == 4
@@ -97,15 +92,7 @@ def test_a_budget_spent_skips_every_section_and_still_writes_the_report(tmp_path
     done = _gpucheck(tmp_path, "--dry-run", "--budget-s", "0", "--output", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rep = json.loads(out.read_text())
-    assert [s.split(":")[0] for s in rep["skipped"]] == [
-        "kernels",
-        "exactness",
-        "triton",
-        "cuda_graphs",
-        "hf_sequential",
-        "torch_ops",
-        "sweep",
-    ]
+    assert [s.split(":")[0] for s in rep["skipped"]] == EVERY_SECTION
     assert rep["kernels"] == [] and rep["limits"]["copy_GBps"] > 0
     assert "skipped sweep: past the 0 s budget" in out.with_suffix(".md").read_text()
 
