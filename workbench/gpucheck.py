@@ -394,7 +394,7 @@ def _graphs(engine: dict) -> dict:
         "speedup": on / off if replayed and on and off else None,
         "buckets": status.get("cuda_graph_buckets"),
         "steps": status.get("cuda_graph_steps"),
-        "last_eager_reason": status.get("cuda_graph_reason"),
+        "last_eager_reason": status.get("cuda_graph_reason") if "triton_cuda_graphs" in engine else "not run",
     }
 
 
