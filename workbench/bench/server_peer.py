@@ -4,7 +4,9 @@ driver and OpenAI client as every endpoint (`RemoteEngineClient`), and stopped.
 
 The process runs in a session of its own, its log in a file (a pipe nobody reads would fill and
 stall it mid-run); stopping it ends its whole process group (vLLM and our server start children).
-A peer that fails to start is reported with the tail of its log.
+A peer that fails to start is reported with the tail of its log. On Linux the kernel also sends it
+SIGTERM when the process that started it dies: a bench killed mid-run (a CI timeout, `kill -9`)
+left a vLLM server computing in its own session, found after a probe was stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +61,7 @@ class RunningPeer:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **peer.env},
             start_new_session=True,
+            preexec_fn=_die_with_parent(),
         )
         self.started = time.monotonic()
         try:
@@ -105,6 +110,24 @@ class RunningPeer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _die_with_parent():
+    """A preexec_fn asking the kernel to SIGTERM the child when its parent dies (Linux), or None.
+    Only from the main thread: the signal follows the thread that forked, not the process."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the request took hold
+            os._exit(1)
+
+    return arm
 
 
 def serve_workloads(

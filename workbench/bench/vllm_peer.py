@@ -81,8 +81,10 @@ def vllm_server(
     max_model_len: int,
     threads: int,
     extra: list[str] | None = None,
+    dtype: str = "bfloat16",
 ) -> ServerPeer:
-    """The command that serves `hf_dir` as `name` on a free loopback port (bf16, as ours)."""
+    """The command that serves `hf_dir` as `name` on a free loopback port (bf16, as ours; on a CPU
+    without AVX-512 BF16 a user may try float32)."""
     port = free_port()
     cmd = [
         python,
@@ -93,7 +95,7 @@ def vllm_server(
         "--served-model-name",
         name,
         "--dtype",
-        "bfloat16",
+        dtype,
         "--max-num-seqs",
         str(max_num_seqs),
         "--max-model-len",
@@ -109,6 +111,25 @@ def vllm_server(
     return ServerPeer("vllm", cmd, port, env=vllm_env(threads), startup_timeout=STARTUP_TIMEOUT_S)
 
 
+def vllm_dtype(flags: set[str] | None = None) -> tuple[str, str]:
+    """vLLM's dtype here, and why: bf16 on a GPU or where the CPU multiplies it (AVX-512 BF16,
+    AMX, an ARM with BF16), else float32. On a Zen 3 guest (AVX2 only) vLLM 0.32 served the
+    bench's W64 at 19 tok/s in bf16 and 88.5 in float32 (docs/benchmarks.md): bf16 there measures
+    vLLM misconfigured, not vLLM. `flags`: the CPU's (default: this one's, on a CPU host)."""
+    if flags is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return "bfloat16", "a CUDA GPU"
+        from workbench_kernels.cpu import cpu_flags
+
+        flags = cpu_flags()
+    native = sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    if native:
+        return "bfloat16", f"this CPU multiplies bf16 ({', '.join(native)})"
+    return "float32", "this CPU has no bf16 arithmetic (no avx512_bf16 / amx_bf16): vLLM's bf16 path is ~4.7x slower"
+
+
 def run_vllm_server(
     python: str,
     hf_dir: str,
@@ -121,6 +142,7 @@ def run_vllm_server(
 ) -> tuple[dict[str, dict], dict]:
     """Serve each named workload in turn on one fresh vLLM server; ({name: summary}, how it ran)."""
     longest = max(r.prompt_len + r.max_tokens for w in workloads.values() for r in w.requests)
+    dtype, why = vllm_dtype()
     peer = vllm_server(
         python,
         hf_dir,
@@ -128,9 +150,10 @@ def run_vllm_server(
         max_num_seqs=max_num_seqs,
         max_model_len=max(2048, longest + 16),
         threads=threads,
+        dtype=dtype,
     )
     summaries, how = serve_workloads(peer, workloads, progress=progress, log=log)
-    return summaries, {**how, "python": python, "version": vllm_version(python)}
+    return summaries, {**how, "python": python, "version": vllm_version(python), "dtype": dtype, "dtype_reason": why}
 
 
 def vllm_version(python: str) -> str | None:
