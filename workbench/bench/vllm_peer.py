@@ -121,9 +121,9 @@ def vllm_dtype(flags: set[str] | None = None) -> tuple[str, str]:
 
         if torch.cuda.is_available():
             return "bfloat16", "a CUDA GPU"
-        from workbench_kernels.cpu import cpu_flags
+        from ..models.cpu_forward import CpuKernelForward
 
-        flags = cpu_flags()
+        flags = CpuKernelForward.cpu_flags()
     native = sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"})
     if native:
         return "bfloat16", f"this CPU multiplies bf16 ({', '.join(native)})"

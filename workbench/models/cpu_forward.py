@@ -103,6 +103,11 @@ class CpuKernelForward:
         }
 
     @staticmethod
+    def cpu_flags() -> set[str]:
+        """This CPU's feature flags, as the kernels' variant choice reads them."""
+        return cpu.cpu_flags()
+
+    @staticmethod
     def attention_ops() -> SimpleNamespace:
         """The attention backend's three ops on our C kernels. They have no sliding window: such
         layers take the torch reference."""
