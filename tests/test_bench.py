@@ -440,13 +440,18 @@ def test_vllm_runs_in_the_dtype_this_cpu_multiplies():
     (a Zen 3 guest): the bench gives it the dtype a user would pick here, and says why."""
     from workbench_kernels.cpu import cpu_flags
 
-    from workbench.bench.vllm_peer import vllm_dtype
+    from workbench.bench.vllm_peer import vllm_dtype, vllm_server
 
     assert vllm_dtype({"avx2", "fma", "f16c"})[0] == "float32"
     assert vllm_dtype({"avx2", "avx512f", "avx512_bf16"}) == ("bfloat16", "this CPU multiplies bf16 (avx512_bf16)")
     assert vllm_dtype({"asimd", "bf16"})[0] == "bfloat16"
     here, why = vllm_dtype()
     assert why and here == ("bfloat16" if cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"} else "float32")
+    # every caller of the server command gets that choice unless it names a dtype
+    cmd = vllm_server("python", "/hf", name="m", max_num_seqs=4, max_model_len=64, threads=2).command
+    assert cmd[cmd.index("--dtype") + 1] == here
+    cmd = vllm_server("python", "/hf", name="m", max_num_seqs=4, max_model_len=64, threads=2, dtype="float16").command
+    assert cmd[cmd.index("--dtype") + 1] == "float16"
 
 
 def test_our_server_as_a_bench_system_serves_the_same_tokens(tiny_bench_model):

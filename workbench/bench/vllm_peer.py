@@ -81,10 +81,10 @@ def vllm_server(
     max_model_len: int,
     threads: int,
     extra: list[str] | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
 ) -> ServerPeer:
-    """The command that serves `hf_dir` as `name` on a free loopback port (bf16, as ours; on a CPU
-    without AVX-512 BF16 a user may try float32)."""
+    """The command that serves `hf_dir` as `name` on a free loopback port, in `dtype` (default:
+    `vllm_dtype()`'s choice for this machine: bf16 as ours where it is multiplied natively)."""
     port = free_port()
     cmd = [
         python,
@@ -95,7 +95,7 @@ def vllm_server(
         "--served-model-name",
         name,
         "--dtype",
-        dtype,
+        dtype or vllm_dtype()[0],
         "--max-num-seqs",
         str(max_num_seqs),
         "--max-model-len",
