@@ -69,6 +69,14 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def dot_precision(dtype: torch.dtype) -> str | None:
-    """fp32 inputs get IEEE dots (the default on NVIDIA would be TF32); others the default."""
-    return "ieee" if dtype == torch.float32 else None
+def dot_operands(dtype: torch.dtype) -> dict:
+    """The kernels' DOT (the type tl.dot multiplies in) and PRECISION constexprs for inputs of
+    `dtype`. fp32 gets IEEE dots (the default on NVIDIA would be TF32). Triton's interpreter
+    multiplies bf16 dots wrongly (it treats the raw bit patterns as numbers: triton-lang/triton
+    #11584), so there bf16 operands are widened to fp32 first, exactly, and the dot is fp32's."""
+    import triton.language as tl
+
+    if dtype == torch.bfloat16 and interpreting():
+        dtype = torch.float32
+    dot = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    return dict(DOT=dot, PRECISION="ieee" if dtype == torch.float32 else None)

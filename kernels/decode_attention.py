@@ -20,7 +20,7 @@ import triton.language as tl
 from ._common import (
     as_int32_rows,
     check_cache,
-    dot_precision,
+    dot_operands,
     interpreting,
     last_dim_contiguous,
     next_pow2,
@@ -67,6 +67,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
+    DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -93,7 +94,7 @@ def _decode_kernel(
         q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + d[None, :],
         mask=gmask[:, None] & dmask[None, :],
         other=0.0,
-    )
+    ).to(DOT)
 
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
     k_head = k_ptr + kvh * s_ch
@@ -270,7 +271,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         QUANT=kind,
-        PRECISION=dot_precision(q.dtype),
+        **dot_operands(q.dtype),
         num_warps=warps,
         num_stages=stages,
     )

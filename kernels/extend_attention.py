@@ -22,7 +22,7 @@ import triton.language as tl
 from ._common import (
     as_int32_rows,
     check_cache,
-    dot_precision,
+    dot_operands,
     interpreting,
     last_dim_contiguous,
     next_pow2,
@@ -121,6 +121,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
+    DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
 ):
@@ -165,7 +166,7 @@ def _extend_kernel(
         q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_mask[:, None] & dmask[None, :],
         other=0.0,
-    )
+    ).to(DOT)
 
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
     k_head = k_ptr + kvh * s_ch
@@ -344,7 +345,7 @@ def extend_attention(
         BLOCK_N=bn,
         BLOCK_SIZE=block_size,
         QUANT=kind,
-        PRECISION=dot_precision(q.dtype),
+        **dot_operands(q.dtype),
         WINDOWED=window > 0,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import dot_precision, interpreting, next_pow2
+from ._common import dot_operands, interpreting, next_pow2
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +59,7 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """C[pair, :] = A[row(pair), :] @ W[expert]^T (x the pair's routing weight), for BLOCK_M pairs of
@@ -86,7 +87,7 @@ def _moe_gemm_kernel(
             mask=n_mask[None, :] & k_mask[:, None],
             other=0.0,
         )
-        acc += tl.dot(a, w, input_precision=PRECISION)
+        acc += tl.dot(a.to(DOT), w.to(DOT), input_precision=PRECISION)
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(
@@ -129,7 +130,7 @@ def _grouped_gemm(a, w, sorted_ids, block_expert, num_pairs, top_k, *, per_token
         BLOCK_K=cfg["block_k"],
         A_PER_TOKEN=per_token,
         MUL_WEIGHT=weights is not None,
-        PRECISION=dot_precision(a.dtype),
+        **dot_operands(a.dtype),
         num_warps=cfg["num_warps"],
     )
     return c

@@ -1,4 +1,6 @@
-"""The engine on our Triton kernels (interpreted on a CPU) gives the torch backend's tokens."""
+"""The engine on our Triton kernels (interpreted on a CPU) gives the torch backend's tokens, in
+fp32 and in bf16 (the engine's default dtype on a CPU, where the interpreter's own bf16 dots are
+wrong and the launchers widen them to fp32)."""
 
 import random
 
@@ -23,6 +25,35 @@ def test_triton_backend_matches_torch(tiny_qwen2, settings):
     llm = LLM(str(path), attention_backend="triton", **common)
     assert llm.status()["attention_backend"] == "triton"
     triton_out = llm.generate(prompt_token_ids=_prompts(), params=params)
+    assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+
+
+def test_the_embedded_model_in_bf16_answers_on_the_triton_backend_as_on_torch():
+    """A tester's case: bf16 on a CPU answered 'ortiumortium...' on the Triton backend."""
+    llm = LLM(num_kv_blocks=32)
+    assert llm.status()["dtype"] == "bfloat16"
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompt = "The capital of France is"
+    llm.configure(attention_backend="torch")
+    expected = llm.generate(prompt, params)[0]
+    assert expected.text.startswith(" Paris")
+    llm.configure(attention_backend="triton")
+    status = llm.status()
+    assert status["attention_backend"] == "triton"
+    assert "interpreter" in status["attention_backend_reason"] and "slower" in status["attention_backend_reason"]
+    got = llm.generate(prompt, params)[0]
+    assert got.token_ids == expected.token_ids
+
+
+def test_triton_backend_matches_torch_in_bf16(tiny_qwen2):
+    """Prefill chunks and decodes of a tiny model in bf16: the same greedy tokens as torch's backend."""
+    path, _ = tiny_qwen2
+    params = SamplingParams(max_tokens=6, temperature=0)
+    common = dict(dtype="bfloat16", num_kv_blocks=48, block_size=16, cpu_kernels=False, max_num_batched_tokens=24)
+    torch_out = LLM(str(path), attention_backend="torch", **common).generate(prompt_token_ids=_prompts(), params=params)
+    triton_out = LLM(str(path), attention_backend="triton", **common).generate(
+        prompt_token_ids=_prompts(), params=params
+    )
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
 
 

@@ -83,6 +83,7 @@ class AttentionBackend:
         self.kv = kv
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.windows = windows or [0] * len(kv.k)
+        self.reason = ""  # why it serves (make_backend)
 
     def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
         """Metadata this backend needs beyond the common part; `tables` holds each scheduled
@@ -185,7 +186,23 @@ def make_backend(
     """The backend `attention_backend=name` selects here (see `backend_ops`)."""
     resolved, ops = backend_ops(name, device, cpu_kernels)
     cls = {"cpu": CpuKernelAttention, "triton": TritonAttention}.get(resolved, AttentionBackend)
-    return cls(resolved, ops, kv, head_dim, scale, windows)
+    backend = cls(resolved, ops, kv, head_dim, scale, windows)
+    backend.reason = backend_reason(name, resolved, device)
+    return backend
+
+
+def backend_reason(setting: str, resolved: str, device: torch.device) -> str:
+    """Why this backend serves, and what it costs where that is not obvious (status's words)."""
+    if resolved == "triton" and device.type != "cuda":
+        return (
+            "our Triton kernels in Triton's CPU interpreter (no CUDA here): exact (bf16 dots widened to fp32, as "
+            "the interpreter's bf16 tl.dot is wrong) but tens of times slower than 'torch': for checking GPU kernels"
+        )
+    source = "auto on " + ("CUDA" if device.type == "cuda" else "a CPU") if setting == "auto" else "asked for"
+    what = {"cpu": "our C attention kernels", "triton": "our Triton kernels", "torch": "the torch reference"}[resolved]
+    if setting == "auto" and resolved == "torch":
+        what += " (our C kernels need cpu_kernels, bf16 and a kernel build for this CPU)"
+    return f"{source}: {what}"
 
 
 def backend_ops(name: str, device: torch.device, cpu_kernels: bool = False):

@@ -362,6 +362,7 @@ class LLMEngine:
             block_size=self.settings.block_size,
             max_model_len=self.max_model_len,
             attention_backend=self.runner.backend.name,
+            attention_backend_reason=self.runner.backend.reason,
             cpu_kernels=self.runner.model.cpu_kernels,
             **self.runner.model.kernel_report(),
             max_token_chars=self.tokenizer.max_token_chars if self.tokenizer is not None else None,

@@ -606,6 +606,7 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
         ("device", "device"),
         ("dtype", "dtype"),
         ("attention_backend", "attention"),
+        ("attention_backend_reason", "attention: why"),
         ("kernel_variant", "kernels"),
         ("kernel_variant_reason", "kernels: why"),
         ("compute_path", "large steps in"),
