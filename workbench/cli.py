@@ -65,16 +65,20 @@ def _run_serve(args: argparse.Namespace) -> int:
     if getattr(args, "replicas", None) is not None and args.replicas < 1:
         print(f"workbench serve: --replicas must be >= 1, got {args.replicas}", file=sys.stderr)
         return 2
-    if getattr(args, "http", None):  # engine process + OpenAI-compatible HTTP front (workbench/http/)
-        from .http.server import parse_host_port, run_front
-        from .ipc.engine_main import settings_from_args
+    from .ipc.engine_main import settings_from_args
 
-        try:
-            settings = settings_from_args(args)
+    try:  # a bad flag value is one line and exit code 2, before any process starts
+        settings = settings_from_args(args)
+        if getattr(args, "http", None):
+            from .http.server import parse_host_port
+
             parse_host_port(args.http)
-        except (ValueError, TypeError) as e:
-            print(f"workbench serve: {e}", file=sys.stderr)
-            return 2
+    except (ValueError, TypeError) as e:
+        print(f"workbench serve: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "http", None):  # engine process + OpenAI-compatible HTTP front (workbench/http/)
+        from .http.server import run_front
+
         if getattr(args, "replicas", None) is not None:
             from .cluster import start as start_cluster
 
