@@ -71,12 +71,21 @@ def test_without_engine_says_what_to_run_then_autostarts(shell):
     assert out.finish_reason in ("length", "stop") and out.token_ids
 
 
-def test_generate_concurrent_prompts_sections_and_output_var(shell, client):
+def test_generate_concurrent_prompts_sections_and_output_var(shell, client, monkeypatch):
     cursor = client.timeline(since=1 << 62).cursor
+    sizes = []
+    real_submit = client.submit
+
+    def submit(batch, *args, **kwargs):
+        sizes.append(len(batch))
+        return real_submit(batch, *args, **kwargs)
+
+    monkeypatch.setattr(client, "submit", submit)
     with capture_output() as cap:
         shell.run_cell(
             "%%generate --max-tokens 5 --ignore-eos -o outs\nThe sky is\n---\nOne, two,\n---\nParis is the capital of"
         )
+    assert sizes == [3]
     text = shown(cap)
     outs = shell.user_ns["outs"]
     assert [o.prompt for o in outs] == ["The sky is", "One, two,", "Paris is the capital of"]
@@ -85,10 +94,23 @@ def test_generate_concurrent_prompts_sections_and_output_var(shell, client):
         assert f"── Prompt {i} ──" in text
     assert text.count("TTFT") == 3 and text.count("tok/s") >= 3 and text.count("finish: length") == 3
     assert outs[0].text in text
-    # submitted together: some engine step ran at least two of them at once
+    # submitted in one message: the cell's first step already holds all three (sent one by one,
+    # the engine started a step on the first alone)
     ids = {o.request_id for o in outs}
     tl = client.timeline(since=cursor)
-    assert max(len({b.request_id for b in s.batch} & ids) for s in tl.steps) >= 2
+    first = next(s for s in tl.steps if {b.request_id for b in s.batch} & ids)
+    assert {b.request_id for b in first.batch} == ids
+
+
+def test_a_refused_prompt_in_a_cell_leaves_the_others_running(shell, client):
+    """A submit is all or nothing: the cell then sends each prompt alone, so only the bad one fails."""
+    long = "word " * 9000  # past the model's 8192-token context
+    with capture_output() as cap:
+        shell.run_cell(f"%%generate --max-tokens 3 --ignore-eos -o outs\nThe sky is\n---\n{long}\n---\nOne, two,")
+    text = shown(cap)
+    outs = shell.user_ns["outs"]
+    assert outs[1] is None and outs[0].finish_reason == outs[2].finish_reason == "length"
+    assert text.count("error: ") == 1 and "context" in text.split("error: ")[1].split("\n")[0]
 
 
 def test_generate_sync_path_n_samples_stop_and_chat(shell):

@@ -27,7 +27,60 @@ NOTEBOOKS = [p for p in ALL_NOTEBOOKS if p.name not in DEDICATED]
 CELL_TIMEOUT = 300
 
 # What each tutorial claims, checked in its kernel after its last cell, on the numbers it printed.
+# STEPS (prepended to each check) gives the engine's steps for a cell's outputs.
+STEPS = """
+from workbench.jupyter.magics import engine_for_magics
+_steps = engine_for_magics().timeline().steps
+
+def steps_of(outs):
+    \"\"\"The steps that ran any of `outs`, in order, each as the set of those request ids it held.\"\"\"
+    ids = {o.request_id for o in outs}
+    return [{b.request_id for b in s.batch} & ids for s in _steps if {b.request_id for b in s.batch} & ids]
+
+def first_last(outs, steps):
+    \"\"\"Each request's first and last step index in `steps`.\"\"\"
+    return {o.request_id: (min(i for i, s in enumerate(steps) if o.request_id in s),
+                           max(i for i, s in enumerate(steps) if o.request_id in s)) for o in outs}
+"""
+
 CLAIMS = {
+    "00-quickstart.ipynb": """
+# "All three prompts share the same steps": the cell's first step holds all three
+steps = steps_of(outs)
+assert steps[0] == {o.request_id for o in outs}, ("the three prompts start in one step", steps[:3])
+assert all(o.finish_reason in ("length", "stop") for o in outs)
+# "the four prompts run in two waves: the last two wait until the first two finish"
+red, green, blue, yellow = waves
+steps = steps_of(waves)
+span = first_last(waves, steps)
+assert max(len(s) for s in steps) == 2, steps
+first_done = max(span[red.request_id][1], span[green.request_id][1])
+assert min(span[blue.request_id][0], span[yellow.request_id][0]) == first_done + 1, (span, steps)
+assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in waves)
+""",
+    "01-batching.ipynb": """
+def runs(outs):
+    steps = steps_of(outs)
+    return steps, first_last(outs, steps), {o.prompt: o.request_id for o in outs}
+
+# Static: "Alpha, Bravo and Charlie start together ... Delta, Echo and Foxtrot stay queued until
+# Bravo is done: the batch shrinks to a single request for several steps"
+steps, span, rid = runs(static_outs)
+assert steps[0] == {rid["Alpha"], rid["Bravo"], rid["Charlie"]}, ("the first three start together", steps[:2])
+later = min(span[rid[p]][0] for p in ("Delta", "Echo", "Foxtrot"))
+assert later == span[rid["Bravo"]][1] + 1, ("the rest wait for Bravo", span)
+assert sum(1 for s in steps[:later] if s == {rid["Bravo"]}) >= 3, ("Bravo runs alone for several steps", steps)
+# Continuous: "as soon as Alpha finishes, Delta joins at the next step; the queue empties sooner"
+c_steps, c_span, c_rid = runs(cont_outs)
+assert c_steps[0] == {c_rid["Alpha"], c_rid["Bravo"], c_rid["Charlie"]}, c_steps[:2]
+assert c_span[c_rid["Delta"]][0] == c_span[c_rid["Alpha"]][1] + 1, ("Delta joins after Alpha", c_span)
+admitted = lambda sp, r: max(sp[r[p]][0] for p in ("Delta", "Echo", "Foxtrot"))
+assert admitted(c_span, c_rid) < admitted(span, rid), ("the queue empties sooner", c_span, span)
+assert len(c_steps) < len(steps), ("continuous needs fewer steps", len(c_steps), len(steps))
+# Off: "one lane at a time; every step carries a single request"
+o_steps = steps_of(off_outs)
+assert all(len(s) == 1 for s in o_steps), o_steps
+""",
     "02-chunked-prefill.ipynb": """
 from workbench.jupyter.magics import engine_for_magics
 assert all(o.metrics.prefix_hit_tokens == 0 for o in whole + chunked), "02 must not reuse cached prompts"
@@ -135,7 +188,7 @@ def test_notebook_runs_clean(engine, path):
 
     nb = nbformat.read(path, as_version=4)
     if path.name in CLAIMS:
-        nb.cells.append(nbformat.v4.new_code_cell(CLAIMS[path.name], metadata={"tags": ["claims-check"]}))
+        nb.cells.append(nbformat.v4.new_code_cell(STEPS + CLAIMS[path.name], metadata={"tags": ["claims-check"]}))
     client = NotebookClient(
         nb, timeout=CELL_TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )

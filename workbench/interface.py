@@ -45,7 +45,7 @@ from .events import POLL_S, EventSubscription
 from .outputs import RequestOutput, StreamChunk
 from .sampling_params import normalize_batch
 
-__all__ = ["Engine", "closed_at_exit", "deliver", "request_ids"]
+__all__ = ["Engine", "async_sink", "closed_at_exit", "deliver", "request_ids"]
 
 log = logging.getLogger("workbench.client")
 
@@ -220,7 +220,7 @@ class Engine(abc.ABC):
         self, prompts=None, params=None, *, prompt_token_ids=None, chat: bool = False, timeout: float | None = None
     ) -> list[RequestOutput]:
         batch = normalize_batch(prompts, params, prompt_token_ids)
-        aq, sink = _async_sink()
+        aq, sink = async_sink()
         rids = self.submit(batch, sink, chat=chat)
         done: dict[str, RequestOutput] = {}
         try:
@@ -235,7 +235,7 @@ class Engine(abc.ABC):
         self, prompt=None, params=None, *, prompt_token_ids=None, chat: bool = False, timeout: float | None = None
     ) -> AsyncIterator[StreamChunk]:
         [item] = _one(prompt, params, prompt_token_ids)
-        aq, sink = _async_sink()
+        aq, sink = async_sink()
         [rid] = self.submit([item], sink, chat=chat, stream=True)
         finished = False
         try:
@@ -300,7 +300,7 @@ def _collect(done: dict[str, RequestOutput], item: Any) -> None:
         done[item.request_id] = item.output
 
 
-def _async_sink() -> tuple[asyncio.Queue, Sink]:
+def async_sink() -> tuple[asyncio.Queue, Sink]:
     loop = asyncio.get_running_loop()
     aq: asyncio.Queue = asyncio.Queue()
 

@@ -1,7 +1,7 @@
 """What `%%generate` does: submit prompts concurrently, stream them into one display, report.
 
 `GenerateRun` holds one `Section` per request (prompt x sample). `arun(client)` submits every
-request at once (so the engine batches them), merges the token streams, and redraws one
+request in one message (so the engine has them all before its next step), merges the token streams, and redraws one
 display handle at most `hz` times a second: a 16-prompt cell costs ~10 IOPub messages a
 second however fast tokens come. Cancelling it (a kernel interrupt) aborts the requests in the
 engine. `run(client)` is the blocking twin for callers without a running event loop.
@@ -195,41 +195,32 @@ class GenerateRun:
 
     # -- running ------------------------------------------------------------------------------
     async def arun(self, client) -> list[Any]:
-        """Submit all, stream, redraw at <= hz; returns the RequestOutputs in order."""
+        """Submit all in one message, stream, redraw at <= hz; returns the RequestOutputs in order."""
         self._show()
         self.started = time.monotonic()
-        q: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._pump(client, i, q)) for i in range(len(self.sections))]
+        wake: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._pump_all(client, wake))
         period = 1.0 / self.hz
         next_draw = time.monotonic() + period
-        left = len(tasks)
         deadline = None if self.timeout is None else self.started + self.timeout
         try:
-            while left:
-                wait = max(0.0, next_draw - time.monotonic())
+            while not task.done():
                 try:
-                    item = await asyncio.wait_for(q.get(), wait) if wait > 0 else q.get_nowait()
-                except (asyncio.TimeoutError, asyncio.QueueEmpty):
-                    item = None
-                while item is not None:
-                    if item == "done":
-                        left -= 1
-                    try:
-                        item = q.get_nowait()
-                    except asyncio.QueueEmpty:
-                        item = None
+                    await asyncio.wait_for(wake.get(), max(0.0, next_draw - time.monotonic()))
+                except asyncio.TimeoutError:
+                    pass
                 now = time.monotonic()
                 if now >= next_draw:
                     self._redraw()
                     next_draw = now + period
                 if deadline is not None and now > deadline:
                     raise TimeoutError(f"%%generate did not finish within {self.timeout}s")
+            task.result()
         except BaseException as e:
             self.interrupted = isinstance(e, (asyncio.CancelledError, KeyboardInterrupt))
-            for t in tasks:
-                t.cancel()
-            # let each stream's cleanup send its abort before we give up the loop
-            await asyncio.wait(tasks, timeout=5)
+            task.cancel()
+            # let the streams' cleanup send their aborts before we give up the loop
+            await asyncio.wait([task], timeout=5)
             self.finished = time.monotonic()
             self._dirty = True
             self._redraw(final=True)
@@ -239,28 +230,61 @@ class GenerateRun:
         self._redraw(final=True)
         return [s.output for s in self.sections]
 
-    async def _pump(self, client, i: int, q: asyncio.Queue) -> None:
-        s = self.sections[i]
+    async def _pump_all(self, client, wake: asyncio.Queue) -> None:
+        """Every request in one submit, so the engine has them all before its next step (requests
+        sent one by one let it start a step on the first alone). A submit is all or nothing: if the
+        engine refuses it before any token, each request goes again on its own, so a bad prompt
+        shows its own error and the others still run."""
+        from ..interface import async_sink
+
+        aq, sink = async_sink()
+        batch = [(s.prompt, None, s.params) for s in self.sections]
+        now = time.monotonic()
+        for s in self.sections:
+            s.submitted = now
+        try:
+            rids = client.submit(batch, sink, chat=self.chat, stream=True)
+        except Exception:
+            rids = None
+        by_id = dict(zip(rids or (), self.sections))
+        started = False
+        try:
+            while rids is not None and any(not s.done for s in self.sections):
+                got = await client.apoll(aq)
+                if isinstance(got, BaseException):
+                    if started:
+                        raise got
+                    client.release(rids, set())
+                    rids = None
+                    break
+                started = True
+                s = by_id.get(got.request_id)
+                if s is not None:
+                    self._take(s, got)
+                    wake.put_nowait(None)
+        except asyncio.CancelledError:
+            for s in self.sections:
+                if s.finish_reason is None:
+                    s.finish_reason = "abort"
+            raise
+        except Exception as e:
+            for s in self.sections:
+                if not s.done:
+                    s.error = f"{type(e).__name__}: {e}"
+            self._dirty = True
+        finally:
+            if rids is not None:
+                client.release(rids, {r for r, s in by_id.items() if s.finish_reason is not None})
+        if rids is None:
+            await asyncio.gather(*(self._pump(client, s, wake) for s in self.sections))
+
+    async def _pump(self, client, s: Section, wake: asyncio.Queue) -> None:
+        """One request on its own stream (after a refused batch)."""
         s.submitted = time.monotonic()
         try:
             async for chunk in client.astream(s.prompt, s.params, chat=self.chat):
-                now = time.monotonic()
-                s.request_id = chunk.request_id
-                if chunk.token_ids_delta:
-                    if s.first_token is None:
-                        s.first_token = now
-                    s.last_token = now
-                    s.num_tokens += len(chunk.token_ids_delta)
-                if chunk.text_delta:
-                    s.parts.append(chunk.text_delta)
-                if chunk.finish_reason is not None:
-                    s.finish_reason = chunk.finish_reason
-                    s.output = chunk.output
-                    if s.output is not None:
-                        s.request_id = s.output.request_id
-                        if s.output.text != s.text:  # the engine's final text is authoritative
-                            s.parts = [s.output.text]
-                self._dirty = True
+                self._take(s, chunk)
+                wake.put_nowait(None)
         except asyncio.CancelledError:
             if s.finish_reason is None:
                 s.finish_reason = "abort"
@@ -268,8 +292,25 @@ class GenerateRun:
         except Exception as e:
             s.error = f"{type(e).__name__}: {e}"
             self._dirty = True
-        finally:
-            q.put_nowait("done")
+
+    def _take(self, s: Section, chunk) -> None:
+        now = time.monotonic()
+        s.request_id = chunk.request_id
+        if chunk.token_ids_delta:
+            if s.first_token is None:
+                s.first_token = now
+            s.last_token = now
+            s.num_tokens += len(chunk.token_ids_delta)
+        if chunk.text_delta:
+            s.parts.append(chunk.text_delta)
+        if chunk.finish_reason is not None:
+            s.finish_reason = chunk.finish_reason
+            s.output = chunk.output
+            if s.output is not None:
+                s.request_id = s.output.request_id
+                if s.output.text != s.text:  # the engine's final text is authoritative
+                    s.parts = [s.output.text]
+        self._dirty = True
 
     def run(self, client) -> list[Any]:
         """Blocking: runs `arun` on a private event loop (in a helper thread when this thread
