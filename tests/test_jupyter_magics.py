@@ -102,6 +102,19 @@ def test_generate_concurrent_prompts_sections_and_output_var(shell, client, monk
     assert {b.request_id for b in first.batch} == ids
 
 
+def test_an_instruct_prompt_that_ends_at_once_says_why_and_chat_answers_it(shell):
+    """A tester's first trap: the instruct model given bare text ends after a token, no text."""
+    with capture_output() as cap:
+        shell.run_cell("%%generate --max-tokens 24 -o outs\nWrite a recipe for bread.")
+    [out] = shell.user_ns["outs"]
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 2, out.token_ids
+    assert "may need --chat" in shown(cap)
+    with capture_output() as cap:
+        shell.run_cell("%%generate --max-tokens 24 --chat -o outs\nWrite a recipe for bread.")
+    [out] = shell.user_ns["outs"]
+    assert len(out.token_ids) > 2 and out.text.strip() and "may need --chat" not in shown(cap)
+
+
 def test_a_refused_prompt_in_a_cell_leaves_the_others_running(shell, client):
     """A submit is all or nothing: the cell then sends each prompt alone, so only the bad one fails."""
     long = "word " * 9000  # past the model's 8192-token context

@@ -23,6 +23,7 @@ import msgspec
 from ..sampling_params import SamplingParams
 
 SEPARATOR = "---"
+EARLY_STOP_TOKENS = 2  # a completion this short ended by the model gets a hint about --chat
 
 
 _OVERRIDABLE = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "ignore_eos": bool}
@@ -355,7 +356,11 @@ class GenerateRun:
         if s.error:
             return f"error: {s.error}"
         if s.done:
-            return _fmt_stats(s.stats())
+            st = _fmt_stats(s.stats())
+            if s.finish_reason == "stop" and s.stats()["tokens"] <= EARLY_STOP_TOKENS and not self.chat:
+                # an instruct model given bare text often ends at once: say why, and the way out
+                st += " (the model's end of text came at once; an instruct model may need --chat: its chat template)"
+            return st
         if s.first_token is None:
             return "waiting for the first token…"
         return f"{s.num_tokens} tokens…"
