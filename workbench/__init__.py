@@ -24,6 +24,7 @@ _LAZY = {
     "start_engine": ("workbench.ipc.launch", "start_engine"),
     "connect": ("workbench.engines", "connect"),
     "Engine": ("workbench.interface", "Engine"),
+    "route": ("workbench.routing", "route"),
     "sweep": ("workbench.tuning.sweep", "sweep"),
     "Simulator": ("workbench.sim", "Simulator"),
     "runs": ("workbench.runs", None),  # the run log module: workbench.runs.list_runs(), ...
@@ -40,6 +41,7 @@ __all__ = [
     "start_engine",
     "connect",
     "Engine",
+    "route",
     "sweep",
     "Simulator",
     "RequestOutput",
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from .ipc.launch import start_engine
     from .llm import LLM
     from .outputs import RequestOutput, StreamChunk
+    from .routing import route
     from .sampling_params import SamplingParams
     from .settings import EngineSettings
     from .timeline import Timeline

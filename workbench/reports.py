@@ -130,3 +130,33 @@ def percentile(values, q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+# metrics() fields summed over engines (counts and rates); the others are each engine's worst
+ADDITIVE = (
+    "output_tok_s",
+    "num_waiting",
+    "num_running",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "process_cpu_cores",
+    "process_rss_mb",
+)
+
+
+def combine_metrics(per: dict[str, dict]) -> dict[str, Any]:
+    """Several engines' metrics as one (a cluster's replicas, a router's members): counts and
+    rates summed, latencies and the like each engine's worst, KV usage over all blocks."""
+    out: dict[str, Any] = {}
+    for m in per.values():
+        for k, v in m.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if k in ADDITIVE or k.startswith("total_"):
+                out[k] = out.get(k, 0) + v
+            else:
+                out[k] = max(out.get(k, v), v)
+    total = out.get("kv_blocks_total")
+    if total:
+        out["kv_usage"] = out.get("kv_blocks_used", 0) / total
+    return out

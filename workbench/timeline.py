@@ -21,7 +21,16 @@ PHASES = ("prefill", "decode", "mixed", "verify", "relayout")
 # transformer's layers, the LM head, sampling, the outputs (each sequence advanced, detokenised,
 # stop strings checked) and, in an engine process, handing the chunks to their clients.
 STEP_PARTS = ("draft", "schedule", "prepare", "layers", "lm_head", "sample", "outputs", "send")
-REQUEST_EVENTS = ("arrived", "scheduled", "first_token", "preempted", "resumed", "finished", "routed")
+REQUEST_EVENTS = (
+    "arrived",
+    "scheduled",
+    "first_token",
+    "preempted",
+    "resumed",
+    "finished",
+    "routed",
+    "escalated",  # a router's cascade: the cheaper member's answer was not confident enough
+)
 
 
 class BatchEntry(msgspec.Struct, array_like=True):
@@ -170,6 +179,31 @@ class TimelineRecorder:
         ev = ChangeEvent(seq=self.next_seq(), start=start, end=end, changes=changes, by=by, relayout=relayout)
         self.changes.append(ev)
         return ev
+
+    def merge(self, tl: Timeline, replica: str, offset: float = 0.0, rename=None) -> None:
+        """Append another engine's events (a cluster's replica, a router's member), on this host's
+        clock (`offset`: theirs minus ours), each tagged with where it happened; `rename` maps
+        their request ids to the ones this recorder's users know (None: the same)."""
+        rid = rename or (lambda r: r)
+        for s in tl.steps:
+            batch = [msgspec.structs.replace(b, request_id=rid(b.request_id)) for b in s.batch] if rename else s.batch
+            self.steps.append(
+                msgspec.structs.replace(
+                    s, seq=self.next_seq(), start=s.start - offset, end=s.end - offset, replica=replica, batch=batch
+                )
+            )
+        for q in tl.requests:
+            self.requests.append(
+                msgspec.structs.replace(
+                    q, seq=self.next_seq(), time=q.time - offset, replica=replica, request_id=rid(q.request_id)
+                )
+            )
+        for c in tl.changes:
+            self.changes.append(
+                msgspec.structs.replace(
+                    c, seq=self.next_seq(), start=c.start - offset, end=c.end - offset, replica=replica
+                )
+            )
 
     def read(self, since: int | None = None) -> Timeline:
         since = since or 0

@@ -23,29 +23,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from ..events import EventSubscription
 from ..interface import Engine, closed_at_exit, deliver, request_ids
 from ..ipc.protocol import EngineDeadError, Event, WorkbenchIPCError
 from ..outputs import StreamChunk
+from ..reports import combine_metrics
 from ..timeline import Timeline, TimelineRecorder
 from .router import POLICIES, Router, check_policy
 
 log = logging.getLogger("workbench.cluster")
 
 _handles = closed_at_exit()
-
-# metrics() fields summed over replicas (counts and rates); the others are each replica's worst
-ADDITIVE = (
-    "output_tok_s",
-    "num_waiting",
-    "num_running",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "process_cpu_cores",
-    "process_rss_mb",
-)
 
 
 @dataclass
@@ -154,23 +142,8 @@ class ClusterEngine(Engine):
             log.warning("replica %s: no events (%s)", r.name, e)
 
     def _merge(self, replica: str, tl: Timeline, offset: float) -> None:
-        rec = self.recorder
         with self._lock:
-            for s in tl.steps:
-                ev = msgspec.structs.replace(
-                    s, seq=rec.next_seq(), start=s.start - offset, end=s.end - offset, replica=replica
-                )
-                rec.steps.append(ev)
-            for q in tl.requests:
-                rec.requests.append(
-                    msgspec.structs.replace(q, seq=rec.next_seq(), time=q.time - offset, replica=replica)
-                )
-            for c in tl.changes:
-                rec.changes.append(
-                    msgspec.structs.replace(
-                        c, seq=rec.next_seq(), start=c.start - offset, end=c.end - offset, replica=replica
-                    )
-                )
+            self.recorder.merge(tl, replica, offset)
 
     def _publish(self, kind: str, data: Any) -> None:
         with self._lock:
@@ -345,20 +318,7 @@ class ClusterEngine(Engine):
                 per[r.name] = r.client.metrics()
             except (EngineDeadError, WorkbenchIPCError, TimeoutError) as e:
                 self._replica_down(r.name, e)
-        out: dict[str, Any] = {}
-        for m in per.values():
-            for k, v in m.items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    continue
-                if k in ADDITIVE or k.startswith("total_"):
-                    out[k] = out.get(k, 0) + v
-                else:
-                    out[k] = max(out.get(k, v), v)
-        total = out.get("kv_blocks_total")
-        if total:
-            out["kv_usage"] = out.get("kv_blocks_used", 0) / total
-        out.update(per_replica=per, router=self.router.stats())
-        return out
+        return {**combine_metrics(per), "per_replica": per, "router": self.router.stats()}
 
     def status(self) -> dict:
         """The first live replica's status (model, device, kernels...), the cluster's name, router

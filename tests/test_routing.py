@@ -1,0 +1,234 @@
+"""Routing between models (workbench.routing): a router is an Engine over member engines.
+
+Two tiny random Llama models of different sizes (one vocabulary) stand for a cheap and a dear
+model; fp32 greedy, so every member's answer is exact and repeatable. The decision logic
+(thresholds, calibration, the classifier) is also tested on its own, on set scores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from conftest import make_tiny_model
+
+from workbench import LLM, SamplingParams
+from workbench.routing import evaluate, route
+from workbench.routing import policies as P
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+LENGTHS = (3, 10, 40, 70, 5, 90, 17, 33)
+
+
+def _prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory):
+    small_dir = tmp_path_factory.mktemp("small")
+    large_dir = tmp_path_factory.mktemp("large")
+    make_tiny_model(small_dir, "llama", seed=0)
+    make_tiny_model(large_dir, "llama", seed=5, hidden_size=128, intermediate_size=256, num_hidden_layers=3)
+    small = LLM(str(small_dir), dtype="float32", num_kv_blocks=64)
+    large = LLM(str(large_dir), dtype="float32", num_kv_blocks=64, max_model_len=128)
+    solo = {
+        "small": small.generate(prompt_token_ids=_prompts(), params=GREEDY),
+        "large": large.generate(prompt_token_ids=_prompts(), params=GREEDY),
+    }
+    return {"small": small, "large": large, "dirs": (small_dir, large_dir), "solo": solo}
+
+
+@pytest.fixture
+def router(members):
+    return route({"small": members["small"], "large": members["large"]}, policy="length", threshold=32)
+
+
+def _check_solo(outs, members):
+    """Every routed greedy answer is its member's solo answer, token for token."""
+    for i, o in enumerate(outs):
+        assert o.token_ids == members["solo"][o.route][i].token_ids, (i, o.route)
+
+
+# -- the decision logic on set scores ------------------------------------------------------------
+def test_thresholds_and_calibration_on_set_scores():
+    assert P.escalates("length", 65, 64) and not P.escalates("length", 64, 64)  # at the threshold: cheaper
+    assert P.escalates("cascade", -1.5, -1.2) and not P.escalates("cascade", -1.2, -1.2)
+    scores = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0, 8.0, 4.0, 6.0, 10.0]
+    for share in (0.0, 0.1, 0.3, 0.55, 1.0):
+        t = P.calibrate_threshold("length", scores, share)
+        assert sum(P.escalates("length", s, t) for s in scores) == round(share * len(scores))
+        t = P.calibrate_threshold("cascade", scores, share)
+        assert sum(P.escalates("cascade", s, t) for s in scores) == round(share * len(scores))
+    assert P.calibrate_threshold("random", scores, 0.3) == 0.3
+    with pytest.raises(ValueError, match="share .* must be in \\[0, 1\\]"):
+        P.calibrate_threshold("length", scores, 1.5)
+    assert P.confidence([-0.5, -1.5], "mean") == -1.0 and P.confidence([-0.5, -1.5], "min") == -1.5
+
+
+def test_the_classifier_learns_separable_labels_and_round_trips_as_json(tmp_path):
+    rng = random.Random(1)
+    rows = [[rng.gauss(0, 1), rng.gauss(0, 1)] for _ in range(40)]
+    labels = ["large" if a + b > 0 else "small" for a, b in rows]
+    clf = P.Classifier.fit(rows, labels, ["small", "large"])
+    assert [("large" if clf.probabilities(r)[0] > 0.5 else "small") for r in rows] == labels
+    clf.save(tmp_path / "c.json")
+    again = P.Classifier.load(tmp_path / "c.json")
+    assert again.probabilities(rows[0]) == pytest.approx(clf.probabilities(rows[0]))
+    assert json.loads((tmp_path / "c.json").read_text())["kind"] == "workbench-router-classifier"
+    with pytest.raises(ValueError, match="labels name no member: \\['medium'\\]"):
+        P.Classifier.fit(rows[:2], ["small", "medium"], ["small", "large"])
+
+
+# -- the router over real engines ----------------------------------------------------------------
+def test_length_routes_by_prompt_tokens_and_answers_as_each_member_alone(router, members):
+    outs = router.generate(prompt_token_ids=_prompts(), params=GREEDY)
+    assert [o.route for o in outs] == ["small" if n <= 32 else "large" for n in LENGTHS]
+    assert [o.route_score for o in outs] == [float(n) for n in LENGTHS]
+    assert all(o.route_tried == [o.route] for o in outs)
+    _check_solo(outs, members)
+    # streamed: the chunks carry the router's request id, the last one the member
+    chunks = list(router.stream(prompt_token_ids=_prompts()[3], params=GREEDY))
+    assert len({c.request_id for c in chunks}) == 1 and chunks[-1].output.route == "large"
+    assert [t for c in chunks for t in c.token_ids_delta] == members["solo"]["large"][3].token_ids
+
+
+def test_live_changes_take_effect_at_the_next_request_and_bad_values_are_refused(router, members):
+    router.configure(router="fixed", router_member="small")
+    assert {o.route for o in router.generate(prompt_token_ids=_prompts(), params=GREEDY)} == {"small"}
+    settings = router.configure(router_member="large")
+    assert settings["router"] == "fixed" and settings["router_member"] == "large"
+    assert {o.route for o in router.generate(prompt_token_ids=_prompts(), params=GREEDY)} == {"large"}
+    router.configure(router="random", router_threshold=0.0)
+    assert {o.route for o in router.generate(prompt_token_ids=_prompts(), params=GREEDY)} == {"small"}
+    router.configure(router_threshold=1.0)
+    outs = router.generate(prompt_token_ids=_prompts(), params=GREEDY)
+    assert {o.route for o in outs} == {"large"}
+    _check_solo(outs, members)
+    with pytest.raises(ValueError, match="setting 'router'; allowed: 'length', 'classifier'"):
+        router.configure(router="smart")
+    with pytest.raises(ValueError, match="'router_member'; allowed: small, large"):
+        router.configure(router_member="medium")
+    with pytest.raises(ValueError, match="one threshold per boundary"):
+        router.configure(router_threshold=[1.0, 2.0])
+    with pytest.raises(ValueError, match="classifier policy needs a classifier"):
+        router.configure(router="classifier")
+    assert router.settings()["router"] == "random"  # a refused change changed nothing
+
+
+def test_cascade_escalates_exactly_when_the_cheap_answer_is_unsure(router, members):
+    router.configure(router="cascade")
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=0)
+    cheap = members["small"].generate(prompt_token_ids=_prompts(), params=sp)
+    conf = [P.confidence([lp.logprob for lp in o.logprobs], "mean") for o in cheap]
+    t = sorted(conf)[len(conf) // 2]
+    router.configure(router_threshold=t)
+    outs = router.generate(prompt_token_ids=_prompts(), params=GREEDY)
+    for o, c in zip(outs, conf):
+        if c < t:
+            assert o.route == "large" and o.route_tried == ["small", "large"]
+        else:
+            assert o.route == "small" and o.route_tried == ["small"] and o.route_score == pytest.approx(c)
+    assert sum(o.route == "large" for o in outs) == sum(c < t for c in conf) > 0
+    assert all(o.logprobs is None for o in outs)  # the router's own log-probabilities stay its own
+    _check_solo(outs, members)
+    # streamed: nothing of an escalated cheap answer reaches the client
+    escalated = next(i for i, c in enumerate(conf) if c < t)
+    chunks = list(router.stream(prompt_token_ids=_prompts()[escalated], params=GREEDY))
+    assert [t for c in chunks for t in c.token_ids_delta] == members["solo"]["large"][escalated].token_ids
+    tl = router.timeline()
+    assert any(e.kind == "escalated" and e.replica == "small" for e in tl.requests)
+
+
+def test_calibration_hits_the_asked_share(router):
+    prompts = _prompts()
+    for policy in ("length", "cascade"):
+        router.configure(router=policy)
+        for share in (0.0, 0.25, 0.5, 0.75, 1.0):
+            t = router.calibrate(prompts, large_share=share, params=GREEDY)  # a cascade: as it will serve
+            assert router.settings()["router_threshold"] == t
+            outs = router.generate(prompt_token_ids=prompts, params=GREEDY)
+            large = sum(o.route == "large" for o in outs)
+            assert abs(large - share * len(prompts)) <= 1, (policy, share, large)
+
+
+def test_the_classifier_policy_routes_by_what_it_learned(router, members, tmp_path):
+    prompts = _prompts()
+    labels = ["large" if n > 32 else "small" for n in LENGTHS]
+    router.fit(prompts, labels)
+    router.configure(router="classifier", router_threshold=0.5)
+    outs = router.generate(prompt_token_ids=prompts, params=GREEDY)
+    assert [o.route for o in outs] == labels
+    assert all(0.0 <= o.route_score <= 1.0 for o in outs)
+    _check_solo(outs, members)
+    router.save_classifier(tmp_path / "router.json")
+    other = route({"small": members["small"], "large": members["large"]}, policy="classifier",
+                  classifier=str(tmp_path / "router.json"))  # fmt: skip
+    assert [o.route for o in other.generate(prompt_token_ids=prompts, params=GREEDY)] == labels
+    swapped = route({"large": members["large"], "small": members["small"]})
+    with pytest.raises(ValueError, match="trained for members"):
+        swapped.load_classifier(tmp_path / "router.json")
+
+
+def test_a_member_that_refuses_names_itself_and_the_router_keeps_serving(router, members):
+    long = [[7] * 200]  # past the large member's 128-token context (the small one takes 512)
+    with pytest.raises(ValueError, match="router member 'large'"):
+        router.generate(prompt_token_ids=long, params=GREEDY)
+    outs = router.generate(prompt_token_ids=_prompts(), params=GREEDY)
+    assert {o.route for o in outs} == {"small", "large"}
+    _check_solo(outs, members)
+    assert router.stats()["down"] == {}
+
+
+def test_a_member_that_dies_is_routed_around(members, tmp_path):
+    """A member in its own engine process is killed: requests it would have had go to the live
+    member, and the router says why."""
+    import os
+    import signal
+
+    from jupyter_helpers import private_runtime_dir, wait_for
+
+    from workbench import start_engine
+
+    with private_runtime_dir(tmp_path / "rt"):
+        large = start_engine(str(members["dirs"][1]), name="routing-large", dtype="float32", num_kv_blocks=64)
+        try:
+            r = route({"small": members["small"], "large": large}, policy="length", threshold=32)
+            outs = r.generate(prompt_token_ids=_prompts(), params=GREEDY)
+            assert {o.route for o in outs} == {"small", "large"}
+            _check_solo(outs, members)
+            os.kill(large.pid, signal.SIGKILL)
+            wait_for(lambda: not large.alive, 30, "the killed member to be seen gone")
+            outs = r.generate(prompt_token_ids=_prompts(), params=GREEDY)
+            assert {o.route for o in outs} == {"small"}
+            assert "large" in r.stats()["down"]
+            assert any("large is down" in (e.detail or "") for e in r.timeline().requests if e.kind == "routed")
+        finally:
+            large.close()
+
+
+def test_evaluate_measures_cost_quality_and_the_gap_recovered(router, members):
+    router.configure(router="length")
+    ev = evaluate(router, _prompts(), params=GREEDY)
+    shares = [r["large_share"] for r in ev]
+    assert shares == sorted(shares) and shares[0] == 0.0 and shares[-1] == 1.0
+    for r in ev:
+        assert set(r) >= {"threshold", "cost_per_request", "quality", "share", "ttft_p50_ms", "pgr"}
+        assert sum(r["share"].values()) == pytest.approx(1.0)
+    # the default scorer: agreement with the dearest member's answer
+    assert ev[-1]["quality"] == 1.0 and ev[-1]["pgr"] == 1.0 and ev[0]["pgr"] == 0.0
+    assert ev.members["large"]["quality"] == 1.0
+    assert ev[-1]["cost_per_request"] == pytest.approx(ev.members["large"]["cost_per_request"])
+    assert ev.cpt[0.5] is not None and ev.cpt[0.5] <= ev.cpt[0.8]
+    # a cascade pays for both members where it escalates
+    router.configure(router="cascade")
+    priced = evaluate(router, _prompts(), params=GREEDY, prices={"small": 1.0, "large": 10.0})
+    solo = members["solo"]
+    tokens = {m: sum(len(p) + len(o.token_ids) for p, o in zip(_prompts(), solo[m])) for m in solo}
+    n = len(LENGTHS)
+    assert priced[0]["large_share"] == 0.0 and priced[-1]["large_share"] == 1.0
+    assert priced[0]["cost_per_request"] == pytest.approx(tokens["small"] / n / 1e6)  # none escalated
+    assert priced[-1]["cost_per_request"] == pytest.approx((tokens["small"] + 10 * tokens["large"]) / n / 1e6)
+    assert priced.plot() is not None

@@ -1,0 +1,270 @@
+"""What a router costs and what quality it keeps, per threshold, measured.
+
+`evaluate(router, prompts)` runs the prompt set through every member once (greedy unless told
+otherwise, with each token's log-probability), prices each answer, scores it, and then plays the
+router's policy over those answers at each threshold: a routed greedy answer is its member's solo
+answer token for token (the tests hold the router to that), so the answers need not be generated
+again per threshold. A cascade's escalated requests pay for every member they ran on, and wait for
+them (their TTFT is the cheaper members' whole answers plus the last one's first token).
+
+Cost per request: a member's price per 1M prompt and output tokens when `prices` gives one, else
+the machine's price (`tuning.costs.machine_defaults`) for the member's share of the seconds its run
+took (split by tokens). Quality, without labels: agreement with the dearest member's greedy answer
+(token-level F1; exact match and the dearest member's mean log-likelihood of the answer are kept
+too); or `scorer(prompt, output) -> float`. RouteLLM's measures: performance gap recovered (PGR)
+per threshold, its average over the sweep (APGR) and the dearer share needed for 50% / 80% of the
+gap (CPT).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import policies as P
+
+SHARES = tuple(i / 10 for i in range(11))  # the default sweep: these shares past the cheapest member
+
+
+class Evaluation(list):
+    """One record per threshold (a list of dicts), with the members alone (`members`), RouteLLM's
+    `apgr` and `cpt` ({0.5: share, 0.8: share}), and `plot()`: the cost/quality Pareto front."""
+
+    members: dict[str, dict]
+    apgr: float | None
+    cpt: dict[float, float | None]
+    policy: str
+
+    def plot(self, width: int = 520, height: int = 360):
+        return pareto_plot(self, width=width, height=height)
+
+
+def _f1(a: Sequence[int], b: Sequence[int]) -> float:
+    if not a and not b:
+        return 1.0
+    common = sum((Counter(a) & Counter(b)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(a), common / len(b)
+    return 2 * precision * recall / (precision + recall)
+
+
+def evaluate(
+    router,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    scorer: Callable[[Any, Any], float] | None = None,
+    thresholds: Sequence[float] | None = None,
+    *,
+    params=None,
+    prices: dict[str, float | tuple[float, float]] | None = None,
+) -> Evaluation:
+    """Per threshold, cheapest first (the share past the cheapest member ascending): "threshold",
+    "cost_per_request" (USD), "quality", "share" (member -> fraction), "ttft_p50_ms",
+    "large_share", "pgr", "exact_match", "f1", "loglik". `thresholds`
+    None: those sending 0%, 10%, ..., 100% past the cheapest member (the fixed policy: each member
+    alone). `params`: SamplingParams (default greedy, 32 tokens)."""
+    from ..sampling_params import SamplingParams
+    from ..tuning.costs import machine_defaults
+
+    params = params or SamplingParams(max_tokens=32, temperature=0.0)
+    params = SamplingParams.coerce(params)
+    import msgspec
+
+    params = msgspec.structs.replace(params, logprobs=max(params.logprobs or 0, 0))
+    items = router.items(prompts, params)
+    names = router.names
+    policy = router.policy
+
+    # every member on every prompt, once
+    runs: dict[str, list] = {}
+    seconds: dict[str, float] = {}
+    for name in names:
+        engine = router.members[name]
+        t0 = time.monotonic()
+        if items[0][1] is not None:
+            outs = engine.generate(prompt_token_ids=[ids for _, ids, _ in items], params=params)
+        else:
+            outs = engine.generate([p for p, _, _ in items], params)
+        seconds[name] = time.monotonic() - t0
+        runs[name] = outs
+    price = machine_defaults(router.members[names[0]].status().get("device"))["price_per_hour"]
+
+    def cost(name: str, out) -> float:
+        n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        given = (prices or {}).get(name)
+        if given is not None:
+            p_in, p_out = given if isinstance(given, (tuple, list)) else (given, given)
+            return (n_in * p_in + n_out * p_out) / 1e6
+        tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in runs[name]) or 1
+        return price / 3600 * seconds[name] * (n_in + n_out) / tokens
+
+    # quality of every answer
+    ref = runs[names[-1]]
+    quality: dict[str, list[float]] = {}
+    f1: dict[str, list[float]] = {}
+    exact: dict[str, list[float]] = {}
+    loglik: dict[str, list[float | None]] = {}
+    dearest = router.members[names[-1]]
+    for name in names:
+        f1[name] = [_f1(o.token_ids, r.token_ids) for o, r in zip(runs[name], ref)]
+        exact[name] = [float(list(o.token_ids) == list(r.token_ids)) for o, r in zip(runs[name], ref)]
+        loglik[name] = [_loglik(dearest, o) for o in runs[name]]
+        if scorer is None:
+            quality[name] = f1[name]
+        else:
+            asked = [item[0] if item[0] is not None else item[1] for item in items]
+            quality[name] = [float(scorer(prompt, o)) for prompt, o in zip(asked, runs[name])]
+    conf = {n: [P.confidence([lp.logprob for lp in o.logprobs or ()], router.how) for o in runs[n]] for n in names}
+
+    # each request's score at each boundary (cascade: each member's own confidence)
+    if policy in ("length", "classifier"):
+        scores = [router.scores(item, policy) for item in items]
+    elif policy == "random":
+        draws = P.Draws(0)
+        scores = [[draws()] * (len(names) - 1) for _ in items]
+    else:
+        scores = [[conf[n][i] for n in names[:-1]] for i in range(len(items))]
+
+    if policy == "fixed":
+        levels_per = [[names.index(n)] * len(items) for n in names]
+        ts: list[float] = [float(i) for i in range(len(names))]
+    else:
+        if thresholds is None:
+            first = [s[0] for s in scores]
+            ts = sorted({P.calibrate_threshold(policy, first, share) for share in SHARES})
+        else:
+            ts = [P.check_threshold(t) for t in thresholds]
+        levels_per = [[_level(policy, s, t, len(names)) for s in scores] for t in ts]
+
+    records = Evaluation()
+    for t, levels in zip(ts, levels_per):
+        costs, quals, ttfts, share = [], [], [], Counter()
+        fs, ems, lls = [], [], []
+        for i, level in enumerate(levels):
+            name = names[level]
+            ran = names[: level + 1] if policy == "cascade" else [name]
+            costs.append(sum(cost(n, runs[n][i]) for n in ran))
+            waited = sum(_latency(runs[n][i]) for n in ran[:-1])
+            ttft = runs[name][i].metrics.ttft
+            ttfts.append(None if ttft is None else (waited + ttft) * 1e3)
+            quals.append(quality[name][i])
+            fs.append(f1[name][i])
+            ems.append(exact[name][i])
+            lls.append(loglik[name][i])
+            share[name] += 1
+        n = len(levels)
+        records.append(
+            {
+                "threshold": t,
+                "cost_per_request": sum(costs) / n,
+                "quality": sum(quals) / n,
+                "share": {m: share[m] / n for m in names},
+                "large_share": 1 - share[names[0]] / n,
+                "ttft_p50_ms": statistics.median([x for x in ttfts if x is not None]) if any(ttfts) else None,
+                "f1": sum(fs) / n,
+                "exact_match": sum(ems) / n,
+                "loglik": _mean(lls),
+            }
+        )
+    records.sort(key=lambda r: (r["large_share"], r["cost_per_request"]))  # cheapest first, whatever the policy
+    solo = {}
+    for name in names:
+        outs = runs[name]
+        solo[name] = {
+            "cost_per_request": sum(cost(name, o) for o in outs) / len(outs),
+            "quality": sum(quality[name]) / len(outs),
+            "ttft_p50_ms": statistics.median(o.metrics.ttft * 1e3 for o in outs if o.metrics.ttft is not None),
+            "seconds": seconds[name],
+        }
+    lo, hi = solo[names[0]]["quality"], solo[names[-1]]["quality"]
+    for r in records:
+        r["pgr"] = (r["quality"] - lo) / (hi - lo) if hi != lo else None
+    records.members, records.policy = solo, policy
+    gaps = [r["pgr"] for r in records if r["pgr"] is not None]
+    records.apgr = sum(gaps) / len(gaps) if gaps else None
+    records.cpt = {
+        goal: min((r["large_share"] for r in records if r["pgr"] is not None and r["pgr"] >= goal), default=None)
+        for goal in (0.5, 0.8)
+    }
+    return records
+
+
+def _level(policy: str, scores: list[float], t: float, n: int) -> int:
+    level = 0
+    while level < n - 1 and P.escalates(policy, scores[level], t):
+        level += 1
+    return level
+
+
+def _latency(out) -> float:
+    m = out.metrics
+    return (m.finished - m.arrival) if m.finished is not None and m.arrival is not None else 0.0
+
+
+def _loglik(engine, out) -> float | None:
+    """The dearest member's mean log-probability of this answer after its prompt."""
+    if not out.token_ids:
+        return None
+    lps = engine.score(list(out.prompt_token_ids) + list(out.token_ids))[-len(out.token_ids) :]
+    lps = [x for x in lps if x is not None]
+    return sum(lps) / len(lps) if lps else None
+
+
+def _mean(values) -> float | None:
+    v = [x for x in values if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def pareto_plot(records: Evaluation, *, width: int = 520, height: int = 360):
+    """Cost per request against quality, one dot per threshold, the members alone as squares, the
+    Pareto front (cheaper and better) as the sweeps' dashed red line; tap a dot to pick it."""
+    from bokeh.models import ColumnDataSource, HoverTool
+    from bokeh.plotting import figure
+
+    from ..tuning.pareto import pareto_front
+    from ..tuning.plots import FRONT
+
+    front = set(pareto_front(records, [("cost_per_request", "min"), ("quality", "max")]))
+    data = {
+        "cost": [r["cost_per_request"] * 1000 for r in records],
+        "quality": [r["quality"] for r in records],
+        "threshold": [r["threshold"] for r in records],
+        "large_share": [r["large_share"] for r in records],
+        "pgr": [r["pgr"] if r["pgr"] is not None else float("nan") for r in records],
+        "color": [FRONT if i in front else "#4C72B0" for i in range(len(records))],
+    }
+    p = figure(
+        width=width,
+        height=height,
+        title=f"router ({records.policy}): cost vs quality per threshold",
+        x_axis_label="USD per 1000 requests",
+        y_axis_label="quality",
+        tools="pan,wheel_zoom,box_zoom,tap,reset,save",
+        toolbar_location="above",
+    )
+    pts = sorted((data["cost"][i], data["quality"][i]) for i in front)
+    if pts:
+        p.line([x for x, _ in pts], [y for _, y in pts], line_color=FRONT, line_dash="dashed", line_width=2)
+    dots = p.scatter(
+        "cost", "quality", source=ColumnDataSource(data), size=10, fill_color="color", selection_fill_color="#2ca02c"
+    )
+    for name, solo in records.members.items():
+        p.scatter([solo["cost_per_request"] * 1000], [solo["quality"]], marker="square", size=12, fill_color="#999999")
+        p.text([solo["cost_per_request"] * 1000], [solo["quality"]], text=[f" {name} alone"], text_font_size="11px")
+    p.add_tools(
+        HoverTool(
+            renderers=[dots],
+            tooltips=[
+                ("threshold", "@threshold{0.000}"),
+                ("share past the cheapest", "@large_share{0%}"),
+                ("USD / 1000 requests", "@cost{0.0000}"),
+                ("quality", "@quality{0.000}"),
+                ("gap recovered", "@pgr{0%}"),
+            ],
+        )
+    )
+    p.y_range.range_padding = 0.15  # room for whiskers and labels at the ends
+    return p
