@@ -232,3 +232,72 @@ def test_evaluate_measures_cost_quality_and_the_gap_recovered(router, members):
     assert priced[0]["cost_per_request"] == pytest.approx(tokens["small"] / n / 1e6)  # none escalated
     assert priced[-1]["cost_per_request"] == pytest.approx((tokens["small"] + 10 * tokens["large"]) / n / 1e6)
     assert priced.plot() is not None
+
+
+# -- behind the HTTP endpoint --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def routed_server(tmp_path_factory):
+    """`workbench serve --route small=...,large=... --http`: two tiny models with SmolLM2's
+    tokenizer, each in its own engine process, behind one OpenAI endpoint."""
+    import subprocess
+    import sys
+
+    from http_helpers import ROOT, free_port, make_tiny_tokenized_model, stop_process, wait_http
+
+    root = tmp_path_factory.mktemp("routed")
+    small = make_tiny_tokenized_model(root / "small", seed=0)
+    large = make_tiny_tokenized_model(root / "large", seed=1)
+    port = free_port()
+    log = root / "serve.log"
+    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--http", f"127.0.0.1:{port}", "--name", f"rt{port}",
+           "--route", f"small={small},large={large}", "--router", "length", "--router-threshold", "8",
+           "--dtype", "float32", "--num-kv-blocks", "64", "--http-log-level", "warning"]  # fmt: skip
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url, proc, 240, log)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+SHORT = "Hi there"
+LONG = "The quick brown fox jumps over the lazy dog. " * 6  # 60 tokens: four whole cache blocks
+
+
+def test_the_endpoint_routes_names_the_member_and_counts_cached_tokens(routed_server):
+    import httpx
+
+    url = routed_server
+
+    def complete(prompt, model="router", **kw):
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 4,
+                                                      "temperature": 0, **kw}, timeout=60)  # fmt: skip
+        return r
+
+    r = complete(SHORT)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-workbench-route"] == "small"
+    route_field = r.json()["choices"][0]["route"]
+    assert route_field["member"] == "small" and route_field["policy"] == "length" and route_field["tried"] == ["small"]
+    first = complete(LONG)
+    assert first.headers["x-workbench-route"] == "large"
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = complete(LONG).json()["usage"]
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < again["prompt_tokens"] and cached % 16 == 0, again  # whole blocks the cache held
+    # RouteLLM's form: this request's policy and threshold
+    assert complete(LONG, model="router-length-1000").headers["x-workbench-route"] == "small"
+    assert complete(SHORT, model="router-random-1.0").headers["x-workbench-route"] == "large"
+    bad = complete(SHORT, model="router-smart-1")
+    assert bad.status_code == 404 and "router-<policy>-<threshold>" in bad.json()["error"]["message"]
+    # streamed: the header before the body, the member on the last chunk
+    body = {"model": "router", "prompt": LONG, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as s:
+        assert s.headers["x-workbench-route"] == "large"
+        events = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"route"' in events[-1] and '"member":"large"' in events[-1].replace(" ", "")
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'workbench:routed_requests_total{member="small",model_name="router",policy="length"}' in metrics
+    assert "x-workbench-route" not in httpx.get(f"{url}/v1/models", timeout=10).headers

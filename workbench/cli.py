@@ -49,11 +49,28 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--router",
-        default="least_loaded",
-        choices=["round_robin", "least_loaded", "prefix_affinity"],
-        help="how requests are spread over the replicas (default least_loaded)",
+        default=None,
+        metavar="POLICY",
+        help="replicas: how requests are spread (round_robin, least_loaded (default), prefix_affinity); "
+        "--route: how a member is chosen (length (default), classifier, cascade, random, fixed)",
     )
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs per replica (default 1)")
+    r = p.add_argument_group("routing between models (workbench.routing; needs --http)")
+    r.add_argument(
+        "--route",
+        default=None,
+        metavar="NAME=MODEL,...",
+        help="serve these members behind one endpoint, cheapest first (MODEL: a model as --model takes it, "
+        "'default' for the embedded one, or an http(s):// URL of an OpenAI-compatible server); clients "
+        "ask for model 'router' or 'router-<policy>-<threshold>'",
+    )
+    r.add_argument(
+        "--router-threshold",
+        type=float,
+        default=None,
+        metavar="X",
+        help="the routing policy's threshold (default: the policy's own, e.g. 64 prompt tokens for length)",
+    )
     g.add_argument("--replica-gpus", type=float, default=0.0, metavar="N", help="GPUs per replica (default 0)")
     p.set_defaults(_run=_run_serve)
 
@@ -67,8 +84,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     from .ipc.engine_main import settings_from_args
 
+    routing = getattr(args, "route", None) is not None or getattr(args, "router", None) is not None
     try:  # a bad flag value is one line and exit code 2, before any process starts
         settings = settings_from_args(args)
+        _check_router(args)
         if getattr(args, "http", None):
             from .http.server import parse_host_port
 
@@ -84,9 +103,55 @@ def _run_serve(args: argparse.Namespace) -> int:
 
             return run_front(args, settings, start_cluster)
         return run_front(args, settings)
+    if routing:
+        print("workbench serve: --route and --router serve over HTTP: give --http HOST:PORT too", file=sys.stderr)
+        return 2
     from .ipc.engine_main import serve
 
     return serve(args)
+
+
+def _check_router(args: argparse.Namespace) -> None:
+    """--router names a routing policy with --route, a replica policy with --replicas (the default
+    of each filled in); --route's members parse (raises ValueError naming what is wrong)."""
+    route = getattr(args, "route", None)
+    if route is not None and getattr(args, "replicas", None) is not None:
+        raise ValueError("--route and --replicas do not go together: route between models, or spread one over replicas")
+    if route is not None:
+        from .routing.policies import check_policy
+
+        args.router = check_policy(args.router or "length")
+        args.route_members = parse_route(route)
+        if args.router_threshold is None:
+            return
+        from .routing.policies import check_threshold
+
+        check_threshold(args.router_threshold)
+        return
+    from .cluster.router import POLICIES
+
+    if getattr(args, "router", None) is None:
+        args.router = "least_loaded"
+    elif args.router not in POLICIES:
+        raise ValueError(
+            f"invalid --router {args.router!r} without --route: replicas take {', '.join(POLICIES)}; the routing "
+            "policies between models (length, classifier, cascade, random, fixed) need --route NAME=MODEL,..."
+        )
+
+
+def parse_route(text: str) -> dict[str, str]:
+    """`small=MODEL,large=URL` -> {"small": "MODEL", "large": "URL"}, in order (cheapest first)."""
+    members: dict[str, str] = {}
+    for part in text.split(","):
+        name, eq, target = part.strip().partition("=")
+        if not eq or not name.strip() or not target.strip():
+            raise ValueError(f"--route takes NAME=MODEL pairs separated by commas, got {part.strip()!r}")
+        if name.strip() in members:
+            raise ValueError(f"--route names member {name.strip()!r} twice")
+        members[name.strip()] = target.strip()
+    if len(members) < 2:
+        raise ValueError(f"--route needs at least two members, got {len(members)}")
+    return members
 
 
 def _flag_settings_or_report(args: argparse.Namespace, command: str) -> dict | None:

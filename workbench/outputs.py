@@ -53,9 +53,10 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
     usage: dict | None = None  # a remote server's own token counts (OpenAI `usage`)
-    # Through a router (workbench.routing): the member that answered, the policy's score that
-    # decided (a cascade: the kept answer's confidence), and every member that ran it, in order
+    # Through a router (workbench.routing): the member that answered, the policy that decided and
+    # its score (a cascade: the kept answer's confidence), and every member that ran it, in order
     route: str | None = None
+    route_policy: str | None = None
     route_score: float | None = None
     route_tried: list[str] | None = None
 

@@ -207,14 +207,44 @@ class Front:
         return b"".join(parts)
 
     def check_model(self, model: str | None) -> str:
+        """The served name a request asks for; behind a router, RouteLLM's form
+        `router-<policy>-<threshold>` also routes that request by that policy and threshold."""
         if model is None or model in self.aliases:
             return self.model_names[0] if model is None or model not in self.model_names else model
+        override = self.route_override(model)
+        if override is not None:
+            from ..routing.engine import OVERRIDE
+
+            OVERRIDE.set(override)  # this request's context: the tasks it starts inherit it
+            return model
         raise APIError(
             404,
             f"the model {model!r} does not exist; this server serves {', '.join(repr(m) for m in self.model_names)}",
             param="model",
             code="model_not_found",
         )
+
+    def route_override(self, model: str) -> tuple[str, float] | None:
+        if not hasattr(self.engine, "member_of") or not model.startswith("router-"):
+            return None
+        from ..routing.policies import POLICIES
+
+        policy, _, threshold = model.removeprefix("router-").partition("-")
+        try:
+            value = float(threshold)
+        except ValueError:
+            value = None
+        if policy not in POLICIES or value is None or value != value:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist: a router's form is router-<policy>-<threshold> with policy "
+                f"in {', '.join(POLICIES)} and a number (e.g. router-length-64)",
+                param="model",
+                code="model_not_found",
+            )
+        if policy == "classifier" and getattr(self.engine, "classifier", None) is None:
+            raise bad_request("this router has no classifier (fit or load one first)", param="model")
+        return policy, value
 
     def max_tokens_for(self, ids: list[int] | None, requested: int | None, default: int | None) -> int:
         """Check the prompt against the context; the max_tokens to run with."""
@@ -478,13 +508,34 @@ def _chat_logprobs(front: Front, lps: list[TokenLogprobs], top: int, as_id: bool
 
 
 def _usage(ctx: Ctx, outputs: dict[int, RequestOutput]) -> dict:
-    prompt = {}
+    """OpenAI's usage, each prompt counted once; `cached_tokens`: its tokens the prefix cache held."""
+    prompt, cached = {}, {}
     completion = 0
     for k, out in outputs.items():
-        prompt[ctx.jobs[k].prompt_index] = len(out.prompt_token_ids)
+        i = ctx.jobs[k].prompt_index
+        prompt[i] = len(out.prompt_token_ids)
+        cached[i] = max(cached.get(i, 0), out.metrics.prefix_hit_tokens)
         completion += len(out.token_ids)
     p = sum(prompt.values())
-    return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": completion,
+        "total_tokens": p + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+    }
+
+
+def _route(out: RequestOutput | None) -> dict | None:
+    """A routed answer's extension field: its member, the policy, its score and the members it ran on."""
+    if out is None or out.route is None:
+        return None
+    return {"member": out.route, "policy": out.route_policy, "score": out.route_score, "tried": out.route_tried}
+
+
+def route_header(outs) -> dict[str, str]:
+    """`x-workbench-route`: the members that answered, in choice order (none: not routed)."""
+    names = list(dict.fromkeys(o.route for o in outs if o is not None and o.route))
+    return {"x-workbench-route": ",".join(names)} if names else {}
 
 
 def completion_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
@@ -501,6 +552,8 @@ def completion_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
         if ctx.token_ids:
             choice["token_ids"] = out.token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
+        if out.route is not None:
+            choice["route"] = _route(out)
         choices.append(choice)
     return {
         "id": ctx.id,
@@ -526,6 +579,8 @@ def chat_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
             choice["logprobs"] = _chat_logprobs(front, out.logprobs or [], ctx.logprobs, ctx.ids_as_tokens)
         if ctx.token_ids:
             choice["token_ids"] = out.token_ids
+        if out.route is not None:
+            choice["route"] = _route(out)
         choices.append(choice)
     body = {
         "id": ctx.id,
@@ -601,6 +656,8 @@ async def stream_events(
                 choice["prompt_token_ids"] = job.ids
             elif first_chunk and chunk.output is not None:
                 choice["prompt_token_ids"] = chunk.output.prompt_token_ids
+        if chunk.finish_reason is not None and _route(chunk.output) is not None:
+            choice["route"] = _route(chunk.output)
         return _sse({**head, "choices": [choice]})
 
     try:
@@ -846,7 +903,7 @@ async def _answer(front: Front, request: Request, ctx: Ctx, stream: bool, body_f
     try:
         if not stream:
             outs = await until_disconnect(request.receive, front.generate(ctx.jobs))
-            return JSONResponse(body_fn(front, ctx, outs))
+            return JSONResponse(body_fn(front, ctx, outs), headers=route_header(outs))
         events = front.merged_streams(ctx.jobs)
         try:
             # The first chunk comes before the 200: a request the engine rejects gets a 4xx.
@@ -854,7 +911,11 @@ async def _answer(front: Front, request: Request, ctx: Ctx, stream: bool, body_f
         except BaseException:
             await events.aclose()
             raise
-        return SSEResponse(stream_events(front, ctx, first, events))
+        member_of = getattr(front.engine, "member_of", None)
+        chunk = first[1]
+        member = chunk.output.route if chunk.output is not None else member_of and member_of(chunk.request_id)
+        headers = {"x-workbench-route": member} if member else None
+        return SSEResponse(stream_events(front, ctx, first, events), headers=headers)
     except _ClientGone:
         return Response(status_code=499)
     except StopAsyncIteration:  # pragma: no cover - a stream always ends with a finish chunk

@@ -12,7 +12,7 @@ Where a metric means what vLLM's does, it has vLLM's name with `vllm:` replaced 
   ``prefix_cache_hits_total`` (tokens), ``spec_decode_num_drafts_total``,
   ``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total``,
   ``num_preemptions_total``; and ``request_success_total{finished_reason}`` for requests
-  served over HTTP;
+  served over HTTP, and behind a router ``routed_requests_total{member,policy}`` (ours);
 - histograms, observed for every request served over HTTP, from the engine's own timestamps:
   ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``, ``request_prompt_tokens``,
@@ -195,6 +195,12 @@ class FrontMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.routed = Counter(
+            PREFIX + "routed_requests",
+            "Requests a router answered, by the member that answered and the policy that chose it.",
+            ["model_name", "member", "policy"],
+            registry=self.registry,
+        )
         self.engine = _EngineCollector(model_name)
         self.registry.register(self.engine)
 
@@ -211,6 +217,8 @@ class FrontMetrics:
         self.prompt_tokens.observe(len(out.prompt_token_ids))
         self.gen_tokens.observe(len(out.token_ids))
         self.success.labels(self.model_name, out.finish_reason or "unknown").inc()
+        if out.route is not None:
+            self.routed.labels(self.model_name, out.route, out.route_policy or "").inc()
 
     def render(self, engine_metrics: dict | None, settings: dict | None = None, status: dict | None = None) -> bytes:
         self.engine.metrics = engine_metrics

@@ -329,6 +329,9 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
     if attach:
         engine = EngineClient.connect(attach)
         owned = False
+    elif getattr(args, "route_members", None):
+        engine = start_router(args, settings or {})
+        owned = True
     elif replicas is not None:
         print(
             f"workbench: starting {replicas} replica(s) on Ray ({args.ray_address or 'a local cluster'})...",
@@ -357,10 +360,18 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
         engine = start_engine(model, **kw, **(settings or {}))
         owned = True
     try:
+        routed = getattr(args, "route_members", None)
+        tokenizer = "auto"
+        if routed:  # the front tokenizes for every member: only where they share one vocabulary
+            local = [t for t in routed.values() if not t.startswith(("http://", "https://"))]
+            model = local[0] if local and local[0] not in ("default", "smollm2-135m") else None
+            if len({m.status().get("vocab_size") for m in engine.members.values()}) != 1:
+                tokenizer, model = None, None
         front = make_front(
             engine,
             model=model,
-            served_model_name=args.served_model_name,
+            tokenizer=tokenizer,
+            served_model_name=args.served_model_name or ("router" if routed else None),
             api_key=api_key,
             max_body_mb=args.max_request_mb,
             max_queued_chars=getattr(args, "max_queued_chars", None) or DEFAULT_MAX_QUEUED_CHARS,
@@ -376,11 +387,12 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
         watchdog = threading.Thread(target=_watch_engine, args=(engine, server), daemon=True)
         watchdog.start()
         shown = f"[{host}]" if ":" in host else host
-        where = (
-            f"cluster {engine.name!r} ({len(engine.replicas())} replicas, router {engine.router.policy})"
-            if replicas is not None
-            else f"engine {engine.name!r} (log: {engine.log_file})"
-        )
+        if routed:
+            where = f"router over {', '.join(f'{n} ({t})' for n, t in routed.items())}, policy {engine.policy}"
+        elif replicas is not None:
+            where = f"cluster {engine.name!r} ({len(engine.replicas())} replicas, router {engine.router.policy})"
+        else:
+            where = f"engine {engine.name!r} (log: {engine.log_file})"
         print(
             f"workbench: {where} serving {front.model_names[0]!r} on http://{shown}:{port}/v1"
             + (" (API key required)" if api_key else ""),
@@ -397,6 +409,34 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
             engine.shutdown()
         else:
             engine.close()
+
+
+def start_router(args: argparse.Namespace, settings: dict):
+    """`serve --route`: an engine process per local member (named ROUTER-MEMBER, the settings given
+    to each), an HTTP client per URL, and the router over them; the members started are stopped
+    again if one fails to start."""
+    from ..ipc.launch import start_engine
+    from ..remote import RemoteEngineClient
+    from ..routing import route
+
+    base = getattr(args, "name", None) or "router"
+    members: dict = {}
+    try:
+        for name, target in args.route_members.items():
+            print(f"workbench: starting router member {name!r} ({target})...", file=sys.stderr, flush=True)
+            if target.startswith(("http://", "https://")):
+                members[name] = RemoteEngineClient.connect(url=target)
+            else:
+                model = None if target in ("default", "smollm2-135m") else target
+                members[name] = start_engine(model, name=f"{base}-{name}", **settings)
+        return route(members, policy=args.router, threshold=args.router_threshold, name=base)
+    except BaseException:
+        for engine in members.values():
+            try:
+                engine.shutdown()
+            except Exception:
+                pass
+        raise
 
 
 def _watch_engine(engine, server) -> None:

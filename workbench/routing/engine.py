@@ -15,6 +15,7 @@ member fails while serving ends with an error naming the member, and the others 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import secrets
 import threading
@@ -38,6 +39,10 @@ log = logging.getLogger("workbench.routing")
 ROUTER_SETTINGS = ("router", "router_threshold", "router_member", "router_confidence")
 ALIASES = 100_000  # member request ids remembered for the timeline's lanes
 
+# A caller's policy and threshold for the requests it submits (the HTTP front's RouteLLM model
+# names, "router-<policy>-<threshold>"): (policy, threshold) or None for the router's own.
+OVERRIDE: contextvars.ContextVar[tuple[str, float] | None] = contextvars.ContextVar("route_override", default=None)
+
 
 @dataclass
 class _Flight:
@@ -48,6 +53,7 @@ class _Flight:
     stream: bool
     chat: bool
     policy: str
+    thresholds: list[float]
     level: int = 0  # the member it runs on now
     score: float | None = None
     member_rid: str = ""
@@ -213,11 +219,11 @@ class RoutedEngine(Engine):
             return [self._draw()] * n
         return []
 
-    def _level(self, policy: str, scores: list[float]) -> int:
+    def _level(self, policy: str, scores: list[float], thresholds: list[float]) -> int:
         if policy == "fixed":
             return self.names.index(self.member)
         level = 0
-        while level < len(self.names) - 1 and P.escalates(policy, scores[level], self.thresholds[level]):
+        while level < len(self.names) - 1 and P.escalates(policy, scores[level], thresholds[level]):
             level += 1
         return level
 
@@ -291,19 +297,22 @@ class RoutedEngine(Engine):
         self, batch, sink, *, chat: bool = False, stream: bool = False, into: list[str] | None = None
     ) -> list[str]:
         with self._lock:
-            policy = self.policy
+            policy, thresholds = self.policy, self.thresholds
+        override = OVERRIDE.get()
+        if override is not None:
+            policy, thresholds = override[0], [override[1]] * (len(self.names) - 1)
         rids = [secrets.token_hex(6) for _ in batch]
         if into is not None:
             into.extend(rids)
         for rid, item in zip(rids, batch):
-            flight = _Flight(item, sink, stream, chat, policy)
+            flight = _Flight(item, sink, stream, chat, policy, thresholds)
             now = time.monotonic()
             self.recorder.add_request(now, rid, "arrived", None, label=None)
             if policy == "cascade":
                 flight.level, why = 0, "cascade: the cheapest member answers first"
             else:
                 scores = self.scores(item, policy)
-                flight.level = self._level(policy, scores)
+                flight.level = self._level(policy, scores, thresholds)
                 if scores:
                     flight.score = scores[min(flight.level, len(scores) - 1)]
                 why = self._why(policy, flight)
@@ -314,7 +323,7 @@ class RoutedEngine(Engine):
         name = self.names[flight.level]
         if policy == "fixed":
             return f"fixed: every request to {name}"
-        t = self.thresholds[min(flight.level, len(self.thresholds) - 1)]
+        t = flight.thresholds[min(flight.level, len(flight.thresholds) - 1)]
         word = {"length": "prompt tokens", "classifier": "P(needs a dearer member)", "random": "draw"}[policy]
         return f"{policy}: {word} {flight.score:.4g} vs threshold {t:g} -> {name}"
 
@@ -384,7 +393,7 @@ class RoutedEngine(Engine):
         if flight.held and out is not None and out.finish_reason != "abort":
             conf = P.confidence([lp.logprob for lp in out.logprobs or ()], self.how)
             flight.score = conf
-            t = self.thresholds[flight.level]
+            t = flight.thresholds[flight.level]
             if P.escalates("cascade", conf, t):
                 flight.spent.append(out)
                 self.escalations += 1
@@ -412,6 +421,7 @@ class RoutedEngine(Engine):
             out,
             request_id=rid,
             route=self.names[flight.level],
+            route_policy=flight.policy,
             route_score=flight.score,
             route_tried=list(flight.tried),
             logprobs=out.logprobs if wanted is not None else None,
@@ -421,6 +431,12 @@ class RoutedEngine(Engine):
         return msgspec.structs.replace(
             chunk, request_id=rid, output=out, logprobs_delta=chunk.logprobs_delta if wanted is not None else None
         )
+
+    def member_of(self, request_id: str) -> str | None:
+        """The member a request in flight runs on now (the HTTP front's header, before its output)."""
+        with self._lock:
+            flight = self._flights.get(request_id)
+        return self.names[flight.level] if flight is not None else None
 
     def _member_failed(self, name: str, e: BaseException) -> bool:
         """Mark the member down when `e` means its engine is gone (True); a refusal of one
