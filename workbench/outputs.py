@@ -59,6 +59,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     route_policy: str | None = None
     route_score: float | None = None
     route_tried: list[str] | None = None
+    from_cache: bool = False  # answered by the response cache (an exact repeat), without a step
 
     @property
     def finished(self) -> bool:

@@ -14,7 +14,16 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["EngineMetrics", "EngineStatus", "ProcessStatus", "TOTALS", "as_dict", "metric_fields", "percentile"]
+__all__ = [
+    "EngineMetrics",
+    "EngineStatus",
+    "ProcessStatus",
+    "TOTALS",
+    "as_dict",
+    "combine_metrics",
+    "metric_fields",
+    "percentile",
+]
 
 # Running totals since the engine started; metrics() carries each as total_<name>.
 TOTALS = (
@@ -26,6 +35,7 @@ TOTALS = (
     "spec_verifies",
     "finished",
     "preemptions",
+    "response_cache_hits",
 )
 
 
@@ -68,6 +78,8 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     total_spec_verifies: int = 0
     total_finished: int = 0
     total_preemptions: int = 0
+    total_response_cache_hits: int = 0
+    response_cache_entries: int = 0
 
 
 class EngineStatus(msgspec.Struct, kw_only=True):

@@ -52,6 +52,11 @@ class EngineSettings(HasTraits):
         kind=LIVE,
         doc="reuse KV blocks of identical prompt prefixes",
     )
+    response_cache = Bool(False).tag(
+        label="Response cache",
+        kind=LIVE,
+        doc="answer an exact repeat of a greedy or seeded request from its earlier answer, without a step",
+    )
     kv_cache_dtype = Enum(["auto", "int8", "fp8"], default_value="auto").tag(
         shapes_kv=True,
         label="KV cache dtype",

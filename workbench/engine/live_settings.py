@@ -28,6 +28,7 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
     applied = {k: v for k, v in changes.items() if getattr(settings, k) != v}
     before = settings.as_dict()
     merged = {**before, **applied}
+    kv_salt_before = kv_salt(settings)
     if "quantization" in applied:
         check_quantization(applied["quantization"], engine.device)
     if applied.get("moe_top_k") is not None:
@@ -70,6 +71,8 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
             settings.prefix_caching and settings.kv_cache, reset="kv_cache_dtype" in applied
         )
     engine.scheduler.set_kv_salt(kv_salt(settings))  # new weights or kernels: new KV values
+    if kv_salt(settings) != kv_salt_before or not settings.response_cache:
+        engine.response_cache.clear()  # answers of other numbers (or a cache turned off) go
     if "speculative" in applied or "num_speculative_tokens" in applied:
         engine.scheduler.clear_drafts()
     for name, value in applied.items():

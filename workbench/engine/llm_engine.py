@@ -19,12 +19,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 from workbench_kernels import hostmem
 
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
-from ..outputs import StreamChunk
+from ..outputs import RequestMetrics, RequestOutput, StreamChunk
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
@@ -34,6 +35,7 @@ from .attention import KVCache
 from .hostload import HostSampler
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .response_cache import ResponseCache
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabulary
@@ -107,6 +109,9 @@ class LLMEngine:
         self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
         self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self.load_draft, self.totals)
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
+        self.response_cache = ResponseCache()
+        self._cache_keys: dict[str, tuple] = {}  # request_id -> its response-cache key, while it runs
+        self._ready: list[StreamChunk] = []  # answers from the response cache, handed out at the next step
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -134,6 +139,12 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs {need} KV blocks; the "
                 f"cache holds {self.scheduler.kv_blocks[1]} (raise num_kv_blocks or kv_cache_memory_mb)"
             )
+        key = ResponseCache.key(ids, params, kv_salt(self.settings)) if self.settings.response_cache else None
+        if key is not None:
+            hit = self.response_cache.get(key)
+            if hit is not None:
+                return self._answer_from_cache(request_id, prompt, ids, hit, arrival)
+            self._cache_keys[request_id] = key
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.monotonic())
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         # on the CPU whatever the device: the sampler draws one uniform a row from it on the host (a CUDA
@@ -150,6 +161,34 @@ class LLMEngine:
             label=self._prompt_label(prompt, ids),
         )
         return request_id
+
+    def _answer_from_cache(self, request_id: str, prompt, ids: list[int], hit: RequestOutput, arrival) -> str:
+        """An exact repeat: the earlier answer under this request's id, at the next step, no step run."""
+        now = time.monotonic()
+        start = arrival if arrival is not None else now
+        out = msgspec.structs.replace(
+            hit,
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            metrics=RequestMetrics(arrival=start, first_scheduled=now, first_token=now, finished=now,
+                                   token_times=[now] * len(hit.token_ids), prefix_hit_tokens=len(ids)),
+            from_cache=True,
+        )  # fmt: skip
+        self.totals["response_cache_hits"] += 1
+        self.timeline.add_request(start, request_id, "arrived", f"prompt_tokens={len(ids)}",
+                                  label=self._prompt_label(prompt, ids))  # fmt: skip
+        self.timeline.add_request(now, request_id, "finished", f"{out.finish_reason} (response cache hit)")
+        self.outputs.recent.append(out)
+        self._ready.append(StreamChunk(request_id, out.text, list(out.token_ids), out.finish_reason, out.logprobs, out))
+        return request_id
+
+    def _cache_answers(self, chunks: list[StreamChunk]) -> None:
+        """Keep the finished answers of deterministic requests for their repeats."""
+        for c in chunks:
+            if c.finish_reason is not None:
+                key = self._cache_keys.pop(c.request_id, None)
+                if key is not None and c.output is not None and self.settings.response_cache:
+                    self.response_cache.put(key, c.output)
 
     def _prompt_label(self, prompt, ids: list[int]) -> str | None:
         if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # chat: the last message
@@ -200,10 +239,11 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self._cache_keys.pop(request_id, None)
         return self.outputs.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._ready)
 
     def num_queued_tokens(self) -> int:
         """Prompt tokens of the requests waiting to start (what admission control bounds)."""
@@ -211,19 +251,24 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
+        ready, self._ready = self._ready, []
+        if not self.requests:
+            return ready
         start = time.monotonic()
         proposed = self.spec.propose() if self.settings.speculative != "off" and self.settings.kv_cache else 0
         drafted = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return ready
         sched.spec_proposed = proposed
         scheduled = time.monotonic()
         result = self.runner.forward(sched.scheduled)
         parts = {"draft": (drafted - start) * 1e3, "schedule": (scheduled - drafted) * 1e3, **result.parts}
         chunks = self._postprocess(sched, result, parts)
         self._record_step(sched, start, time.monotonic(), chunks, parts)
-        return chunks
+        if self._cache_keys:
+            self._cache_answers(chunks)
+        return ready + chunks
 
     def _postprocess(self, sched: SchedulerOutput, result, parts: dict[str, float]) -> list[StreamChunk]:
         """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs."""
@@ -406,5 +451,6 @@ class LLMEngine:
                 step_parts_share=breakdown.get("parts_share", {}),
                 step_limit=breakdown.get("limit"),
                 **{f"total_{k}": v for k, v in t.items()},
+                response_cache_entries=len(self.response_cache),
             )
         )
