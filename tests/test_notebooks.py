@@ -109,6 +109,28 @@ mixed = [s for s in steps if s.phase == "mixed"]
 assert len(mixed) >= 5, ("the long prefill is spread over mixed steps", [s.phase for s in steps])
 assert max(s.num_prefill_tokens + s.num_decode_tokens for s in steps) <= 32, "every step within the budget"
 """,
+    "11-routing.ipynb": """
+# "the least confident 30% escalate": the live cascade sends the cheap member the same batch as
+# the calibration did, so exactly round(0.3 n) escalate (one more or less only on a tie)
+escalated = sum(o.route_tried == [cheap_name, dear_name] for o in live)
+assert abs(escalated - round(0.3 * len(PROMPTS))) <= 1, escalated
+assert all(o.route == (dear_name if o.route_tried[-1] == dear_name else cheap_name) for o in live)
+assert all((o.route == dear_name) == (o.route_score is not None and len(o.route_tried) == 2) for o in live)
+# the sweep: 0% to 100% sent past the cheap member, cheapest first; the dear member alone scores 1
+shares = [rec["large_share"] for rec in ev]
+assert shares == sorted(shares) and shares[0] == 0.0 and shares[-1] == 1.0, shares
+assert ev.members[dear_name]["quality"] == 1.0 and ev[-1]["quality"] == 1.0
+assert ev[-1]["cost_per_request"] > ev.members[dear_name]["cost_per_request"] * 0.99, "a full cascade pays both"
+# "the longest 30% go to the dear member"
+longest = sorted(range(len(PROMPTS)), key=lambda i: len(by_length[i].prompt_token_ids))
+assert abs(sum(o.route == dear_name for o in by_length) - round(0.3 * len(PROMPTS))) <= 1
+assert by_length[longest[-1]].route == dear_name and by_length[longest[0]].route == cheap_name
+# the timeline shows the decisions and both members' steps
+tl = r.timeline()
+assert {e.replica for e in tl.requests if e.kind == "routed"} == set(members)
+assert {s.replica for s in tl.steps} >= set(members)
+assert all(not e.alive for e in started)
+""",
     "09-mixture-of-experts.ipynb": """
 evals = {top_k: e for top_k, _, e, _ in rows}
 assert evals == {1: 1.0, 2: 2.0, 4: 4.0, None: 2.0}, ("expert evaluations per token = k", evals)
@@ -118,12 +140,18 @@ assert max(speeds) < 3 * min(speeds), ("warmed up, the speeds are within a small
 assert not dash.closed and dash.heatmap is not None and dash.heatmap.source.data["tokens"]
 """,
     "06-cost-controls.ipynb": """
-baseline, capped, cached, quantised = rows
+baseline, capped, cached, repeats, quantised = rows
 assert capped["output tokens"] * 4 == baseline["output tokens"] == 8 * 64, "the cap is exact"
 assert capped["seconds"] < baseline["seconds"], ("fewer decode steps cost less time", baseline, capped)
 assert cached["prompt tokens computed"] < capped["prompt tokens computed"] / 3, ("the shared prompt is cached", cached)
 assert capped["prompt tokens computed"] == baseline["prompt tokens computed"], "no cache before caching is on"
+# "the second run finds every answer and runs no step at all"
+assert repeats["prompt tokens computed"] == 0 and repeats["output tokens"] == 8 * 16, repeats
+assert repeats["seconds"] < cached["seconds"], ("no step is cheaper than any step", repeats, cached)
+assert eng.metrics()["total_response_cache_hits"] >= 8 and eng.metrics()["response_cache_entries"] == 0
 assert all(r["$ per 1k requests"] > 0 and r["J per request"] > 0 for r in rows)
+# the lone-stream comparison ran both modes (the text states no ratio: it is this host's)
+assert set(lone) == {"none", "int8"} and all(v > 0 for v in lone.values())
 """,
     "03-prefix-caching.ipynb": """
 from workbench.jupyter.magics import engine_for_magics
@@ -177,6 +205,7 @@ def test_the_tutorials_are_there_and_every_notebook_is_run():
         "06-cost-controls.ipynb",
         "07-tuning.ipynb",
         "08-capacity-planning.ipynb",
+        "11-routing.ipynb",
     ):
         assert required in names
 

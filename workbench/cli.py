@@ -102,13 +102,41 @@ def _run_serve(args: argparse.Namespace) -> int:
             from .cluster import start as start_cluster
 
             return run_front(args, settings, start_cluster)
-        return run_front(args, settings)
+        return run_front(args, settings, start_router=start_router)
     if routing:
         print("workbench serve: --route and --router serve over HTTP: give --http HOST:PORT too", file=sys.stderr)
         return 2
     from .ipc.engine_main import serve
 
     return serve(args)
+
+
+def start_router(args: argparse.Namespace, settings: dict):
+    """`serve --route`: an engine process per local member (named ROUTER-MEMBER, the settings given
+    to each), an HTTP client per URL, and the router over them; the members started are stopped
+    again if one fails to start."""
+    from .ipc.launch import start_engine
+    from .remote import RemoteEngineClient
+    from .routing import route
+
+    base = getattr(args, "name", None) or "router"
+    members: dict = {}
+    try:
+        for name, target in args.route_members.items():
+            print(f"workbench: starting router member {name!r} ({target})...", file=sys.stderr, flush=True)
+            if target.startswith(("http://", "https://")):
+                members[name] = RemoteEngineClient.connect(url=target)
+            else:
+                model = None if target in ("default", "smollm2-135m") else target
+                members[name] = start_engine(model, name=f"{base}-{name}", **settings)
+        return route(members, policy=args.router, threshold=args.router_threshold, name=base)
+    except BaseException:
+        for engine in members.values():
+            try:
+                engine.shutdown()
+            except Exception:
+                pass
+        raise
 
 
 def _check_router(args: argparse.Namespace) -> None:

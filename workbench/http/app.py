@@ -211,11 +211,12 @@ class Front:
         `router-<policy>-<threshold>` also routes that request by that policy and threshold."""
         if model is None or model in self.aliases:
             return self.model_names[0] if model is None or model not in self.model_names else model
-        override = self.route_override(model)
-        if override is not None:
-            from ..routing.engine import OVERRIDE
-
-            OVERRIDE.set(override)  # this request's context: the tasks it starts inherit it
+        routes = getattr(self.engine, "route_by_model_name", None)  # a router (workbench.routing)
+        if routes is not None and model.startswith("router-"):
+            try:
+                routes(model)  # sets this request's policy and threshold; the tasks it starts inherit it
+            except ValueError as e:
+                raise APIError(404, str(e), param="model", code="model_not_found") from None
             return model
         raise APIError(
             404,
@@ -223,28 +224,6 @@ class Front:
             param="model",
             code="model_not_found",
         )
-
-    def route_override(self, model: str) -> tuple[str, float] | None:
-        if not hasattr(self.engine, "member_of") or not model.startswith("router-"):
-            return None
-        from ..routing.policies import POLICIES
-
-        policy, _, threshold = model.removeprefix("router-").partition("-")
-        try:
-            value = float(threshold)
-        except ValueError:
-            value = None
-        if policy not in POLICIES or value is None or value != value:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist: a router's form is router-<policy>-<threshold> with policy "
-                f"in {', '.join(POLICIES)} and a number (e.g. router-length-64)",
-                param="model",
-                code="model_not_found",
-            )
-        if policy == "classifier" and getattr(self.engine, "classifier", None) is None:
-            raise bad_request("this router has no classifier (fit or load one first)", param="model")
-        return policy, value
 
     def max_tokens_for(self, ids: list[int] | None, requested: int | None, default: int | None) -> int:
         """Check the prompt against the context; the max_tokens to run with."""

@@ -312,10 +312,11 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     return os.environ.get(ENV_API_KEY) or None
 
 
-def run_front(args: argparse.Namespace, settings: dict | None = None, start_cluster=None) -> int:
+def run_front(args: argparse.Namespace, settings: dict | None = None, start_cluster=None, start_router=None) -> int:
     """`workbench serve --http`: start (or attach to) the engine, serve HTTP until a signal.
     With `--replicas`, `start_cluster` (the CLI passes `workbench.cluster.start`, a layer above
-    this one) starts the replicas behind the front."""
+    this one) starts the replicas behind the front; with `--route`, `start_router` (the CLI's)
+    starts the members and the router over them."""
     from ..ipc.client import EngineClient
     from ..ipc.launch import start_engine
     from .app import create_app
@@ -409,34 +410,6 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
             engine.shutdown()
         else:
             engine.close()
-
-
-def start_router(args: argparse.Namespace, settings: dict):
-    """`serve --route`: an engine process per local member (named ROUTER-MEMBER, the settings given
-    to each), an HTTP client per URL, and the router over them; the members started are stopped
-    again if one fails to start."""
-    from ..ipc.launch import start_engine
-    from ..remote import RemoteEngineClient
-    from ..routing import route
-
-    base = getattr(args, "name", None) or "router"
-    members: dict = {}
-    try:
-        for name, target in args.route_members.items():
-            print(f"workbench: starting router member {name!r} ({target})...", file=sys.stderr, flush=True)
-            if target.startswith(("http://", "https://")):
-                members[name] = RemoteEngineClient.connect(url=target)
-            else:
-                model = None if target in ("default", "smollm2-135m") else target
-                members[name] = start_engine(model, name=f"{base}-{name}", **settings)
-        return route(members, policy=args.router, threshold=args.router_threshold, name=base)
-    except BaseException:
-        for engine in members.values():
-            try:
-                engine.shutdown()
-            except Exception:
-                pass
-        raise
 
 
 def _watch_engine(engine, server) -> None:

@@ -32,7 +32,20 @@ from ..ipc.protocol import EngineDeadError
 from ..outputs import RequestOutput, StreamChunk
 from ..reports import combine_metrics
 from ..timeline import Timeline, TimelineRecorder
-from . import policies as P
+from .policies import (
+    DEFAULT_THRESHOLDS,
+    POLICIES,
+    Classifier,
+    Draws,
+    calibrate_threshold,
+    check_policy,
+    check_threshold,
+    escalates,
+    features,
+)
+from .policies import (
+    confidence as answer_confidence,
+)
 
 log = logging.getLogger("workbench.routing")
 
@@ -72,7 +85,7 @@ class RoutedEngine(Engine):
         *,
         member: str | None = None,
         confidence: str = "mean",
-        classifier: str | P.Classifier | None = None,
+        classifier: str | Classifier | None = None,
         seed: int = 0,
         name: str = "router",
         timeout: float = 10.0,
@@ -93,13 +106,13 @@ class RoutedEngine(Engine):
             if not isinstance(target, Engine):
                 self._attached.add(key)
         self.names = list(self.members)
-        self.policy = P.check_policy(policy)
-        self.thresholds = self._thresholds(P.DEFAULT_THRESHOLDS[policy] if threshold is None else threshold)
+        self.policy = check_policy(policy)
+        self.thresholds = self._thresholds(DEFAULT_THRESHOLDS[policy] if threshold is None else threshold)
         self.member = self._check_member(member if member is not None else self.names[-1])
         self.how = confidence
-        P.confidence([], confidence)  # checks the name
-        self.classifier = P.Classifier.load(classifier) if isinstance(classifier, str) else classifier
-        self._draw = P.Draws(seed)
+        answer_confidence([], confidence)  # checks the name
+        self.classifier = Classifier.load(classifier) if isinstance(classifier, str) else classifier
+        self._draw = Draws(seed)
         self._down: dict[str, str] = {}  # member -> why it is routed around
         self._flights: dict[str, _Flight] = {}
         self._alias: dict[str, str] = {}  # a member's request id -> the router's (its timeline's lanes)
@@ -127,13 +140,32 @@ class RoutedEngine(Engine):
                     f"invalid value {value!r} for setting 'router_threshold': a list needs one threshold per "
                     f"boundary between members ({n}), or give one number for all"
                 )
-            return [P.check_threshold(v) for v in value]
-        return [P.check_threshold(value)] * n
+            return [check_threshold(v) for v in value]
+        return [check_threshold(value)] * n
 
     def _check_member(self, name: str) -> str:
         if name not in self.members:
             raise ValueError(f"invalid value {name!r} for setting 'router_member'; allowed: {', '.join(self.names)}")
         return name
+
+    def route_by_model_name(self, model: str) -> tuple[str, float]:
+        """RouteLLM's model name `router-<policy>-<threshold>`: route the requests submitted from the
+        caller's context (an HTTP request's) by that policy and threshold. Raises ValueError naming
+        the form for anything else."""
+        policy, _, text = model.removeprefix("router-").partition("-")
+        try:
+            threshold = check_threshold(float(text))
+        except ValueError:
+            threshold = None
+        if policy not in POLICIES or threshold is None:
+            raise ValueError(
+                f"the model {model!r} does not exist: a router's form is router-<policy>-<threshold> with policy "
+                f"in {', '.join(POLICIES)} and a number (e.g. router-length-64)"
+            )
+        if policy == "classifier" and self.classifier is None:
+            raise ValueError(f"the model {model!r} needs a classifier, and this router has none (fit or load one)")
+        OVERRIDE.set((policy, threshold))
+        return policy, threshold
 
     def router_settings(self) -> dict:
         return {
@@ -150,16 +182,16 @@ class RoutedEngine(Engine):
         or to the member named. Checked before anything changes. Returns the router's settings and
         the (first changed) member's."""
         mine = {k: changes.pop(k) for k in ROUTER_SETTINGS if k in changes}
-        policy = P.check_policy(mine.get("router", self.policy))
+        policy = check_policy(mine.get("router", self.policy))
         if "router_threshold" in mine:
             thresholds = self._thresholds(mine["router_threshold"])
         elif policy != self.policy:
-            thresholds = self._thresholds(P.DEFAULT_THRESHOLDS[policy])
+            thresholds = self._thresholds(DEFAULT_THRESHOLDS[policy])
         else:
             thresholds = self.thresholds
         chosen = self._check_member(mine.get("router_member", self.member))
         how = mine.get("router_confidence", self.how)
-        P.confidence([], how)
+        answer_confidence([], how)
         if policy == "classifier" and self.classifier is None:
             raise ValueError("the classifier policy needs a classifier: call fit(prompts, labels) or load_classifier()")
         if member is not None and member not in self.members:
@@ -202,7 +234,7 @@ class RoutedEngine(Engine):
         """The classifier's features of one request, from the cheapest member's own prefill."""
         ids = self._prompt_ids(item)
         lps = self.members[self.names[0]].score(ids) if len(ids) > 1 else []
-        return P.features(ids, [x for x in lps if x is not None])
+        return features(ids, [x for x in lps if x is not None])
 
     def scores(self, item, policy: str | None = None) -> list[float]:
         """The policy's score at each boundary for one request (cascade: none before it runs)."""
@@ -223,7 +255,7 @@ class RoutedEngine(Engine):
         if policy == "fixed":
             return self.names.index(self.member)
         level = 0
-        while level < len(self.names) - 1 and P.escalates(policy, scores[level], thresholds[level]):
+        while level < len(self.names) - 1 and escalates(policy, scores[level], thresholds[level]):
             level += 1
         return level
 
@@ -266,19 +298,19 @@ class RoutedEngine(Engine):
                 outs = cheap.generate(prompt_token_ids=[ids for _, ids, _ in items], params=sp)
             else:
                 outs = cheap.generate([p for p, _, _ in items], sp)
-            scores = [P.confidence([lp.logprob for lp in o.logprobs or ()], self.how) for o in outs]
+            scores = [answer_confidence([lp.logprob for lp in o.logprobs or ()], self.how) for o in outs]
         else:
             scores = [s[0] for s in (self.scores(item, policy) for item in self.items(prompts)) if s] or []
-        threshold = P.calibrate_threshold(policy, scores, large_share)
+        threshold = calibrate_threshold(policy, scores, large_share)
         with self._lock:
             self.thresholds = [threshold] * (len(self.names) - 1)
         return threshold
 
-    def fit(self, prompts, labels: list[str]) -> P.Classifier:
+    def fit(self, prompts, labels: list[str]) -> Classifier:
         """Train the classifier policy: `labels[i]` names the cheapest member good enough for
         `prompts[i]`. Features come from the cheapest member's own prefill of each prompt."""
         rows = [self.prompt_features(item) for item in self.items(prompts)]
-        self.classifier = P.Classifier.fit(rows, list(labels), self.names)
+        self.classifier = Classifier.fit(rows, list(labels), self.names)
         return self.classifier
 
     def save_classifier(self, path) -> None:
@@ -287,7 +319,7 @@ class RoutedEngine(Engine):
         self.classifier.save(path)
 
     def load_classifier(self, path) -> None:
-        clf = P.Classifier.load(path)
+        clf = Classifier.load(path)
         if clf.members != self.names:
             raise ValueError(f"{path} was trained for members {clf.members}, this router has {self.names}")
         self.classifier = clf
@@ -391,10 +423,10 @@ class RoutedEngine(Engine):
             return
         out = chunk.output
         if flight.held and out is not None and out.finish_reason != "abort":
-            conf = P.confidence([lp.logprob for lp in out.logprobs or ()], self.how)
+            conf = answer_confidence([lp.logprob for lp in out.logprobs or ()], self.how)
             flight.score = conf
             t = flight.thresholds[flight.level]
-            if P.escalates("cascade", conf, t):
+            if escalates("cascade", conf, t):
                 flight.spent.append(out)
                 self.escalations += 1
                 with self._lock:
@@ -546,7 +578,7 @@ class RoutedEngine(Engine):
             except Exception:
                 model = None
             rows.append({"name": name, "model": model, "alive": engine.alive and name not in self._down})
-        return {**first, "router": self.policy, "router_name": self.name, "members": rows, "routers": list(P.POLICIES)}
+        return {**first, "router": self.policy, "router_name": self.name, "members": rows, "routers": list(POLICIES)}
 
     def timeline(self, since: int | None = None) -> Timeline:
         """The router's decisions (routed, escalated, finished) with every member's steps and

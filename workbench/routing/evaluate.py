@@ -24,16 +24,17 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import policies as P
+from .policies import Draws, calibrate_threshold, check_threshold, confidence, escalates
 
 SHARES = tuple(i / 10 for i in range(11))  # the default sweep: these shares past the cheapest member
 
 
 class Evaluation(list):
-    """One record per threshold (a list of dicts), with the members alone (`members`), RouteLLM's
+    """One record per threshold (a list of dicts), with the members alone (`members`, `answers`), RouteLLM's
     `apgr` and `cpt` ({0.5: share, 0.8: share}), and `plot()`: the cost/quality Pareto front."""
 
     members: dict[str, dict]
+    answers: dict[str, list]  # each member's answer to each prompt (RequestOutputs, in prompt order)
     apgr: float | None
     cpt: dict[float, float | None]
     policy: str
@@ -60,12 +61,14 @@ def evaluate(
     *,
     params=None,
     prices: dict[str, float | tuple[float, float]] | None = None,
+    concurrency: int | None = None,
 ) -> Evaluation:
     """Per threshold, cheapest first (the share past the cheapest member ascending): "threshold",
     "cost_per_request" (USD), "quality", "share" (member -> fraction), "ttft_p50_ms",
     "large_share", "pgr", "exact_match", "f1", "loglik". `thresholds`
     None: those sending 0%, 10%, ..., 100% past the cheapest member (the fixed policy: each member
-    alone). `params`: SamplingParams (default greedy, 32 tokens)."""
+    alone). `params`: SamplingParams (default greedy, 32 tokens). `concurrency`: requests a member
+    runs at once (None: all of them; 1: one at a time, a lone stream's cost)."""
     from ..sampling_params import SamplingParams
     from ..tuning.costs import machine_defaults
 
@@ -84,12 +87,15 @@ def evaluate(
     for name in names:
         engine = router.members[name]
         t0 = time.monotonic()
-        if items[0][1] is not None:
-            outs = engine.generate(prompt_token_ids=[ids for _, ids, _ in items], params=params)
-        else:
-            outs = engine.generate([p for p, _, _ in items], params)
+        runs[name] = []
+        step = concurrency or len(items)
+        for k in range(0, len(items), step):
+            part = items[k : k + step]
+            if part[0][1] is not None:
+                runs[name] += engine.generate(prompt_token_ids=[ids for _, ids, _ in part], params=params)
+            else:
+                runs[name] += engine.generate([p for p, _, _ in part], params)
         seconds[name] = time.monotonic() - t0
-        runs[name] = outs
     price = machine_defaults(router.members[names[0]].status().get("device"))["price_per_hour"]
 
     def cost(name: str, out) -> float:
@@ -117,13 +123,13 @@ def evaluate(
         else:
             asked = [item[0] if item[0] is not None else item[1] for item in items]
             quality[name] = [float(scorer(prompt, o)) for prompt, o in zip(asked, runs[name])]
-    conf = {n: [P.confidence([lp.logprob for lp in o.logprobs or ()], router.how) for o in runs[n]] for n in names}
+    conf = {n: [confidence([lp.logprob for lp in o.logprobs or ()], router.how) for o in runs[n]] for n in names}
 
     # each request's score at each boundary (cascade: each member's own confidence)
     if policy in ("length", "classifier"):
         scores = [router.scores(item, policy) for item in items]
     elif policy == "random":
-        draws = P.Draws(0)
+        draws = Draws(0)
         scores = [[draws()] * (len(names) - 1) for _ in items]
     else:
         scores = [[conf[n][i] for n in names[:-1]] for i in range(len(items))]
@@ -134,9 +140,9 @@ def evaluate(
     else:
         if thresholds is None:
             first = [s[0] for s in scores]
-            ts = sorted({P.calibrate_threshold(policy, first, share) for share in SHARES})
+            ts = sorted({calibrate_threshold(policy, first, share) for share in SHARES})
         else:
-            ts = [P.check_threshold(t) for t in thresholds]
+            ts = [check_threshold(t) for t in thresholds]
         levels_per = [[_level(policy, s, t, len(names)) for s in scores] for t in ts]
 
     records = Evaluation()
@@ -182,7 +188,7 @@ def evaluate(
     lo, hi = solo[names[0]]["quality"], solo[names[-1]]["quality"]
     for r in records:
         r["pgr"] = (r["quality"] - lo) / (hi - lo) if hi != lo else None
-    records.members, records.policy = solo, policy
+    records.members, records.policy, records.answers = solo, policy, runs
     gaps = [r["pgr"] for r in records if r["pgr"] is not None]
     records.apgr = sum(gaps) / len(gaps) if gaps else None
     records.cpt = {
@@ -194,7 +200,7 @@ def evaluate(
 
 def _level(policy: str, scores: list[float], t: float, n: int) -> int:
     level = 0
-    while level < n - 1 and P.escalates(policy, scores[level], t):
+    while level < n - 1 and escalates(policy, scores[level], t):
         level += 1
     return level
 
