@@ -1119,3 +1119,35 @@ def test_checksum_and_timeline_answers_are_built_while_steps_go_on():
             assert bytes(encode_raw_in_pieces(t)) == bytes(encode_raw(t))
     finally:
         eng.shutdown()
+
+
+def test_workbench_ps_lists_running_engines_and_a_restart_keeps_the_last_log(model_path, runtime_dir):
+    """`workbench ps` lists the engines of the runtime directory (name, pid, model); an engine
+    started again under its name keeps the previous engine's log as NAME.log.1."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    eng = start_engine(str(model_path), name="ps-one", dtype="float32", num_kv_blocks=32)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "workbench.cli", "ps", "--json"], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        rows = {r["name"]: r for r in json.loads(out.stdout)}
+        assert rows["ps-one"]["pid"] == eng.pid and rows["ps-one"]["kind"] == "engine"
+        assert rows["ps-one"]["uptime_s"] is not None and rows["ps-one"]["uptime_s"] >= 0
+        text = subprocess.run(
+            [sys.executable, "-m", "workbench.cli", "ps"], capture_output=True, text=True, env=env, timeout=60
+        ).stdout
+        assert "ps-one" in text and str(eng.pid) in text
+        first_log = (runtime_dir / "ps-one.log").read_text()
+        assert first_log
+    finally:
+        stop_engine(eng)
+    again = start_engine(str(model_path), name="ps-one", dtype="float32", num_kv_blocks=32)
+    try:
+        assert (runtime_dir / "ps-one.log.1").read_text().startswith(first_log)  # and how it stopped
+    finally:
+        stop_engine(again)
+    gone = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "ps", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert "ps-one" not in {r["name"] for r in json.loads(gone.stdout)}

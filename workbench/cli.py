@@ -637,8 +637,70 @@ def _run_gpucheck(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# ----------------------------------------------------------------------------- ps
+def _add_ps(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ps",
+        help="list the engines (and Ray clusters) running on this machine",
+        description="List the engine processes and clusters whose owner runs, from the runtime directory.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON list")
+    p.set_defaults(_run=_run_ps)
+
+
+def _run_ps(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from .cluster.engine import list_clusters
+    from .ipc import connection as conn
+
+    rows = []
+    for info in conn.list_engines():
+        started = _process_start(info.pid)
+        rows.append(
+            {
+                "name": info.name,
+                "kind": "engine",
+                "pid": info.pid,
+                "model": info.model,
+                "transport": info.transport,
+                "uptime_s": None if started is None else round(time.time() - started, 1),
+                "log": info.log_file,
+            }
+        )
+    for c in list_clusters():
+        rows.append({"name": c["name"], "kind": "cluster", "pid": c.get("owner_pid"), "model": c.get("model"),
+                     "transport": "tcp", "uptime_s": None, "log": None,
+                     "replicas": [r.get("name") for r in c.get("replicas", [])]})  # fmt: skip
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    if not rows:
+        print(f"no engine is running (runtime directory {conn.runtime_dir()})")
+        return 0
+    print(f"{'NAME':<20} {'KIND':<8} {'PID':>7} {'UPTIME':>8}  MODEL")
+    for r in rows:
+        up = "" if r["uptime_s"] is None else f"{r['uptime_s'] / 60:.1f} min"
+        print(f"{r['name']:<20} {r['kind']:<8} {r['pid'] or '':>7} {up:>8}  {r['model'] or ''}")
+    return 0
+
+
+def _process_start(pid: int) -> float | None:
+    """When a process started (epoch seconds), from /proc (None elsewhere)."""
+    import os
+
+    try:
+        ticks = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 _SUBCOMMANDS = {
     "serve": _add_serve,
+    "ps": _add_ps,
     "generate": _add_generate,
     "bench": _add_bench,
     "runs": _add_runs,

@@ -69,6 +69,8 @@ def start_engine(
             f"EngineClient.connect({name!r}) or pass another name"
         )
     log_file = conn.log_path(name, directory)
+    if log_file.exists() and log_file.stat().st_size:  # an engine restarted under its name keeps the last log
+        log_file.replace(log_file.with_name(log_file.name + ".1"))
     cmd = [
         sys.executable,
         "-m",
