@@ -557,3 +557,20 @@ def test_the_host_plot_shows_only_with_samples():
     )
     live.push(red.drain())
     assert live.figures["host"].visible
+
+
+def test_the_dashboards_numbers_say_their_window_and_hide_what_is_off():
+    """A tester saw 'spec accepted 100%' with speculative decoding off (counted since start) and
+    'TTFT p50 909 ms' beside plotted TTFTs under 125 ms (another window): each number names its
+    window, and the acceptance shows only while speculation is on."""
+    from workbench.jupyter.dashboard import metrics_text
+
+    m = {"output_tok_s": 12.5, "window_s": 10.0, "prefix_hit_rate": 0.4, "spec_acceptance_rate": 1.0,
+         "ttft_p50_ms": 909.0, "itl_p50_ms": 12.0, "recent_requests": 37}  # fmt: skip
+    off = metrics_text(m, {"speculative": "off"})
+    assert "spec accepted" not in off
+    assert "12.5 tok/s (last 10 s)" in off and "prefix hits 40% (since start)" in off
+    assert "TTFT p50 909 ms, ITL p50 12 ms (last 37 requests)" in off
+    on = metrics_text(m, {"speculative": "ngram"})
+    assert "spec accepted 100% (since start)" in on
+    assert "TTFT" not in metrics_text({**m, "recent_requests": 0}, {})  # no finished request: no latency

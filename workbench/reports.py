@@ -49,6 +49,8 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     prefix_hit_rate: float  # prompt tokens served from the prefix cache, since start
     spec_acceptance_rate: float  # accepted / proposed draft tokens, since start
     spec_mean_accepted: float  # accepted draft tokens per verify step, since start
+    window_s: float  # the window of output_tok_s and step_parts_share
+    recent_requests: int  # the last finished requests (at most 1000) the latency percentiles are over
     ttft_p50_ms: float  # over the recently finished requests
     ttft_p99_ms: float
     itl_p50_ms: float

@@ -440,6 +440,8 @@ class LLMEngine:
                 prefix_hit_rate=t["prefix_hit_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0,
                 spec_acceptance_rate=t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
                 spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
+                window_s=window_s,
+                recent_requests=len(self.outputs.recent),
                 ttft_p50_ms=percentile(ttft, 50) * 1e3,
                 ttft_p99_ms=percentile(ttft, 99) * 1e3,
                 itl_p50_ms=percentile(itl, 50) * 1e3,

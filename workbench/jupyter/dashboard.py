@@ -507,11 +507,7 @@ class Dashboard:
     def _show_metrics(self, m: dict[str, Any]) -> None:
         self.metrics_line.value = (
             '<span style="font-size: 12px; color: var(--jp-ui-font-color2, #555);">'
-            f"{m.get('output_tok_s', 0):.1f} tok/s · running {m.get('num_running', 0)} · waiting "
-            f"{m.get('num_waiting', 0)} · KV {m.get('kv_blocks_used', 0)}/{m.get('kv_blocks_total', 0)} blocks · "
-            f"prefix hits {m.get('prefix_hit_rate', 0) * 100:.0f}% · spec accepted "
-            f"{m.get('spec_acceptance_rate', 0) * 100:.0f}% · TTFT p50 {m.get('ttft_p50_ms', 0):.0f} ms · "
-            f"ITL p50 {m.get('itl_p50_ms', 0):.0f} ms{html.escape(step_time_text(m))}<br>"
+            f"{html.escape(metrics_text(m, self._settings))}{html.escape(step_time_text(m))}<br>"
             f"{html.escape(self.costs.html(m))}</span>"
         )
 
@@ -541,6 +537,31 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
 
 def open_dashboards() -> list[Dashboard]:
     return list(_OPEN)
+
+
+def metrics_text(m: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The dashboard's line of numbers, each with the window it is over (the plots show their own):
+    rates over the last `window_s`, latencies over the last finished requests, cache rates since the
+    engine started; the speculative acceptance only while speculative decoding is on."""
+    window = m.get("window_s") or 10
+    parts = [
+        f"{m.get('output_tok_s', 0):.1f} tok/s (last {window:g} s)",
+        f"running {m.get('num_running', 0)}",
+        f"waiting {m.get('num_waiting', 0)}",
+        f"KV {m.get('kv_blocks_used', 0)}/{m.get('kv_blocks_total', 0)} blocks",
+        f"prefix hits {m.get('prefix_hit_rate', 0) * 100:.0f}% (since start)",
+    ]
+    if settings.get("speculative", "off") != "off":
+        parts.append(f"spec accepted {m.get('spec_acceptance_rate', 0) * 100:.0f}% (since start)")
+    n = m.get("recent_requests")
+    if n:
+        parts.append(
+            f"TTFT p50 {m.get('ttft_p50_ms', 0):.0f} ms, ITL p50 {m.get('itl_p50_ms', 0):.0f} ms "
+            f"(last {n} request{'s' if n != 1 else ''})"
+        )
+    elif n is None:  # an engine that does not say how many (a remote server)
+        parts.append(f"TTFT p50 {m.get('ttft_p50_ms', 0):.0f} ms, ITL p50 {m.get('itl_p50_ms', 0):.0f} ms")
+    return " · ".join(parts)
 
 
 def step_time_text(m: dict[str, Any]) -> str:
