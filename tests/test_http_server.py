@@ -674,8 +674,12 @@ def test_hostile_json_gets_400s_naming_the_field_and_keeps_the_connection(server
         (('{"prompt": "x", "response_format": ' + deep + "}").encode(), "response_format", "nests"),
         (('{"prompt": "x", "tool_choice": ' + deep + "}").encode(), "tool_choice", "nests"),
         (b'{"prompt": [' + b"5," * (MAX_LEN + 10) + b"5]}", "prompt", "maximum context length"),
+        # invalid UTF-8 inside the prompt string, twice on one connection (it reset the connection)
+        (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "prompt", "not valid JSON text"),
+        (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "prompt", "not valid JSON text"),
         (b'{"prompt": "hi", "max_tokens": 1}', None, None),  # and the connection still serves
     ]
+    log_before = server["log"].read_text(errors="replace")
     answers = _keepalive_posts(server["url"], server["key"], [body for body, _, _ in cases])
     for (body, param, words), (status, answer) in zip(cases, answers):
         if param is None:
@@ -683,6 +687,8 @@ def test_hostile_json_gets_400s_naming_the_field_and_keeps_the_connection(server
             continue
         assert status == 400, (body[:60], answer)
         assert answer["error"]["param"] == param and words in answer["error"]["message"], (body[:60], answer)
+    logged = server["log"].read_text(errors="replace")[len(log_before) :]
+    assert "Exception in ASGI application" not in logged and "Traceback" not in logged, logged[-2000:]
     r = httpx.post(
         server["url"] + "/v1/chat/completions",
         headers={"Authorization": f"Bearer {server['key']}"},

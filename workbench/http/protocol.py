@@ -202,7 +202,10 @@ def _decode_prompt(raw: bytes, max_model_len: int | None) -> Any:
                 param="prompt",
                 code="context_length_exceeded",
             )
-    return msgspec.json.decode(raw)
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:  # e.g. invalid UTF-8 inside the string: the client's error, a 400
+        raise bad_request(f"prompt is not valid JSON text: {e}", param="prompt", code="invalid_json") from None
 
 
 def _all_of(items: list, kind: type) -> bool:
