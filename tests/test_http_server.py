@@ -256,7 +256,8 @@ def test_prometheus_metrics(server, client):
     from workbench.remote import parse_prometheus, server_metrics
 
     client.completions.create(model=server["model_name"], prompt="Count", max_tokens=3, temperature=0)
-    text = httpx.get(server["url"] + "/metrics").text
+    assert httpx.get(server["url"] + "/metrics").status_code == 401  # the host's CPU and memory: behind the key
+    text = httpx.get(server["url"] + "/metrics", headers={"Authorization": f"Bearer {server['key']}"}).text
     samples = parse_prometheus(text)
     model = server["model_name"]
     for name in (
@@ -894,3 +895,21 @@ def test_the_front_bounds_the_text_it_tokenizes():
     assert front.tokenizing_chars == 0
     ok = asyncio.run(front.encode("hello there", add_special_tokens=True, param="prompt"))
     assert ok == front.tokenizer.encode("hello there", add_special_tokens=True)
+
+
+def test_metrics_follow_the_key_unless_opened_for_scrapers(tiny_llama):
+    """/metrics shows the host's CPU and memory: with a key it needs the key, unless the server was
+    started with --metrics-without-key; /health stays open either way."""
+    from starlette.testclient import TestClient
+
+    from workbench import LLM
+    from workbench.http.app import create_app
+    from workbench.http.server import make_front
+
+    engine = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16)
+    for open_metrics, status in ((False, 401), (True, 200)):
+        front = make_front(engine, api_key="k3y", tokenizer=None, open_metrics=open_metrics)
+        with TestClient(create_app(front)) as http:
+            assert http.get("/metrics").status_code == status
+            assert http.get("/metrics", headers={"Authorization": "Bearer k3y"}).status_code == 200
+            assert http.get("/health").status_code == 200

@@ -111,6 +111,7 @@ class Front:
         aliases: list[str] | None = None,
         max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        open_metrics: bool = False,
     ):
         if not model_names:
             raise ValueError("model_names must name at least one model")
@@ -124,6 +125,7 @@ class Front:
         self.api_key = api_key or None
         self.max_body_bytes = int(max_body_bytes)
         self.read_timeout_s = float(read_timeout_s)
+        self.open_metrics = open_metrics  # /metrics without the key (for a scraper that cannot send one)
         self.status = dict(status or {})
         self.metrics = FrontMetrics(self.model_names[0])
         self.created = int(time.time())
@@ -712,7 +714,9 @@ def create_app(front: Front) -> FastAPI:
         return JSONResponse(body, status_code=200 if state == "ok" else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if not front.open_metrics:  # it tells the host's CPU and memory: behind the key when there is one
+            front.check_auth(request)
         engine_metrics = settings = None
         try:
             engine_metrics, settings = await asyncio.gather(front.engine.ametrics(), front.engine.asettings())

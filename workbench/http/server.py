@@ -88,6 +88,7 @@ def make_front(
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
     max_queued_chars: int = DEFAULT_MAX_QUEUED_CHARS,
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    open_metrics: bool = False,
 ):
     from .app import Front
 
@@ -116,6 +117,7 @@ def make_front(
         aliases=aliases,
         max_queued_chars=max_queued_chars,
         read_timeout_s=read_timeout_s,
+        open_metrics=open_metrics,
     )
 
 
@@ -286,6 +288,12 @@ def add_http_arguments(parser: argparse.ArgumentParser, *, attach: bool = False)
         help=f"largest request body (default {DEFAULT_MAX_BODY_MB} MiB; larger: 413)",
     )
     g.add_argument("--http-log-level", default="info", help="uvicorn log level (default info)")
+    g.add_argument(
+        "--metrics-without-key",
+        action="store_true",
+        help="serve /metrics without the API key (for a scraper that cannot send one; it shows the host's "
+        "CPU and memory use)",
+    )
     if attach:
         g.add_argument(
             "--attach",
@@ -377,6 +385,7 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
             max_body_mb=args.max_request_mb,
             max_queued_chars=getattr(args, "max_queued_chars", None) or DEFAULT_MAX_QUEUED_CHARS,
             read_timeout_s=args.request_read_timeout,
+            open_metrics=getattr(args, "metrics_without_key", False),
         )
         server = _uvicorn_server(
             create_app(front),
