@@ -232,9 +232,18 @@ def test_another_process_attaches_by_name(two):
 
 
 def test_shutdown_leaves_no_process(ray_cluster, tiny_llama):
+    """... nor the connection file of a replica whose engine was killed before the shutdown."""
+    from workbench.ipc import connection as conn
+
     c = cluster.start(replicas=2, name=f"s{secrets.token_hex(3)}", model=str(tiny_llama[0]), **ENGINE)
     pids = [r["pid"] for r in c.replicas()]
+    names = [r["name"] for r in c.replicas()]
     actor_pids = [r.info["actor_pid"] for r in c._replicas.values()]
+    assert all(conn.connection_path(n).exists() for n in names)
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and c.replicas()[0]["alive"]:
+        time.sleep(0.2)
     c.shutdown()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids + actor_pids):
@@ -244,6 +253,7 @@ def test_shutdown_leaves_no_process(ray_cluster, tiny_llama):
     from workbench.cluster.engine import _cluster_file
 
     assert not _cluster_file(c.name).exists()
+    assert not [n for n in names if conn.connection_path(n).exists()], "a killed replica's connection file was left"
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
     )

@@ -301,3 +301,17 @@ def test_the_endpoint_routes_names_the_member_and_counts_cached_tokens(routed_se
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'workbench:routed_requests_total{member="small",model_name="router",policy="length"}' in metrics
     assert "x-workbench-route" not in httpx.get(f"{url}/v1/models", timeout=10).headers
+
+
+def test_generate_cells_name_the_member(router, members):
+    """%%generate's output through a router says which member answered (and the path a cascade took)."""
+    from workbench.jupyter.generate import GenerateRun
+
+    router.configure(router="length", router_threshold=32)
+    run = GenerateRun(["short", "long"], GREEDY, display=False)
+    # the tiny models have no tokenizer: their outputs, as the cell's stream would have ended them
+    outs = router.generate(prompt_token_ids=[_prompts()[0], _prompts()[2]], params=GREEDY)
+    for section, out in zip(run.sections, outs):
+        section.output, section.finish_reason = out, out.finish_reason
+    text = run.to_text()
+    assert "via small (score 3)" in text and "via large (score 40)" in text

@@ -73,10 +73,15 @@ class ReplicaServer:
 
     def stop(self) -> bool:
         if self.client is not None:
+            from ..ipc import connection as conn
+
+            pid = self.client.pid
             try:
                 self.client.shutdown(timeout=30.0)
             except Exception:
                 pass
+            # an engine that was killed left its connection file: gone with the replica
+            conn.remove_connection_file(self.name, pid)
             self.client = None
         return True
 

@@ -357,6 +357,12 @@ class GenerateRun:
             return f"error: {s.error}"
         if s.done:
             st = _fmt_stats(s.stats())
+            route = getattr(s.output, "route", None)
+            if route is not None:  # through a router: the member that answered, and the path taken
+                tried = getattr(s.output, "route_tried", None) or [route]
+                st += f" · via {' → '.join(tried)}"
+                if getattr(s.output, "route_score", None) is not None:
+                    st += f" (score {s.output.route_score:.3g})"
             if s.finish_reason == "stop" and s.stats()["tokens"] <= EARLY_STOP_TOKENS and not self.chat:
                 # an instruct model given bare text often ends at once: say why, and the way out
                 st += " (the model's end of text came at once; an instruct model may need --chat: its chat template)"
