@@ -1151,3 +1151,21 @@ def test_workbench_ps_lists_running_engines_and_a_restart_keeps_the_last_log(mod
         [sys.executable, "-m", "workbench.cli", "ps", "--json"], capture_output=True, text=True, env=env, timeout=60
     )
     assert "ps-one" not in {r["name"] for r in json.loads(gone.stdout)}
+
+
+def test_a_flood_of_refused_calls_is_a_few_log_lines(caplog):
+    """Every refused configure was logged at INFO with its full arguments (22.6 MB of log after a
+    fuzzing run): now at most `burst` lines a period, each cut short, the rest counted."""
+    import logging
+
+    from workbench.ipc.server import QuietLog, _short
+
+    logger = logging.getLogger("workbench.test.quiet")
+    quiet = QuietLog(logger, burst=3, period_s=60.0)
+    with caplog.at_level(logging.INFO, logger="workbench.test.quiet"):
+        shown = [quiet.note(f"configure {_short({'x': 'y' * 5000})} rejected", now=i / 10) for i in range(100)]
+        assert shown.count(True) == 3 and quiet.suppressed == 97
+        assert quiet.note("after the period", now=70.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4 and all(len(line) < 400 for line in lines)
+    assert lines[-1] == "after the period (97 similar line(s) suppressed)"

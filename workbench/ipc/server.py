@@ -143,6 +143,7 @@ class EngineServer:
         self._stop_mode: str | None = None  # None | "abort" | "drain"
         self._drain_deadline: float | None = None  # a signal's drain ends here
         self._tokenize_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._rejections = QuietLog(log)  # refused configure calls: a fuzzer's flood stays a few lines
         self._tokenizing: dict[str, bytes] = {}  # request_id -> owner, while its prompt is tokenized
         self._tokenizing_chars = 0
         self._cancelled: dict[str, str] = {}  # request_id being tokenized -> "abort" | "gone"
@@ -604,7 +605,7 @@ class EngineServer:
         except Exception as e:
             self.send(ident, Failure(call.call_id, error_to_wire(e)))
             if call.method == "configure":
-                log.info("configure %s rejected: %s", call.kwargs, e)
+                self._rejections.note(f"configure {_short(call.kwargs)} rejected: {_short(e)}")
             return
         self.send(ident, Result(call.call_id, raw))
 
@@ -811,3 +812,34 @@ def _schema() -> list:
     from ..settings import schema
 
     return schema()
+
+
+def _short(value: Any, most: int = 200) -> str:
+    """A value for a log line: its repr, cut to `most` characters (a hostile call can be megabytes)."""
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= most else text[:most] + f"... ({len(text):,} characters)"
+
+
+class QuietLog:
+    """Log at INFO at most `burst` lines per `period_s`; the rest are counted and the count is logged
+    with the next line that gets through (so a flood of rejections costs a few lines a minute)."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 10, period_s: float = 60.0):
+        self.logger, self.burst, self.period_s = logger, burst, period_s
+        self._window_start = 0.0
+        self._in_window = 0
+        self.suppressed = 0
+
+    def note(self, line: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        if now - self._window_start >= self.period_s:
+            self._window_start, self._in_window = now, 0
+        if self._in_window >= self.burst:
+            self.suppressed += 1
+            return False
+        self._in_window += 1
+        if self.suppressed:
+            line += f" ({self.suppressed} similar line(s) suppressed)"
+            self.suppressed = 0
+        self.logger.info("%s", line)
+        return True
