@@ -40,6 +40,12 @@ class EngineSettings(HasTraits):
         kind=LIVE,
         doc="token budget per step (chunked-prefill size)",
     )
+    attention_aware_budget = Bool(True).tag(
+        label="Budget counts long-context attention",
+        kind=LIVE,
+        doc="a prefill chunk's tokens past the model's attention context count for their attention too, so "
+        "long prompts take smaller chunks and no step stalls the decodes beside it",
+    )
     kv_cache = Bool(True).tag(
         label="KV cache",
         headline=True,

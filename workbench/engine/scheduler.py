@@ -8,6 +8,12 @@ Policies (the `batching` setting):
 - off: static with a batch of one.
 Out of KV blocks, the newest running sequence is preempted (blocks freed, recomputed later).
 
+The budget counts tokens, but a prefill chunk's work grows with its context: past the model's
+`attention_context` (the context at which a token's attention costs what its matmuls cost), each
+token of a chunk counts 1 + (context - attention_context) / attention_context, so a long prompt's
+later chunks get smaller and a step beside running decodes stays about as long as an early one
+(`attention_aware_budget`). Shorter contexts, decodes and verifies count one a token, as before.
+
 The scheduler owns every sequence's state and KV blocks: it admits, preempts and removes, and
 after each step `update_from_output` (and `update_after_verify`) advances what was computed,
 appends the new tokens and registers the full blocks for prefix reuse, each state change next to
@@ -60,6 +66,54 @@ class SchedulerOutput:
         return "prefill" if kinds == {"prefill"} else "mixed"
 
 
+def chunk_cost(context: int, n: int, attention_context: float | None) -> float:
+    """The budget's units that `n` prefill tokens after `context` computed ones take: one a token,
+    plus each token's context past `attention_context` over `attention_context`."""
+    if not attention_context or n <= 0:
+        return float(n)
+    c0 = int(attention_context)
+    first, last = max(context, c0), context + n - 1  # the tokens whose context is past c0
+    if last < c0:
+        return float(n)
+
+    def tri(k: int) -> int:  # 0 + 1 + ... + k
+        return k * (k + 1) // 2 if k > 0 else 0
+
+    return n + (tri(last - c0) - tri(first - 1 - c0)) / attention_context
+
+
+def chunk_within(context: int, todo: int, budget: float, attention_context: float | None) -> int:
+    """The most of `todo` prefill tokens after `context` whose cost fits `budget` (at least one)."""
+    n = min(todo, int(budget))
+    if not attention_context or n <= 1 or chunk_cost(context, n, attention_context) <= budget:
+        return max(1, n)
+    lo, hi = 1, n  # cost grows with n: the largest n within the budget
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chunk_cost(context, mid, attention_context) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def attention_context_of(config, attention_slower: float = 2.8) -> float:
+    """The context length at which one token's attention (QK and PV over every earlier position, in
+    every layer) costs as much as its matmuls, counting that attention runs `attention_slower` times
+    slower per FLOP than the matmuls (extend attention ~140 GFLOP/s against the bf16 tiles' ~390 on
+    a 2-vCPU Zen 4). SmolLM2-135M: ~1,400 tokens."""
+    H, layers = config.hidden_size, config.num_hidden_layers
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer = H * (q + 2 * kv) + q * H
+    dense = 3 * H * config.intermediate_size
+    moe = getattr(config, "moe_layers", ()) or ()
+    active = getattr(config, "num_experts_per_tok", 0) or 0
+    expert = 3 * H * (getattr(config, "moe_intermediate_size", 0) or 0)
+    matmul = layers * per_layer + (layers - len(moe)) * dense + len(moe) * active * expert + config.vocab_size * H
+    attention = 4 * layers * q  # QK^T and PV, per earlier position
+    return 2 * matmul / (attention * attention_slower)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -77,6 +131,14 @@ class Scheduler:
         # sequences whose prompt's KV arrived computed (a disaggregated decode replica, simulated):
         # admitted, only their new token is computed; a preemption loses that KV
         self._kv_arrived: set[str] = set()
+        # the model's attention context (attention_context_of), set by the engine; None: tokens only
+        self.attention_context: float | None = None
+
+    def _prefill_chunk(self, seq: Sequence, todo: int, budget: float) -> tuple[int, float]:
+        """(tokens, budget units) of `seq`'s next prefill chunk within `budget`."""
+        c0 = self.attention_context if self.settings.attention_aware_budget else None
+        n = chunk_within(seq.num_computed_tokens, todo, budget, c0)
+        return n, chunk_cost(seq.num_computed_tokens, n, c0)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -164,9 +226,9 @@ class Scheduler:
                     break
                 seq = self.waiting.popleft()
                 self._admit(seq, out)
-                n = min(len(seq) - seq.num_computed_tokens, budget)
+                n, cost = self._prefill_chunk(seq, len(seq) - seq.num_computed_tokens, budget)
                 out.scheduled.append(ScheduledSeq(seq, n, "prefill"))
-                budget -= n
+                budget -= cost
         return out
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -190,7 +252,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             todo = len(seq) + len(seq.spec_tokens) - seq.num_computed_tokens
-            n = min(todo, budget)
+            n, cost = min(todo, max(1, int(budget))), None
+            if todo > 1 and not seq.spec_tokens:  # a prefill chunk: its attention may count
+                n, cost = self._prefill_chunk(seq, todo, budget)
             while not self.bm.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -206,7 +270,7 @@ class Scheduler:
                 seq.spec_tokens, seq.spec_probs = [], None
                 n, kind = 1, "decode"
             out.scheduled.append(ScheduledSeq(seq, n, kind))
-            budget -= n
+            budget -= n if cost is None or kind != "prefill" else cost
             i += 1
         return budget
 

@@ -227,6 +227,18 @@ class Simulator:
         self.device = device or "cpu"
         self.source = source or ("roofline" if isinstance(cost, RooflineCost) else "fitted")
 
+    def _attention_context(self) -> float | None:
+        """The model's attention context, for the scheduler's budget as the engine's counts it (None
+        where the model cannot be read here)."""
+        if not hasattr(self, "_attn_ctx"):
+            from ..engine.scheduler import attention_context_of
+
+            try:
+                self._attn_ctx = attention_context_of(model_config(self.model_name))
+            except Exception:
+                self._attn_ctx = None
+        return self._attn_ctx
+
     # -- construction from a live engine ------------------------------------------------------------
     @classmethod
     def calibrate(
@@ -467,7 +479,11 @@ class Simulator:
         acceptance = self._acceptance(spec_acceptance)
         cost = self._cost_for(s)
         replica = functools.partial(
-            Replica, timeline_capacity=timeline_capacity, acceptance=acceptance, draft_cost=self._draft_cost(s)
+            Replica,
+            timeline_capacity=timeline_capacity,
+            acceptance=acceptance,
+            draft_cost=self._draft_cost(s),
+            attention_context=self._attention_context(),
         )
         if disaggregated is not None:
             pools = disaggregated_pools(disaggregated, s, blocks, cost, replica)

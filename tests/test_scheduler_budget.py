@@ -1,0 +1,74 @@
+"""The step budget counts long-context attention (setting `attention_aware_budget`): past the
+model's attention context a prefill chunk's tokens cost more, so long prompts take smaller chunks
+and a step beside running decodes stays about as long as an early one (a tester saw a 7,000-token
+prompt hold every other stream for 1.9-11.9 s: each 1,023-token chunk at a longer context took
+longer). Outputs do not change: only where the chunks end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workbench import LLM, SamplingParams
+from workbench.engine.scheduler import attention_context_of, chunk_cost, chunk_within
+
+
+def _brute(context: int, n: int, c0: float) -> float:
+    return sum(1 + max(0, context + i - int(c0)) / c0 for i in range(n))
+
+
+def test_chunk_cost_is_one_a_token_until_the_attention_context_then_grows():
+    rng = random.Random(0)
+    for _ in range(300):
+        c0 = rng.choice([16.0, 100.0, 1389.7])
+        context, n = rng.randrange(0, 5000), rng.randrange(1, 2000)
+        assert chunk_cost(context, n, c0) == pytest.approx(_brute(context, n, c0))
+    assert chunk_cost(0, 1000, 1389.7) == 1000  # short contexts: the token budget as before
+    assert chunk_cost(0, 1000, None) == 1000
+    for context in (0, 500, 3000, 7000):
+        n = chunk_within(context, 8000, 1024, 1389.7)
+        assert chunk_cost(context, n, 1389.7) <= 1024 < chunk_cost(context, n + 1, 1389.7) or n == 8000
+    assert chunk_within(7000, 5, 0.5, 100.0) == 1  # always progress
+
+
+def test_the_embedded_models_attention_context():
+    from workbench.sim.workloads import model_config
+
+    c0 = attention_context_of(model_config(None))  # SmolLM2-135M: 30 layers of 9 x 64 query dims
+    assert 1000 < c0 < 2000, c0
+    sizes, context = [], 0
+    while context < 8000:
+        sizes.append(chunk_within(context, 8000 - context, 1024, c0))
+        context += sizes[-1]
+    assert sizes[0] == 1024 and sizes[-2] < 256 and sizes == sorted(sizes[:-1], reverse=True) + sizes[-1:]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return str(tiny_llama[0])
+
+
+def _run(path: str, aware: bool):
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, attention_aware_budget=aware)
+    llm.engine.scheduler.attention_context = 32.0  # the tiny model's own is tiny too: make it visible
+    rng = random.Random(3)
+    long = [rng.randrange(3, 256) for _ in range(400)]
+    short = [[rng.randrange(3, 256) for _ in range(5)] for _ in range(2)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=[short[0], long, short[1]], params=params)
+    chunks = [
+        next(b.num_tokens for b in s.batch if b.request_id == outs[1].request_id)
+        for s in llm.timeline().steps
+        if any(b.request_id == outs[1].request_id and b.kind == "prefill" for b in s.batch)
+    ]
+    return outs, chunks
+
+
+def test_long_prompts_take_smaller_chunks_and_answer_the_same(tiny):
+    aware, chunks = _run(tiny, True)
+    plain, plain_chunks = _run(tiny, False)
+    assert [o.token_ids for o in aware] == [o.token_ids for o in plain]  # only the chunk ends moved
+    assert len(set(plain_chunks[1:-1])) == 1 and plain_chunks[1] >= 60  # the budget less the decodes beside
+    assert chunks[-2] < chunks[1] and max(chunks[2:-1]) < 64, chunks
+    assert 399 <= sum(chunks) <= 400  # (a last single token runs as a decode)
