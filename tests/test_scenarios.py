@@ -38,6 +38,19 @@ def test_quant_scenario_restores_weights(engine):
     assert engine.settings()["quantization"] == "none" and engine.weights_checksum() == before
 
 
+def test_long_prompt_scenario_measures_both_budgets_and_puts_the_settings_back(engine):
+    before = engine.settings()
+    out = scenarios.long_prompt_scenario(engine, prompt_len=600, streams=2, rounds=1)
+    for mode in ("off", "on"):
+        r = out[mode]
+        assert r["worst_gap_ms"] >= r["stream_gap_p50_ms"] > 0 and r["ttft_s"] > 0 and r["prefill_steps"] >= 1
+    assert out["ttft_on_vs_off"] > 0 and out["worst_gap_ms"] == out["on"]["worst_gap_ms"]
+    after = engine.settings()
+    assert (after["attention_aware_budget"], after["prefix_caching"]) == (before["attention_aware_budget"],
+                                                                           before["prefix_caching"])  # fmt: skip
+    assert not engine.engine.has_unfinished_requests()
+
+
 def test_unknown_scenario_named():
     with pytest.raises(ValueError, match="unknown scenario 'nope'; known: prefix, quant, spec"):
         scenarios.run_scenarios(["nope"], model="/nonexistent")

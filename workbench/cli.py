@@ -332,12 +332,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--scenario",
         action="append",
         default=None,
-        choices=["prefix", "quant", "spec", "stall"],
+        choices=["prefix", "quant", "spec", "stall", "long_prompt"],
         help="instead of the peer comparison, measure one optimisation on and off in this run "
         "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode (with "
         "transformers' TorchAoConfig int8/int4 as the peer), n-gram/draft speculation (with "
-        "transformers' prompt lookup as the peer), or a stream's worst stall while oversized "
-        "prompts arrive (stall); repeatable; recorded in the run log",
+        "transformers' prompt lookup as the peer), a stream's worst stall while oversized "
+        "prompts arrive (stall), or 8 streams' worst gap while an 8,000-token prompt prefills "
+        "(long_prompt: the attention-aware budget off and on); repeatable; recorded in the run log",
     )
     g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
     g.add_argument(
