@@ -913,3 +913,31 @@ def test_metrics_follow_the_key_unless_opened_for_scrapers(tiny_llama):
             assert http.get("/metrics").status_code == status
             assert http.get("/metrics", headers={"Authorization": "Bearer k3y"}).status_code == 200
             assert http.get("/health").status_code == 200
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch, tiny_llama):
+    """Decoding megabytes of JSON holds the GIL for tens of ms: a large body is decoded on a worker
+    thread (the loop still gets the GIL every switch interval, so other streams keep flowing)."""
+    import asyncio
+    import threading
+
+    from workbench import LLM
+    from workbench.http import app as app_module
+    from workbench.http.protocol import CompletionRequest
+    from workbench.http.server import make_front
+
+    front = make_front(LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16), tokenizer=None)
+    threads = []
+    real = app_module.decode_request
+    monkeypatch.setattr(app_module, "decode_request", lambda b, k: threads.append(threading.get_ident()) or real(b, k))
+
+    async def both():
+        loop_thread = threading.get_ident()
+        small = b'{"prompt": [5, 6], "max_tokens": 1}'
+        large = b'{"prompt": [' + b"5," * (app_module.OFF_LOOP_BYTES // 2) + b'5], "max_tokens": 1}'
+        await front.decode(small, CompletionRequest)
+        await front.decode(large, CompletionRequest)
+        return loop_thread
+
+    loop_thread = asyncio.run(both())
+    assert threads[0] == loop_thread and threads[1] != loop_thread

@@ -59,6 +59,7 @@ log = logging.getLogger("workbench.http")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 5  # what a 503 during a drain tells clients (the engine may come back, or another)
+OFF_LOOP_BYTES = 256 << 10  # request bodies at least this large are decoded on a worker thread
 
 
 class _ClientGone(Exception):
@@ -183,6 +184,14 @@ class Front:
             raise APIError(
                 401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
+
+    async def decode(self, body: bytes, kind):
+        """`decode_request`, off the event loop for a large body: decoding megabytes holds the GIL for
+        tens of milliseconds, and in a worker thread the loop still gets it every switch interval, so
+        the other streams keep flowing."""
+        if len(body) < OFF_LOOP_BYTES:
+            return decode_request(body, kind)
+        return await asyncio.to_thread(decode_request, body, kind)
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.max_body_bytes
@@ -776,7 +785,7 @@ def create_app(front: Front) -> FastAPI:
     async def completions(request: Request):
         front.check_auth(request)
         front.check_accepting()
-        req = decode_request(await front.read_body(request), CompletionRequest)
+        req = await front.decode(await front.read_body(request), CompletionRequest)
         model = front.check_model(req.model)
         check_unsupported(req)
         n = num_choices(req)
@@ -814,7 +823,7 @@ def create_app(front: Front) -> FastAPI:
     async def chat_completions(request: Request):
         front.check_auth(request)
         front.check_accepting()
-        req = decode_request(await front.read_body(request), ChatCompletionRequest)
+        req = await front.decode(await front.read_body(request), ChatCompletionRequest)
         model = front.check_model(req.model)
         check_unsupported(req)
         n = num_choices(req)
