@@ -941,3 +941,38 @@ def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch, tiny_llama):
 
     loop_thread = asyncio.run(both())
     assert threads[0] == loop_thread and threads[1] != loop_thread
+
+
+def test_a_client_that_dribbles_its_headers_is_cut_off(tiny_llama):
+    """Slow-header clients (a header line now and then, never the blank line) were held open with
+    no timeout: the connection closes once its headers have taken longer than the header timeout,
+    and a normal request on a fresh connection is served."""
+    import socket
+
+    from workbench import LLM
+    from workbench.http.server import start_http_server
+
+    handle = start_http_server(LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16), header_timeout=1.0)
+    try:
+        with socket.create_connection((handle.host, handle.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            closed_after = None
+            for i in range(40):  # up to 8 s of dribbling, a line every 0.2 s
+                time.sleep(0.2)
+                try:
+                    sock.sendall(f"X-Slow-{i}: y\r\n".encode())
+                except OSError:
+                    closed_after = i
+                    break
+                sock.settimeout(0.01)
+                try:
+                    if sock.recv(1) == b"":
+                        closed_after = i
+                        break
+                except TimeoutError:
+                    pass
+            assert closed_after is not None and closed_after < 25, closed_after  # ~1 s, well before 8
+        r = httpx.get(f"http://{handle.host}:{handle.port}/health", timeout=10)
+        assert r.status_code == 200
+    finally:
+        handle.stop()

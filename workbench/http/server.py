@@ -121,7 +121,53 @@ def make_front(
     )
 
 
-def _uvicorn_server(app, host: str, port: int, log_level: str = "info", drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S):
+HEADER_TIMEOUT_S = 10.0  # a request's line and headers must all arrive within this, or the connection closes
+
+
+def _header_timeout_protocol(timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all
+    arrived `timeout_s` after its first byte (slow-header clients hold a connection and its buffer
+    forever otherwise: uvicorn's keep-alive timer restarts on every byte)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport):  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self.conn.their_state is h11.IDLE:  # a next request begins
+                self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+            super().data_received(data)
+            if self._header_timer is not None and self.conn.their_state is not h11.IDLE:  # headers complete
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutH11
+
+
+def _uvicorn_server(
+    app,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+    header_timeout: float = HEADER_TIMEOUT_S,
+):
     """A uvicorn server whose first SIGTERM/Ctrl-C drains: it keeps listening, new requests get
     a 503 with Retry-After, running ones go on for up to `drain_timeout` s and are then ended with
     an error event (streams) or a 503, so no client sees a refused connection or a body cut
@@ -182,6 +228,7 @@ def _uvicorn_server(app, host: str, port: int, log_level: str = "info", drain_ti
         timeout_graceful_shutdown=drain_timeout + 5,
         timeout_keep_alive=30,
         backlog=2048,
+        http=_header_timeout_protocol(header_timeout),
     )
     return Server(config)
 
@@ -228,13 +275,14 @@ def start_http_server(
     served_model_name=None,
     timeout: float = 30.0,
     log_level: str = "warning",
+    header_timeout: float = HEADER_TIMEOUT_S,
 ) -> HttpServerHandle:
     """Serve `engine` (an EngineClient) over HTTP from a daemon thread of this process (a
     notebook, a test). For production use `workbench serve --http`, a process of its own."""
     from .app import create_app
 
     front = make_front(engine, model=model, served_model_name=served_model_name, api_key=api_key)
-    server = _uvicorn_server(create_app(front), host, port, log_level)
+    server = _uvicorn_server(create_app(front), host, port, log_level, header_timeout=header_timeout)
     thread = threading.Thread(target=server.run, name="wb-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
