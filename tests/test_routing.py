@@ -315,3 +315,47 @@ def test_generate_cells_name_the_member(router, members):
         section.output, section.finish_reason = out, out.finish_reason
     text = run.to_text()
     assert "via small (score 3)" in text and "via large (score 40)" in text
+
+
+def test_another_process_attaches_to_a_shared_router_and_steers_it(members, tmp_path):
+    """route(..., share=True) over engine processes writes a router file: another process's
+    workbench.connect("router:NAME") routes as this one does, and its configure() steers both."""
+    import os
+    import subprocess
+    import sys
+
+    from http_helpers import ROOT
+    from jupyter_helpers import private_runtime_dir
+
+    from workbench import start_engine
+    from workbench.routing.engine import router_file
+
+    with private_runtime_dir(tmp_path / "rt") as rt:
+        small = start_engine(str(members["dirs"][0]), name="shared-small", dtype="float32", num_kv_blocks=64)
+        large = start_engine(str(members["dirs"][1]), name="shared-large", dtype="float32", num_kv_blocks=64)
+        try:
+            r = route({"small": small, "large": large}, policy="length", threshold=32, name="lab", share=True)
+            assert router_file("lab").exists()
+            code = (
+                "import json, workbench; from workbench import SamplingParams as S; "
+                "r = workbench.connect('router:lab'); "
+                f"ids = {[_prompts()[0], _prompts()[3]]}; "
+                "o = r.generate(prompt_token_ids=ids, params=S(max_tokens=3, temperature=0)); "
+                "r.configure(router='fixed', router_member='small'); "
+                "print(json.dumps([x.route for x in o])); r.close()"
+            )  # fmt: skip
+            env = dict(os.environ, WORKBENCH_RUNTIME_DIR=str(rt))
+            done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=120, env=env)  # fmt: skip
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert json.loads(done.stdout.splitlines()[-1]) == ["small", "large"]
+            assert r.settings()["router"] == "fixed"  # set by the other process
+            outs = r.generate(prompt_token_ids=_prompts(), params=GREEDY)
+            assert {o.route for o in outs} == {"small"}
+            with pytest.raises(FileNotFoundError, match="no router named 'nowhere'"):
+                __import__("workbench").connect("router:nowhere")
+            r.close()
+            assert not router_file("lab").exists()
+        finally:
+            small.shutdown()
+            large.shutdown()

@@ -129,7 +129,7 @@ def start_router(args: argparse.Namespace, settings: dict):
             else:
                 model = None if target in ("default", "smollm2-135m") else target
                 members[name] = start_engine(model, name=f"{base}-{name}", **settings)
-        return route(members, policy=args.router, threshold=args.router_threshold, name=base)
+        return route(members, policy=args.router, threshold=args.router_threshold, name=base, share=True)
     except BaseException:
         for engine in members.values():
             try:

@@ -28,6 +28,10 @@ def connect(target: str | os.PathLike | Engine | None = None, *, timeout: float 
         from .cluster import attach
 
         return attach(target.removeprefix("cluster:"), timeout=timeout)
+    if isinstance(target, str) and target.startswith("router:"):
+        from .routing.engine import attach as attach_router
+
+        return attach_router(target.removeprefix("router:"), timeout=timeout)
     from .remote import RemoteEngineClient, registered_remote
 
     remote = (

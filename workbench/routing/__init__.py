@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..interface import Engine
 from .engine import RoutedEngine
 from .evaluate import evaluate
 from .policies import POLICIES, Classifier
@@ -18,5 +19,15 @@ def route(members: dict[str, Any], policy: str = "length", threshold=None, **opt
     cheapest first. `policy`: "length" | "classifier" | "cascade" | "random" | "fixed";
     `threshold`: one number, or one per boundary between neighbouring members. Options:
     `member` (fixed), `confidence` ("mean" | "min", cascade), `classifier` (a saved file),
-    `seed` (random), `name`."""
-    return RoutedEngine(members, policy, threshold, **options)
+    `seed` (random), `name`, `share` (write a router file so that `workbench.connect("router:NAME")`
+    attaches from another process; members must then be engine processes or servers)."""
+    from ..engines import connect
+
+    if not isinstance(members, dict):
+        raise ValueError("route() needs a dict of at least two members, name -> Engine, cheapest first")
+    timeout = options.get("timeout", 10.0)
+    attached = {n for n, m in members.items() if not isinstance(m, Engine)}
+    engines = {n: connect(m, timeout=timeout) if n in attached else m for n, m in members.items()}
+    router = RoutedEngine(engines, policy, threshold, **options)
+    router._attached |= attached  # detached again by close(); engines given as engines stay
+    return router

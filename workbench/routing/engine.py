@@ -89,9 +89,8 @@ class RoutedEngine(Engine):
         seed: int = 0,
         name: str = "router",
         timeout: float = 10.0,
+        share: bool = False,
     ):
-        from ..engines import connect
-
         if not isinstance(members, dict) or len(members) < 2:
             raise ValueError("route() needs a dict of at least two members, name -> Engine, cheapest first")
         self.name = name
@@ -102,9 +101,10 @@ class RoutedEngine(Engine):
         for key, target in members.items():
             if not isinstance(key, str) or not key:
                 raise ValueError(f"member names must be non-empty strings, got {key!r}")
-            self.members[key] = connect(target, timeout=timeout)
-            if not isinstance(target, Engine):
+            if not isinstance(target, Engine):  # route() connects what connect() takes
+                target = _connect_member(target, timeout)
                 self._attached.add(key)
+            self.members[key] = target
         self.names = list(self.members)
         self.policy = check_policy(policy)
         self.thresholds = self._thresholds(DEFAULT_THRESHOLDS[policy] if threshold is None else threshold)
@@ -121,6 +121,12 @@ class RoutedEngine(Engine):
         self.recorder = TimelineRecorder()
         self._cursors: dict[str, int | None] = {n: None for n in self.names}
         self._closed = False
+        self._shared = None  # the router file (share=True): another process attaches by name
+        self._stamp: int | None = None
+        if share:
+            self._shared = router_file(name)
+            self._targets = {n: _target_of(e, n) for n, e in self.members.items()}
+            self._write_shared(owner=True)
         if policy == "classifier" and self.classifier is None:
             log.info("router %s: classifier policy without a classifier yet: fit() or load one", name)
 
@@ -198,6 +204,8 @@ class RoutedEngine(Engine):
             raise KeyError(f"no member named {member!r}; members: {', '.join(self.names)}")
         with self._lock:
             self.policy, self.thresholds, self.member, self.how = policy, thresholds, chosen, how
+        if self._shared is not None and mine:
+            self._write_shared()
         targets = [member] if member is not None else self.names
         out = {}
         for name in targets:
@@ -209,7 +217,58 @@ class RoutedEngine(Engine):
         return {**out, **self.router_settings()}
 
     def settings(self) -> dict:
+        self._follow_shared()
         return {**self.members[self.names[0]].settings(), **self.router_settings()}
+
+    # -- the router file: the routing is the router's, not one process's ---------------------------
+    def _write_shared(self, owner: bool = False) -> None:
+        import json
+        import os
+
+        data = {}
+        if not owner:
+            try:
+                data = json.loads(self._shared.read_text())
+            except (OSError, ValueError):
+                return  # the owner has gone (and removed it): nothing to share with
+        data.update(
+            name=self.name,
+            members=self._targets,
+            router=self.policy,
+            router_threshold=self.thresholds,
+            router_member=self.member,
+            router_confidence=self.how,
+        )
+        if owner:
+            data["owner_pid"] = os.getpid()
+        tmp = self._shared.with_suffix(f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self._shared)  # readers see the old file or the new one, never half of one
+        self._stamp = self._shared.stat().st_mtime_ns
+
+    def _follow_shared(self) -> None:
+        """Take the policy a process attached to this router set (one stat a request)."""
+        import json
+
+        if self._shared is None:
+            return
+        try:
+            stamp = self._shared.stat().st_mtime_ns
+        except OSError:
+            return
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            data = json.loads(self._shared.read_text())
+            policy, thresholds = check_policy(data["router"]), self._thresholds(data["router_threshold"])
+            member, how = self._check_member(data["router_member"]), data["router_confidence"]
+        except (OSError, ValueError, KeyError):
+            return
+        with self._lock:
+            self.policy, self.thresholds, self.member, self.how = policy, thresholds, member, how
 
     def schema(self) -> list[dict]:
         return self.members[self.names[0]].schema()
@@ -328,6 +387,7 @@ class RoutedEngine(Engine):
     def submit(
         self, batch, sink, *, chat: bool = False, stream: bool = False, into: list[str] | None = None
     ) -> list[str]:
+        self._follow_shared()
         with self._lock:
             policy, thresholds = self.policy, self.thresholds
         override = OVERRIDE.get()
@@ -622,6 +682,7 @@ class RoutedEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        self._drop_shared()
         for name in self._attached:
             try:
                 self.members[name].close()
@@ -635,7 +696,21 @@ class RoutedEngine(Engine):
                 engine.shutdown(drain=drain, timeout=timeout)
             except Exception as e:
                 log.warning("router %s: a member's shutdown failed: %s", self.name, e)
+        self._drop_shared()
         self._closed = True
+
+    def _drop_shared(self) -> None:
+        """The owner's router file goes with it (an attached router leaves it)."""
+        import json
+        import os
+
+        if self._shared is None:
+            return
+        try:
+            if json.loads(self._shared.read_text()).get("owner_pid") == os.getpid():
+                self._shared.unlink()
+        except (OSError, ValueError):
+            pass
 
 
 def _member_error(name: str, e: BaseException) -> BaseException:
@@ -644,3 +719,64 @@ def _member_error(name: str, e: BaseException) -> BaseException:
         return type(e)(f"router member {name!r}: {e}")
     except Exception:
         return RuntimeError(f"router member {name!r}: {type(e).__name__}: {e}")
+
+
+def router_file(name: str):
+    from ..ipc import connection as conn
+
+    return conn.runtime_dir() / f"router-{conn.check_name(name)}.json"
+
+
+def _target_of(engine: Engine, name: str) -> str:
+    """What another process passes to `connect()` for this member: an engine process's name, a
+    server's URL (a member in this process cannot be reached from another: share=False then)."""
+    from ..ipc.client import EngineClient
+    from ..remote import RemoteEngineClient
+
+    if isinstance(engine, EngineClient):
+        return engine.name
+    if isinstance(engine, RemoteEngineClient):
+        return engine.base
+    raise ValueError(
+        f"member {name!r} ({type(engine).__name__}) lives in this process, so another cannot attach to it: "
+        "give it as an engine process (start_engine) or a server URL to share the router"
+    )
+
+
+def _connect_member(target: str, timeout: float) -> Engine:
+    """A shared router's member: an engine process by name, or a server by URL (what its file holds)."""
+    from ..ipc.client import EngineClient
+    from ..remote import RemoteEngineClient
+
+    if not isinstance(target, str):
+        raise TypeError(f"a member is an Engine, an engine name or a server URL, got {type(target).__name__}")
+    if target.startswith(("http://", "https://")):
+        return RemoteEngineClient.connect(url=target, timeout=timeout)
+    return EngineClient.connect(target, timeout=timeout)
+
+
+def attach(name: str, timeout: float = 10.0) -> RoutedEngine:
+    """`workbench.connect("router:NAME")`: the router another process shares (its file names the
+    members and the policy; a policy changed here is changed there too)."""
+    import json
+
+    path = router_file(name)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no router named {name!r} is shared here ({path} is missing); start one with "
+            "workbench.routing.route(..., name=NAME, share=True) or workbench serve --route"
+        ) from None
+    router = RoutedEngine(
+        data["members"],
+        data["router"],
+        data["router_threshold"],
+        member=data["router_member"],
+        confidence=data["router_confidence"],
+        name=name,
+        timeout=timeout,
+    )
+    router._shared, router._targets = path, dict(data["members"])
+    router._stamp = path.stat().st_mtime_ns
+    return router
