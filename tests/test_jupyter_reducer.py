@@ -574,3 +574,5 @@ def test_the_dashboards_numbers_say_their_window_and_hide_what_is_off():
     on = metrics_text(m, {"speculative": "ngram"})
     assert "spec accepted 100% (since start)" in on
     assert "TTFT" not in metrics_text({**m, "recent_requests": 0}, {})  # no finished request: no latency
+    routed = {**m, "router": {"policy": "cascade", "share": {"small": 0.7, "large": 0.3}, "served": {"small": 7}}}
+    assert "routed (cascade, since start): small 70%, large 30%" in metrics_text(routed, {})

@@ -561,6 +561,10 @@ def metrics_text(m: dict[str, Any], settings: dict[str, Any]) -> str:
         )
     elif n is None:  # an engine that does not say how many (a remote server)
         parts.append(f"TTFT p50 {m.get('ttft_p50_ms', 0):.0f} ms, ITL p50 {m.get('itl_p50_ms', 0):.0f} ms")
+    routed = m.get("router")
+    if isinstance(routed, dict) and isinstance(routed.get("share"), dict) and sum(routed.get("served", {}).values()):
+        share = ", ".join(f"{name} {v * 100:.0f}%" for name, v in routed["share"].items())
+        parts.append(f"routed ({routed.get('policy')}, since start): {share}")
     return " · ".join(parts)
 
 
