@@ -45,9 +45,10 @@ def test_long_prompt_scenario_measures_both_budgets_and_puts_the_settings_back(e
         r = out[mode]
         assert r["worst_gap_ms"] >= r["stream_gap_p50_ms"] > 0 and r["ttft_s"] > 0 and r["prefill_steps"] >= 1
     assert out["ttft_on_vs_off"] > 0 and out["worst_gap_ms"] == out["on"]["worst_gap_ms"]
+    assert out["bounds"]["off"] == {"attention_aware_budget": False, "step_time_target_ms": 0}
     after = engine.settings()
-    assert (after["attention_aware_budget"], after["prefix_caching"]) == (before["attention_aware_budget"],
-                                                                           before["prefix_caching"])  # fmt: skip
+    for key in ("attention_aware_budget", "step_time_target_ms", "prefix_caching"):
+        assert after[key] == before[key], key
     assert not engine.engine.has_unfinished_requests()
 
 

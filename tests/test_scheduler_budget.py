@@ -72,3 +72,28 @@ def test_long_prompts_take_smaller_chunks_and_answer_the_same(tiny):
     assert len(set(plain_chunks[1:-1])) == 1 and plain_chunks[1] >= 60  # the budget less the decodes beside
     assert chunks[-2] < chunks[1] and max(chunks[2:-1]) < 64, chunks
     assert 399 <= sum(chunks) <= 400  # (a last single token runs as a decode)
+
+
+def test_while_requests_decode_the_step_keeps_its_time_target(tiny):
+    """step_time_target_ms caps a step's prefill work while other requests decode, at the time per
+    unit of work recent steps took: with a target far below what a full chunk takes, the long
+    prompt goes in small chunks once the short requests decode; with 0, in full ones."""
+    from workbench.engine.scheduler import MIN_CAPPED_BUDGET
+
+    def chunks(target: int):
+        llm = LLM(tiny, dtype="float32", num_kv_blocks=96, max_num_batched_tokens=256, step_time_target_ms=target)
+        rng = random.Random(5)
+        prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (4, 440, 4)]
+        outs = llm.generate(
+            prompt_token_ids=prompts, params=SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        )
+        rid = outs[1].request_id
+        steps = [s for s in llm.timeline().steps if any(b.request_id == rid and b.kind == "prefill" for b in s.batch)]
+        sizes = [next(b.num_tokens for b in s.batch if b.request_id == rid) for s in steps]
+        return sizes, [o.token_ids for o in outs], llm.engine.scheduler.ms_per_unit
+
+    capped, capped_tokens, rate = chunks(1)
+    free, free_tokens, _ = chunks(0)
+    assert rate is not None and rate > 0
+    assert max(capped[1:]) <= MIN_CAPPED_BUDGET < max(free[1:-1]), (capped, free)
+    assert capped_tokens == free_tokens  # only where the chunks end moved

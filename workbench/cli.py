@@ -338,7 +338,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "transformers' TorchAoConfig int8/int4 as the peer), n-gram/draft speculation (with "
         "transformers' prompt lookup as the peer), a stream's worst stall while oversized "
         "prompts arrive (stall), or 8 streams' worst gap while an 8,000-token prompt prefills "
-        "(long_prompt: the attention-aware budget off and on); repeatable; recorded in the run log",
+        "(long_prompt: the step bounded by the settings, and by tokens alone); repeatable; recorded in the run log",
     )
     g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
     g.add_argument(

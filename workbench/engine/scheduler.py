@@ -13,6 +13,10 @@ The budget counts tokens, but a prefill chunk's work grows with its context: pas
 token of a chunk counts 1 + (context - attention_context) / attention_context, so a long prompt's
 later chunks get smaller and a step beside running decodes stays about as long as an early one
 (`attention_aware_budget`). Shorter contexts, decodes and verifies count one a token, as before.
+While requests decode, the budget is also capped so the step is predicted to take at most
+`step_time_target_ms` (their worst gap between tokens), at the milliseconds per budget unit that
+recent steps with prefill work took (learned in `record_step`, on the engine's clock or the
+simulator's).
 
 The scheduler owns every sequence's state and KV blocks: it admits, preempts and removes, and
 after each step `update_from_output` (and `update_after_verify`) advances what was computed,
@@ -48,6 +52,7 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    work: float = 0.0  # budget units the step used (tokens, long-context chunks counting more)
     prefix_hit_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
@@ -64,6 +69,9 @@ class SchedulerOutput:
         if kinds == {"decode"}:
             return "decode"
         return "prefill" if kinds == {"prefill"} else "mixed"
+
+
+MIN_CAPPED_BUDGET = 64  # the step-time cap never leaves a step less than this (a prefill must progress)
 
 
 def chunk_cost(context: int, n: int, attention_context: float | None) -> float:
@@ -133,6 +141,7 @@ class Scheduler:
         self._kv_arrived: set[str] = set()
         # the model's attention context (attention_context_of), set by the engine; None: tokens only
         self.attention_context: float | None = None
+        self.ms_per_unit: float | None = None  # what recent steps with prefill work took per budget unit
 
     def _prefill_chunk(self, seq: Sequence, todo: int, budget: float) -> tuple[int, float]:
         """(tokens, budget units) of `seq`'s next prefill chunk within `budget`."""
@@ -209,9 +218,18 @@ class Scheduler:
             seq.draft_computed = 0
 
     # -- policy ---------------------------------------------------------------------------------
+    def _step_budget(self) -> float:
+        """The token budget, capped while requests decode so the step keeps the time target."""
+        budget = float(self.settings.max_num_batched_tokens)
+        target = self.settings.step_time_target_ms
+        if target and self.ms_per_unit and any(len(s) - s.num_computed_tokens <= 1 for s in self.running):
+            budget = min(budget, max(MIN_CAPPED_BUDGET, target / self.ms_per_unit))
+        return budget
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.settings.max_num_batched_tokens
+        budget = self._step_budget()
+        full = budget
         policy = self.settings.batching
         max_seqs = 1 if policy == "off" else self.settings.max_num_seqs
 
@@ -229,6 +247,7 @@ class Scheduler:
                 n, cost = self._prefill_chunk(seq, len(seq) - seq.num_computed_tokens, budget)
                 out.scheduled.append(ScheduledSeq(seq, n, "prefill"))
                 budget -= cost
+        out.work = full - budget
         return out
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -342,6 +361,9 @@ class Scheduler:
         its time went (`timeline.STEP_PARTS`)."""
         batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
         prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
+        if prefill and sched.work >= MIN_CAPPED_BUDGET and end > start:  # learn the time a unit of work takes
+            rate = (end - start) * 1e3 / sched.work
+            self.ms_per_unit = rate if self.ms_per_unit is None else 0.7 * self.ms_per_unit + 0.3 * rate
         used, total = self.kv_blocks
         self.timeline.add_step(
             start=start,
