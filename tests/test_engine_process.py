@@ -1169,3 +1169,18 @@ def test_a_flood_of_refused_calls_is_a_few_log_lines(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 4 and all(len(line) < 400 for line in lines)
     assert lines[-1] == "after the period (97 similar line(s) suppressed)"
+
+
+def test_an_engines_log_rotates_past_its_size_limit(tmp_path):
+    """An engine's log (its stdout and stderr) moves to NAME.log.1 past the limit and the process
+    writes on into a fresh NAME.log (22.6 MB of log after a fuzzing run, never rotated)."""
+    log = tmp_path / "engine.log"
+    with open(log, "wb") as f:
+        done = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "rotate_child.py"), str(log), "1000"],
+            stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 0
+    old, new = (tmp_path / "engine.log.1").read_text(), log.read_text()
+    assert "x" * 1000 in old and "after the rotation" not in old
+    assert new.startswith("first rotation: True") and "after the rotation" in new and "small again: False" in new

@@ -40,6 +40,7 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -431,6 +432,8 @@ class EngineServer:
                     self._flush_timeline(t)
                 if t - self._last_metrics >= METRICS_EVERY_S:
                     self._last_metrics = t
+                    if self.log_file:
+                        rotate_log(self.log_file, MAX_LOG_BYTES)
                     self.publish("metrics", self.engine.metrics())
                 if self.parent_pid and t - last_parent_check > 0.5:
                     last_parent_check = t
@@ -843,3 +846,26 @@ class QuietLog:
             self.suppressed = 0
         self.logger.info("%s", line)
         return True
+
+
+MAX_LOG_BYTES = 20 << 20  # an engine's log past this moves to NAME.log.1 and a fresh one starts
+
+
+def rotate_log(path: str | os.PathLike, limit: int) -> bool:
+    """When the log this process writes as its stdout and stderr (start_engine's) has grown past
+    `limit` bytes, move it to PATH.1 (replacing the one before) and carry on in a fresh file on the
+    same descriptors. Returns whether it rotated."""
+    try:
+        if os.stat(path).st_size <= limit or os.fstat(2).st_ino != os.stat(path).st_ino:
+            return False  # small, or not this process's output (nothing to rotate here)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.replace(path, f"{path}.1")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    except OSError:
+        return False
+    log.info("log rotated: the previous %d bytes are in %s.1", limit, path)
+    return True
