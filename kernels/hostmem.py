@@ -90,3 +90,24 @@ def _map(nbytes: int) -> torch.Tensor:
 
 # The process's arena for model memory: weights, their packed copies and the KV cache.
 ARENA = Arena()
+
+
+_LIBC = None
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free memory back to the OS (glibc's malloc_trim): after a re-layout drops
+    a copy of the weights, or a large answer is sent, glibc keeps the freed pages otherwise and the
+    process's RSS stays at its high-water mark. A no-op where there is no glibc."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes, _LIBC.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)

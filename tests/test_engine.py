@@ -440,3 +440,20 @@ def test_every_step_says_where_its_time_went(tiny_llama):
         assert sum(s.parts.values()) <= (s.end - s.start) * 1e3 + 1e-6
     m = llm.metrics()
     assert m["step_limit"] in STEP_PARTS and sum(m["step_parts_share"].values()) == pytest.approx(1.0)
+
+
+def test_a_relayout_gives_the_replaced_memory_back(tiny_llama, monkeypatch):
+    """A re-layout drops a copy of the weights or the cache: the engine collects it and trims the C
+    heap (glibc keeps freed pages otherwise, and RSS stays at its high-water mark); a live change
+    that replaces nothing does not pay for it."""
+    from workbench_kernels import hostmem
+
+    hostmem.trim_heap()  # works here (glibc) and is a no-op elsewhere
+    calls = []
+    monkeypatch.setattr(hostmem, "trim_heap", lambda: calls.append(1))
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16)
+    llm.configure(max_num_seqs=8)
+    assert calls == []
+    llm.configure(quantization="int8")
+    llm.configure(kv_cache_dtype="int8")
+    assert len(calls) == 2

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from workbench_kernels import hostmem
+
 from ..models.linear import fp8_supported
 from ..settings import RELAYOUT, RESTART, kv_salt, setting_kind, validate
 from .attention import backend_ops
@@ -80,6 +82,11 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
             engine.emit_event("relayout", {"setting": name, "value": value, "state": "done"})
     if applied:
         relayout = new_draft is not None or any(setting_kind(n) == RELAYOUT for n in applied)
+        if relayout:
+            import gc
+
+            gc.collect()  # the replaced weights, cache or draft are garbage now: give their memory back
+            hostmem.trim_heap()
         engine.timeline.add_change(
             started, time.monotonic(), {k: [before[k], v] for k, v in applied.items()}, by=by, relayout=relayout
         )

@@ -49,6 +49,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from workbench_kernels import hostmem
 
 from ..reports import ProcessStatus, as_dict
 from . import connection as conn
@@ -145,6 +146,7 @@ class EngineServer:
         self._drain_deadline: float | None = None  # a signal's drain ends here
         self._tokenize_q: queue.SimpleQueue = queue.SimpleQueue()
         self._rejections = QuietLog(log)  # refused configure calls: a fuzzer's flood stays a few lines
+        self._last_trim = 0.0
         self._tokenizing: dict[str, bytes] = {}  # request_id -> owner, while its prompt is tokenized
         self._tokenizing_chars = 0
         self._cancelled: dict[str, str] = {}  # request_id being tokenized -> "abort" | "gone"
@@ -470,6 +472,7 @@ class EngineServer:
             self._on_encoded(ident, *payload)
         elif kind == "answer":
             self.send(ident, payload)
+            self._trim_after(payload)
         elif kind == "gone":
             rids = self._owned.pop(ident, set())
             self._client_names.pop(ident, None)
@@ -611,6 +614,16 @@ class EngineServer:
                 self._rejections.note(f"configure {_short(call.kwargs)} rejected: {_short(e)}")
             return
         self.send(ident, Result(call.call_id, raw))
+
+    def _trim_after(self, answer) -> None:
+        """After a large answer (a whole timeline: megabytes) is sent, give the C heap's free pages
+        back to the OS, at most once a second (RSS otherwise stays at its high-water mark)."""
+        value = getattr(answer, "value", None)
+        size = memoryview(value).nbytes if isinstance(value, (msgspec.Raw, bytes)) else 0
+        now = time.monotonic()
+        if size >= TRIM_AFTER_BYTES and now - self._last_trim >= 1.0:
+            self._last_trim = now
+            hostmem.trim_heap()
 
     def _background_loop(self) -> None:
         """Worker thread: build the answers of background calls, hand them to the main thread."""
@@ -848,6 +861,7 @@ class QuietLog:
         return True
 
 
+TRIM_AFTER_BYTES = 1 << 20  # answers at least this large are followed by a heap trim
 MAX_LOG_BYTES = 20 << 20  # an engine's log past this moves to NAME.log.1 and a fresh one starts
 
 
