@@ -6,6 +6,7 @@ JupyterLab exits. Real processes; everything is killed at the end whatever happe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from jupyter_helpers import REPO, kill_engines_in, private_runtime_dir, wait_for
@@ -46,6 +48,9 @@ def test_command_opens_the_quickstart_in_notebooks():
     assert cmd[-1] == str(nb_dir / QUICKSTART)
     # a quiet start: what the launcher quiets, the user can still set after --
     assert "--ServerApp.log_level=WARN" in cmd
+    settings_dir = next(c for c in cmd if c.startswith("--LabApp.app_settings_dir=")).split("=", 1)[1]
+    overrides = json.loads((Path(settings_dir) / "overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
     loud = argparse.Namespace(**{**vars(args), "jupyter_args": ["--", "--ServerApp.log_level=DEBUG"]})
     loud_cmd = jupyter_command(loud, nb_dir, 9999, "tok")
     assert "--ServerApp.log_level=DEBUG" in loud_cmd and "--ServerApp.log_level=WARN" not in loud_cmd
@@ -153,6 +158,14 @@ def test_lab_starts_engine_and_jupyterlab_then_stops_both(tmp_path):
             # open the quickstart and start its kernel, as the browser does: a clean start says
             # nothing more (no INFO chatter, untrusted-notebook, TCP-kernel or websocket warnings)
             _open_with_a_kernel(port, "wbtest")
+            # no "receive official Jupyter news?" toast over the quickstart: the lab's own override
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification",
+                headers={"Authorization": "token wbtest"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                defaults = json.loads(r.read())["schema"]["properties"]  # overrides.json sets the defaults
+            assert defaults["fetchNews"]["default"] == "false" and defaults["checkForUpdates"]["default"] is False
             text = (tmp_path / "lab.log").read_text(errors="replace")
             for noise in (
                 "extension was successfully",

@@ -74,6 +74,9 @@ QUIET = [
     "--LabApp.log_level=WARN",
     # (the websocket ping settings stay jupyter_server's: its keep-alive check needs a timeout
     # longer than the interval; the server extension quiets tornado's false alarm about that)
+    # No "receive official Jupyter news?" toast over the first notebook (and no request for news
+    # from the lab this command opens): our settings overrides, for this lab only
+    f"--LabApp.app_settings_dir={Path(__file__).resolve().parent / 'lab_settings'}",
 ]
 
 
