@@ -247,6 +247,9 @@ def test_notebook_runs_clean(engine, path):
                     problems.append(f"cell {i} shows a traceback")
                 if "cdn.bokeh.org" in text:  # an offline machine cannot reach it
                     problems.append(f"cell {i} loads BokehJS from a CDN")
+            shown = out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+            if "Writing model shards" in shown:  # a progress bar (a widget in a kernel) left behind
+                problems.append(f"cell {i} leaves a progress bar: {shown[:80]!r}")
     assert not problems, "\n".join(problems)
     settings = engine.settings()
     assert settings["batching"] == "continuous" and settings["speculative"] == "off", (
