@@ -225,6 +225,26 @@ def test_plot_data_and_front_line():
     assert front_line(recs, "ttft_p99_ms") == ([10.0, 20.0], [5.0, 9.0])
 
 
+def test_the_pareto_plot_shows_every_whisker_and_keeps_its_legend_off_the_points():
+    """A tester saw 07's legend cover a point and the y axis clip a whisker (the automatic range
+    counts glyphs, not whiskers): the ranges hold every whisker end, the legend sits beside."""
+    from bokeh.models import Legend
+
+    from workbench.tuning.plots import pareto_plot, whisker_bounds
+
+    recs = [
+        {"label": "a", "output_tok_s": 10.0, "output_tok_s_min": 8.0, "output_tok_s_max": 12.0,
+         "ttft_p99_ms": 50.0, "ttft_p99_ms_min": 20.0, "ttft_p99_ms_max": 400.0, "pareto_ttft_p99": True},
+        {"label": "b", "output_tok_s": 20.0, "ttft_p99_ms": 90.0, "pareto_ttft_p99": True},
+    ]  # fmt: skip
+    layout = pareto_plot(recs, latencies=("ttft_p99_ms",))
+    fig = layout.children[1].children[0]
+    assert fig.y_range.start < 20.0 and fig.y_range.end > 400.0  # the whisker from 20 to 400 ms
+    assert fig.x_range.start < 8.0 and fig.x_range.end > 20.0
+    assert any(isinstance(r, Legend) for r in fig.right) and not any(isinstance(r, Legend) for r in fig.center)
+    assert whisker_bounds([float("nan")]) is None and whisker_bounds([5.0, 5.0]) == (4.6, 5.4)
+
+
 def test_live_costs_window_for_the_dashboard():
     live = costs.LiveCosts(window_s=5.0, price_per_hour=3.6, watts=100.0)
     old = {"phase": "prefill", "start": 0.0, "end": 1.0, "num_prefill_tokens": 999, "output_tokens": 1}

@@ -79,6 +79,17 @@ def plot_data(records: Sequence[dict], latencies: Sequence[str] = ("ttft_p99_ms"
     return data
 
 
+def whisker_bounds(values: Sequence[float], pad: float = 0.08) -> tuple[float, float] | None:
+    """A range that holds every point and whisker end of an axis, padded by `pad` of its span (the
+    automatic range counts glyphs only: whiskers past them were clipped). None: nothing finite."""
+    v = [x for x in values if x == x and x not in (float("inf"), float("-inf"))]
+    if not v:
+        return None
+    lo, hi = min(v), max(v)
+    span = (hi - lo) or abs(hi) or 1.0
+    return lo - pad * span, hi + pad * span
+
+
 def point_name(index: int, record: dict) -> str:
     """A point as every view names it: its number in the sweep, its label and its run-log id."""
     run = f" (run #{record['run_id']})" if isinstance(record.get("run_id"), int) else ""
@@ -102,14 +113,21 @@ def pareto_plot(
 ):
     """A Bokeh `row` of one figure per latency metric (see the module doc)."""
     from bokeh.layouts import column, row
-    from bokeh.models import ColumnDataSource, Div, HoverTool, Whisker
+    from bokeh.models import ColumnDataSource, Div, HoverTool, Range1d, Whisker
     from bokeh.plotting import figure
 
-    source = ColumnDataSource(plot_data(records, latencies))
+    data = plot_data(records, latencies)
+    source = ColumnDataSource(data)
     figs = []
     for lat in latencies:
         name = LATENCY_NAMES.get(lat, lat)
+        ranges = {}
+        for axis, cols in (("x_range", ("x", "x_lo", "x_hi")), ("y_range", (lat, f"{lat}_lo", f"{lat}_hi"))):
+            bounds = whisker_bounds([v for c in cols for v in data[c]])
+            if bounds is not None:
+                ranges[axis] = Range1d(*bounds)
         p = figure(
+            **ranges,
             width=width,
             height=height,
             title=f"throughput vs {name}",
@@ -156,9 +174,9 @@ def pareto_plot(
                 ],
             )
         )
-        if xs:
+        if xs:  # beside the plot, not over its points
+            p.add_layout(p.legend[0], "right")
             p.legend.location = "top_left"
-            p.legend.background_fill_alpha = 0.6
         figs.append(p)
     note = Div(
         text=(title + " &mdash; " if title else "") + "red: Pareto front; orange ring: throughput spread "
