@@ -699,9 +699,11 @@ def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tm
             const p = document.querySelector('#serving-workbench-panel');
             return {engine: p.dataset.engine, live: p.dataset.live,
                     disabled: p.querySelector('.wb-Setting[data-setting="max_num_seqs"] .wb-Setting-input').disabled,
-                    message: p.querySelector('.wb-Message').innerText}; }""")
+                    message: p.querySelector('.wb-Message').innerText,
+                    stop: p.querySelector('.wb-StopButton').disabled}; }""")
         if seen["engine"] == "moe-e2e" and seen["live"] == "0":
             assert seen["disabled"] and "no engine to control" in seen["message"], seen
+            assert seen["stop"], seen  # no engine to stop
         else:
             assert seen["engine"] == "e2e", seen  # it moved on to the engine still running
         # a confirmed Stop stops it
@@ -811,6 +813,47 @@ def test_panel_fits_its_default_width_and_is_in_the_view_menu(lab, engine, brows
         assert not problems, problems
     finally:
         page.close()
+
+
+def test_panel_start_confirms_stop_follows_the_engine_and_the_timeline_is_in_view(lab, engine, browser, tiny_llama):
+    """A tester's polish list: Start gave no confirmation (the 'started' line was overwritten while
+    the engine connected), Stop stayed enabled with no engine, the timeline sat below the fold at
+    1100 px, and the step-time cell cut 'layers 85%' to 'layer...'."""
+    from workbench import SamplingParams
+
+    page, problems = _new_page(browser, 1100)
+    try:
+        panel = _open_panel(page, lab)
+        chart = panel.locator(".wb-Panel-timeline")
+        chart.wait_for()
+        assert chart.bounding_box()["y"] < 1100, chart.bounding_box()  # in view without scrolling
+        # the step-time cell shows its whole value once steps ran
+        engine.generate(prompt_token_ids=[[5, 6, 7, 8]], params=SamplingParams(max_tokens=24, temperature=0))
+        limit = panel.locator('.wb-Number-value[data-metric="limit"]')
+        _wait_for(lambda: "%" in limit.inner_text(), 30, "the step-time cell to show a part and its share")
+        assert limit.evaluate("el => el.scrollWidth <= el.clientWidth + 1"), limit.inner_text()
+        # Start a tiny engine: the confirmation stays once it is live
+        panel.locator(".wb-StartName").fill("started-e2e")
+        panel.locator(".wb-StartModel").fill(str(tiny_llama[0]))
+        panel.locator(".wb-StartButton").click()
+        page.wait_for_selector('#serving-workbench-panel[data-engine="started-e2e"][data-live="1"]', timeout=120_000)
+        assert "started engine started-e2e" in panel.locator(".wb-Message").inner_text()
+        stop = panel.locator(".wb-StopButton")
+        assert stop.is_enabled()
+        stop.click()
+        page.locator(".jp-Dialog button", has_text="Stop engine").click()
+        _wait_for(lambda: panel.get_attribute("data-engine") != "started-e2e" or stop.is_disabled(), 60, "the stop")
+        if panel.get_attribute("data-engine") == "started-e2e":  # still selected: nothing to stop
+            assert stop.is_disabled()
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-start-stop.png"))
+        assert not problems, problems
+    finally:
+        page.close()
+        from workbench.ipc import connection as conn
+
+        info = conn.live_engine("started-e2e")
+        if info is not None:
+            os.kill(info.pid, 9)
 
 
 DASHBOARD_CELLS = [

@@ -87,6 +87,7 @@ export class WorkbenchPanel extends Widget {
   private _uptimeShown: number | null = null;
   private _picker!: HTMLSelectElement;
   private _message!: HTMLElement;
+  private _notice: string | null = null; // said once the selected engine is live (after Start)
   private _info!: HTMLElement;
   private _numbers = new Map<string, HTMLElement>();
   private _experts!: HTMLElement;
@@ -172,9 +173,6 @@ export class WorkbenchPanel extends Widget {
     this._experts.hidden = true;
     root.appendChild(this._experts);
 
-    this._settingsBox = el('div', 'wb-Settings');
-    root.appendChild(this._settingsBox);
-
     const tlHead = el('div', 'wb-Row wb-TimelineHead');
     tlHead.appendChild(el('span', 'wb-Section', 'Timeline'));
     const open = el('button', 'wb-Button wb-OpenTimeline jp-mod-styled', 'Open in main area');
@@ -197,6 +195,9 @@ export class WorkbenchPanel extends Widget {
     });
     this._timeline.addClass('wb-Panel-timeline');
     root.appendChild(this._timeline.node);
+    this._settingsBox = el('div', 'wb-Settings');
+    root.appendChild(this._settingsBox);
+
   }
 
   // A collapsed sidebar still listens, but slowly.
@@ -335,7 +336,9 @@ export class WorkbenchPanel extends Widget {
       this._renderExperts({});
       this._say(why);
     } else if (!was) {
-      this._say('');
+      // a confirmation waiting for the engine to be live (Start) shows now, instead of nothing
+      this._say(this._notice ?? '');
+      this._notice = null;
     }
   }
 
@@ -404,10 +407,13 @@ export class WorkbenchPanel extends Widget {
     const replicas: Array<Record<string, any>> = Array.isArray(s.replicas) ? s.replicas : [];
     this._clusterRow.hidden = !s.cluster;
     // the process that started a cluster owns its replicas: it stops them (c.shutdown())
-    this._stopButton.disabled = !this._engine || Boolean(s.cluster);
+    const running = this._conn?.state.state === 'ready';
+    this._stopButton.disabled = !this._engine || Boolean(s.cluster) || !running;
     this._stopButton.title = s.cluster
       ? 'a cluster is stopped by the process that started it: shutdown() there'
-      : 'stop this engine';
+      : running
+        ? 'stop this engine'
+        : 'no running engine selected';
     if (!s.cluster) {
       return;
     }
@@ -617,7 +623,8 @@ export class WorkbenchPanel extends Widget {
     this._say(`starting ${name ?? 'an engine'}… (loading the model)`);
     try {
       const res = await this.api.start({ name, model });
-      this._say(`started ${res.name}`);
+      this._notice = `started engine ${res.name}${model ? ` (${model})` : ' (the embedded default model)'}: it is selected below`;
+      this._say(this._notice);
       await this.refresh(true);
       this.selectEngine(res.name);
     } catch (err: any) {
