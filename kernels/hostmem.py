@@ -44,7 +44,8 @@ def huge_pages_asked() -> bool:
 
 class Arena:
     """A bump allocator over huge-page-advised chunks. Tensors keep their chunk mapped; a chunk
-    is unmapped when no tensor from it is left. Meant for memory that lives as long as a model."""
+    is unmapped when no tensor from it is left. A tensor of more than half a chunk gets a mapping
+    of its own (so it is unmapped with it). Meant for memory that lives as long as a model."""
 
     def __init__(self, chunk_bytes: int = CHUNK):
         self.chunk_bytes = chunk_bytes
@@ -58,6 +59,10 @@ class Arena:
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         if not nbytes:
             return torch.empty(shape, dtype=dtype)
+        if nbytes > self.chunk_bytes // 2:
+            # a mapping of its own, unmapped with its last view: as the current chunk the arena
+            # itself kept it (a dropped draft's KV cache stayed resident until the next chunk)
+            return _map(nbytes)[:nbytes].view(dtype).view(shape)
         with self._lock:
             start = -(-self._used // ALIGN) * ALIGN
             if self._chunk is None or start + nbytes > self._chunk.numel():

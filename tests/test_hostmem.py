@@ -65,3 +65,36 @@ def test_arena_memory_is_advised_into_huge_pages(monkeypatch):
         monkeypatch.setenv("WORKBENCH_HUGE_PAGES", "0")
         plain = hostmem.Arena().zeros((4 << 20,), torch.uint8)
         assert _mapping_flags(plain.data_ptr()).get("THPeligible") == "0"
+
+
+def test_a_large_tensor_is_unmapped_with_its_last_view():
+    """A tensor of more than half a chunk gets a mapping of its own: the arena does not keep it as
+    its current chunk (a dropped draft model's KV cache stayed resident until the next chunk)."""
+    import gc
+    import weakref
+
+    from workbench_kernels.hostmem import Arena
+
+    arena = Arena(chunk_bytes=4 << 20)
+    small = arena.empty((1024,), torch.float32)
+    big = arena.empty((3 << 20,), torch.uint8)
+    assert arena._chunk is not None and arena._chunk.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    storage = weakref.ref(big.untyped_storage()) if hasattr(torch.UntypedStorage, "__weakref__") else None
+    del big
+    gc.collect()
+    if storage is not None:
+        assert storage() is None
+    assert small.numel() == 1024  # the chunk of small tensors is untouched
+
+
+def test_turning_draft_speculation_off_drops_the_draft(tiny_llama):
+    """The draft (its weights' copies and KV cache) is held only while it proposes."""
+    from workbench import LLM
+
+    llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=32)
+    llm.configure(speculative="draft")
+    assert llm.engine.spec.draft is not None
+    llm.configure(speculative="ngram")
+    assert llm.engine.spec.draft is None
+    llm.configure(speculative="draft")  # loaded again when asked for
+    assert llm.engine.spec.draft is not None

@@ -67,6 +67,9 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
         runner.model.set_moe_top_k(applied["moe_top_k"])
     for name, value in applied.items():
         setattr(settings, name, value)
+    dropped_draft = settings.speculative != "draft" and engine.spec.draft is not None
+    if dropped_draft:  # a draft is held only while it proposes: its weights and cache come back now
+        engine.spec.draft = None
     if {"prefix_caching", "kv_cache", "kv_cache_dtype"} & applied.keys():
         # a new cache dtype re-lays out the storage: no block's contents survive it
         engine.scheduler.set_prefix_caching(
@@ -82,7 +85,7 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
             engine.emit_event("relayout", {"setting": name, "value": value, "state": "done"})
     if applied:
         relayout = new_draft is not None or any(setting_kind(n) == RELAYOUT for n in applied)
-        if relayout:
+        if relayout or dropped_draft:
             import gc
 
             gc.collect()  # the replaced weights, cache or draft are garbage now: give their memory back
