@@ -491,11 +491,9 @@ def _share_policy(name: str, policy: str) -> None:
     except (OSError, ValueError):
         return  # no file (a cluster made by hand in a test): nobody else to tell
     data["router"] = policy
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    from ..ipc.connection import write_private_json
+
+    write_private_json(path, data)
 
 
 def list_clusters() -> list[dict]:

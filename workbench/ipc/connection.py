@@ -207,6 +207,16 @@ def runtime_json(pattern: str = "*.json", directory: Path | None = None):
             continue
 
 
+def write_private_json(path: Path, data: dict) -> None:
+    """`data` as `path` (0600), atomically: readers see the old file or the new one, never half of
+    one (the cluster and router files, which every attached process re-reads)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
 def list_engines(directory: Path | None = None) -> list[ConnectionInfo]:
     """Connection files of engines that look alive (stale ones on this host are skipped)."""
     out = []

@@ -225,6 +225,8 @@ class RoutedEngine(Engine):
         import json
         import os
 
+        from ..ipc.connection import write_private_json
+
         data = {}
         if not owner:
             try:
@@ -241,11 +243,7 @@ class RoutedEngine(Engine):
         )
         if owner:
             data["owner_pid"] = os.getpid()
-        tmp = self._shared.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self._shared)  # readers see the old file or the new one, never half of one
+        write_private_json(self._shared, data)
         self._stamp = self._shared.stat().st_mtime_ns
 
     def _follow_shared(self) -> None:
