@@ -720,6 +720,40 @@ def test_panel_shows_a_moe_engines_routing(lab, engine, runtime_dir, browser, tm
         stop_engine(moe)
 
 
+def test_panel_shows_a_shared_router_and_its_share_per_member(lab, engine, runtime_dir, browser, tiny_llama):
+    """A router shared by name (route(..., share=True), as `serve --route` does) is in the panel's
+    picker as router:NAME; selected, it shows each member's share of the answered requests, live,
+    and offers no Stop (its owner stops it)."""
+    from workbench import SamplingParams
+    from workbench.ipc.launch import start_engine
+    from workbench.routing import route
+
+    small = start_engine(str(tiny_llama[0]), name="panel-small", dtype="float32", num_kv_blocks=32, timeout=120)
+    r = route({"small": small, "large": engine}, policy="length", threshold=4, name="panelrt", share=True)
+    page, problems = _new_page(browser, 1000)
+    try:
+        panel = _open_panel(page, lab)
+        picker = panel.locator(".wb-EnginePicker")
+        panel.locator(".wb-Refresh").click()
+        _wait_for(lambda: "router:panelrt" in picker.inner_text(), 30, "the router in the picker")
+        picker.select_option("router:panelrt")
+        page.wait_for_selector('#serving-workbench-panel[data-engine="router:panelrt"][data-live="1"]', timeout=60_000)
+        outs = r.generate(prompt_token_ids=[[5, 6, 7], [5, 6, 7, 8, 9, 10, 11, 12]],
+                          params=SamplingParams(max_tokens=4, temperature=0))  # fmt: skip
+        assert [o.route for o in outs] == ["small", "large"]
+        routes = panel.locator(".wb-Routes")
+        # routed by this process, seen by the panel's router (the Jupyter server's): one router
+        _wait_for(lambda: "small 50% · large 50% of 2 requests" in routes.inner_text(), 30, "the share per member")
+        assert "routed (length)" in routes.inner_text()
+        assert panel.locator(".wb-StopButton").is_disabled()
+        page.screenshot(path=str(ARTIFACTS / "lab-panel-router.png"))
+        assert not problems, problems
+    finally:
+        page.close()
+        r.close()
+        small.shutdown()
+
+
 def test_panel_steers_one_replica_of_a_cluster(lab, runtime_dir, browser, ray_cluster, tiny_llama):
     """A Ray cluster started beside the lab shows up as `cluster:NAME`; its panel has a replica
     picker (all, or one by name) and a router picker: a change made with one replica picked

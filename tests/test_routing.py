@@ -354,8 +354,9 @@ def test_another_process_attaches_to_a_shared_router_and_steers_it(members, tmp_
             assert {o.route for o in outs} == {"small"}
             with pytest.raises(FileNotFoundError, match="no router named 'nowhere'"):
                 __import__("workbench").connect("router:nowhere")
+            assert r.stats()["served"]["small"] == len(outs)  # the other process closed: its counts went with it
             r.close()
-            assert not router_file("lab").exists()
+            assert not router_file("lab").exists() and not list(rt.glob("routed-lab.*"))
         finally:
             small.shutdown()
             large.shutdown()

@@ -88,6 +88,7 @@ export class WorkbenchPanel extends Widget {
   private _picker!: HTMLSelectElement;
   private _message!: HTMLElement;
   private _notice: string | null = null; // said once the selected engine is live (after Start)
+  private _routes!: HTMLElement;
   private _info!: HTMLElement;
   private _numbers = new Map<string, HTMLElement>();
   private _experts!: HTMLElement;
@@ -152,6 +153,11 @@ export class WorkbenchPanel extends Widget {
 
     this._message = el('div', 'wb-Message');
     root.appendChild(this._message);
+
+    // Routers only (workbench.routing): each member's share of the answered requests, live
+    this._routes = el('div', 'wb-Routes');
+    this._routes.hidden = true;
+    root.appendChild(this._routes);
 
     this._info = el('div', 'wb-Info');
     root.appendChild(this._info);
@@ -297,6 +303,7 @@ export class WorkbenchPanel extends Widget {
       this._renderCluster();
     }
     if (change.metricsChanged) {
+      this._renderRoutes(st.metrics);
       const nums = liveNumbers(st.metrics);
       for (const [key, node] of this._numbers) {
         node.textContent = (nums as any)[key];
@@ -401,6 +408,21 @@ export class WorkbenchPanel extends Widget {
     this.node.dataset.state = st.state;
   }
 
+  /** A router's share of answered requests per member (metrics.router), live; hidden otherwise. */
+  private _renderRoutes(metrics: Record<string, any>): void {
+    const router = metrics?.router;
+    const share = router && typeof router.share === 'object' && !Array.isArray(router.share) ? router.share : null;
+    const served = share ? Object.values(router.served ?? {}).reduce((a: number, b: any) => a + Number(b), 0) : 0;
+    this._routes.hidden = !share;
+    if (!share) {
+      return;
+    }
+    const parts = Object.entries(share).map(([name, v]) => `${name} ${(Number(v) * 100).toFixed(0)}%`);
+    this._routes.textContent = served
+      ? `routed (${router.policy}): ${parts.join(' · ')} of ${served} request${served === 1 ? '' : 's'}`
+      : `router (${router.policy}): no request answered yet`;
+  }
+
   /** The replica and router pickers, from the cluster's status (hidden for a single engine). */
   private _renderCluster(): void {
     const s = this._conn?.state.status ?? {};
@@ -408,9 +430,10 @@ export class WorkbenchPanel extends Widget {
     this._clusterRow.hidden = !s.cluster;
     // the process that started a cluster owns its replicas: it stops them (c.shutdown())
     const running = this._conn?.state.state === 'ready';
-    this._stopButton.disabled = !this._engine || Boolean(s.cluster) || !running;
-    this._stopButton.title = s.cluster
-      ? 'a cluster is stopped by the process that started it: shutdown() there'
+    const owned = Boolean(s.cluster) || Boolean(s.router_name);
+    this._stopButton.disabled = !this._engine || owned || !running;
+    this._stopButton.title = owned
+      ? 'a cluster or router is stopped by the process that started it: shutdown() there'
       : running
         ? 'stop this engine'
         : 'no running engine selected';

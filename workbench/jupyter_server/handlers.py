@@ -39,8 +39,9 @@ from ..ipc.protocol import EVENT_KINDS
 from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, finite_or_none, history_window
 from .hub import EngineHub
 
-# an engine's name, or a Ray cluster's as "cluster:NAME" (the colon still percent-encoded when matched)
-NAME = r"(?P<name>(?:cluster(?::|%3[Aa]))?[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
+# an engine's name, a Ray cluster's as "cluster:NAME" or a shared router's as "router:NAME" (the
+# colon still percent-encoded when matched)
+NAME = r"(?P<name>(?:(?:cluster|router)(?::|%3[Aa]))?[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
 STATUS_POLL_S = 1.0  # how often a websocket checks that its engine is still alive
 
 

@@ -58,6 +58,20 @@ class EngineHub:
                     "replicas": [r["name"] for r in c["replicas"]],
                 }
             )
+        from ..routing.engine import list_routers
+
+        for r in list_routers():  # models behind one router (workbench.routing, shared): "router:NAME"
+            out.append(
+                {
+                    "name": f"router:{r['name']}",
+                    "pid": r.get("owner_pid"),
+                    "model": " < ".join(r.get("members", {})),
+                    "transport": "router",
+                    "connection_file": r["path"],
+                    "started_here": False,
+                    "members": r.get("members", {}),
+                }
+            )
         from ..remote import list_remotes
 
         for r in list_remotes():  # OpenAI-compatible servers registered with register_remote()
@@ -84,7 +98,7 @@ class EngineHub:
         from ..engines import connect
         from ..ipc import connection as conn
 
-        conn.check_name(name.removeprefix("cluster:"))
+        conn.check_name(name.removeprefix("cluster:").removeprefix("router:"))
         with self._lock:
             client = self._clients.get(name)
             if client is not None and client.alive:

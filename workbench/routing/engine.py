@@ -51,6 +51,7 @@ log = logging.getLogger("workbench.routing")
 
 ROUTER_SETTINGS = ("router", "router_threshold", "router_member", "router_confidence")
 ALIASES = 100_000  # member request ids remembered for the timeline's lanes
+PUBLISH_S = 0.25  # how often subscribed views get the router's new timeline events
 
 # A caller's policy and threshold for the requests it submits (the HTTP front's RouteLLM model
 # names, "router-<policy>-<threshold>"): (policy, threshold) or None for the router's own.
@@ -121,6 +122,7 @@ class RoutedEngine(Engine):
         self.recorder = TimelineRecorder()
         self._cursors: dict[str, int | None] = {n: None for n in self.names}
         self._closed = False
+        self._publisher: threading.Thread | None = None
         self._shared = None  # the router file (share=True): another process attaches by name
         self._stamp: int | None = None
         if share:
@@ -245,6 +247,45 @@ class RoutedEngine(Engine):
             data["owner_pid"] = os.getpid()
         write_private_json(self._shared, data)
         self._stamp = self._shared.stat().st_mtime_ns
+
+    def _write_counts(self) -> None:
+        """This process's answered requests per member, in a file of its own beside the router file
+        (routed-NAME.PID.json: no process rewrites another's, nor the policy), so every view of the
+        router counts them all."""
+        import os
+
+        from ..ipc.connection import write_private_json
+
+        if self._closed:  # an answer that came in as this router closed: its file is gone already
+            return
+        with self._lock:
+            mine = Counter()
+            for (name, _), n in self.routed.items():
+                mine[name] += n
+        write_private_json(self._counts_file(os.getpid()), {"served": dict(mine)})
+
+    def _counts_file(self, pid: int):
+        return self._shared.with_name(f"routed-{self.name}.{pid}.json")
+
+    def _others_served(self) -> Counter:
+        """What the other live processes sharing this router have answered, per member."""
+        import json
+        import os
+
+        from ..ipc import connection as conn
+
+        out: Counter = Counter()
+        if self._shared is None:
+            return out
+        for path in self._shared.parent.glob(f"routed-{self.name}.*.json"):
+            pid = path.stem.rpartition(".")[2]
+            if not pid.isdigit() or int(pid) == os.getpid() or not conn.pid_alive(int(pid)):
+                continue
+            try:
+                out.update({k: int(v) for k, v in json.loads(path.read_text())["served"].items()})
+            except (OSError, ValueError, KeyError, AttributeError):
+                continue
+        return out
 
     def _follow_shared(self) -> None:
         """Take the policy a process attached to this router set (one stat a request)."""
@@ -499,6 +540,11 @@ class RoutedEngine(Engine):
             self.routed[(name, flight.policy)] += 1
             self.recorder.add_request(time.monotonic(), rid, "finished", None, label=None).replica = name
         deliver(flight.sink, self._final(rid, flight, chunk))
+        if self._shared is not None:  # after the answer is out: a file problem never holds it
+            try:
+                self._write_counts()
+            except Exception as e:  # noqa: BLE001 - counts shown elsewhere, not the answer
+                log.debug("router %s: counts not shared: %s", self.name, e)
 
     def _final(self, rid: str, flight: _Flight, chunk: StreamChunk) -> StreamChunk:
         """The member's last chunk as the router's: its id, the output naming the route; a held
@@ -598,10 +644,12 @@ class RoutedEngine(Engine):
 
     # -- views ----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Requests answered per member (and per policy), each member's share, escalations, and
-        the members routed around."""
+        """Requests answered per member (a shared router: by every process sharing it), each
+        member's share, this process's answers per policy, escalations, and the members routed
+        around."""
+        others = self._others_served()  # a shared router: every process's answers count
         with self._lock:
-            per = Counter()
+            per = Counter(others)
             for (name, _), n in self.routed.items():
                 per[name] += n
             total = sum(per.values())
@@ -658,7 +706,37 @@ class RoutedEngine(Engine):
     def _subscribe(self, sub, timeout: float):
         with self._lock:
             self._subs.append(sub)
+            if self._publisher is None:  # views attached (a dashboard, the lab panel): feed them
+                self._publisher = threading.Thread(target=self._publish_loop, name="wb-router", daemon=True)
+                self._publisher.start()
         return sub
+
+    def _publish_loop(self) -> None:
+        """The router's timeline (its decisions and the members' steps) and metrics, as events: what
+        an engine process publishes, so the same views follow a router."""
+        from ..ipc.protocol import Event
+
+        cursor, last_metrics = self.recorder.cursor, 0.0
+        while not self._closed:
+            time.sleep(PUBLISH_S)
+            with self._lock:
+                subs = list(self._subs)
+            if not subs:
+                continue
+            events = []
+            try:
+                tl = self.timeline(since=cursor)
+                if tl.steps or tl.requests or tl.changes:
+                    cursor = tl.cursor
+                    events.append(Event("timeline", time.monotonic(), tl))
+                if time.monotonic() - last_metrics >= 1.0:
+                    last_metrics = time.monotonic()
+                    events.append(Event("metrics", last_metrics, self.metrics()))
+            except Exception as e:  # a member gone mid-read: the next round sees it down
+                log.debug("router %s: publishing failed: %s", self.name, e)
+            for ev in events:
+                for sub in subs:
+                    sub._deliver(ev)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-probabilities of the tokens under the dearest member (the reference answer's)."""
@@ -698,15 +776,19 @@ class RoutedEngine(Engine):
         self._closed = True
 
     def _drop_shared(self) -> None:
-        """The owner's router file goes with it (an attached router leaves it)."""
+        """This process's counts file goes, and the owner's router file with it (an attached router
+        leaves that)."""
         import json
         import os
 
         if self._shared is None:
             return
+        self._counts_file(os.getpid()).unlink(missing_ok=True)
         try:
             if json.loads(self._shared.read_text()).get("owner_pid") == os.getpid():
                 self._shared.unlink()
+                for path in self._shared.parent.glob(f"routed-{self.name}.*.json"):  # the router is gone
+                    path.unlink(missing_ok=True)
         except (OSError, ValueError):
             pass
 
@@ -739,6 +821,17 @@ def _target_of(engine: Engine, name: str) -> str:
         f"member {name!r} ({type(engine).__name__}) lives in this process, so another cannot attach to it: "
         "give it as an engine process (start_engine) or a server URL to share the router"
     )
+
+
+def list_routers() -> list[dict]:
+    """The shared routers of this machine whose owner still runs (their files, with `path`)."""
+    from ..ipc import connection as conn
+
+    return [
+        {**data, "path": str(path)}
+        for path, data in conn.runtime_json("router-*.json")
+        if conn.pid_alive(int(data.get("owner_pid") or 0))
+    ]
 
 
 def _connect_member(target: str, timeout: float) -> Engine:
