@@ -232,6 +232,19 @@ def test_evaluate_measures_cost_quality_and_the_gap_recovered(router, members):
     assert priced[0]["cost_per_request"] == pytest.approx(tokens["small"] / n / 1e6)  # none escalated
     assert priced[-1]["cost_per_request"] == pytest.approx((tokens["small"] + 10 * tokens["large"]) / n / 1e6)
     assert priced.plot() is not None
+    # the picker: a point on the front applies its threshold to the router, live
+    front = [i for i, r in enumerate(priced) if r.get("pareto")]
+    assert front and 0 in front  # the cheapest is never beaten on cost
+    settings = priced.apply(front[-1], router)
+    assert settings["router"] == "cascade" and settings["router_threshold"] == priced[front[-1]]["threshold"]
+    assert "past the cheapest" in priced.label(0)
+    box = priced.widget(router)
+    picker = box.children[1].children[0]
+    assert len(picker.options) == len(priced)
+    picker.value = 0
+    box.children[1].children[1].click()  # "Apply to router"
+    assert router.settings()["router_threshold"] == priced[0]["threshold"]
+    assert "routing live by" in box.children[2].value
 
 
 # -- behind the HTTP endpoint --------------------------------------------------------------------

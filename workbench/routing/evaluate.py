@@ -42,6 +42,57 @@ class Evaluation(list):
     def plot(self, width: int = 520, height: int = 360):
         return pareto_plot(self, width=width, height=height)
 
+    def label(self, index: int) -> str:
+        """A threshold as the picker names it: the share it sends past the cheapest, cost, quality."""
+        r = self[index]
+        return (
+            f"threshold {r['threshold']:.4g}: {r['large_share']:.0%} past the cheapest, "
+            f"${r['cost_per_request'] * 1000:.4f} / 1k requests, quality {r['quality']:.3f}"
+        )
+
+    def apply(self, index: int, router) -> dict:
+        """Route live by this record's policy and threshold (router.configure); the settings back."""
+        return router.configure(router=self.policy, router_threshold=self[index]["threshold"])
+
+    def widget(self, router=None):
+        """The Pareto plot with a threshold picker and "Apply to router" (tapping a dot picks it),
+        as the sweeps' plot has for settings; without ipywidgets, the plot alone."""
+        fig = self.plot()
+        try:
+            import ipywidgets as W
+            from jupyter_bokeh.widgets import BokehModel
+
+            from ..bokehjs import ensure_bokehjs
+        except ImportError:
+            return fig
+        ensure_bokehjs()  # BokehJS from the installed bokeh, never a CDN
+        front = [i for i, r in enumerate(self) if r.get("pareto")]
+        picker = W.Dropdown(
+            options=[(self.label(i), i) for i in range(len(self))],
+            value=(front or [0])[0] if len(self) else None,
+            description="threshold",
+            layout=W.Layout(width="560px"),
+        )
+        button = W.Button(description="Apply to router", button_style="primary", icon="check",
+                          disabled=router is None or not len(self))  # fmt: skip
+        status = W.HTML("" if router is not None else "<i>no router attached: pass router=</i>")
+
+        def apply(_=None):
+            try:
+                self.apply(picker.value, router)
+            except Exception as e:  # shown, not raised: this runs in a widget callback
+                status.value = f"<span style='color:#c00'>could not apply it: {e}</span>"
+                return
+            status.value = f"routing live by <b>{self.label(picker.value)}</b>"
+
+        button.on_click(apply)
+        source = getattr(fig, "_workbench_source", None)
+        if source is not None:
+            source.selected.on_change(
+                "indices", lambda attr, old, new: setattr(picker, "value", int(new[0])) if new else None
+            )
+        return W.VBox([BokehModel(fig), W.HBox([picker, button]), status])
+
 
 def _f1(a: Sequence[int], b: Sequence[int]) -> float:
     if not a and not b:
@@ -176,6 +227,10 @@ def evaluate(
             }
         )
     records.sort(key=lambda r: (r["large_share"], r["cost_per_request"]))  # cheapest first, whatever the policy
+    from ..tuning.pareto import pareto_front
+
+    for i in pareto_front(records, [("cost_per_request", "min"), ("quality", "max")]):
+        records[i]["pareto"] = True
     solo = {}
     for name in names:
         outs = runs[name]
@@ -230,10 +285,9 @@ def pareto_plot(records: Evaluation, *, width: int = 520, height: int = 360):
     from bokeh.models import ColumnDataSource, HoverTool
     from bokeh.plotting import figure
 
-    from ..tuning.pareto import pareto_front
     from ..tuning.plots import FRONT
 
-    front = set(pareto_front(records, [("cost_per_request", "min"), ("quality", "max")]))
+    front = {i for i, r in enumerate(records) if r.get("pareto")}
     data = {
         "cost": [r["cost_per_request"] * 1000 for r in records],
         "quality": [r["quality"] for r in records],
@@ -254,9 +308,9 @@ def pareto_plot(records: Evaluation, *, width: int = 520, height: int = 360):
     pts = sorted((data["cost"][i], data["quality"][i]) for i in front)
     if pts:
         p.line([x for x, _ in pts], [y for _, y in pts], line_color=FRONT, line_dash="dashed", line_width=2)
-    dots = p.scatter(
-        "cost", "quality", source=ColumnDataSource(data), size=10, fill_color="color", selection_fill_color="#2ca02c"
-    )
+    source = ColumnDataSource(data)
+    dots = p.scatter("cost", "quality", source=source, size=10, fill_color="color", selection_fill_color="#2ca02c")
+    p._workbench_source = source  # for widget(): tapping a dot picks its threshold
     for name, solo in records.members.items():
         p.scatter([solo["cost_per_request"] * 1000], [solo["quality"]], marker="square", size=12, fill_color="#999999")
         p.text([solo["cost_per_request"] * 1000], [solo["quality"]], text=[f" {name} alone"], text_font_size="11px")
