@@ -38,13 +38,13 @@ from .policies import (
     Classifier,
     Draws,
     calibrate_threshold,
+    check_confidence,
     check_policy,
     check_threshold,
     escalates,
     features,
-)
-from .policies import (
-    confidence as answer_confidence,
+    level,
+    output_confidence,
 )
 
 log = logging.getLogger("workbench.routing")
@@ -110,8 +110,7 @@ class RoutedEngine(Engine):
         self.policy = check_policy(policy)
         self.thresholds = self._thresholds(DEFAULT_THRESHOLDS[policy] if threshold is None else threshold)
         self.member = self._check_member(member if member is not None else self.names[-1])
-        self.how = confidence
-        answer_confidence([], confidence)  # checks the name
+        self.how = check_confidence(confidence)
         self.classifier = Classifier.load(classifier) if isinstance(classifier, str) else classifier
         self._draw = Draws(seed)
         self._down: dict[str, str] = {}  # member -> why it is routed around
@@ -199,7 +198,7 @@ class RoutedEngine(Engine):
             thresholds = self.thresholds
         chosen = self._check_member(mine.get("router_member", self.member))
         how = mine.get("router_confidence", self.how)
-        answer_confidence([], how)
+        check_confidence(how)
         if policy == "classifier" and self.classifier is None:
             raise ValueError("the classifier policy needs a classifier: call fit(prompts, labels) or load_classifier()")
         if member is not None and member not in self.members:
@@ -339,7 +338,6 @@ class RoutedEngine(Engine):
         policy = policy or self.policy
         n = len(self.names) - 1
         if policy == "length":
-            prompt, ids, _ = item
             return [float(len(self._prompt_ids(item)))] * n
         if policy == "classifier":
             if self.classifier is None:
@@ -352,10 +350,7 @@ class RoutedEngine(Engine):
     def _level(self, policy: str, scores: list[float], thresholds: list[float]) -> int:
         if policy == "fixed":
             return self.names.index(self.member)
-        level = 0
-        while level < len(self.names) - 1 and escalates(policy, scores[level], thresholds[level]):
-            level += 1
-        return level
+        return level(policy, scores, thresholds)
 
     def _live_level(self, level: int) -> tuple[int, str | None]:
         """`level`, or the nearest live member (dearer first) when it is down, with the reason."""
@@ -396,7 +391,7 @@ class RoutedEngine(Engine):
                 outs = cheap.generate(prompt_token_ids=[ids for _, ids, _ in items], params=sp)
             else:
                 outs = cheap.generate([p for p, _, _ in items], sp)
-            scores = [answer_confidence([lp.logprob for lp in o.logprobs or ()], self.how) for o in outs]
+            scores = [output_confidence(o, self.how) for o in outs]
         else:
             scores = [s[0] for s in (self.scores(item, policy) for item in self.items(prompts)) if s] or []
         threshold = calibrate_threshold(policy, scores, large_share)
@@ -522,7 +517,7 @@ class RoutedEngine(Engine):
             return
         out = chunk.output
         if flight.held and out is not None and out.finish_reason != "abort":
-            conf = answer_confidence([lp.logprob for lp in out.logprobs or ()], self.how)
+            conf = output_confidence(out, self.how)
             flight.score = conf
             t = flight.thresholds[flight.level]
             if escalates("cascade", conf, t):

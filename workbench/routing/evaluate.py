@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .policies import Draws, calibrate_threshold, check_threshold, confidence, escalates
+from .policies import Draws, calibrate_threshold, check_threshold, level, output_confidence
 
 SHARES = tuple(i / 10 for i in range(11))  # the default sweep: these shares past the cheapest member
 
@@ -63,35 +63,25 @@ class Evaluation(list):
             from jupyter_bokeh.widgets import BokehModel
 
             from ..bokehjs import ensure_bokehjs
+            from ..tuning.plots import point_picker
         except ImportError:
             return fig
         ensure_bokehjs()  # BokehJS from the installed bokeh, never a CDN
         front = [i for i, r in enumerate(self) if r.get("pareto")]
-        picker = W.Dropdown(
-            options=[(self.label(i), i) for i in range(len(self))],
-            value=(front or [0])[0] if len(self) else None,
+        row, status = point_picker(
+            [(self.label(i), i) for i in range(len(self))],
+            (front or [0])[0] if len(self) else None,
+            lambda i: self.apply(i, router),
+            source=getattr(fig, "_workbench_source", None),
             description="threshold",
-            layout=W.Layout(width="560px"),
+            width="560px",
+            button="Apply to router",
+            target=router,
+            target_name="router",
+            name=self.label,
+            done=lambda i: f"routing live by <b>{self.label(i)}</b>",
         )
-        button = W.Button(description="Apply to router", button_style="primary", icon="check",
-                          disabled=router is None or not len(self))  # fmt: skip
-        status = W.HTML("" if router is not None else "<i>no router attached: pass router=</i>")
-
-        def apply(_=None):
-            try:
-                self.apply(picker.value, router)
-            except Exception as e:  # shown, not raised: this runs in a widget callback
-                status.value = f"<span style='color:#c00'>could not apply it: {e}</span>"
-                return
-            status.value = f"routing live by <b>{self.label(picker.value)}</b>"
-
-        button.on_click(apply)
-        source = getattr(fig, "_workbench_source", None)
-        if source is not None:
-            source.selected.on_change(
-                "indices", lambda attr, old, new: setattr(picker, "value", int(new[0])) if new else None
-            )
-        return W.VBox([BokehModel(fig), W.HBox([picker, button]), status])
+        return W.VBox([BokehModel(fig), row, status])
 
 
 def _f1(a: Sequence[int], b: Sequence[int]) -> float:
@@ -174,7 +164,7 @@ def evaluate(
         else:
             asked = [item[0] if item[0] is not None else item[1] for item in items]
             quality[name] = [float(scorer(prompt, o)) for prompt, o in zip(asked, runs[name])]
-    conf = {n: [confidence([lp.logprob for lp in o.logprobs or ()], router.how) for o in runs[n]] for n in names}
+    conf = {n: [output_confidence(o, router.how) for o in runs[n]] for n in names}
 
     # each request's score at each boundary (cascade: each member's own confidence)
     if policy in ("length", "classifier"):
@@ -194,15 +184,15 @@ def evaluate(
             ts = sorted({calibrate_threshold(policy, first, share) for share in SHARES})
         else:
             ts = [check_threshold(t) for t in thresholds]
-        levels_per = [[_level(policy, s, t, len(names)) for s in scores] for t in ts]
+        levels_per = [[level(policy, s, [t] * (len(names) - 1)) for s in scores] for t in ts]
 
     records = Evaluation()
     for t, levels in zip(ts, levels_per):
         costs, quals, ttfts, share = [], [], [], Counter()
         fs, ems, lls = [], [], []
-        for i, level in enumerate(levels):
-            name = names[level]
-            ran = names[: level + 1] if policy == "cascade" else [name]
+        for i, at in enumerate(levels):
+            name = names[at]
+            ran = names[: at + 1] if policy == "cascade" else [name]
             costs.append(sum(cost(n, runs[n][i]) for n in ran))
             waited = sum(_latency(runs[n][i]) for n in ran[:-1])
             ttft = runs[name][i].metrics.ttft
@@ -251,13 +241,6 @@ def evaluate(
         for goal in (0.5, 0.8)
     }
     return records
-
-
-def _level(policy: str, scores: list[float], t: float, n: int) -> int:
-    level = 0
-    while level < n - 1 and escalates(policy, scores[level], t):
-        level += 1
-    return level
 
 
 def _latency(out) -> float:

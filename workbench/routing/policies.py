@@ -51,6 +51,14 @@ def escalates(policy: str, score: float, threshold: float) -> bool:
     return score > threshold  # length, classifier: longer / more likely too hard
 
 
+def level(policy: str, scores: Sequence[float], thresholds: Sequence[float]) -> int:
+    """The member a request goes to: past each boundary whose threshold its score escalates at."""
+    at = 0
+    while at < len(thresholds) and escalates(policy, scores[at], thresholds[at]):
+        at += 1
+    return at
+
+
 def calibrate_threshold(policy: str, scores: Sequence[float], share: float) -> float:
     """The threshold sending round(share * n) of these scores past the cheapest member (RouteLLM's
     quantile method): exactly that many where the scores are distinct, the nearest count where ties
@@ -80,13 +88,23 @@ def calibrate_threshold(policy: str, scores: Sequence[float], share: float) -> f
     return (lo + hi) / 2 if hi > lo else lo
 
 
-def confidence(logprobs: Sequence[float], how: str) -> float:
-    """The cascade's confidence in an answer: its tokens' mean or minimum log-probability."""
+def check_confidence(how: str) -> str:
     if how not in CONFIDENCE:
         raise ValueError(f"invalid value {how!r} for setting 'router_confidence'; allowed: 'mean', 'min'")
+    return how
+
+
+def confidence(logprobs: Sequence[float], how: str) -> float:
+    """The cascade's confidence in an answer: its tokens' mean or minimum log-probability."""
+    check_confidence(how)
     if not logprobs:
         return 0.0  # an empty answer is certain of nothing worse
     return min(logprobs) if how == "min" else sum(logprobs) / len(logprobs)
+
+
+def output_confidence(out, how: str) -> float:
+    """`confidence` of an answer (a RequestOutput asked with logprobs)."""
+    return confidence([lp.logprob for lp in out.logprobs or ()], how)
 
 
 class Draws:

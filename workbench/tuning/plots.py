@@ -226,37 +226,49 @@ def widget(records, engine=None):
         key=lambda i: (bool(records[i].get("pareto")), records[i].get("output_tok_s") or 0),
         default=0,
     )
-    picker = W.Dropdown(
-        options=[(point_name(i, r), i) for i, r in enumerate(records)],
-        value=best if records else None,
+    row, status = point_picker(
+        [(point_name(i, r), i) for i, r in enumerate(records)],
+        best if records else None,
+        lambda i: records.apply(i, engine),
+        source=getattr(layout, "_workbench_source", None) if plot_widget is not None else None,
         description="point",
-        layout=W.Layout(width="420px"),
-    )
-    button = W.Button(
-        description="Apply to engine",
-        button_style="primary",
-        icon="check",
-        disabled=engine is None or not records,
+        width="420px",
+        button="Apply to engine",
         tooltip="engine.configure(**point settings)",
+        target=engine,
+        target_name="engine",
+        name=lambda i: records[i]["label"],
+        done=lambda i: f"applied <b>{records[i]['label']}</b> to the engine",
     )
-    status = W.HTML("" if engine is not None else "<i>no engine attached: pass engine=</i>")
+    return W.VBox([w for w in (plot_widget, row, status) if w is not None])
 
-    def apply(_=None):
-        rec = records[picker.value]
+
+def point_picker(options, value, apply, *, source, description, width, button, target, target_name, name, done,
+                 tooltip=None):  # fmt: skip
+    """A Pareto plot's picker row and status line (ipywidgets): a dropdown of `options` (label,
+    index), an apply button calling `apply(index)` (disabled without a `target`), tapping a dot of
+    `source` picks its index; the status says `done(index)`, or the error naming `name(index)`."""
+    import ipywidgets as W
+
+    picker = W.Dropdown(options=options, value=value, description=description, layout=W.Layout(width=width))
+    btn = W.Button(description=button, button_style="primary", icon="check", tooltip=tooltip,
+                   disabled=target is None or not options)  # fmt: skip
+    status = W.HTML("" if target is not None else f"<i>no {target_name} attached: pass {target_name}=</i>")
+
+    def on_click(_=None):
         try:
-            records.apply(picker.value, engine)
+            apply(picker.value)
         except Exception as e:  # shown, not raised: this runs in a widget callback
-            status.value = f"<span style='color:#c00'>could not apply {rec['label']}: {e}</span>"
+            status.value = f"<span style='color:#c00'>could not apply {name(picker.value)}: {e}</span>"
             return
-        status.value = f"applied <b>{rec['label']}</b> to the engine"
+        status.value = done(picker.value)
 
-    button.on_click(apply)
-    source = getattr(layout, "_workbench_source", None)
-    if source is not None and plot_widget is not None:
+    btn.on_click(on_click)
+    if source is not None:
 
         def picked(attr, old, new):
             if new:
                 picker.value = int(new[0])
 
         source.selected.on_change("indices", picked)
-    return W.VBox([w for w in (plot_widget, W.HBox([picker, button]), status) if w is not None])
+    return W.HBox([picker, btn]), status
