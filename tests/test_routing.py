@@ -134,6 +134,17 @@ def test_cascade_escalates_exactly_when_the_cheap_answer_is_unsure(router, membe
     assert sum(o.route == "large" for o in outs) == sum(c < t for c in conf) > 0
     assert all(o.logprobs is None for o in outs)  # the router's own log-probabilities stay its own
     _check_solo(outs, members)
+    # times as the client saw them: a kept (held) answer arrives all at once when it is judged;
+    # an escalated one's TTFT counts the cheap answer it waited for
+    judged = {e.request_id: e.time for e in router.timeline().requests if e.kind == "escalated"}
+    for o in outs:
+        m = o.metrics
+        if o.route == "small":
+            assert len(set(m.token_times)) == 1 and m.first_token == m.finished == m.token_times[0]
+        else:
+            assert m.arrival < judged[o.request_id] < m.first_token
+            assert len(set(m.token_times)) == len(m.token_times) > 1  # streamed by the large member
+        assert m.ttft > 0
     # streamed: nothing of an escalated cheap answer reaches the client
     escalated = next(i for i, c in enumerate(conf) if c < t)
     chunks = list(router.stream(prompt_token_ids=_prompts()[escalated], params=GREEDY))
@@ -245,6 +256,40 @@ def test_evaluate_measures_cost_quality_and_the_gap_recovered(router, members):
     box.children[1].children[1].click()  # "Apply to router"
     assert router.settings()["router_threshold"] == priced[0]["threshold"]
     assert "routing live by" in box.children[2].value
+
+
+def test_the_simulator_predicts_a_routed_run_with_its_decisions_and_lengths(router, members):
+    """Evaluation.predict: sim.route over each member's calibration, with the decisions and answer
+    lengths the evaluation measured; the measured run (the bench driver on the router) routes the
+    same way and serves the same tokens. How close the times come is for the notebook (11)."""
+    from workbench import Simulator
+    from workbench.bench.driver import serve_workload
+
+    sims = {
+        name: Simulator.calibrate(
+            members[name], workload={"num_requests": 8, "prompt_len": (4, 40), "output_len": (2, 12), "seed": 2}
+        )
+        for name in ("small", "large")
+    }
+    for policy in ("cascade", "length"):
+        router.configure(router=policy)
+        t = router.calibrate(_prompts(), large_share=0.5, params=GREEDY)
+        ev = evaluate(router, _prompts(), params=GREEDY)
+        levels = ev.levels(t)
+        assert 0 < sum(levels) < len(levels)
+        predicted = ev.predict(sims, t)
+        summary = predicted.summary()
+        names = ["small", "large"]
+        assert predicted.answered == {i: names[at] for i, at in enumerate(levels)}
+        served = {name: [len(o.token_ids) for o in ev.answers[name]] for name in names}
+        assert [len(r.token_ids) for r in predicted.records] == [served[names[at]][i] for i, at in enumerate(levels)]
+        ran = summary["routes"]["small"]["requests"]
+        assert ran == (len(levels) if policy == "cascade" else levels.count(0))  # a cascade asks small first
+        served, _ = serve_workload(router, ev.requests(), ignore_eos=False)
+        assert [s.output.route for s in served] == [names[at] for at in levels]
+        assert [len(s.output.token_ids) for s in served] == [len(r.token_ids) for r in predicted.records]
+    with pytest.raises(ValueError, match="missing"):
+        ev.predict({"small": sims["small"]}, t)
 
 
 # -- behind the HTTP endpoint --------------------------------------------------------------------

@@ -346,6 +346,53 @@ def test_routing_short_prompts_to_a_cheaper_pool():
         route(wl, [("short", small_gpu, lambda r: r.prompt_len < 10)])
 
 
+def test_a_cascade_pays_both_routes_and_its_client_sees_only_the_answer_kept():
+    from workbench.sim import route
+
+    cheap, dear = Simulator("l4"), Simulator("h100")
+    wl = {"num_requests": 12, "arrival": "all", "seed": 3}
+    reqs = {r.index: r for r in cheap.workload(wl)}
+    lengths = {"cheap": 5, "dear": 9}
+    res = route(
+        wl,
+        [("cheap", cheap, None), ("dear", dear, None)],
+        escalate=lambda r, name: r.index % 3 == 0,
+        output_len=lambda r, name: lengths[name],
+    )
+    s = res.summary()
+    escalated = [i for i in reqs if i % 3 == 0]
+    assert s["routes"]["cheap"]["requests"] == 12 and s["routes"]["dear"]["requests"] == len(escalated)
+    assert s["routes"]["dear"]["answered"] == len(escalated) and s["routes"]["cheap"]["answered"] == 8
+    ran = {name: {r.index: r for r in res.routes[name].requests} for name in ("cheap", "dear")}
+    for rec in res.records:
+        if rec.index in escalated:
+            assert res.answered[rec.index] == "dear" and len(rec.token_ids) == 9
+            # it arrived on the dear route when its cheap answer was judged: that wait is in its TTFT
+            assert ran["dear"][rec.index].arrival == ran["cheap"][rec.index].finished
+            assert rec.ttft > ran["cheap"][rec.index].finished - rec.arrival
+            assert len(set(rec.token_times)) > 1
+        else:  # a held answer reaches its client all at once
+            assert res.answered[rec.index] == "cheap" and len(rec.token_ids) == 5
+            assert rec.token_times == [ran["cheap"][rec.index].finished] * 5
+    assert s["output_tokens"] == 8 * 5 + 4 * 9
+
+
+def test_routes_on_a_shared_host_take_turns_step_by_step():
+    from workbench.sim import route
+
+    small, big = Simulator("l4"), Simulator("h100")
+    wl = {"num_requests": 16, "arrival": "all", "seed": 5}
+    routes = [("a", small, lambda r: r.index % 2 == 0), ("b", big, None)]
+    apart = route(wl, routes)
+    shared = route(wl, routes, shared_host=True)
+    spans = sorted((s.start, s.end) for res in shared.routes.values() for s in res.timeline.steps)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "no two steps overlap"
+    busy = {name: sum(s.end - s.start for s in res.timeline.steps) for name, res in apart.routes.items()}
+    assert shared.summary()["duration_s"] == pytest.approx(sum(busy.values()), rel=1e-6)  # one after another
+    assert apart.summary()["duration_s"] == pytest.approx(max(busy.values()), rel=1e-6)  # side by side
+    assert [r.token_ids for r in shared.records] == [r.token_ids for r in apart.records]
+
+
 def test_each_route_counts_prompts_in_its_own_models_tokens():
     """Routing between model families: a route whose model has another tokenizer sees the same text
     in its own tokens (here a character-level one: longer prompts, so more prefill)."""

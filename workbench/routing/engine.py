@@ -29,7 +29,7 @@ import msgspec
 
 from ..interface import Engine, deliver, request_ids
 from ..ipc.protocol import EngineDeadError
-from ..outputs import RequestOutput, StreamChunk
+from ..outputs import RequestMetrics, RequestOutput, StreamChunk
 from ..reports import combine_metrics
 from ..timeline import Timeline, TimelineRecorder
 from .policies import (
@@ -75,6 +75,7 @@ class _Flight:
     held: bool = False  # a cascade's answer, kept from the client until its confidence is known
     started: bool = False
     spent: list[RequestOutput] = field(default_factory=list)  # escalated answers (their cost counts)
+    arrival: float = 0.0  # when the router took it (time.monotonic): a client's TTFT starts here
 
 
 class RoutedEngine(Engine):
@@ -431,8 +432,8 @@ class RoutedEngine(Engine):
         if into is not None:
             into.extend(rids)
         for rid, item in zip(rids, batch):
-            flight = _Flight(item, sink, stream, chat, policy, thresholds)
             now = time.monotonic()
+            flight = _Flight(item, sink, stream, chat, policy, thresholds, arrival=now)
             self.recorder.add_request(now, rid, "arrived", None, label=None)
             if policy == "cascade":
                 flight.level, why = 0, "cascade: the cheapest member answers first"
@@ -550,6 +551,7 @@ class RoutedEngine(Engine):
         wanted = flight.item[2].logprobs
         out = msgspec.structs.replace(
             out,
+            metrics=self._client_metrics(flight, out.metrics, len(out.token_ids)),
             request_id=rid,
             route=self.names[flight.level],
             route_policy=flight.policy,
@@ -562,6 +564,18 @@ class RoutedEngine(Engine):
         return msgspec.structs.replace(
             chunk, request_id=rid, output=out, logprobs_delta=chunk.logprobs_delta if wanted is not None else None
         )
+
+    @staticmethod
+    def _client_metrics(flight: _Flight, m: RequestMetrics, n: int) -> RequestMetrics:
+        """A routed answer's times as its client saw them: from the router's arrival, with an
+        escalation's wait inside its TTFT; a held (cascade) answer reaches the client all at once,
+        now, so all its tokens are timed now. A member's own times stay on the timeline."""
+        if flight.held:
+            now = time.monotonic()
+            return msgspec.structs.replace(
+                m, arrival=flight.arrival, first_token=now, token_times=[now] * n, finished=now
+            )
+        return msgspec.structs.replace(m, arrival=flight.arrival)
 
     def member_of(self, request_id: str) -> str | None:
         """The member a request in flight runs on now (the HTTP front's header, before its output)."""

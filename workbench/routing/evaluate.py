@@ -35,6 +35,9 @@ class Evaluation(list):
 
     members: dict[str, dict]
     answers: dict[str, list]  # each member's answer to each prompt (RequestOutputs, in prompt order)
+    scores: list[list[float]]  # each prompt's score at each boundary (what the policy compares)
+    items: list[tuple]  # the prompts as (text, token ids, params)
+    max_tokens: int
     apgr: float | None
     cpt: dict[float, float | None]
     policy: str
@@ -53,6 +56,53 @@ class Evaluation(list):
     def apply(self, index: int, router) -> dict:
         """Route live by this record's policy and threshold (router.configure); the settings back."""
         return router.configure(router=self.policy, router_threshold=self[index]["threshold"])
+
+    def levels(self, threshold: float) -> list[int]:
+        """The member each prompt goes to at `threshold` (an index, cheapest 0), from the scores
+        this evaluation measured (a cascade's: each member's confidence in its own answer)."""
+        if self.policy == "fixed":
+            return [int(threshold)] * len(self.scores)
+        n = len(self.members)
+        return [level(self.policy, s, [check_threshold(threshold)] * (n - 1)) for s in self.scores]
+
+    def requests(self):
+        """The prompt set as the bench's requests, all at once (`workbench.bench.driver.run_workload`
+        serves them on the router; `predict` simulates them)."""
+        from ..bench.workload import BenchRequest
+
+        cheapest = self.answers[next(iter(self.answers))]
+        return [
+            BenchRequest(i, list(o.prompt_token_ids), self.max_tokens, 0.0, prompt)
+            for i, (o, (prompt, _, _)) in enumerate(zip(cheapest, self.items))
+        ]
+
+    def predict(self, sims: dict, threshold: float, *, shared_host: bool = True):
+        """The simulator's prediction of this prompt set routed at `threshold`, all at once
+        (a `workbench.sim.RoutedResult`): `sims` maps each member to its Simulator (e.g.
+        `Simulator.calibrate(member)`); the decisions and each member's answer lengths are the ones
+        measured here (greedy answers are deterministic). `shared_host`: the members' engines share
+        this machine's cores (steps take turns); False: each member on a machine of its own."""
+        from ..sim import route
+
+        names = list(self.members)
+        missing = [n for n in names if n not in sims]
+        if missing:
+            raise ValueError(f"predict needs a Simulator for every member; missing {missing}")
+        at = self.levels(threshold)
+        lengths = {n: [len(o.token_ids) for o in self.answers[n]] for n in names}
+        if self.policy == "cascade":
+            routes = [(n, sims[n], None) for n in names]
+            escalate = lambda r, name: at[r.index] > names.index(name)  # noqa: E731
+        else:
+            routes = [(n, sims[n], (lambda r, k=k: at[r.index] == k)) for k, n in enumerate(names)]
+            escalate = None
+        return route(
+            self.requests(),
+            routes,
+            escalate=escalate,
+            output_len=lambda r, name: lengths[name][r.index],
+            shared_host=shared_host,
+        )
 
     def widget(self, router=None):
         """The Pareto plot with a threshold picker and "Apply to router" (tapping a dot picks it),
@@ -234,6 +284,7 @@ def evaluate(
     for r in records:
         r["pgr"] = (r["quality"] - lo) / (hi - lo) if hi != lo else None
     records.members, records.policy, records.answers = solo, policy, runs
+    records.scores, records.items, records.max_tokens = scores, items, params.max_tokens
     gaps = [r["pgr"] for r in records if r["pgr"] is not None]
     records.apgr = sum(gaps) / len(gaps) if gaps else None
     records.cpt = {

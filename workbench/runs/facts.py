@@ -34,12 +34,8 @@ def package_versions() -> dict[str, str]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    try:
-        import workbench
-
-        out.setdefault("workbench", workbench.__version__)
-    except Exception:  # pragma: no cover
-        pass
+    # the package itself is loaded (this module is in it): read it, no import edge back to its root
+    out.setdefault("workbench", getattr(sys.modules.get("workbench"), "__version__", "unknown"))
     return out
 
 

@@ -471,33 +471,80 @@ class Simulator:
         roofline ratio and the summary says so (`RescaledCost`)."""
         t_wall = time.perf_counter()
         requests = self.workload(workload)
-        s = _settings({**self.base_settings, **(settings or {})})
-        blocks = self.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
         check_router(router)
         slo = _check_slo(slo)
         reqs = [Request(r.index, list(r.prompt_token_ids), r.max_tokens, r.arrival_s) for r in requests]
-        acceptance = self._acceptance(spec_acceptance)
-        cost = self._cost_for(s)
-        replica = functools.partial(
-            Replica,
-            timeline_capacity=timeline_capacity,
-            acceptance=acceptance,
-            draft_cost=self._draft_cost(s),
-            attention_context=self._attention_context(),
-        )
         if disaggregated is not None:
+            s, cost, replica = self.replica_factory(settings, spec_acceptance, timeline_capacity)
+            blocks = self.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
             pools = disaggregated_pools(disaggregated, s, blocks, cost, replica)
             all_replicas = pools[0] + pools[1]
             run_disaggregated(reqs, pools, router, cost, kv_transfer_gbs, self._kv_bytes_per_token())
         else:
-            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-                raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
-            all_replicas = [replica(i, s, blocks, cost) for i in range(replicas)]
+            s, cost, all_replicas = self.pool(replicas, settings, spec_acceptance, timeline_capacity)
             run_colocated(reqs, all_replicas, router)
-        records = [
-            RequestRecord(r.index, r.arrival, len(r.prompt), [TOKEN] * len(r.token_times), r.token_times, r.finished)
-            for r in reqs
-        ]
+        res = self.result(
+            reqs,
+            all_replicas,
+            s,
+            cost,
+            router=router,
+            disaggregated=disaggregated,
+            slo=slo,
+            price_per_hour=price_per_hour,
+            watts=watts,
+            started=t_wall,
+        )
+        if record:
+            res.run_id = self._record(res, describe_workload(workload, requests), run_log, predicts)
+        return res
+
+    def replica_factory(self, settings, spec_acceptance: float | None = None, timeline_capacity: int = 20_000):
+        """(settings, step cost, `Replica(index, settings, blocks, cost)` with this simulator's
+        acceptance, draft cost and attention context bound)."""
+        s = _settings({**self.base_settings, **(settings or {})})
+        replica = functools.partial(
+            Replica,
+            timeline_capacity=timeline_capacity,
+            acceptance=self._acceptance(spec_acceptance),
+            draft_cost=self._draft_cost(s),
+            attention_context=self._attention_context(),
+        )
+        return s, self._cost_for(s), replica
+
+    def pool(self, replicas: int, settings=None, spec_acceptance: float | None = None, timeline_capacity: int = 20_000):
+        """(settings, step cost, `replicas` fresh colocated replicas of this model)."""
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        s, cost, replica = self.replica_factory(settings, spec_acceptance, timeline_capacity)
+        blocks = self.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
+        return s, cost, [replica(i, s, blocks, cost) for i in range(replicas)]
+
+    def result(
+        self,
+        reqs: list[Request],
+        all_replicas: list[Replica],
+        s: EngineSettings,
+        cost,
+        *,
+        router="round_robin",
+        disaggregated=None,
+        slo=None,
+        price_per_hour: float | None = None,
+        watts: float | None = None,
+        started: float | None = None,
+        records: list[RequestRecord] | None = None,
+    ) -> SimResult:
+        """The `SimResult` of replicas that ran `reqs` (records: each request as it ran, unless given)."""
+        if records is None:
+            records = [
+                RequestRecord(
+                    r.index, r.arrival, len(r.prompt), [TOKEN] * len(r.token_times), r.token_times, r.finished
+                )
+                for r in reqs
+            ]
+        slo = _check_slo(slo)
+        blocks = self.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
         prof = self.profile
         if price_per_hour is None and prof is not None:
             price_per_hour = prof.price_per_hour
@@ -517,10 +564,8 @@ class Simulator:
         }
         if cost is not self.cost:  # carried to this layout (see RescaledCost): said where it is read
             config["cost"] = cost.describe()
-        res = SimResult(records, all_replicas, config=config, requests=reqs, wall_s=time.perf_counter() - t_wall)
-        if record:
-            res.run_id = self._record(res, describe_workload(workload, requests), run_log, predicts)
-        return res
+        wall = time.perf_counter() - started if started is not None else 0.0
+        return SimResult(records, all_replicas, config=config, requests=reqs, wall_s=wall)
 
     def _record(self, res: SimResult, workload: dict[str, Any], run_log, predicts: int | None) -> int | None:
         from ..runs import open_log, recording_enabled, safe_finish, safe_start
