@@ -57,7 +57,7 @@ def test_prompt_forms_and_params():
     assert e.value.code == "invalid_json"
     for body in (
         b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-        b'{"messages": [], "frequency_penalty": 0.5}',
+        b'{"messages": [], "response_format": {"type": "json_schema"}}',
         b'{"messages": [], "response_format": {"type": "json_object"}}',
     ):
         with pytest.raises(APIError):
@@ -140,6 +140,34 @@ def test_openai_client_non_streaming(server, client):
 
 
 @pytest.mark.timeout(300)
+def test_openai_client_penalties_bias_min_tokens_and_echoed_prompt_logprobs(server, client):
+    name = server["model_name"]
+    # echo + logprobs: the prompt's tokens first (the first without a log-probability), then the answer's
+    e = client.completions.create(model=name, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                  echo=True, logprobs=1)  # fmt: skip
+    lp, n = e.choices[0].logprobs, e.usage.prompt_tokens
+    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:]) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == e.choices[0].text and e.choices[0].text.startswith("The capital of France is")
+    plain = client.completions.create(model=name, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                      logprobs=1)  # fmt: skip
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    # logit_bias: +100 on one token makes it every greedy choice; min_tokens holds off EOS (id 2 here)
+    b = client.completions.create(model=name, prompt="Hi", max_tokens=4, temperature=0, logit_bias={"28": 100},
+                                  extra_body={"return_token_ids": True})  # fmt: skip
+    assert b.choices[0].model_extra["token_ids"] == [28] * 4
+    m = client.completions.create(model=name, prompt="Hi", max_tokens=5, temperature=0, logit_bias={"2": 100},
+                                  extra_body={"min_tokens": 3, "return_token_ids": True})  # fmt: skip
+    assert m.choices[0].model_extra["token_ids"][3:] == [2] and 2 not in m.choices[0].model_extra["token_ids"][:3]
+    assert m.choices[0].finish_reason == "stop"
+    # presence and frequency penalties end repetition: the biased token once, then others
+    p = client.completions.create(model=name, prompt="Hi", max_tokens=4, temperature=0, logit_bias={"28": 3},
+                                  presence_penalty=2.0, frequency_penalty=2.0,
+                                  extra_body={"return_token_ids": True})  # fmt: skip
+    assert p.choices[0].model_extra["token_ids"].count(28) < 4
+
+
+@pytest.mark.timeout(300)
 def test_openai_client_streaming(server, client):
     chunks = list(
         client.chat.completions.create(
@@ -209,8 +237,17 @@ def test_errors_are_openai_objects(server, client):
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(url + "/v1/nope", headers=h)
     assert r.status_code == 404 and "error" in r.json()
-    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}}, headers=h)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "logit_bias": {"x1": 5}}, headers=h)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert "token ids" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "logit_bias": {"1": 500}}, headers=h)
+    assert r.status_code == 400 and "[-100, 100]" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "presence_penalty": 3}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
+    r = httpx.post(
+        url + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, headers=h
+    )
+    assert r.status_code == 400 and "stream=false" in r.json()["error"]["message"]
     assert httpx.get(url + "/health").status_code == 200  # no key needed
     assert httpx.get(url + "/v1/models").status_code == 401
 

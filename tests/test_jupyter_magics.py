@@ -138,6 +138,25 @@ def test_generate_sync_path_n_samples_stop_and_chat(shell):
         shell.run_cell_magic("generate", "", "\n---\n")
 
 
+def test_generate_takes_penalties_bias_and_min_tokens(shell):
+    """The sampling surface of issue 47 as %%generate options and per-prompt overrides."""
+    shell.run_cell_magic(
+        "generate", "--max-tokens 4 --logit-bias 28:100 --min-tokens 2 --presence-penalty 0.5 -o outs", "Hi\n---\nYo"
+    )
+    outs = shell.user_ns["outs"]
+    assert [o.token_ids for o in outs] == [[28] * 4] * 2  # +100 on ',' outweighs the penalty
+    shell.run_cell_magic(
+        "generate", "--max-tokens 4 --logit-bias 28:100 -o outs", "--- frequency_penalty=2 presence_penalty=2\nHi"
+    )
+    assert shell.user_ns["outs"][0].token_ids == [28] * 4  # still: 100 - 2 - 2 per repeat, at most 3 repeats
+    with pytest.raises(UsageError, match=r"--logit-bias takes ID:BIAS"):
+        shell.run_cell_magic("generate", "--logit-bias 28", "x")
+    with pytest.raises(UsageError, match=r"logit_bias values must be numbers in \[-100, 100\]"):
+        shell.run_cell_magic("generate", "--logit-bias 28:500", "x")
+    with pytest.raises(UsageError, match="min_tokens must be in"):
+        shell.run_cell_magic("generate", "--max-tokens 2 --min-tokens 3", "x")
+
+
 def test_engine_status_set_and_errors(shell, client):
     with capture_output() as cap:
         shell.run_line_magic("engine", "status")

@@ -138,6 +138,10 @@ def test_remote_surface_against_our_endpoint(server, remote):
 
     got, text = asyncio.run(run_async())
     assert len(got[0].token_ids) == 3 and got[0].prompt_token_ids == [5, 6, 7] and text
+    # OpenAI's penalties and logit_bias, and vLLM's min_tokens, reach the server
+    biased = SamplingParams(max_tokens=4, temperature=0, logit_bias={2: 100.0}, min_tokens=2, presence_penalty=0.5)
+    held = remote.generate(["Hi"], biased)[0]
+    assert len(held.token_ids) == 3 and held.token_ids[2] == 2 and 2 not in held.token_ids[:2]  # 2: EOS
 
     with pytest.raises(RemoteSettingsError, match="cannot be changed"):
         remote.configure(max_num_seqs=4)

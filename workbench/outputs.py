@@ -60,6 +60,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     route_score: float | None = None
     route_tried: list[str] | None = None
     from_cache: bool = False  # answered by the response cache (an exact repeat), without a step
+    # SamplingParams.prompt_logprobs: each prompt token's log-probability given those before it
+    # (the first has none: None), from the prefill
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

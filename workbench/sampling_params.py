@@ -29,6 +29,11 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    prompt_logprobs: int | None = None  # each prompt token's log-probability (+ top-n), from the prefill
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, int)
@@ -85,14 +90,39 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
                 )
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, int)
-            if not 0 <= self.logprobs <= 20:
-                raise ValueError(f"SamplingParams.logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_number(name, value, int)
+                if not 0 <= value <= 20:
+                    raise ValueError(f"SamplingParams.{name} must be in [0, 20], got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), float)
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check_number("min_tokens", self.min_tokens, int)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logit_bias is not None:
+            self.logit_bias = _check_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything that changes the logits before the choice (penalties, biases, min_tokens):
+        such a request's choice depends on its earlier tokens, so it takes no draft tokens."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @classmethod
     def coerce(cls, params: SamplingParams | dict | None) -> SamplingParams:
@@ -120,6 +150,25 @@ def _check_number(name: str, value, kind: type) -> None:
     # ints travel as msgpack int64 (the seed, a uint64 for torch, has its own range)
     if kind is int and name != "seed" and not -(2**63) <= value < 2**63:
         raise ValueError(f"SamplingParams.{name} must fit in 64 bits, got {value!r}")
+
+
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI's own limit is 300)
+
+
+def _check_bias(bias) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise TypeError(f"SamplingParams.logit_bias must be a dict of token id -> bias, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"SamplingParams.logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out = {}
+    for k, v in bias.items():
+        tok = int(k) if not isinstance(k, bool) and (isinstance(k, int) or str(k).isdigit()) else None
+        if tok is None or not 0 <= tok < TOKEN_ID_LIMIT:
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids (ints >= 0), got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and -100 <= v <= 100):
+            raise ValueError(f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {v!r} for {k!r}")
+        out[tok] = float(v)
+    return out
 
 
 def normalize_batch(prompts, params, prompt_token_ids) -> list[tuple[str | None, list[int] | None, SamplingParams]]:

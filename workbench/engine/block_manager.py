@@ -63,8 +63,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens. At least one token is left to compute,
         since the next token's logits come from it."""
-        if not self.prefix_caching:
-            return []
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # a prompt's log-probabilities need every prompt token computed (vLLM does the same)
         hits, prev, bs = [], self.salt, self.block_size
         for i in range((len(seq) - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])

@@ -134,6 +134,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if len(ids) >= self.max_model_len:
             raise ValueError(self._too_long(len(ids)))
+        vocab = self.model_config.vocab_size
+        outside = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         need = self.scheduler.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
         if need is not None:
             raise ValueError(
@@ -284,10 +288,14 @@ class LLMEngine:
             in_order = sampled_rows == list(range(result.logits.shape[0]))
             logits = result.logits if in_order else result.logits[sampled_rows]
             seqs = [sched.scheduled[i].seq for i in sampled]
-            tokens = sampler.sample(logits, seqs)  # before the tokens are appended: penalties read them
+            tokens = sampler.sample(
+                logits, seqs, self.outputs.eos_ids
+            )  # before the tokens are appended: penalties read them
             want_lp = [seq.params.logprobs for seq in seqs]
             if any(n is not None for n in want_lp):
                 lps = sampler.logprobs_of(logits, tokens, want_lp)
+        for i, (first, count) in result.prompt_rows.items():
+            self._score_prompt(sched.scheduled[i].seq, result.logits[first : first + count])
         sampled_at = time.monotonic()
         parts["sample"] = (sampled_at - now) * 1e3
         self.scheduler.update_from_output(sched, dict(zip(sampled, tokens)), set(verified))
@@ -300,6 +308,15 @@ class LLMEngine:
             chunks.append(self.outputs.emit(req, [tok], None if lps is None else [lps[j]], now))
         parts["outputs"] = (time.monotonic() - sampled_at) * 1e3  # verify rows: their sampling counts here
         return [c for c in chunks if c is not None]
+
+    def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """A prefill chunk's prompt log-probabilities: position p's logits score prompt token p+1."""
+        start = seq.num_computed_tokens  # before this step's tokens count as computed
+        n = min(len(logits), len(seq.prompt_token_ids) - 1 - start)
+        if n > 0:
+            targets = seq.prompt_token_ids[start + 1 : start + 1 + n]
+            lps = sampler.logprobs_of(logits[:n], targets, [seq.params.prompt_logprobs] * n)
+            self.outputs.add_prompt_logprobs(self.requests[seq.request_id], start, lps)
 
     # -- speculative decoding ------------------------------------------------------------------
     def load_draft(self, draft_model: str | None) -> DraftProposer:

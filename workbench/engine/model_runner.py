@@ -18,6 +18,9 @@ class ForwardResult:
     logits: torch.Tensor  # [rows, vocab] float32: one row per sampled position
     rows: dict[int, tuple[int, int]]  # index into the scheduled list -> (first row, count)
     parts: dict[str, float] = field(default_factory=dict)  # ms in "prepare", "layers", "lm_head"
+    # prefill chunks of requests asking for prompt log-probabilities: index -> (first row, count),
+    # one row per position of the chunk (after the sampled rows)
+    prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -166,6 +169,7 @@ class ModelRunner:
         dec_tables, dec_lens, ext_tables, ext_lens, ext_cu = [], [], [], [], [0]
         tables: list[tuple[list[int], int]] = []  # (block table, tokens) in token order
         sample_at: list[tuple[int, int, int]] = []  # (scheduled index, first flat index, count)
+        scored_at: list[tuple[int, int, int]] = []  # the same, for prompt log-probabilities
         num_decode = 0
         for i in order:
             s = scheduled[i]
@@ -189,7 +193,10 @@ class ModelRunner:
                 ext_cu.append(ext_cu[-1] + n)
             if all_logits:
                 sample_at.append((i, flat, n))
-            elif s.samples:
+                continue
+            if s.kind == "prefill" and seq.params.prompt_logprobs is not None:
+                scored_at.append((i, flat, n))
+            if s.samples:
                 count = 1 + len(seq.spec_tokens) if s.kind == "verify" else 1
                 sample_at.append((i, flat + n - count, count))
         dev = self.device
@@ -209,13 +216,15 @@ class ModelRunner:
         hidden = self.model.hidden_states(input_ids, positions, self.backend, meta)
         layers = self._clock()
         index, rows, r = [], {}, 0
-        for i, flat, count in sample_at:
-            index.extend(range(flat, flat + count))
-            rows[i] = (r, count)
-            r += count
+        prompt_rows: dict[int, tuple[int, int]] = {}
+        for at, into in ((sample_at, rows), (scored_at, prompt_rows)):
+            for i, flat, count in at:
+                index.extend(range(flat, flat + count))
+                into[i] = (r, count)
+                r += count
         parts = {"prepare": (prepared - started) * 1e3, "layers": (layers - prepared) * 1e3}
         if not index:
             return ForwardResult(torch.empty(0, self.config.vocab_size), rows, parts)
         logits = self.model.logits(hidden[torch.tensor(index, device=dev)])
         parts["lm_head"] = (self._clock() - layers) * 1e3
-        return ForwardResult(logits, rows, parts)
+        return ForwardResult(logits, rows, parts, prompt_rows)

@@ -29,6 +29,7 @@ class RequestState:
         self.text = ""
         self.sent = 0  # characters of text already streamed
         self.logprobs = [] if seq.params.logprobs is not None else None
+        self.prompt_logprobs = [None] if seq.params.prompt_logprobs is not None else None
 
 
 class OutputProcessor:
@@ -53,6 +54,13 @@ class OutputProcessor:
     def add(self, seq: Sequence, prompt: str | None) -> None:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.requests[seq.request_id] = RequestState(seq, prompt, detok)
+
+    def add_prompt_logprobs(self, req: RequestState, first: int, lps: list) -> None:
+        """Log-probabilities of prompt tokens first+1, first+2, ... (from a prefill chunk's positions
+        first, first+1, ...); a chunk computed again after a preemption adds nothing twice."""
+        have = req.prompt_logprobs
+        if have is not None and first + 1 == len(have):
+            have.extend(lps)
 
     def emit(self, req: RequestState, new_tokens: list[int], lps, now: float) -> StreamChunk | None:
         seq, params = req.seq, req.seq.params
@@ -83,7 +91,7 @@ class OutputProcessor:
         if req.detok is not None:
             before = len(req.text)
             req.text += req.detok.add(emitted)
-            if params.stop:
+            if params.stop and seq.num_output_tokens >= params.min_tokens:
                 hit = _find_stop(req.text, params.stop, before)
                 if hit is not None:
                     req.text = req.text[:hit]
@@ -111,6 +119,7 @@ class OutputProcessor:
             metrics=seq.metrics,
             prompt=req.prompt,
             logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
         )
         self.totals["finished"] += 1
         self.totals["preemptions"] += seq.metrics.num_preemptions

@@ -1,4 +1,4 @@
-"""Logits to tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
+"""Logits to tokens: penalties, biases, min_tokens, temperature, top-k/top-p/min-p, seeded sampling, logprobs.
 
 Each request owns a torch.Generator and a draw takes one uniform U from it: the token is where
 U x (total mass) falls in the row's cumulative distribution (inverse CDF). A seeded request samples
@@ -15,13 +15,29 @@ from ..outputs import TokenLogprobs
 from .sequence import Sequence
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids=()) -> torch.Tensor:
+    """Each request's logits processors, in place, in vLLM's order: min_tokens (EOS and stop
+    tokens barred until then), repetition (prompt and output tokens, CTRL's divide-or-multiply),
+    presence and frequency (OpenAI's: output tokens only, once and per occurrence), logit_bias."""
+    dev = logits.device
     for row, seq in enumerate(seqs):
-        p = seq.params.repetition_penalty
-        if p != 1.0:
-            ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
+        sp = seq.params
+        if sp.min_tokens and seq.num_output_tokens < sp.min_tokens:
+            barred = {*(() if sp.ignore_eos else eos_ids), *(sp.stop_token_ids or ())}
+            barred = [t for t in barred if t < logits.shape[-1]]
+            if barred:
+                logits[row, torch.tensor(barred, dtype=torch.int64, device=dev)] = float("-inf")
+        if sp.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=dev)
             vals = logits[row, ids]
-            logits[row, ids] = torch.where(vals > 0, vals / p, vals * p)
+            logits[row, ids] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        if (sp.presence_penalty or sp.frequency_penalty) and seq.num_output_tokens:
+            ids, counts = torch.tensor(seq.output_token_ids, dtype=torch.int64).unique(return_counts=True)
+            cut = sp.frequency_penalty * counts.to(logits.dtype) + sp.presence_penalty
+            logits[row, ids.to(dev)] -= cut.to(dev)
+        if sp.logit_bias:
+            ids = torch.tensor(list(sp.logit_bias), dtype=torch.int64, device=dev)
+            logits[row, ids] += torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype, device=dev)
     return logits
 
 
@@ -75,10 +91,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return draw_rows(probs.unsqueeze(0).clone(), [generator])[0]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One next token per row."""
-    if any(s.params.repetition_penalty != 1.0 for s in seqs):
-        logits = apply_penalties(logits.clone(), seqs)  # the caller's raw logits serve logprobs
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids=()) -> list[int]:
+    """One next token per row (`eos_ids`: what min_tokens bars)."""
+    if any(s.params.processes_logits for s in seqs):
+        logits = apply_penalties(logits.clone(), seqs, eos_ids)  # the caller's raw logits serve logprobs
     out = [0] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if greedy:

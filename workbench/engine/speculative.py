@@ -149,13 +149,8 @@ def ready_for_drafts(scheduler: Scheduler, k: int, max_model_len: int) -> list[t
     for seq in scheduler.running:
         remaining = seq.params.max_tokens - seq.num_output_tokens
         room = min(k, remaining - 1, max_model_len - len(seq) - 1)
-        # Penalties depend on every earlier token, which verification would change mid-window.
-        if (
-            seq.spec_tokens
-            or room < 1
-            or seq.num_computed_tokens != len(seq) - 1
-            or seq.params.repetition_penalty != 1.0
-        ):
+        # Penalties (and min_tokens) depend on every earlier token, which verification would change mid-window.
+        if seq.spec_tokens or room < 1 or seq.num_computed_tokens != len(seq) - 1 or seq.params.processes_logits:
             continue
         if scheduler.reserve(seq, len(seq) + room):
             ready.append((seq, room))

@@ -468,17 +468,27 @@ def _sse(obj: Any) -> bytes:
 
 
 # -- response pieces ------------------------------------------------------------------------------
-def _completion_logprobs(front: Front, lps: list[TokenLogprobs], offset: int, as_id: bool) -> dict:
-    tokens = [front.token_text(x.token_id, as_id) for x in lps]
+def _completion_logprobs(
+    front: Front, lps: list[TokenLogprobs], offset: int, as_id: bool, prompt: RequestOutput | None = None
+) -> dict:
+    """OpenAI's legacy completion logprobs; with `prompt` (echo), its prompt's tokens first, from
+    offset 0: the first has no log-probability (None), as OpenAI and vLLM give it."""
+    entries: list[tuple[int, TokenLogprobs | None]] = []
+    if prompt is not None:
+        entries = list(zip(prompt.prompt_token_ids, prompt.prompt_logprobs or []))
+        offset = 0
+    entries += [(x.token_id, x) for x in lps]
+    tokens = [front.token_text(t, as_id) for t, _ in entries]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [x.logprob for x in lps],
+        "token_logprobs": [None if x is None else x.logprob for _, x in entries],
         "top_logprobs": [
-            {front.token_text(t, as_id): lp for t, lp in (x.top or [(x.token_id, x.logprob)])} for x in lps
+            None if x is None else {front.token_text(t, as_id): lp for t, lp in (x.top or [(x.token_id, x.logprob)])}
+            for _, x in entries
         ],
         "text_offset": offsets,
     }
@@ -538,7 +548,10 @@ def completion_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
             "finish_reason": out.finish_reason,
         }
         if ctx.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(front, out.logprobs or [], len(job.echo), ctx.ids_as_tokens)
+            echoed = out if job.echo and out.prompt_logprobs is not None else None
+            choice["logprobs"] = _completion_logprobs(
+                front, out.logprobs or [], len(job.echo), ctx.ids_as_tokens, echoed
+            )
         if ctx.token_ids:
             choice["token_ids"] = out.token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
@@ -804,7 +817,8 @@ def create_app(front: Front) -> FastAPI:
                 )
             max_tokens = front.max_tokens_for(ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
             for j in range(n):
-                params = sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j)
+                scored = lp if req.echo and lp is not None else None  # echo + logprobs: the prompt's too
+                params = sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j, prompt_logprobs=scored)
                 jobs.append(Job(index=i * n + j, prompt_index=i, params=params, text=text, ids=ids, echo=echo))
         ctx = Ctx(
             "completion",

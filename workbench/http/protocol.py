@@ -273,21 +273,16 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
 # -- sampling -------------------------------------------------------------------------------------
 def check_unsupported(req: _Common) -> None:
     """Reject what we would otherwise silently get wrong."""
-    if req.presence_penalty:
-        raise bad_request("presence_penalty is not supported; use repetition_penalty", param="presence_penalty")
-    if req.frequency_penalty:
-        raise bad_request("frequency_penalty is not supported; use repetition_penalty", param="frequency_penalty")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-    if req.min_tokens:
-        raise bad_request("min_tokens is not supported; use ignore_eos with max_tokens", param="min_tokens")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise bad_request("suffix (insertion) is not supported", param="suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs (prompt logprobs) is not supported", param="echo")
+        if req.echo and req.logprobs is not None and req.stream:
+            raise bad_request(
+                "echo with logprobs (the prompt's log-probabilities) is served without stream; send stream=false",
+                param="echo",
+            )
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise bad_request("tools (function calling) are not supported", param="tools")
@@ -325,11 +320,26 @@ def logprobs_count(req: _Common) -> int | None:
 _FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
-def sampling_params(req: _Common, *, max_tokens: int, logprobs: int | None, choice: int = 0) -> SamplingParams:
+def sampling_params(
+    req: _Common, *, max_tokens: int, logprobs: int | None, choice: int = 0, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """The engine's params for choice number `choice` (seeded choices get seed + choice, so n
     seeded samples differ from each other and are each reproducible)."""
     kw: dict[str, Any] = {"max_tokens": max_tokens}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "ignore_eos"):
+    if prompt_logprobs is not None:
+        kw["prompt_logprobs"] = prompt_logprobs
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "min_tokens",
+    ):
         value = getattr(req, name)
         if value is not None:
             kw[name] = value

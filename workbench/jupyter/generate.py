@@ -26,7 +26,19 @@ SEPARATOR = "---"
 EARLY_STOP_TOKENS = 2  # a completion this short ended by the model gets a hint about --chat
 
 
-_OVERRIDABLE = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "ignore_eos": bool}
+_OVERRIDABLE = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "seed": int,
+    "ignore_eos": bool,
+    "repetition_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "min_tokens": int,
+}
 
 
 def parse_prompts(body: str) -> list[tuple[str, dict[str, Any]]]:

@@ -153,7 +153,7 @@ def _generate_parser() -> MagicArgumentParser:
         add_help=True,
         description="Generate from the prompts in the cell body (prompts separated by a line holding "
         "only --- are submitted together, so they batch; `--- max_tokens=8` gives the next "
-        "prompt its own max_tokens, temperature, top_p, top_k, seed or ignore_eos).",
+        "prompt its own max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, a penalty or min_tokens).",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens per completion (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
@@ -164,7 +164,19 @@ def _generate_parser() -> MagicArgumentParser:
         help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (default 1.0: all)",
     )
     p.add_argument("--top-k", type=int, default=-1, help="sample among the K likeliest tokens (default -1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens under P x the likeliest's probability")
     p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same text")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's, over prompt and output (1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0: off)")
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        metavar="ID:BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
+    )
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this many tokens")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--chat", dest="chat", action="store_true", default=False, help="apply the model's chat template")
@@ -202,6 +214,12 @@ def _prepare_generate(shell, line: str, cell: str):
             seed=args.seed,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            logit_bias=_logit_bias(args.logit_bias),
+            min_tokens=args.min_tokens,
         )
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
@@ -230,6 +248,22 @@ def _prepare_generate(shell, line: str, cell: str):
         prompts, params, n=args.n, chat=args.chat, hz=min(20.0, max(0.5, args.hz)), note=note, timeout=args.timeout
     )
     return run, {"client": client, "cursor": cursor, "args": args}
+
+
+def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
+    """--logit-bias ID:BIAS options as SamplingParams.logit_bias."""
+    if not pairs:
+        return None
+    out = {}
+    for pair in pairs:
+        tok, sep, bias = pair.partition(":")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID:BIAS (a token id and a number), got {pair!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias takes ID:BIAS (a token id and a number), got {pair!r}")
+    return out
 
 
 def _finish_generate(shell, run, outputs, opts, client, cursor) -> None:

@@ -161,6 +161,7 @@ EXTRA_FIELDS = {
         "repetition_penalty": "repetition_penalty",
         "ignore_eos": "ignore_eos",
         "stop_token_ids": "stop_token_ids",
+        "min_tokens": "min_tokens",
     },
     "llama.cpp": {
         "top_k": "top_k",
@@ -202,8 +203,21 @@ def request_body(
         body["seed"] = sp.seed
     if sp.stop:
         body["stop"] = sp.stop
+    for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's own: every server takes them
+        if getattr(sp, name):
+            body[name] = getattr(sp, name)
+    if sp.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
     defaults = SamplingParams()
-    for name in ("top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids"):
+    for name in (
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "min_tokens",
+        "prompt_logprobs",
+    ):
         value = getattr(sp, name)
         if value == getattr(defaults, name) or (name == "stop_token_ids" and not value):
             continue
