@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..sampling_params import SamplingParams
 from . import sampler
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -44,6 +45,8 @@ class NgramProposer:
 
 class _DraftView:
     """What the model runner reads of a sequence, with the draft's own progress."""
+
+    params = SamplingParams(max_tokens=1)  # a draft forward scores no prompt (prompt_logprobs unset)
 
     def __init__(self, seq: Sequence, token_ids: list[int], computed: int):
         self.token_ids = token_ids
