@@ -288,9 +288,8 @@ class LLMEngine:
             in_order = sampled_rows == list(range(result.logits.shape[0]))
             logits = result.logits if in_order else result.logits[sampled_rows]
             seqs = [sched.scheduled[i].seq for i in sampled]
-            tokens = sampler.sample(
-                logits, seqs, self.outputs.eos_ids
-            )  # before the tokens are appended: penalties read them
+            # before the tokens are appended: penalties read them
+            tokens = sampler.sample(logits, seqs, self.outputs.eos_ids)
             want_lp = [seq.params.logprobs for seq in seqs]
             if any(n is not None for n in want_lp):
                 lps = sampler.logprobs_of(logits, tokens, want_lp)

@@ -256,13 +256,11 @@ def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
         return None
     out = {}
     for pair in pairs:
-        tok, sep, bias = pair.partition(":")
-        try:
+        tok, _, bias = pair.partition(":")
+        try:  # no colon leaves bias "", which float() refuses too
             out[int(tok)] = float(bias)
         except ValueError:
             raise ValueError(f"--logit-bias takes ID:BIAS (a token id and a number), got {pair!r}") from None
-        if not sep:
-            raise ValueError(f"--logit-bias takes ID:BIAS (a token id and a number), got {pair!r}")
     return out
 
 

@@ -31,10 +31,9 @@ class RoutedResult:
     def summary(self) -> dict[str, Any]:
         out = summarize(self.records, 0.0)
         per = {name: res.summary() for name, res in self.routes.items()}
-        tokens = sum(r_.get("output_tokens", 0) for r_ in per.values())
         cost = sum((p.get("cost_per_mtok") or 0.0) * p["output_tokens"] for p in per.values())
         # every token computed at its route's price (a cascade's held answers too), over the tokens served
-        out["cost_per_mtok"] = cost / out["output_tokens"] if tokens and out["output_tokens"] else None
+        out["cost_per_mtok"] = cost / out["output_tokens"] if out["output_tokens"] else None
         counts = Counter(self.answered.values())
         out["routes"] = {
             name: {
@@ -137,15 +136,14 @@ def route(
         if nxt is None:
             break
         nxt.t = at
-        pool = next(p for p in pools if nxt in p.replicas)
+        k, pool = next((k, p) for k, p in enumerate(pools) if nxt in p.replicas)
+        held = escalate is not None and k + 1 < len(pools)  # a cascade's answer, judged before it is shown
         for done, _ in nxt.step():
             done.finished = done.token_times[-1]
             req = by_index[done.index]
-            k = pools.index(pool)
-            if escalate is not None and k + 1 < len(pools) and escalate(req, pool.name):
+            if held and escalate(req, pool.name):
                 heapq.heappush(arrivals, (done.finished, next(order), k + 1, req.index))
                 continue
-            held = escalate is not None and k + 1 < len(pools)
             times = [done.finished] * len(done.token_times) if held else list(done.token_times)
             records[req.index] = RequestRecord(
                 req.index, req.arrival_s, len(done.prompt), [TOKEN] * len(times), times, done.finished
@@ -173,7 +171,6 @@ class _Pool:
         self.name, self.sim, self.settings, self.cost = name, sim, settings, cost
         self.replicas, self.tokens = replicas, tokens
         self.requests: list[Request] = []
-        self._next = 0
 
     def add(self, req: BenchRequest, t: float, max_tokens: int | None) -> None:
         r = Request(req.index, list(self.tokens[req.index]), max_tokens or req.max_tokens, t)

@@ -533,16 +533,12 @@ class Simulator:
         price_per_hour: float | None = None,
         watts: float | None = None,
         started: float | None = None,
-        records: list[RequestRecord] | None = None,
     ) -> SimResult:
-        """The `SimResult` of replicas that ran `reqs` (records: each request as it ran, unless given)."""
-        if records is None:
-            records = [
-                RequestRecord(
-                    r.index, r.arrival, len(r.prompt), [TOKEN] * len(r.token_times), r.token_times, r.finished
-                )
-                for r in reqs
-            ]
+        """The `SimResult` of replicas that ran `reqs` (each request's record as it ran there)."""
+        records = [
+            RequestRecord(r.index, r.arrival, len(r.prompt), [TOKEN] * len(r.token_times), r.token_times, r.finished)
+            for r in reqs
+        ]
         slo = _check_slo(slo)
         blocks = self.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS
         prof = self.profile
