@@ -5,6 +5,7 @@ the official `openai` client, error objects, SSE, disconnect -> abort, Prometheu
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -21,12 +22,13 @@ from workbench.http.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    check_unsupported,
     completion_prompts,
     decode_request,
     sampling_params,
 )
 from workbench.http.server import parse_host_port
+from workbench.http.structured import constraint_of, tool_plan
+from workbench.sampling_params import StructuredOutput
 
 openai = pytest.importorskip("openai")
 
@@ -55,13 +57,21 @@ def test_prompt_forms_and_params():
     with pytest.raises(APIError) as e:
         decode_request(b"{oops", CompletionRequest)
     assert e.value.code == "invalid_json"
-    for body in (
-        b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-        b'{"messages": [], "response_format": {"type": "json_schema"}}',
-        b'{"messages": [], "response_format": {"type": "json_object"}}',
+    for body, param, says in (
+        (b'{"messages": [], "tools": [{"type": "function"}], "tool_choice": "required"}', "tools", "tools[0] must be"),
+        (b'{"messages": [], "tools": [{"type": "function", "function": {"name": "f"}}]}', "tool_choice", "'auto'"),
+        (b'{"messages": [], "tool_choice": "required"}', "tool_choice", "needs tools"),
+        (b'{"messages": [], "response_format": {"type": "json_schema"}}', "response_format", "json_schema.schema"),
+        (b'{"messages": [], "response_format": {"type": "yaml"}}', "response_format", "'yaml' is not one of"),
+        (b'{"messages": [], "guided_regex": "a", "guided_choice": ["b"]}', "guided_choice", "give one constraint"),
+        (b'{"messages": [], "structured_outputs": {"regex": "a", "json": {}}}', "structured_outputs", "exactly one"),
     ):
-        with pytest.raises(APIError):
-            check_unsupported(decode_request(body, ChatCompletionRequest))
+        req = decode_request(body, ChatCompletionRequest)
+        with pytest.raises(APIError) as e:
+            tool_plan(req, template_has_tools=False) or constraint_of(req)
+        assert e.value.status == 400 and e.value.param == param and says in e.value.message, e.value.message
+    req = decode_request(b'{"messages": [], "guided_json": {"type": "object"}}', ChatCompletionRequest)
+    assert constraint_of(req) == StructuredOutput(json={"type": "object"})
     assert parse_host_port("127.0.0.1:8000") == ("127.0.0.1", 8000)
     assert parse_host_port(":9") == ("127.0.0.1", 9) and parse_host_port("[::1]:7") == ("::1", 7)
     with pytest.raises(ValueError):
@@ -165,6 +175,92 @@ def test_openai_client_penalties_bias_min_tokens_and_echoed_prompt_logprobs(serv
                                   presence_penalty=2.0, frequency_penalty=2.0,
                                   extra_body={"return_token_ids": True})  # fmt: skip
     assert p.choices[0].model_extra["token_ids"].count(28) < 4
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {"type": "object", "properties": {"nights": {"enum": [1, 2, 3]}}, "required": ["nights"]},
+    },
+}
+
+
+@pytest.mark.timeout(300)
+def test_openai_client_structured_output_and_tools(server, client):
+    """response_format (json_schema, json_object), vLLM's fields, and tools with a required or named
+    tool_choice, through the official client, streamed and not; a bad schema is a 400 naming it and
+    the engine serves the next request."""
+    import jsonschema
+
+    name = server["model_name"]
+    schema = WEATHER["function"]["parameters"]
+    msgs = [{"role": "user", "content": "Weather?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=name, messages=msgs, max_tokens=40, seed=1, response_format=fmt, n=3)
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), schema)
+    streamed = client.chat.completions.create(
+        model=name, messages=msgs, max_tokens=40, temperature=0, response_format=fmt, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    r = client.completions.create(model=name, prompt="{", max_tokens=30, temperature=0,
+                                  extra_body={"guided_choice": ["yes", "no"]})  # fmt: skip
+    assert r.choices[0].text in ("yes", "no")
+    r = client.completions.create(model=name, prompt="x", max_tokens=30, temperature=0.8, seed=2,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})  # fmt: skip
+    assert re.fullmatch("[0-9]{3}", r.choices[0].text)
+    r = client.chat.completions.create(model=name, messages=msgs, max_tokens=3, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length"  # cut before the object closed: said, not hidden
+
+    for stream in (False, True):
+        kw = dict(model=name, messages=msgs, max_tokens=80, temperature=0, tools=[WEATHER, BOOK])
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, tool_choice=named, stream=True))
+            [delta] = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+            calls, finish = delta.tool_calls, [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            choice = client.chat.completions.create(**kw, tool_choice=named).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+        assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+        jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+    choice = client.chat.completions.create(**kw, tool_choice="required").choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        tool = {"get_weather": WEATHER, "book": BOOK}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    # the conversation goes on with the call and its answer in it
+    follow = msgs + [choice.message.model_dump(exclude_none=True)]
+    follow += [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in choice.message.tool_calls]
+    r = client.chat.completions.create(model=name, messages=follow, max_tokens=4, tool_choice="none", tools=[WEATHER])
+    assert r.choices[0].message.tool_calls is None
+
+    with pytest.raises(openai.BadRequestError) as e:  # tool_choice auto: this model's template has no tools
+        client.chat.completions.create(model=name, messages=msgs, max_tokens=4, tools=[WEATHER])
+    assert e.value.param == "tool_choice" and "chat template" in e.value.message
+    bad = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "bogus"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=name, messages=msgs, max_tokens=4, response_format=bad)
+    assert "structured.json is invalid: Unsupported type" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=name, prompt="x", max_tokens=4, extra_body={"guided_regex": "(("})
+    assert "structured.regex is invalid" in e.value.message
+    assert client.completions.create(model=name, prompt="x", max_tokens=2).choices[0].finish_reason
 
 
 @pytest.mark.timeout(300)

@@ -63,6 +63,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
     # SamplingParams.prompt_logprobs: each prompt token's log-probability given those before it
     # (the first has none: None), from the prefill
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # SamplingParams.structured: whether the output matches the whole grammar (False: it ended, at
+    # max_tokens or a stop string, before the grammar was complete, so it does not parse); None: unconstrained
+    structured_complete: bool | None = None
 
     @property
     def finished(self) -> bool:

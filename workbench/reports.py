@@ -36,6 +36,9 @@ TOTALS = (
     "finished",
     "preemptions",
     "response_cache_hits",
+    "jump_forward_proposed",  # tokens structured requests' grammars forced (jump-forward)
+    "jump_forward_tokens",  # of those, kept by their verify steps: model steps saved
+    "grammar_compiles",  # grammars compiled (a schema seen before is served from the cache)
 )
 
 
@@ -81,6 +84,9 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     total_finished: int = 0
     total_preemptions: int = 0
     total_response_cache_hits: int = 0
+    total_jump_forward_proposed: int = 0
+    total_jump_forward_tokens: int = 0
+    total_grammar_compiles: int = 0
     response_cache_entries: int = 0
 
 

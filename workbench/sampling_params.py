@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -15,6 +17,84 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
 TOKEN_ID_LIMIT = 2**63  # token ids travel as msgpack int64; no vocabulary comes near
+MAX_GRAMMAR_CHARS = 256 << 10  # a schema, regex or grammar's text (a real schema is a few KB)
+MAX_CHOICES = 1024
+
+
+class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """What the output must match (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a `regex`, an EBNF
+    `grammar` (XGrammar's dialect of GBNF: `root ::= ...`), or one of a list of `choice` strings."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"SamplingParams.structured must give exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.structured.json is not valid JSON: {e}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("SamplingParams.structured.json must be a JSON schema (an object)")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise TypeError(f"SamplingParams.structured.json must be a dict or JSON text, got {self.json!r:.80}")
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"SamplingParams.structured.json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"SamplingParams.structured.{name} must be a non-empty str, got {value!r:.80}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise TypeError(
+                    f"SamplingParams.structured.choice must be a non-empty list of str, got {self.choice!r:.80}"
+                )
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(
+                    f"SamplingParams.structured.choice has {len(self.choice)} entries; at most {MAX_CHOICES}"
+                )
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(
+                f"SamplingParams.structured.{self.kind} has {len(self.text):,} characters; at most "
+                f"{MAX_GRAMMAR_CHARS:,} are allowed"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string (the compiled grammar's cache key, with `kind`)."""
+        if self.json is not None:
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.choice is not None:
+            return json.dumps(self.choice)
+        return self.regex or self.grammar or ""
+
+    @classmethod
+    def coerce(cls, value) -> StructuredOutput | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(KINDS)
+            if unknown:
+                raise ValueError(f"unknown SamplingParams.structured field(s) {sorted(unknown)}; known: {list(KINDS)}")
+            return cls(**value)
+        raise TypeError(f"SamplingParams.structured must be a StructuredOutput or dict, got {type(value).__name__}")
+
+
+KINDS = tuple(StructuredOutput.__struct_fields__)
 
 
 class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
@@ -34,6 +114,7 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     prompt_logprobs: int | None = None  # each prompt token's log-probability (+ top-n), from the prefill
+    structured: StructuredOutput | None = None  # the output must match this schema, regex, grammar or choice
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, int)
@@ -107,6 +188,13 @@ class SamplingParams(msgspec.Struct, kw_only=False, omit_defaults=True):
             )
         if self.logit_bias is not None:
             self.logit_bias = _check_bias(self.logit_bias)
+        self.structured = StructuredOutput.coerce(self.structured)
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # the grammar ends the output (its end is the EOS token): neither may overrule it
+            raise ValueError(
+                f"SamplingParams.{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
+                "structured: the grammar decides where the output ends"
+            )
 
     @property
     def greedy(self) -> bool:

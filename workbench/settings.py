@@ -99,6 +99,12 @@ class EngineSettings(HasTraits):
         kind=LIVE,
         doc="tokens proposed per step",
     )
+    jump_forward = Bool(True).tag(
+        label="Jump-forward (structured output)",
+        kind=LIVE,
+        doc="where a structured request's grammar forces the next text, propose its tokens and verify them in "
+        "one step (the output is unchanged; fewer steps)",
+    )
     ngram_size = Int(3, min=1, max=8).tag(
         label="n-gram length",
         kind=LIVE,

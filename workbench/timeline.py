@@ -20,7 +20,8 @@ PHASES = ("prefill", "decode", "mixed", "verify", "relayout")
 # proposals, the scheduler's decisions, the batch's tensors and attention metadata, the
 # transformer's layers, the LM head, sampling, the outputs (each sequence advanced, detokenised,
 # stop strings checked) and, in an engine process, handing the chunks to their clients.
-STEP_PARTS = ("draft", "schedule", "prepare", "layers", "lm_head", "sample", "outputs", "send")
+# The grammar masks of structured requests ("mask") are their own part, before sampling.
+STEP_PARTS = ("draft", "schedule", "prepare", "layers", "lm_head", "mask", "sample", "outputs", "send")
 REQUEST_EVENTS = (
     "arrived",
     "scheduled",
@@ -30,6 +31,7 @@ REQUEST_EVENTS = (
     "finished",
     "routed",
     "escalated",  # a router's cascade: the cheaper member's answer was not confident enough
+    "grammar",  # a structured request's grammar: compiled (how long) or found in the cache
 )
 
 
@@ -52,6 +54,7 @@ class StepEvent(msgspec.Struct, omit_defaults=True):
     prefix_hit_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    jump_forward_tokens: int = 0  # tokens a grammar forced and the step kept (jump-forward): steps saved
     num_waiting: int = 0
     num_running: int = 0
     output_tokens: int = 0  # tokens emitted by this step

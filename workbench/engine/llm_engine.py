@@ -30,7 +30,7 @@ from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
-from . import live_settings, sampler
+from . import live_settings, sampler, structured
 from .attention import KVCache
 from .hostload import HostSampler
 from .model_runner import ModelRunner
@@ -110,6 +110,7 @@ class LLMEngine:
         self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
         self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self.load_draft, self.totals)
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
+        self.grammars = structured.Grammars(self.tokenizer, c.vocab_size, c.eos_token_ids)
         self.response_cache = ResponseCache()
         self._cache_keys: dict[str, tuple] = {}  # request_id -> its response-cache key, while it runs
         self._ready: list[StreamChunk] = []  # answers from the response cache, handed out at the next step
@@ -138,6 +139,7 @@ class LLMEngine:
         outside = [t for t in (params.logit_bias or ()) if t >= vocab]
         if outside:
             raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        grammar = self._grammar(params)
         need = self.scheduler.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
         if need is not None:
             raise ValueError(
@@ -155,6 +157,8 @@ class LLMEngine:
         # on the CPU whatever the device: the sampler draws one uniform a row from it on the host (a CUDA
         # generator raised there), and a seed then gives the same uniforms on every device
         seq.generator = torch.Generator().manual_seed(seed)
+        if grammar is not None:
+            seq.grammar = structured.GrammarState(grammar, self.tokenizer)
         self.outputs.add(seq, prompt)
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(ids)
@@ -165,7 +169,28 @@ class LLMEngine:
             f"prompt_tokens={len(ids)}",
             label=self._prompt_label(prompt, ids),
         )
+        if grammar is not None:
+            grammar.uses += 1
+            how = (
+                f"compiled in {grammar.ms:.1f} ms" if grammar.uses == 1 else f"cached (compiled in {grammar.ms:.1f} ms)"
+            )
+            self.timeline.add_request(seq.metrics.arrival, request_id, "grammar", f"{grammar.kind} {how}")
         return request_id
+
+    def prepare(self, params: SamplingParams | None) -> None:
+        """What a request needs before it is added, done off the step loop by an engine process's
+        tokenizer thread: its grammar compiled (an invalid one raises ValueError here)."""
+        if params is not None:
+            self._grammar(params)
+
+    def _grammar(self, params: SamplingParams) -> structured.Compiled | None:
+        if params.structured is None:
+            return None
+        cached = self.grammars.cached(params.structured)
+        compiled = self.grammars.get(params.structured)
+        if not cached:
+            self.totals["grammar_compiles"] += 1
+        return compiled
 
     def _answer_from_cache(self, request_id: str, prompt, ids: list[int], hit: RequestOutput, arrival) -> str:
         """An exact repeat: the earlier answer under this request's id, at the next step, no step run."""
@@ -260,7 +285,8 @@ class LLMEngine:
         if not self.requests:
             return ready
         start = time.monotonic()
-        proposed = self.spec.propose() if self.settings.speculative != "off" and self.settings.kv_cache else 0
+        s = self.settings
+        proposed = self.spec.propose() if (s.speculative != "off" or s.jump_forward) and s.kv_cache else 0
         drafted = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -277,7 +303,7 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, result, parts: dict[str, float]) -> list[StreamChunk]:
         """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs."""
-        now = time.monotonic()
+        now = begin = time.monotonic()
         rows = result.rows
         verified = [i for i, s in enumerate(sched.scheduled) if s.kind == "verify" and i in rows]
         sampled = [i for i, s in enumerate(sched.scheduled) if s.kind != "verify" and i in rows]
@@ -288,15 +314,24 @@ class LLMEngine:
             in_order = sampled_rows == list(range(result.logits.shape[0]))
             logits = result.logits if in_order else result.logits[sampled_rows]
             seqs = [sched.scheduled[i].seq for i in sampled]
+            want_lp = [seq.params.logprobs for seq in seqs]
+            raw = logits
+            grammars = {row: seq.grammar for row, seq in enumerate(seqs) if seq.grammar is not None}
+            if grammars:
+                # logprobs are the model's own (vLLM's default): the mask goes on a copy where any are asked for
+                logits = logits.clone() if any(n is not None for n in want_lp) else logits
+                structured.apply_masks(logits, grammars)
+                masked = time.monotonic()
+                parts["mask"] = (masked - begin) * 1e3
+                begin = masked
             # before the tokens are appended: penalties read them
             tokens = sampler.sample(logits, seqs, self.outputs.eos_ids)
-            want_lp = [seq.params.logprobs for seq in seqs]
             if any(n is not None for n in want_lp):
-                lps = sampler.logprobs_of(logits, tokens, want_lp)
+                lps = sampler.logprobs_of(raw, tokens, want_lp)
         for i, (first, count) in result.prompt_rows.items():
             self._score_prompt(sched.scheduled[i].seq, result.logits[first : first + count])
         sampled_at = time.monotonic()
-        parts["sample"] = (sampled_at - now) * 1e3
+        parts["sample"] = (sampled_at - begin) * 1e3
         self.scheduler.update_from_output(sched, dict(zip(sampled, tokens)), set(verified))
         chunks: list[StreamChunk] = []
         for i in verified:
@@ -305,7 +340,11 @@ class LLMEngine:
         for j, (i, tok) in enumerate(zip(sampled, tokens)):
             req = self.requests[sched.scheduled[i].seq.request_id]
             chunks.append(self.outputs.emit(req, [tok], None if lps is None else [lps[j]], now))
-        parts["outputs"] = (time.monotonic() - sampled_at) * 1e3  # verify rows: their sampling counts here
+        # verify rows: their sampling counts here, their grammar masks as "mask"
+        verify_masks, self.spec.mask_ms = self.spec.mask_ms, 0.0
+        if verify_masks:
+            parts["mask"] = parts.get("mask", 0.0) + verify_masks
+        parts["outputs"] = (time.monotonic() - sampled_at) * 1e3 - verify_masks
         return [c for c in chunks if c is not None]
 
     def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:

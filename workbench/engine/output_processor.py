@@ -120,13 +120,15 @@ class OutputProcessor:
             prompt=req.prompt,
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
+            structured_complete=None if seq.grammar is None else seq.grammar.complete,
         )
         self.totals["finished"] += 1
         self.totals["preemptions"] += seq.metrics.num_preemptions
         self.recent.append(out)
-        self.timeline.add_request(
-            now, seq.request_id, "finished", reason if was_running or reason != "abort" else "abort (queued)"
-        )
+        detail = reason if was_running or reason != "abort" else "abort (queued)"
+        if out.structured_complete is False:
+            detail += " (before its grammar was complete: the output does not match it)"
+        self.timeline.add_request(now, seq.request_id, "finished", detail)
         delta = req.text[req.sent :]
         req.sent = len(req.text)
         return StreamChunk(

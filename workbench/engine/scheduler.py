@@ -56,6 +56,7 @@ class SchedulerOutput:
     prefix_hit_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
+    jump_forward_tokens: int = 0  # forced tokens a grammar proposed and the step kept: model steps saved
 
     @property
     def num_tokens(self) -> int:
@@ -199,14 +200,15 @@ class Scheduler:
         seq.state = SeqState.FINISHED
 
     # -- speculative decoding: the draft tokens a step verifies, and the draft model's KV --------
-    def attach_drafts(self, seq: Sequence, tokens: list[int], probs=None) -> None:
-        """Draft tokens for `seq`'s next step to verify (and the draft's distribution at each)."""
-        seq.spec_tokens, seq.spec_probs = tokens, probs
+    def attach_drafts(self, seq: Sequence, tokens: list[int], probs=None, jump: bool = False) -> None:
+        """Draft tokens for `seq`'s next step to verify (and the draft's distribution at each;
+        `jump`: they are the continuation its grammar forces)."""
+        seq.spec_tokens, seq.spec_probs, seq.spec_jump = tokens, probs, jump
 
     def clear_drafts(self) -> None:
         """Drop every sequence's pending draft tokens (speculation switched or resized)."""
         for seq in (*self.running, *self.waiting):
-            seq.spec_tokens, seq.spec_probs = [], None
+            seq.spec_tokens, seq.spec_probs, seq.spec_jump = [], None, False
 
     def draft_computed(self, seq: Sequence, num_tokens: int) -> None:
         """The draft model's cache holds `seq`'s first `num_tokens` tokens."""
@@ -286,7 +288,7 @@ class Scheduler:
             else:
                 kind = "verify" if seq.spec_tokens else "decode"
             if kind == "verify" and n < todo:  # budget cannot hold every draft token: drop them
-                seq.spec_tokens, seq.spec_probs = [], None
+                seq.spec_tokens, seq.spec_probs, seq.spec_jump = [], None, False
                 n, kind = 1, "decode"
             out.scheduled.append(ScheduledSeq(seq, n, kind))
             budget -= n if cost is None or kind != "prefill" else cost
@@ -326,6 +328,8 @@ class Scheduler:
                 continue
             if i in sampled:
                 seq.token_ids.append(sampled[i])
+                if seq.grammar is not None:
+                    seq.grammar.accept([sampled[i]])
                 if not kv:
                     seq.num_computed_tokens = 0  # no cache: the whole context is recomputed next step
                     continue
@@ -335,10 +339,12 @@ class Scheduler:
     def update_after_verify(self, seq: Sequence, base: int, accepted: list[int]) -> None:
         """A verify step accepted `accepted` (the kept draft tokens and one more) after the first
         `base` tokens: keep their KV, drop the rejected draft's, register the full blocks."""
-        seq.spec_tokens, seq.spec_probs = [], None
+        seq.spec_tokens, seq.spec_probs, seq.spec_jump = [], None, False
         seq.num_computed_tokens = base + len(accepted) - 1
         seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
         seq.token_ids.extend(accepted)
+        if seq.grammar is not None:
+            seq.grammar.accept(accepted)
         self.bm.truncate(seq, len(seq))
         self.bm.register_computed(seq)
 
@@ -346,6 +352,8 @@ class Scheduler:
         """Forget the last `count` tokens (accepted draft tokens past a stop)."""
         if count:
             del seq.token_ids[-count:]
+            if seq.grammar is not None:
+                seq.grammar.rollback(count)
 
     def record_step(
         self,
@@ -377,6 +385,7 @@ class Scheduler:
             prefix_hit_tokens=sched.prefix_hit_tokens,
             spec_proposed=sched.spec_proposed,
             spec_accepted=sched.spec_accepted,
+            jump_forward_tokens=sched.jump_forward_tokens,
             num_waiting=len(self.waiting),
             num_running=len(self.running),
             output_tokens=output_tokens,

@@ -30,8 +30,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.spec_tokens: list[int] = []  # draft tokens proposed for this step
         self.spec_probs = None  # the draft model's distribution at each spec token (sampling only)
+        self.spec_jump = False  # the spec tokens are the grammar's forced continuation (jump-forward)
         self.draft_computed = 0  # tokens whose KV is in the draft model's cache
         self.generator = None  # per-request torch.Generator for seeded sampling
+        self.grammar = None  # a structured request's GrammarState (engine/structured.py), fed each kept token
 
     def __len__(self) -> int:
         return len(self.token_ids)

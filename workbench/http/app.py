@@ -54,6 +54,7 @@ from .protocol import (
     num_choices,
     sampling_params,
 )
+from .structured import ToolPlan, constraint_of, tool_plan, with_tools
 
 log = logging.getLogger("workbench.http")
 
@@ -93,6 +94,7 @@ class Ctx:
     token_ids: bool = False  # return_token_ids
     ids_as_tokens: bool = False  # return_tokens_as_token_ids
     include_usage: bool = False
+    tools: ToolPlan | None = None  # chat with a required or named tool call: outputs become tool_calls
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -569,6 +571,14 @@ def completion_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
     }
 
 
+def _tool_calls(ctx: Ctx, out: RequestOutput | None) -> list[dict] | None:
+    """A tool call's output as `tool_calls` (None: no tools, or an output cut before it was whole,
+    which is returned as text with finish_reason "length")."""
+    if ctx.tools is None or out is None or not out.structured_complete:
+        return None
+    return ctx.tools.calls(out.text)
+
+
 def chat_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
     choices = []
     for job, out in zip(ctx.jobs, outs):
@@ -578,6 +588,12 @@ def chat_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
             "logprobs": None,
             "finish_reason": out.finish_reason,
         }
+        calls = _tool_calls(ctx, out)
+        if calls is not None:
+            choice["message"], choice["finish_reason"] = (
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                "tool_calls",
+            )
         if ctx.logprobs is not None:
             choice["logprobs"] = _chat_logprobs(front, out.logprobs or [], ctx.logprobs, ctx.ids_as_tokens)
         if ctx.token_ids:
@@ -641,7 +657,15 @@ async def stream_events(
         if not text and chunk.finish_reason is None and not (ctx.token_ids and chunk.token_ids_delta) and not lps:
             return None
         choice: dict[str, Any] = {"index": job.index}
-        if chat:
+        if chat and ctx.tools is not None:  # the arguments come whole, with the finish
+            calls = _tool_calls(ctx, chunk.output) if chunk.finish_reason is not None else None
+            if calls is None and chunk.finish_reason is None:
+                return None
+            text = "" if calls is not None else (chunk.output.text if chunk.output is not None else "")
+            choice["delta"] = (
+                {"tool_calls": [{"index": n, **c} for n, c in enumerate(calls)]} if calls else {"content": text}
+            )
+        elif chat:
             choice["delta"] = {"content": text} if text else {}
         else:
             choice["text"] = text
@@ -653,6 +677,8 @@ async def stream_events(
                 choice["logprobs"] = _completion_logprobs(front, lps, offsets[k], ctx.ids_as_tokens)
         offsets[k] += len(chunk.text_delta)
         choice["finish_reason"] = chunk.finish_reason
+        if chunk.finish_reason is not None and chat and ctx.tools is not None and "tool_calls" in choice["delta"]:
+            choice["finish_reason"] = "tool_calls"
         if ctx.token_ids:
             choice["token_ids"] = chunk.token_ids_delta
             if first_chunk and chunk.output is None and job.ids is not None:
@@ -803,6 +829,7 @@ def create_app(front: Front) -> FastAPI:
         check_unsupported(req)
         n = num_choices(req)
         lp = logprobs_count(req)
+        structured = constraint_of(req)
         jobs = []
         for i, p in enumerate(completion_prompts(req.prompt, front.max_model_len, front.status.get("vocab_size"))):
             text, ids = (p, None) if isinstance(p, str) else (None, p)
@@ -818,7 +845,9 @@ def create_app(front: Front) -> FastAPI:
             max_tokens = front.max_tokens_for(ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
             for j in range(n):
                 scored = lp if req.echo and lp is not None else None  # echo + logprobs: the prompt's too
-                params = sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j, prompt_logprobs=scored)
+                params = sampling_params(
+                    req, max_tokens=max_tokens, logprobs=lp, choice=j, prompt_logprobs=scored, structured=structured
+                )
                 jobs.append(Job(index=i * n + j, prompt_index=i, params=params, text=text, ids=ids, echo=echo))
         ctx = Ctx(
             "completion",
@@ -843,6 +872,11 @@ def create_app(front: Front) -> FastAPI:
         n = num_choices(req)
         lp = logprobs_count(req)
         messages = message_dicts(req.messages)
+        template = (front.tokenizer.chat_template or "") if front.tokenizer is not None else ""
+        plan = tool_plan(req, template_has_tools="tools" in template)
+        structured = plan.structured if plan is not None else constraint_of(req)
+        if plan is not None:
+            messages = with_tools(messages, plan)
         text, ids, chat = None, None, False
         if front.tokenizer is not None:
             front.check_fits("".join(str(m.get("content") or "") for m in messages), "messages")
@@ -872,7 +906,7 @@ def create_app(front: Front) -> FastAPI:
                 text=text,
                 ids=ids,
                 chat=chat,
-                params=sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j),
+                params=sampling_params(req, max_tokens=max_tokens, logprobs=lp, choice=j, structured=structured),
             )
             for j in range(n)
         ]
@@ -885,6 +919,7 @@ def create_app(front: Front) -> FastAPI:
             token_ids=bool(req.return_token_ids),
             ids_as_tokens=bool(req.return_tokens_as_token_ids),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            tools=plan,
         )
         return await _answer(front, request, ctx, bool(req.stream), chat_body)
 

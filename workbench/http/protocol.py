@@ -2,8 +2,9 @@
 
 Requests are decoded with msgspec (strict types: ``"max_tokens": "8"`` is a 400 naming the
 field, not a silent coercion). Unknown fields are ignored, as OpenAI-compatible servers do;
-fields whose meaning we cannot honour (tools, logit_bias, presence/frequency penalties, ...)
-are rejected with a 400 that says so, rather than ignored.
+fields whose meaning we cannot honour (suffix, best_of other than n, ...) are rejected with a
+400 that says so, rather than ignored. Structured output (`response_format`, `tools`, vLLM's
+`structured_outputs` and `guided_*`) is mapped in `structured.py`.
 
 Extensions beyond OpenAI's API use vLLM's names, so one client works against both:
 ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
@@ -13,6 +14,7 @@ response) and ``return_tokens_as_token_ids`` (logprob tokens spelled ``"token_id
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -84,6 +86,13 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: int | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # structured output (workbench/http/structured.py): OpenAI's, then vLLM's fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -98,6 +107,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: Any = None  # str | list of {"type": "text", "text": ...} parts | None
     name: str | None = None
+    tool_calls: list | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -105,7 +116,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    response_format: dict | None = None
     tools: list | None = None
     tool_choice: Any = None
     add_generation_prompt: bool | None = True
@@ -262,12 +272,26 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
             text = "".join(parts)
         else:
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        if m.tool_calls and not text:  # a template without tools sees the calls as their JSON
+            text = json.dumps([_call_of(c, i) for c in m.tool_calls], ensure_ascii=False)
         role = "system" if m.role == "developer" else m.role
         d = {"role": role, "content": text}
         if m.name:
             d["name"] = m.name
         out.append(d)
     return out
+
+
+def _call_of(call, i: int) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"messages[{i}].tool_calls must be OpenAI tool calls", param="messages")
+    args = fn.get("arguments")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass  # kept as the text it was
+    return {"name": fn["name"], "parameters": args}
 
 
 # -- sampling -------------------------------------------------------------------------------------
@@ -283,14 +307,6 @@ def check_unsupported(req: _Common) -> None:
                 "echo with logprobs (the prompt's log-probabilities) is served without stream; send stream=false",
                 param="echo",
             )
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tools (function calling) are not supported", param="tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported without tools", param="tool_choice")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(f"response_format {fmt!r} is not supported (only 'text')", param="response_format")
 
 
 def num_choices(req: _Common) -> int:
@@ -321,13 +337,21 @@ _FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
 def sampling_params(
-    req: _Common, *, max_tokens: int, logprobs: int | None, choice: int = 0, prompt_logprobs: int | None = None
+    req: _Common,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int = 0,
+    prompt_logprobs: int | None = None,
+    structured=None,
 ) -> SamplingParams:
     """The engine's params for choice number `choice` (seeded choices get seed + choice, so n
     seeded samples differ from each other and are each reproducible)."""
     kw: dict[str, Any] = {"max_tokens": max_tokens}
     if prompt_logprobs is not None:
         kw["prompt_logprobs"] = prompt_logprobs
+    if structured is not None:
+        kw["structured"] = structured
     for name in (
         "temperature",
         "top_p",

@@ -510,9 +510,12 @@ class EngineServer:
         except Exception as e:
             self.send(ident, Rejected(ids, error_to_wire(e)))
             return
-        if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing:
+        grammars = self.engine.grammars
+        new_grammar = any(r.params and r.params.structured and not grammars.cached(r.params.structured) for r in reqs)
+        if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing and not new_grammar:
             # Small, and nothing ahead of it: tokenizing here (under a millisecond) costs less
-            # than the hand-over to the tokenizer thread and back.
+            # than the hand-over to the tokenizer thread and back. A grammar not seen before is
+            # compiled there too (a large schema takes seconds).
             self._on_encoded(ident, msg, 0, self._encode(msg))
             return
         for rid in ids:
@@ -553,6 +556,8 @@ class EngineServer:
 
     def _encode(self, msg: Submit) -> list[list[int]] | BaseException:
         try:
+            for r in msg.requests:
+                self.engine.prepare(r.params)
             return [self.engine.encode_prompt(r.prompt, r.prompt_token_ids, r.chat) for r in msg.requests]
         except Exception as e:
             return e

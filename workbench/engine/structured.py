@@ -1,0 +1,196 @@
+"""Structured output: the grammar a request's output must match, compiled by XGrammar, and each
+sequence's matcher, which masks the tokens its next step may choose.
+
+- `Grammars` (one per engine) compiles a `StructuredOutput` once and keeps it (keyed by kind and
+  text), off the step loop in an engine process: its tokenizer thread compiles what a submit
+  names before the step loop adds the request (`LLMEngine.prepare`).
+- `GrammarState` (one per constrained sequence) follows its output tokens: it masks a batch row
+  (`fill_masks`), a verify window under the drafts (`mask_window`), proposes the continuation the
+  grammar forces (`forced_tokens`: jump-forward), and says whether the output so far is complete.
+- `apply_masks` applies a batch's bitmask to its logits rows (a token the grammar forbids gets -inf),
+  before penalties and sampling, for every sampler.
+
+XGrammar is imported on the first constrained request (its import costs ~1.6 s).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling_params import StructuredOutput
+
+CACHE_ENTRIES = 256  # compiled grammars kept (a JSON schema's is tens of KB)
+JUMP_MAX_TOKENS = 32  # forced tokens proposed in one step (a long literal takes a few steps)
+_WHERE = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # XGrammar's "[time] file.cc:line: " before a message
+
+
+@dataclass
+class Compiled:
+    grammar: object  # xgrammar.CompiledGrammar
+    kind: str
+    ms: float  # how long it took to compile
+    uses: int = 0
+    requests: list[str] = field(default_factory=list)
+
+
+class Grammars:
+    """Compiled grammars for one tokenizer, cached; thread-safe (the tokenizer thread compiles,
+    the step loop reads)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids or ())
+        self._compiler = None
+        self._lock = threading.Lock()  # the cache (held for a lookup, never across a compile)
+        self._compile_lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
+
+    def _xgr_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import PreTrainedTokenizerFast
+
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer; this model has none")
+            fast = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
+            info = xgr.TokenizerInfo.from_huggingface(fast, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def get(self, spec: StructuredOutput) -> Compiled:
+        """The compiled grammar for `spec`, compiled now if it is new; an invalid schema, regex or
+        grammar raises ValueError naming what is wrong."""
+        key = (spec.kind, spec.text)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        with self._compile_lock:  # XGrammar releases the GIL while it compiles
+            compiler = self._xgr_compiler()
+            start = time.perf_counter()
+            try:
+                grammar = _compile(compiler, spec)
+            except RuntimeError as e:  # XGrammar's parse and conversion errors
+                msg = _WHERE.sub("", str(e).strip())
+                raise ValueError(f"structured.{spec.kind} is invalid: {msg}") from None
+            entry = Compiled(grammar, spec.kind, (time.perf_counter() - start) * 1e3)
+        with self._lock:
+            self._cache[key] = entry
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return entry
+
+    def cached(self, spec: StructuredOutput) -> bool:
+        with self._lock:
+            return (spec.kind, spec.text) in self._cache
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+
+def _compile(compiler, spec: StructuredOutput):
+    if spec.json is not None:
+        # compact JSON (", " and ": "): a free-whitespace grammar lets a small model emit newlines
+        # until max_tokens, as vLLM's `disable-any-whitespace` and llama.cpp's grammars avoid
+        return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+    if spec.json_object:
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.regex is not None:
+        return compiler.compile_regex(spec.regex)
+    if spec.grammar is not None:
+        return compiler.compile_grammar(spec.grammar)
+    # a JSON string literal is an EBNF literal in XGrammar's dialect
+    return compiler.compile_grammar("root ::= " + " | ".join(_literal(c) for c in spec.choice))
+
+
+def _literal(text: str) -> str:
+    import json
+
+    return json.dumps(text, ensure_ascii=False)
+
+
+class GrammarState:
+    """One sequence's place in its grammar: the matcher, fed every output token that is kept."""
+
+    def __init__(self, compiled: Compiled, tokenizer):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled.grammar)
+        self.kind = compiled.kind
+        self.tokenizer = tokenizer
+        self.beyond = 0  # tokens kept past the grammar's end (a verify window's tail, dropped after)
+
+    def accept(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            if self.beyond or self.matcher.is_terminated() or not self.matcher.accept_token(tok):
+                self.beyond += 1
+
+    def rollback(self, count: int) -> None:
+        """Forget the last `count` tokens (dropped after a stop inside a verify window)."""
+        extra = min(count, self.beyond)
+        self.beyond -= extra
+        if count - extra:
+            self.matcher.rollback(count - extra)
+
+    @property
+    def complete(self) -> bool:
+        """The output so far matches the whole grammar."""
+        return not self.beyond and (self.matcher.is_terminated() or self.matcher.is_completed())
+
+    def forced_tokens(self, most: int) -> list[int]:
+        """The tokens of the text the grammar forces next (jump-forward), at most `most`."""
+        if self.beyond or self.matcher.is_terminated():
+            return []
+        text = self.matcher.find_jump_forward_string()
+        if not text:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=False)[:most]
+
+    def mask_window(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """Masked copy of a verify row's logits [len(draft)+1, V]: position i under the grammar after
+        the drafts before it (past a draft the grammar refuses, that position's mask is repeated:
+        no draft there can be accepted)."""
+        import xgrammar as xgr
+
+        rows = logits.shape[0]
+        bitmask = xgr.allocate_token_bitmask(rows, logits.shape[-1])
+        fed = 0
+        for i in range(rows):
+            if i > 0 and fed == i - 1 and self.matcher.accept_token(draft[i - 1]):
+                fed = i
+            if fed == i:
+                self.matcher.fill_next_token_bitmask(bitmask, i)
+            else:
+                bitmask[i] = bitmask[fed]
+        if fed:
+            self.matcher.rollback(fed)
+        out = logits.clone()
+        xgr.apply_token_bitmask_inplace(out, bitmask)
+        return out
+
+
+_BATCH = None
+
+
+def apply_masks(logits: torch.Tensor, states: dict[int, GrammarState]) -> None:
+    """In place: each row of `logits` named in `states` keeps only the tokens its grammar allows
+    next (the others are left as they are)."""
+    global _BATCH
+    import xgrammar as xgr
+
+    if _BATCH is None:
+        _BATCH = xgr.BatchGrammarMatcher(max_threads="auto")
+    rows = [r for r, s in states.items() if not s.beyond]  # past the grammar's end: never sampled from
+    if not rows:
+        return
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # all allowed
+    _BATCH.batch_fill_next_token_bitmask([states[r].matcher for r in rows], bitmask, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
