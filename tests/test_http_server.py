@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_helpers import MAX_LEN, ROOT, shared_server
+from http_helpers import MAX_LEN, ROOT, shared_server, stop_process
 
 from workbench.http.protocol import (
     APIError,
@@ -68,7 +68,7 @@ def test_prompt_forms_and_params():
     ):
         req = decode_request(body, ChatCompletionRequest)
         with pytest.raises(APIError) as e:
-            tool_plan(req, template_has_tools=False) or constraint_of(req)
+            tool_plan(req, "") or constraint_of(req)
         assert e.value.status == 400 and e.value.param == param and says in e.value.message, e.value.message
     req = decode_request(b'{"messages": [], "guided_json": {"type": "object"}}', ChatCompletionRequest)
     assert constraint_of(req) == StructuredOutput(json={"type": "object"})
@@ -261,6 +261,59 @@ def test_openai_client_structured_output_and_tools(server, client):
         client.completions.create(model=name, prompt="x", max_tokens=4, extra_body={"guided_regex": "(("})
     assert "structured.regex is invalid" in e.value.message
     assert client.completions.create(model=name, prompt="x", max_tokens=2).choices[0].finish_reason
+
+
+# A chat template that defines tool calls as Hermes and Qwen do: <tool_call>{"name", "arguments"}</tool_call>.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions: <tools>{% for t in tools %}"
+    "{{ t | tojson }}{% endfor %}</tools>\nCall one as <tool_call>\n"
+    '{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_calls_in_the_templates_own_form(tmp_path):
+    """Where the chat template defines tool calls (<tool_call> blocks), the template describes the
+    tools, "auto" lets the model decide, "required" and a named function must call, and every call is
+    held to its tool's schema; the blocks come back as tool_calls, the text around them as content."""
+    import jsonschema
+
+    from workbench.http.structured import tool_plan
+
+    req = decode_request(
+        json.dumps({"messages": [], "tools": [WEATHER, BOOK], "tool_choice": "auto"}).encode(), ChatCompletionRequest
+    )
+    plan = tool_plan(req, TOOL_TEMPLATE)
+    text = 'Let me look. <tool_call>\n{"name": "book", "arguments": {"nights": 2}}\n</tool_call>'
+    content, calls = plan.answer(text)
+    assert content == "Let me look." and [c["function"]["arguments"] for c in calls] == ['{"nights": 2}']
+    assert plan.answer("No call here.") == ("No call here.", None)
+
+    proc, url, name, log = _own_front(tmp_path, chat_template=TOOL_TEMPLATE)
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        model = c.models.list().data[0].id
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        kw = dict(model=model, messages=msgs, max_tokens=60, temperature=0, tools=[WEATHER, BOOK])
+        r = c.chat.completions.create(**kw, tool_choice="auto", extra_body={"return_token_ids": True})
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        for choice in (
+            c.chat.completions.create(**kw, tool_choice="required").choices[0],
+            c.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "book"}}).choices[0],
+        ):
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+            for call in choice.message.tool_calls:
+                tool = {"get_weather": WEATHER, "book": BOOK}[call.function.name]
+                jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        assert [t.function.name for t in choice.message.tool_calls] == ["book"]
+        from workbench.tokenizer import Tokenizer
+
+        shown = Tokenizer.from_dir(tmp_path / "m").decode(r.model_extra["prompt_token_ids"])
+        assert "You may call these functions" in shown and '"name": "get_weather"' in shown  # the template's words
+    finally:
+        c.close()
+        stop_process(proc)
 
 
 @pytest.mark.timeout(300)
@@ -553,10 +606,14 @@ def test_oversized_prompts_are_refused_while_a_stream_runs(server):
     assert tokens == alone.json()["choices"][0]["token_ids"]
 
 
-def _own_front(tmp_path, *flags: str, max_len: int | None = None):
+def _own_front(tmp_path, *flags: str, max_len: int | None = None, chat_template: str | None = None):
     from http_helpers import MAX_LEN, free_port, make_tiny_tokenized_model, wait_http
 
     model = make_tiny_tokenized_model(tmp_path / "m", max_len=max_len or MAX_LEN)
+    if chat_template is not None:
+        cfg_file = model / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        cfg_file.write_text(json.dumps({**cfg, "chat_template": chat_template}))
     port = free_port()
     name = f"drain-{port}"
     log = tmp_path / "front.log"

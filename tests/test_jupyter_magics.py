@@ -8,6 +8,7 @@ end whatever happens; the runtime dir is private to the module.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -155,6 +156,33 @@ def test_generate_takes_penalties_bias_and_min_tokens(shell):
         shell.run_cell_magic("generate", "--logit-bias 28:500", "x")
     with pytest.raises(UsageError, match="min_tokens must be in"):
         shell.run_cell_magic("generate", "--max-tokens 2 --min-tokens 3", "x")
+
+
+def test_generate_takes_structured_output_options(shell):
+    """--json-schema (a notebook variable), --choice, --regex; two at once is a usage error; an
+    invalid regex is the engine's error, shown under its prompt."""
+    import json
+
+    import jsonschema
+
+    person = {"type": "object", "properties": {"age": {"enum": [20, 30, 40]}}, "required": ["age"]}
+    shell.user_ns["person"] = person
+    shell.run_cell_magic("generate", "--max-tokens 24 --json-schema person -o outs", "A person:\n---\nAnother:")
+    for out in shell.user_ns["outs"]:
+        jsonschema.validate(json.loads(out.text), person)
+    shell.run_cell_magic("generate", "--max-tokens 8 --choice yes --choice no -o outs", "Is the sky blue?")
+    assert shell.user_ns["outs"][0].text in ("yes", "no")
+    shell.run_cell_magic(
+        "generate", "--max-tokens 8 --temperature 1 --seed 3 --regex '(19|20)[0-9][0-9]' -o outs", "Year:"
+    )
+    assert re.fullmatch("(19|20)[0-9][0-9]", shell.user_ns["outs"][0].text)  # (IPython expands {4} in a line)
+    with pytest.raises(
+        UsageError, match="exactly one of json, json_object, regex, grammar, choice, structural_tag; got regex, choice"
+    ):
+        shell.run_cell_magic("generate", "--regex a --choice b", "x")
+    with capture_output() as cap:
+        shell.run_cell_magic("generate", "--regex '((' -o outs", "x")
+    assert shell.user_ns["outs"] == [None] and "structured.regex is invalid" in shown(cap)
 
 
 def test_engine_status_set_and_errors(shell, client):

@@ -289,6 +289,27 @@ def test_speculative_acceptance_and_idle_gap():
     assert r.drain() == {}
 
 
+def test_grammar_compiles_are_lane_spans_and_jump_forward_is_in_the_step_tooltip():
+    """A structured request's grammar: compiled (for 250 ms) is a span ending where the request
+    arrived; found in the cache, nothing. A step's jump-forward tokens (steps saved) show beside
+    its drafts."""
+    f = Fake()
+    f.req(1.0, "a", "arrived")
+    f.req(1.0, "a", "grammar", "json compiled in 250.0 ms")
+    f.req(1.1, "b", "arrived")
+    f.req(1.1, "b", "grammar", "json cached (compiled in 250.0 ms)")
+    f.step(1.2, 1.3, "verify", [("a", 6, "verify"), ("b", 1, "decode")], jump_forward_tokens=5, output_tokens=7)
+    f.step(1.3, 1.4, "verify", [("a", 3, "verify")], spec_proposed=2, spec_accepted=1, jump_forward_tokens=0)
+    r = TimelineReducer(bin_s=0.5)
+    r.add(f.timeline())
+    cols = r.drain()
+    lanes = cols["lanes"]
+    spans = [(lanes["left"][i], lanes["right"][i]) for i, st in enumerate(lanes["state"]) if st == "grammar"]
+    assert spans == [pytest.approx((-0.25, 0.0))]  # the compile's 250 ms, up to its arrival (the origin)
+    assert STATE_COLORS["grammar"] in lanes["color"]
+    assert cols["steps"]["spec"] == ["jump-forward 5 tok", "1/2"]
+
+
 def test_a_long_idle_gap_is_flat_at_zero():
     """70 s idle: the average is zero two seconds after the last token; one row marks the end."""
     f = Fake()

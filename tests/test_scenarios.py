@@ -52,6 +52,19 @@ def test_long_prompt_scenario_measures_both_budgets_and_puts_the_settings_back(e
     assert not engine.engine.has_unfinished_requests()
 
 
+def test_structured_scenario_emits_the_same_tokens_free_and_constrained(engine):
+    """Free and constrained runs emit the same number of tokens (the schema never closes within
+    max_tokens), jump-forward saves steps and keeps its proposals, and the setting is put back."""
+    out = scenarios.structured_scenario(engine, num_requests=4, output_len=24, rounds=1)
+    runs = ("free", "json", "json_no_jump")
+    assert {out[m]["tokens"] for m in runs} == {4 * 24}
+    assert out["json"]["steps"] < out["json_no_jump"]["steps"] == out["free"]["steps"]
+    assert 0 < out["json"]["jump_forward_tokens"] <= out["json"]["jump_forward_proposed"]
+    assert out["free"]["mask_share"] == 0.0 < out["json_no_jump"]["mask_share"]
+    assert out["structured_vs_free"] > 0 and out["target"] == 0.95 and "vllm" not in out
+    assert engine.settings()["jump_forward"] is True and not engine.engine.has_unfinished_requests()
+
+
 def test_unknown_scenario_named():
     with pytest.raises(ValueError, match="unknown scenario 'nope'; known: prefix, quant, spec"):
         scenarios.run_scenarios(["nope"], model="/nonexistent")

@@ -110,6 +110,61 @@ def test_jump_forward_steps_are_counted_on_the_timeline(llm):
     assert any("mask" in s.parts for s in steps)
 
 
+def _states(llm, spec, prefixes):
+    """GrammarStates of `spec` after each of `prefixes` (texts the grammar takes)."""
+    from workbench.engine import structured
+
+    compiled = llm.engine.grammars.get(StructuredOutput(**spec))
+    states = []
+    for text in prefixes:
+        state = structured.GrammarState(compiled, llm.engine.tokenizer)
+        state.matcher.accept_string(text)
+        states.append(state)
+    return states
+
+
+def test_greedy_rows_are_masked_only_where_their_argmax_breaks_the_grammar(llm):
+    """The shortcut for greedy rows (check the argmax, mask only if the grammar refuses it) picks
+    what masking every row first picks, on random logits at many grammar states, and a greedy
+    verify window accepts what the fully masked window accepts."""
+    import torch
+
+    from workbench.engine import sampler, speculative, structured
+    from workbench.engine.sequence import Sequence
+
+    prefixes = ["", '{"', '{"name": "Al', '{"name": "Al", "age": 4', '{"name": "Al", "age": 40, "city": "']
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.model_config.vocab_size
+    for trial in range(20):
+        states = _states(llm, {"json": PERSON}, prefixes)
+        seqs = []
+        for st in states:
+            seq = Sequence("r", [1], SamplingParams(temperature=0), 0.0)
+            seq.grammar = st
+            seqs.append(seq)
+        logits = torch.randn(len(seqs), vocab, generator=gen) * 3
+        if trial % 2:  # the model's favourite is what the grammar wants at some rows
+            for row, st in enumerate(states):
+                if row % 2 == 0 and st.forced_tokens(1):
+                    logits[row, st.forced_tokens(1)[0]] += 50
+        full = logits.clone()
+        structured.apply_masks(full, dict(enumerate(states)))
+        expected = full.max(-1).indices.tolist()
+        got = structured.sample(logits.clone(), seqs, lambda rows, s: sampler.sample(rows, s))
+        assert got == expected
+        for st in states:
+            draft = st.forced_tokens(4)
+            if not draft:
+                continue
+            window = torch.randn(len(draft) + 1, vocab, generator=gen)
+            for i, tok in enumerate(draft[: trial % (len(draft) + 1)]):
+                window[i, tok] += 50  # the model agrees with the first few drafts
+            seq = Sequence("r", [1], SamplingParams(temperature=0), 0.0)
+            assert st.greedy_accept(window, draft) == speculative.accept(
+                seq, st.mask_window(window, draft), draft, None
+            )
+
+
 def test_a_grammar_admitting_any_text_changes_no_greedy_output(llm):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     plain = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
@@ -181,7 +236,7 @@ def test_grammars_compile_once_and_the_timeline_says_so(llm):
         ),
         (
             {"regex": "a", "choice": ["b"]},
-            "exactly one of json, json_object, regex, grammar, choice; got regex, choice",
+            "exactly one of json, json_object, regex, grammar, choice, structural_tag; got regex, choice",
         ),
         ({}, "exactly one of"),
         ({"choice": []}, "non-empty list of str"),

@@ -332,13 +332,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--scenario",
         action="append",
         default=None,
-        choices=["prefix", "quant", "spec", "stall", "long_prompt"],
+        choices=["prefix", "quant", "spec", "stall", "long_prompt", "structured"],
         help="instead of the peer comparison, measure one optimisation on and off in this run "
         "(workbench/bench/scenarios.py): prefix caching TTFT, int8/int4 decode (with "
         "transformers' TorchAoConfig int8/int4 as the peer), n-gram/draft speculation (with "
         "transformers' prompt lookup as the peer), a stream's worst stall while oversized "
         "prompts arrive (stall), or 8 streams' worst gap while an 8,000-token prompt prefills "
-        "(long_prompt: the step bounded by the settings, and by tokens alone); repeatable; recorded in the run log",
+        "(long_prompt: the step bounded by the settings, and by tokens alone), or W64 under a JSON schema "
+        "against the same workload free (structured; with vLLM's constrained run as the peer); repeatable; "
+        "recorded in the run log",
     )
     g = p.add_argument_group("OpenAI-compatible endpoints (workbench/bench/endpoint.py; replaces --systems)")
     g.add_argument(
@@ -473,7 +475,7 @@ def _run_bench_scenarios(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    report = run_scenarios(args.scenario, args.model, quick=args.quick, **settings)
+    report = run_scenarios(args.scenario, args.model, quick=args.quick, vllm_python=args.vllm_python, **settings)
     text = json.dumps(report, indent=2)
     if args.output:
         with open(args.output, "w") as f:

@@ -24,13 +24,16 @@ MAX_CHOICES = 1024
 class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """What the output must match (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema
     (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a `regex`, an EBNF
-    `grammar` (XGrammar's dialect of GBNF: `root ::= ...`), or one of a list of `choice` strings."""
+    `grammar` (XGrammar's dialect of GBNF: `root ::= ...`), one of a list of `choice` strings, or
+    an XGrammar `structural_tag` (free text in which each triggered tag holds, e.g., a tool call's
+    JSON; a dict or its JSON text)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -39,15 +42,17 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
                 f"SamplingParams.structured must give exactly one of {', '.join(KINDS)}; got "
                 f"{', '.join(given) if given else 'none'}"
             )
-        if isinstance(self.json, str):
-            try:
-                parsed = json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"SamplingParams.structured.json is not valid JSON: {e}") from None
-            if not isinstance(parsed, (dict, bool)):
-                raise ValueError("SamplingParams.structured.json must be a JSON schema (an object)")
-        elif self.json is not None and not isinstance(self.json, dict):
-            raise TypeError(f"SamplingParams.structured.json must be a dict or JSON text, got {self.json!r:.80}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    parsed = json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"SamplingParams.structured.{name} is not valid JSON: {e}") from None
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"SamplingParams.structured.{name} must be a JSON object")
+            elif value is not None and not isinstance(value, dict):
+                raise TypeError(f"SamplingParams.structured.{name} must be a dict or JSON text, got {value!r:.80}")
         if not isinstance(self.json_object, bool):
             raise TypeError(f"SamplingParams.structured.json_object must be a bool, got {self.json_object!r}")
         for name in ("regex", "grammar"):
@@ -76,8 +81,9 @@ class StructuredOutput(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     @property
     def text(self) -> str:
         """The constraint as one string (the compiled grammar's cache key, with `kind`)."""
-        if self.json is not None:
-            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        for value in (self.json, self.structural_tag):
+            if value is not None:
+                return value if isinstance(value, str) else json.dumps(value)
         if self.choice is not None:
             return json.dumps(self.choice)
         return self.regex or self.grammar or ""

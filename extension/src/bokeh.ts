@@ -214,6 +214,7 @@ export class TimelineChart {
           ['batch', '@batch: @composition'],
           ['tokens', '@tokens'],
           ['took', '@ms{0.0} ms'],
+          ['drafts kept', '@spec'],
           ['time went to', '@parts']
         ]
       })

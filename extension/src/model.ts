@@ -11,7 +11,7 @@
 /** The step rows of the chart (the reducer's phases). */
 export const PHASES = ['prefill', 'decode', 'mixed', 'verify', 'relayout'];
 /** The lane states the reducer draws. */
-export const LANE_STATES = ['queued', 'prefill', 'decode', 'verify'];
+export const LANE_STATES = ['queued', 'prefill', 'decode', 'verify', 'grammar'];
 
 /** Columns as the reducer sends them: name -> values, all of one length. */
 export type Columns = Record<string, any[]>;
@@ -351,6 +351,7 @@ export interface IStepColumns {
   seq: number[];
   composition: string[];
   parts: string[];
+  spec: string[]; // drafts accepted/proposed, and the tokens jump-forward kept
 }
 
 /** The chart's step bars from the reducer's "steps" rows (all kept, or the new ones of a message). */
@@ -369,7 +370,8 @@ export function stepColumns(rows: Columns | undefined): IStepColumns {
     ms: col('duration_ms'),
     seq: col('seq'),
     composition: col('composition'),
-    parts: col('parts')
+    parts: col('parts'),
+    spec: col('spec')
   };
 }
 

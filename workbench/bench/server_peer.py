@@ -147,7 +147,19 @@ def serve_workloads(
         for name, workload in workloads.items():
             bar = progress(name, len(workload.requests)) if progress is not None else None
             try:
-                served, start = serve_workload(client, workload.requests, progress=bar, keep_errors=True)
+                structured = workload.extra.get("structured")  # a constraint: outputs end with their grammar
+                if structured is not None:  # compiled (and the server's grammar backend loaded) before it is timed
+                    client.generate(
+                        prompt_token_ids=[[1, 2, 3, 4]], params=SamplingParams(max_tokens=4, structured=structured)
+                    )
+                served, start = serve_workload(
+                    client,
+                    workload.requests,
+                    progress=bar,
+                    keep_errors=True,
+                    structured=structured,
+                    ignore_eos=structured is None,
+                )
             finally:
                 if bar is not None:
                     bar.close()

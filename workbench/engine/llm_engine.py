@@ -303,7 +303,7 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, result, parts: dict[str, float]) -> list[StreamChunk]:
         """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs."""
-        now = begin = time.monotonic()
+        now = time.monotonic()
         rows = result.rows
         verified = [i for i, s in enumerate(sched.scheduled) if s.kind == "verify" and i in rows]
         sampled = [i for i, s in enumerate(sched.scheduled) if s.kind != "verify" and i in rows]
@@ -313,25 +313,11 @@ class LLMEngine:
             sampled_rows = [rows[i][0] for i in sampled]
             in_order = sampled_rows == list(range(result.logits.shape[0]))
             logits = result.logits if in_order else result.logits[sampled_rows]
-            seqs = [sched.scheduled[i].seq for i in sampled]
-            want_lp = [seq.params.logprobs for seq in seqs]
-            raw = logits
-            grammars = {row: seq.grammar for row, seq in enumerate(seqs) if seq.grammar is not None}
-            if grammars:
-                # logprobs are the model's own (vLLM's default): the mask goes on a copy where any are asked for
-                logits = logits.clone() if any(n is not None for n in want_lp) else logits
-                structured.apply_masks(logits, grammars)
-                masked = time.monotonic()
-                parts["mask"] = (masked - begin) * 1e3
-                begin = masked
-            # before the tokens are appended: penalties read them
-            tokens = sampler.sample(logits, seqs, self.outputs.eos_ids)
-            if any(n is not None for n in want_lp):
-                lps = sampler.logprobs_of(raw, tokens, want_lp)
+            tokens, lps = self._sample(logits, [sched.scheduled[i].seq for i in sampled], parts)
         for i, (first, count) in result.prompt_rows.items():
             self._score_prompt(sched.scheduled[i].seq, result.logits[first : first + count])
         sampled_at = time.monotonic()
-        parts["sample"] = (sampled_at - begin) * 1e3
+        parts["sample"] = (sampled_at - now) * 1e3 - parts.get("mask", 0.0)
         self.scheduler.update_from_output(sched, dict(zip(sampled, tokens)), set(verified))
         chunks: list[StreamChunk] = []
         for i in verified:
@@ -346,6 +332,32 @@ class LLMEngine:
             parts["mask"] = parts.get("mask", 0.0) + verify_masks
         parts["outputs"] = (time.monotonic() - sampled_at) * 1e3 - verify_masks
         return [c for c in chunks if c is not None]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], parts: dict[str, float]):
+        """Each row's next token, and its logprobs where asked; the time grammar masks took is
+        the step's "mask" part."""
+        want_lp = [seq.params.logprobs for seq in seqs]
+        drawing = 0.0
+
+        def choose(rows: torch.Tensor, row_seqs: list[Sequence]) -> list[int]:
+            nonlocal drawing
+            start = time.monotonic()
+            out = sampler.sample(
+                rows, row_seqs, self.outputs.eos_ids
+            )  # before the tokens are appended: penalties read them
+            drawing += time.monotonic() - start
+            return out
+
+        if any(seq.grammar is not None for seq in seqs):
+            start = time.monotonic()
+            # logprobs are the model's own (vLLM's default): masks go on a copy where any are asked for
+            masked = logits.clone() if any(n is not None for n in want_lp) else logits
+            tokens = structured.sample(masked, seqs, choose)
+            parts["mask"] = (time.monotonic() - start - drawing) * 1e3
+        else:
+            tokens = choose(logits, seqs)
+        lps = sampler.logprobs_of(logits, tokens, want_lp) if any(n is not None for n in want_lp) else None
+        return tokens, lps
 
     def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
         """A prefill chunk's prompt log-probabilities: position p's logits score prompt token p+1."""

@@ -7,8 +7,11 @@ sequence's matcher, which masks the tokens its next step may choose.
 - `GrammarState` (one per constrained sequence) follows its output tokens: it masks a batch row
   (`fill_masks`), a verify window under the drafts (`mask_window`), proposes the continuation the
   grammar forces (`forced_tokens`: jump-forward), and says whether the output so far is complete.
-- `apply_masks` applies a batch's bitmask to its logits rows (a token the grammar forbids gets -inf),
-  before penalties and sampling, for every sampler.
+- `sample` chooses a batch's tokens under their grammars, for every sampler: a sampled row's
+  logits are masked (a token the grammar forbids gets -inf) before penalties and the draw; a
+  greedy row is masked only where the model's own choice breaks its grammar (wherever the grammar
+  takes the argmax, it is the masked argmax too), then chosen again. Greedy verify windows do the
+  same position by position (`GrammarState.greedy_accept`).
 
 XGrammar is imported on the first constrained request (its import costs ~1.6 s).
 """
@@ -78,7 +81,7 @@ class Grammars:
             start = time.perf_counter()
             try:
                 grammar = _compile(compiler, spec)
-            except RuntimeError as e:  # XGrammar's parse and conversion errors
+            except (RuntimeError, ValueError, TypeError) as e:  # XGrammar's parse and conversion errors
                 msg = _WHERE.sub("", str(e).strip())
                 raise ValueError(f"structured.{spec.kind} is invalid: {msg}") from None
             entry = Compiled(grammar, spec.kind, (time.perf_counter() - start) * 1e3)
@@ -107,6 +110,8 @@ def _compile(compiler, spec: StructuredOutput):
         return compiler.compile_regex(spec.regex)
     if spec.grammar is not None:
         return compiler.compile_grammar(spec.grammar)
+    if spec.structural_tag is not None:
+        return compiler.compile_structural_tag(spec.text)
     # a JSON string literal is an EBNF literal in XGrammar's dialect
     return compiler.compile_grammar("root ::= " + " | ".join(_literal(c) for c in spec.choice))
 
@@ -145,6 +150,15 @@ class GrammarState:
         """The output so far matches the whole grammar."""
         return not self.beyond and (self.matcher.is_terminated() or self.matcher.is_completed())
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next (accepted, then undone: no mask is filled)."""
+        if self.beyond:
+            return True
+        if self.matcher.accept_token(token):
+            self.matcher.rollback(1)
+            return True
+        return False
+
     def forced_tokens(self, most: int) -> list[int]:
         """The tokens of the text the grammar forces next (jump-forward), at most `most`."""
         if self.beyond or self.matcher.is_terminated():
@@ -153,6 +167,30 @@ class GrammarState:
         if not text:
             return []
         return self.tokenizer.encode(text, add_special_tokens=False)[:most]
+
+    def greedy_accept(self, logits: torch.Tensor, draft: list[int]) -> list[int]:
+        """Greedy verification of `draft` against a verify row's logits [len(draft)+1, V] under the
+        grammar: the drafts kept and one more token, as `speculative.accept` finds them on masked
+        logits. A position is masked only where the grammar refuses its argmax."""
+        import xgrammar as xgr
+
+        top = logits.max(-1).indices.tolist()  # max: argmax's first maximum, faster on a CPU (sampler.py)
+        out, fed = [], 0
+        for i in range(len(draft) + 1):
+            pick = top[i]
+            if not self.allows(pick):
+                row = logits[i : i + 1].clone()
+                bitmask = xgr.allocate_token_bitmask(1, logits.shape[-1])
+                self.matcher.fill_next_token_bitmask(bitmask, 0)
+                xgr.apply_token_bitmask_inplace(row, bitmask)
+                pick = int(row.argmax())
+            out.append(pick)
+            if i == len(draft) or pick != draft[i] or not self.matcher.accept_token(draft[i]):
+                break
+            fed += 1
+        if fed:
+            self.matcher.rollback(fed)
+        return out
 
     def mask_window(self, logits: torch.Tensor, draft: list[int]) -> torch.Tensor:
         """Masked copy of a verify row's logits [len(draft)+1, V]: position i under the grammar after
@@ -178,6 +216,23 @@ class GrammarState:
 
 
 _BATCH = None
+
+
+def sample(logits: torch.Tensor, seqs, choose) -> list[int]:
+    """One token per row of `logits` (in place: sampled rows get their masks), each constrained
+    row's under its grammar; `choose(logits, seqs)` is the sampler."""
+    rows = {r: s.grammar for r, s in enumerate(seqs) if s.grammar is not None}
+    sampled = {r: g for r, g in rows.items() if not seqs[r].params.greedy}
+    if sampled:
+        apply_masks(logits, sampled)
+    tokens = choose(logits, seqs)
+    redo = [r for r, g in rows.items() if seqs[r].params.greedy and not g.allows(tokens[r])]
+    if redo:
+        sub = logits[redo]  # a copy: the rows chosen again under their masks
+        apply_masks(sub, {i: rows[r] for i, r in enumerate(redo)})
+        for r, tok in zip(redo, choose(sub, [seqs[r] for r in redo])):
+            tokens[r] = tok
+    return tokens
 
 
 def apply_masks(logits: torch.Tensor, states: dict[int, GrammarState]) -> None:

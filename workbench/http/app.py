@@ -571,12 +571,12 @@ def completion_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
     }
 
 
-def _tool_calls(ctx: Ctx, out: RequestOutput | None) -> list[dict] | None:
-    """A tool call's output as `tool_calls` (None: no tools, or an output cut before it was whole,
-    which is returned as text with finish_reason "length")."""
-    if ctx.tools is None or out is None or not out.structured_complete:
-        return None
-    return ctx.tools.calls(out.text)
+def _tool_answer(ctx: Ctx, out: RequestOutput) -> tuple[str | None, list[dict] | None]:
+    """A chat output as its content and `tool_calls` (no calls where no tool was called, or where
+    the output was cut before its call was whole: that text comes back with finish_reason "length")."""
+    if ctx.tools is None or not out.structured_complete:
+        return out.text, None
+    return ctx.tools.answer(out.text)
 
 
 def chat_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
@@ -588,10 +588,10 @@ def chat_body(front: Front, ctx: Ctx, outs: list[RequestOutput]) -> dict:
             "logprobs": None,
             "finish_reason": out.finish_reason,
         }
-        calls = _tool_calls(ctx, out)
+        content, calls = _tool_answer(ctx, out)
         if calls is not None:
             choice["message"], choice["finish_reason"] = (
-                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "assistant", "content": content, "tool_calls": calls},
                 "tool_calls",
             )
         if ctx.logprobs is not None:
@@ -657,14 +657,13 @@ async def stream_events(
         if not text and chunk.finish_reason is None and not (ctx.token_ids and chunk.token_ids_delta) and not lps:
             return None
         choice: dict[str, Any] = {"index": job.index}
-        if chat and ctx.tools is not None:  # the arguments come whole, with the finish
-            calls = _tool_calls(ctx, chunk.output) if chunk.finish_reason is not None else None
-            if calls is None and chunk.finish_reason is None:
+        if chat and ctx.tools is not None:  # held to the end: the text may turn out to be calls
+            if chunk.finish_reason is None or chunk.output is None:
                 return None
-            text = "" if calls is not None else (chunk.output.text if chunk.output is not None else "")
-            choice["delta"] = (
-                {"tool_calls": [{"index": n, **c} for n, c in enumerate(calls)]} if calls else {"content": text}
-            )
+            content, calls = _tool_answer(ctx, chunk.output)
+            choice["delta"] = {"content": content} if content else {}
+            if calls:
+                choice["delta"]["tool_calls"] = [{"index": n, **c} for n, c in enumerate(calls)]
         elif chat:
             choice["delta"] = {"content": text} if text else {}
         else:
@@ -873,9 +872,12 @@ def create_app(front: Front) -> FastAPI:
         lp = logprobs_count(req)
         messages = message_dicts(req.messages)
         template = (front.tokenizer.chat_template or "") if front.tokenizer is not None else ""
-        plan = tool_plan(req, template_has_tools="tools" in template)
+        plan = tool_plan(req, template)
         structured = plan.structured if plan is not None else constraint_of(req)
-        if plan is not None:
+        extra = {}
+        if plan is not None and plan.tagged:
+            extra["tools"] = req.tools  # the template describes them, in its own words
+        elif plan is not None:
             messages = with_tools(messages, plan)
         text, ids, chat = None, None, False
         if front.tokenizer is not None:
@@ -885,6 +887,7 @@ def create_app(front: Front) -> FastAPI:
                     front.tokenizer.apply_chat_template,
                     messages,
                     add_generation_prompt=req.add_generation_prompt is not False,
+                    **extra,
                 )
             except Exception as e:  # no template, or the template raised (e.g. roles out of order)
                 raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None

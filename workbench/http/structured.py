@@ -6,15 +6,20 @@ extension fields, mapped onto `SamplingParams.structured`.
   schema: strict or not, the output validates).
 - vLLM's fields: `structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`)
   and the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
-- `tools` with `tool_choice` `"required"` (one or more calls, each to one of the tools, its
-  arguments under that tool's parameter schema) or a named function (its arguments): the output
-  is constrained and returned as `tool_calls`. `"none"` leaves the tools out. `"auto"` needs a
-  chat template that defines tool calls (the model then decides); a template without one is refused.
+- `tools`: where the chat template defines tool calls in the `<tool_call>{"name": ..., "arguments":
+  ...}</tool_call>` form (Hermes, Qwen), the template is given the tools and the output is free text
+  in which every call, once begun, is held to its tool's schema (an XGrammar structural tag):
+  `tool_choice` `"auto"` lets the model decide, `"required"` needs at least one call, a named
+  function exactly that one. A template without tools gets them described in a system message, and
+  `"required"` (a JSON list of calls) and a named function (its arguments as JSON) are served by a
+  schema; `"auto"` is refused there (the model has no way to call). `"none"` leaves the tools out.
+  Calls come back as `tool_calls`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +27,7 @@ from typing import Any
 from ..sampling_params import StructuredOutput
 from .protocol import ChatCompletionRequest, _Common, bad_request
 
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -75,17 +81,28 @@ class ToolPlan:
     becomes `tool_calls`."""
 
     structured: StructuredOutput
-    named: str | None  # tool_choice named this function (the output is its arguments)
+    named: str | None  # tool_choice named this function
     tools: list[dict]  # the functions ({"name", "description", "parameters"})
+    tagged: bool = False  # calls are the template's <tool_call> blocks in free text (else the output is JSON)
 
-    def calls(self, text: str) -> list[dict] | None:
-        """OpenAI's `tool_calls` for a complete output (None when it does not parse)."""
+    def answer(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """The message's content and OpenAI `tool_calls` for a complete output (no calls: the text)."""
         try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        pairs = [(self.named, value)] if self.named is not None else [(c["name"], c["parameters"]) for c in value]
-        return [
+            if self.tagged:
+                calls = [json.loads(block) for block in _CALL.findall(text)]
+                pairs = [(c["name"], c["arguments"]) for c in calls]
+                content = _CALL.sub("", text).strip() or None
+            else:
+                value = json.loads(text)
+                pairs = (
+                    [(self.named, value)] if self.named is not None else [(c["name"], c["parameters"]) for c in value]
+                )
+                content = None
+        except (ValueError, KeyError, TypeError):
+            return text, None
+        if not pairs:
+            return text, None
+        return content, [
             {
                 "id": f"call_{secrets.token_hex(12)}",
                 "type": "function",
@@ -114,7 +131,15 @@ def _functions(tools: list) -> list[dict]:
     return out
 
 
-def tool_plan(req: ChatCompletionRequest, template_has_tools: bool) -> ToolPlan | None:
+def template_tools(template: str) -> str | None:
+    """How a chat template calls tools: "tagged" (`<tool_call>` blocks), "other" (a form this server
+    does not parse), or None (it defines none)."""
+    if "tools" not in template:
+        return None
+    return "tagged" if "<tool_call>" in template else "other"
+
+
+def tool_plan(req: ChatCompletionRequest, template: str) -> ToolPlan | None:
     """None when the output is free (no tools, or tool_choice "none")."""
     choice = req.tool_choice
     if not req.tools:
@@ -124,21 +149,44 @@ def tool_plan(req: ChatCompletionRequest, template_has_tools: bool) -> ToolPlan 
     tools = _functions(req.tools)
     if choice == "none":
         return None
+    if choice not in (None, "auto", "required"):
+        _named(choice, tools)  # a bad tool_choice is named before anything else
+    if req.response_format is not None and (req.response_format or {}).get("type", "text") != "text":
+        raise bad_request("response_format cannot be combined with tools", param="response_format")
+    form = template_tools(template)
+    if form == "tagged":
+        named = None if choice in (None, "auto", "required") else _named(choice, tools)
+        chosen = [f for f in tools if named is None or f["name"] == named]
+        tag = {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": ["<tool_call>"],
+                "tags": [
+                    {
+                        "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
+                        "content": {"type": "json_schema", "json_schema": f["parameters"]},
+                        "end": "}\n</tool_call>",
+                    }
+                    for f in chosen
+                ],
+                "at_least_one": choice not in (None, "auto"),
+                "stop_after_first": named is not None,
+            },
+        }
+        return ToolPlan(StructuredOutput(structural_tag=tag), named, tools, tagged=True)
     if choice in (None, "auto"):
-        if not template_has_tools:
-            raise bad_request(
-                "tool_choice 'auto' (the default with tools) lets the model decide whether to call a tool, which "
-                "needs a chat template that defines tool calls; this model's does not. Send tool_choice "
-                "'required' or {'type': 'function', 'function': {'name': ...}}",
-                param="tool_choice",
-            )
+        why = (
+            "needs a chat template that defines tool calls; this model's does not"
+            if form is None
+            else "needs tool calls this server can read (<tool_call>{...}</tool_call>); this model's chat template "
+            "writes them in another form"
+        )
         raise bad_request(
-            "tool_choice 'auto' is not served yet even where the chat template defines tool calls; send "
-            "tool_choice 'required' or a named function",
+            f"tool_choice 'auto' (the default with tools) lets the model decide whether to call a tool, which {why}. "
+            "Send tool_choice 'required' or {'type': 'function', 'function': {'name': ...}}",
             param="tool_choice",
         )
-    if req.response_format is not None and (req.response_format or {}).get("type", "text") != "text":
-        raise bad_request("response_format cannot be combined with a required tool call", param="response_format")
     if choice == "required":
         one_of = [
             {
@@ -150,6 +198,12 @@ def tool_plan(req: ChatCompletionRequest, template_has_tools: bool) -> ToolPlan 
         ]
         schema = {"type": "array", "minItems": 1, "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}}
         return ToolPlan(StructuredOutput(json=schema), None, tools)
+    name = _named(choice, tools)
+    [match] = [f for f in tools if f["name"] == name]
+    return ToolPlan(StructuredOutput(json=match["parameters"]), name, tools)
+
+
+def _named(choice, tools: list[dict]) -> str:
     name = None
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
@@ -158,11 +212,10 @@ def tool_plan(req: ChatCompletionRequest, template_has_tools: bool) -> ToolPlan 
             "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
             param="tool_choice",
         )
-    match = [f for f in tools if f["name"] == name]
-    if not match:
+    if name not in [f["name"] for f in tools]:
         raise bad_request(f"tool_choice names {name!r}, which is not among tools {[f['name'] for f in tools]}",
                           param="tool_choice")  # fmt: skip
-    return ToolPlan(StructuredOutput(json=match[0]["parameters"]), name, tools)
+    return name
 
 
 def tools_message(plan: ToolPlan) -> str:

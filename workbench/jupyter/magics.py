@@ -178,6 +178,19 @@ def _generate_parser() -> MagicArgumentParser:
     )
     p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this many tokens")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g = p.add_argument_group("structured output (one of)")
+    g.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="SCHEMA",
+        help="the output is JSON valid under SCHEMA: a notebook variable (a dict), a .json file or JSON text",
+    )
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument(
+        "--grammar", default=None, metavar="EBNF", help="the output matches this EBNF grammar (a variable or text)"
+    )
+    g.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--chat", dest="chat", action="store_true", default=False, help="apply the model's chat template")
     p.add_argument("--no-chat", dest="chat", action="store_false")
@@ -220,6 +233,7 @@ def _prepare_generate(shell, line: str, cell: str):
             frequency_penalty=args.frequency_penalty,
             logit_bias=_logit_bias(args.logit_bias),
             min_tokens=args.min_tokens,
+            structured=_structured(args, shell.user_ns if shell is not None else {}),
         )
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
@@ -248,6 +262,32 @@ def _prepare_generate(shell, line: str, cell: str):
         prompts, params, n=args.n, chat=args.chat, hz=min(20.0, max(0.5, args.hz)), note=note, timeout=args.timeout
     )
     return run, {"client": client, "cursor": cursor, "args": args}
+
+
+def _structured(args, user_ns: dict) -> dict | None:
+    """--json-schema / --json-object / --regex / --grammar / --choice as SamplingParams.structured
+    (SamplingParams says so when more than one is given)."""
+    from pathlib import Path
+
+    spec: dict = {}
+    if args.json_schema is not None:
+        value = args.json_schema
+        if value.isidentifier() and value in user_ns:
+            value = user_ns[value]
+        elif value.endswith(".json") and Path(value).is_file():
+            value = Path(value).read_text()
+        spec["json"] = value
+    if args.json_object:
+        spec["json_object"] = True
+    if args.regex is not None:
+        spec["regex"] = args.regex
+    if args.grammar is not None:
+        spec["grammar"] = user_ns.get(args.grammar, args.grammar) if args.grammar.isidentifier() else args.grammar
+    if args.choice:
+        spec["choice"] = list(args.choice)
+    if spec.get("json") is not None and not isinstance(spec["json"], (dict, str)):
+        raise ValueError(f"--json-schema {args.json_schema} must name a dict or JSON text")
+    return spec or None
 
 
 def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:

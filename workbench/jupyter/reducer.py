@@ -36,6 +36,7 @@ Rates with nothing to measure in a bin are NaN (a gap in the line).
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
@@ -54,8 +55,19 @@ STATE_COLORS = {
     "prefill": PHASE_COLORS["prefill"],
     "decode": PHASE_COLORS["decode"],
     "verify": PHASE_COLORS["verify"],
+    "grammar": "#937860",  # a structured request's grammar compiling, just before it arrived
 }
 OTHER_COLOR = "#999999"
+_COMPILED = re.compile(r"^\w+ compiled in ([\d.]+) ms")  # not "cached (compiled in ...)"
+
+
+def _spec_text(accepted: int, proposed: int, jumped: int) -> str:
+    """A step's speculation (accepted/proposed drafts) and the tokens jump-forward kept (steps saved)."""
+    parts = [f"{accepted}/{proposed}"] if proposed else []
+    if jumped:
+        parts.append(f"jump-forward {jumped} tok")
+    return " · ".join(parts) or "-"
+
 
 COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": (
@@ -379,6 +391,10 @@ class TimelineReducer:
             arrived = self._arrived.get(rid)
             if arrived is not None:
                 self._emit("ttft", t=rel, ttft_ms=(t - arrived) * 1e3, request=short_id(rid), lane=self._lane(rid))
+        elif kind == "grammar":
+            m = _COMPILED.match(_field(ev, "detail", "") or "")
+            if m is not None:  # compiled for this request (a cached grammar costs nothing)
+                self._lane_rect(rid, rel - float(m.group(1)) / 1e3, rel, "grammar", 0)
         elif kind == "finished":
             since = self._queued_since.pop(rid, None)
             if since is not None:  # aborted while queued
@@ -442,7 +458,7 @@ class TimelineReducer:
             prefill_tokens=prefill_tok,
             decode_tokens=decode_tok,
             prefix_hit_tokens=hits,
-            spec=f"{accepted}/{proposed}" if proposed else "-",
+            spec=_spec_text(accepted, proposed, int(_field(s, "jump_forward_tokens", 0) or 0)),
             kv=f"{kv_used}/{kv_total}",
             composition=self._composition(entries),
             requests=self._listing(entries),

@@ -144,7 +144,7 @@ class TimelineView:
                     ("requests", "@requests"),
                     ("tokens", "@prefill_tokens prefill, @decode_tokens decode"),
                     ("prefix hits", "@prefix_hit_tokens tok"),
-                    ("spec accepted", "@spec"),
+                    ("drafts kept", "@spec"),  # accepted/proposed, and jump-forward's forced tokens
                     ("KV blocks", "@kv"),
                     ("expert routing", "@routing"),
                     ("time went to", "@parts"),

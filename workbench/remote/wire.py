@@ -4,6 +4,7 @@ bodies, logprobs, and errors mapped onto our exception types."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -162,18 +163,47 @@ EXTRA_FIELDS = {
         "ignore_eos": "ignore_eos",
         "stop_token_ids": "stop_token_ids",
         "min_tokens": "min_tokens",
+        "structured": "structured_outputs",
     },
     "llama.cpp": {
         "top_k": "top_k",
         "min_p": "min_p",
         "repetition_penalty": "repeat_penalty",
         "ignore_eos": "ignore_eos",
+        "structured": "llama.cpp",
     },
     "llama-cpp-python": {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repeat_penalty"},
     "tgi": {"repetition_penalty": "repetition_penalty"},
 }
-EXTRA_FIELDS["vllm"] = EXTRA_FIELDS["sglang"] = EXTRA_FIELDS["workbench"]
+EXTRA_FIELDS["vllm"] = EXTRA_FIELDS["workbench"]
+EXTRA_FIELDS["sglang"] = {**EXTRA_FIELDS["workbench"], "structured": "sglang"}
 TOKEN_ID_KINDS = ("workbench", "vllm")  # return_token_ids / return_tokens_as_token_ids
+
+
+def structured_fields(so, how: str | None) -> dict | None:
+    """A constraint as a server's request fields: vLLM's (and ours) `structured_outputs`, SGLang's
+    `regex` / `ebnf` / `response_format`, llama.cpp's `json_schema` / `grammar`, else OpenAI's
+    `response_format` (JSON only). None: this server takes no such constraint."""
+    kind = so.kind
+    if how == "structured_outputs":
+        return {"structured_outputs": {kind: getattr(so, kind)}}
+    schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+    if kind == "json_object":
+        schema = {"type": "object"}
+    if how == "llama.cpp":
+        if schema is not None:
+            return {"json_schema": schema}
+        return {"grammar": so.grammar} if kind == "grammar" else None
+    if how == "sglang":
+        if kind == "regex":
+            return {"regex": so.regex}
+        if kind == "choice":
+            return {"regex": "|".join(re.escape(c) for c in so.choice)}
+        if kind == "grammar":
+            return {"ebnf": so.grammar}
+    if schema is not None:
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
+    return None
 
 
 def request_body(
@@ -208,6 +238,12 @@ def request_body(
             body[name] = getattr(sp, name)
     if sp.logit_bias:
         body["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    if sp.structured is not None:
+        fields = structured_fields(sp.structured, extra.get("structured"))
+        if fields is None:
+            dropped(f"structured ({sp.structured.kind})")
+        else:
+            body.update(fields)
     defaults = SamplingParams()
     for name in (
         "top_k",
