@@ -39,9 +39,17 @@ lab: setup
 generate: setup
 	$(BIN)/workbench generate "Once upon a time, there was a little"
 
+# Commit subjects of at most 72 characters (the what and why go in the body), checked from the
+# last commit before the rule held; a clone without that history (a shallow one) says so and skips.
+SUBJECTS_AFTER := b3c3464
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	@if git cat-file -e $(SUBJECTS_AFTER)^{commit} 2>/dev/null; then \
+	  long="$$(git log --no-merges --format=%s $(SUBJECTS_AFTER)..HEAD | awk 'length > 72')"; \
+	  if [ -n "$$long" ]; then echo "commit subjects over 72 characters (put the detail in the body):"; \
+	    echo "$$long"; exit 1; fi; \
+	else echo "commit subjects not checked: this clone lacks $(SUBJECTS_AFTER) (shallow?)"; fi
 
 # Debian's chromium for the browser test (Playwright drives it via executable_path; never run
 # `playwright install`). Skipped when /usr/bin/chromium exists; without apt/root the test skips.

@@ -862,7 +862,7 @@ def test_hostile_json_gets_400s_naming_the_field_and_keeps_the_connection(server
         (b'{"prompt": [-1], "max_tokens": 1}', "prompt", "outside the vocabulary"),
         (b'{"prompt": "x", "stop_token_ids": [' + str(2**64).encode() + b"]}", "stop_token_ids", "2**63"),
         (('{"prompt": ' + deep + "}").encode(), "prompt", "nests"),
-        (('{"prompt": "x", "response_format": ' + deep + "}").encode(), "response_format", "nests"),
+        (('{"prompt": "x", "response_format": {"type": ' + deep + "}}").encode(), "response_format", "nests"),
         (('{"prompt": "x", "tool_choice": ' + deep + "}").encode(), "tool_choice", "nests"),
         (b'{"prompt": [' + b"5," * (MAX_LEN + 10) + b"5]}", "prompt", "maximum context length"),
         # invalid UTF-8 inside the prompt string, twice on one connection (it reset the connection)

@@ -59,7 +59,8 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
         engine.scheduler.preempt_all()  # the cache is rebuilt: every running sequence recomputes
         runner.set_kv_cache_dtype(applied["kv_cache_dtype"])
     if {"quantization", "quant_group_size"} & applied.keys():
-        runner.model.quantize(merged["quantization"], merged["quant_group_size"])
+        with hostmem.own_mappings():  # replaced at the next re-layout: its memory must go back whole
+            runner.model.quantize(merged["quantization"], merged["quant_group_size"])
         runner.drop_graphs()  # they captured the old weights' kernels
     if {"cuda_graphs", "max_num_seqs"} & applied.keys():
         runner.set_cuda_graphs(merged["cuda_graphs"], merged["max_num_seqs"])

@@ -370,7 +370,12 @@ class LLMEngine:
 
     # -- speculative decoding ------------------------------------------------------------------
     def load_draft(self, draft_model: str | None) -> DraftProposer:
-        """The draft for `speculative='draft'`: the named model, else this model in int4."""
+        """The draft for `speculative='draft'`: the named model, else this model in int4 (built in
+        mappings of its own: it is dropped when speculation stops, and its memory goes back whole)."""
+        with hostmem.own_mappings():
+            return self._build_draft(draft_model)
+
+    def _build_draft(self, draft_model: str | None) -> DraftProposer:
         s = self.settings
         if draft_model is None:
             config, weights, source = self.model_config, self._weights, "self-int4"

@@ -156,24 +156,23 @@ def tool_plan(req: ChatCompletionRequest, template: str) -> ToolPlan | None:
     form = template_tools(template)
     if form == "tagged":
         named = None if choice in (None, "auto", "required") else _named(choice, tools)
-        chosen = [f for f in tools if named is None or f["name"] == named]
-        tag = {
-            "type": "structural_tag",
-            "format": {
-                "type": "triggered_tags",
-                "triggers": ["<tool_call>"],
-                "tags": [
-                    {
-                        "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
-                        "content": {"type": "json_schema", "json_schema": f["parameters"]},
-                        "end": "}\n</tool_call>",
-                    }
-                    for f in chosen
-                ],
-                "at_least_one": choice not in (None, "auto"),
-                "stop_after_first": named is not None,
-            },
-        }
+        tags = [
+            {
+                "type": "tag",
+                "begin": '<tool_call>\n{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
+                # at most one blank in a row: a free-whitespace JSON lets a weak model pad until max_tokens
+                "content": {"type": "json_schema", "json_schema": f["parameters"], "max_whitespace_cnt": 1},
+                "end": "}\n</tool_call>",
+            }
+            for f in tools
+            if named is None or f["name"] == named
+        ]
+        if choice in (None, "auto"):  # free text; a call, once begun, holds to its tool's schema
+            fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags}
+        else:  # calls only: one or more (required), exactly the one named
+            fmt = {"type": "tags_with_separator", "separator": "\n", "tags": tags, "at_least_one": True}
+            fmt["stop_after_first"] = named is not None
+        tag = {"type": "structural_tag", "format": fmt}
         return ToolPlan(StructuredOutput(structural_tag=tag), named, tools, tagged=True)
     if choice in (None, "auto"):
         why = (
