@@ -196,6 +196,23 @@ assert m.spec_proposed and m.spec_accepted / m.spec_proposed >= 0.5, "the repeat
 assert per_token["ngram"] < per_token["off"], ("ngram speculation makes tokens cheaper here", per_token)
 assert set(per_token) == {"off", "ngram", "draft"}
 """,
+    "12-structured-output.ipynb": """
+import json
+import re
+def schema_ok(v):
+    return set(v) == {"name", "age", "city"} and 0 <= v["age"] <= 120 and v["city"] in ("Oslo", "Lima", "Kyoto")
+for outs in (plain, jumped):
+    for o in outs:
+        assert o.structured_complete and o.finish_reason == "stop" and schema_ok(json.loads(o.text)), o.text
+# "fewer steps for the same answers": every request took fewer steps with jump-forward, and one a token without
+for p, j in zip(plain, jumped):
+    assert len(steps_of([p])) == len(p.token_ids), (len(steps_of([p])), len(p.token_ids))
+    assert len(steps_of([j])) < len(j.token_ids)
+assert grammar[0].startswith("json compiled in") and all(g.startswith("json cached") for g in grammar[1:4])
+assert sentiment[0].text in ("positive", "negative", "neutral")
+assert re.fullmatch("[0-9][0-9]:[0-9][0-9]", clock[0].text)
+assert bad == [None]  # refused, shown under its prompt
+""",
 }
 
 
@@ -221,6 +238,7 @@ def test_the_tutorials_are_there_and_every_notebook_is_run():
         "07-tuning.ipynb",
         "08-capacity-planning.ipynb",
         "11-routing.ipynb",
+        "12-structured-output.ipynb",
     ):
         assert required in names
 

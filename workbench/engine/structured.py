@@ -4,9 +4,10 @@ sequence's matcher, which masks the tokens its next step may choose.
 - `Grammars` (one per engine) compiles a `StructuredOutput` once and keeps it (keyed by kind and
   text), off the step loop in an engine process: its tokenizer thread compiles what a submit
   names before the step loop adds the request (`LLMEngine.prepare`).
-- `GrammarState` (one per constrained sequence) follows its output tokens: it masks a batch row
-  (`fill_masks`), a verify window under the drafts (`mask_window`), proposes the continuation the
-  grammar forces (`forced_tokens`: jump-forward), and says whether the output so far is complete.
+- `GrammarState` (one per constrained sequence) is fed each output token kept (`accept`, and
+  `rollback` for tokens dropped after a stop), checks a token (`allows`), judges a verify window
+  (`greedy_accept`; `mask_window` for sampled rows), proposes the continuation the grammar forces
+  (`forced_tokens`: jump-forward), and says whether the output so far is complete.
 - `sample` chooses a batch's tokens under their grammars, for every sampler: a sampled row's
   logits are masked (a token the grammar forbids gets -inf) before penalties and the draw; a
   greedy row is masked only where the model's own choice breaks its grammar (wherever the grammar
@@ -18,11 +19,12 @@ XGrammar is imported on the first constrained request (its import costs ~1.6 s).
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,8 +40,7 @@ class Compiled:
     grammar: object  # xgrammar.CompiledGrammar
     kind: str
     ms: float  # how long it took to compile
-    uses: int = 0
-    requests: list[str] = field(default_factory=list)
+    uses: int = 0  # requests that used it (the first says "compiled" on the timeline, the rest "cached")
 
 
 class Grammars:
@@ -77,8 +78,8 @@ class Grammars:
                 self._cache.move_to_end(key)
                 return hit
         with self._compile_lock:  # XGrammar releases the GIL while it compiles
+            start = time.perf_counter()  # the first compile also loads XGrammar and reads the vocabulary
             compiler = self._xgr_compiler()
-            start = time.perf_counter()
             try:
                 grammar = _compile(compiler, spec)
             except (RuntimeError, ValueError, TypeError) as e:  # XGrammar's parse and conversion errors
@@ -94,9 +95,6 @@ class Grammars:
     def cached(self, spec: StructuredOutput) -> bool:
         with self._lock:
             return (spec.kind, spec.text) in self._cache
-
-    def __len__(self) -> int:
-        return len(self._cache)
 
 
 def _compile(compiler, spec: StructuredOutput):
@@ -117,8 +115,6 @@ def _compile(compiler, spec: StructuredOutput):
 
 
 def _literal(text: str) -> str:
-    import json
-
     return json.dumps(text, ensure_ascii=False)
 
 
@@ -129,7 +125,6 @@ class GrammarState:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled.grammar)
-        self.kind = compiled.kind
         self.tokenizer = tokenizer
         self.beyond = 0  # tokens kept past the grammar's end (a verify window's tail, dropped after)
 
