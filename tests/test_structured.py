@@ -247,7 +247,12 @@ def test_bad_constraints_are_refused_and_the_engine_serves_on(llm, spec, says):
     with pytest.raises((ValueError, TypeError)) as err:
         llm.generate("x", SamplingParams(max_tokens=4, structured=spec))
     assert says in str(err.value)
-    [out] = llm.generate("x", SamplingParams(max_tokens=4, temperature=0, structured={"choice": ["ok"]}))
+    since = llm.engine.timeline.next_seq()
+    good = SamplingParams(max_tokens=4, temperature=0, structured={"choice": ["ok"]})
+    with pytest.raises((ValueError, TypeError)):  # one bad constraint in a batch: nothing of it runs
+        llm.generate(["a", "b"], [good, SamplingParams(max_tokens=4, structured=spec)])
+    assert not llm.engine.timeline.read(since).requests and not llm.engine.has_unfinished_requests()
+    [out] = llm.generate("x", good)
     assert out.text == "ok"
 
 

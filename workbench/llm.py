@@ -52,6 +52,8 @@ class LLM(Engine):
     ) -> list[str]:
         # Validate everything first so one bad prompt submits nothing.
         encoded = [self.engine.encode_prompt(p, ids, chat) for p, ids, _ in batch]
+        for _, _, sp in batch:
+            self.engine.prepare(sp)  # a constraint compiles (or is refused) before anything runs
         submitted: list[str] = []
         try:
             for (p, _, sp), ids in zip(batch, encoded):

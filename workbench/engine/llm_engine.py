@@ -171,26 +171,22 @@ class LLMEngine:
         )
         if grammar is not None:
             grammar.uses += 1
-            how = (
-                f"compiled in {grammar.ms:.1f} ms" if grammar.uses == 1 else f"cached (compiled in {grammar.ms:.1f} ms)"
-            )
-            self.timeline.add_request(seq.metrics.arrival, request_id, "grammar", f"{grammar.kind} {how}")
+            if grammar.uses == 1:  # compiled for this request (counted here, on the step loop's thread)
+                self.totals["grammar_compiles"] += 1
+            detail = f"compiled in {grammar.ms:.1f} ms"
+            detail = detail if grammar.uses == 1 else f"cached ({detail})"
+            self.timeline.add_request(seq.metrics.arrival, request_id, "grammar", f"{grammar.kind} {detail}")
         return request_id
 
     def prepare(self, params: SamplingParams | None) -> None:
         """What a request needs before it is added, done off the step loop by an engine process's
-        tokenizer thread: its grammar compiled (an invalid one raises ValueError here)."""
+        tokenizer thread: its grammar compiled (an invalid one raises ValueError here). Touches
+        only the grammar cache (thread-safe)."""
         if params is not None:
             self._grammar(params)
 
     def _grammar(self, params: SamplingParams) -> structured.Compiled | None:
-        if params.structured is None:
-            return None
-        cached = self.grammars.cached(params.structured)
-        compiled = self.grammars.get(params.structured)
-        if not cached:
-            self.totals["grammar_compiles"] += 1
-        return compiled
+        return None if params.structured is None else self.grammars.get(params.structured)
 
     def _answer_from_cache(self, request_id: str, prompt, ids: list[int], hit: RequestOutput, arrival) -> str:
         """An exact repeat: the earlier answer under this request's id, at the next step, no step run."""
