@@ -194,12 +194,33 @@ def test_metric_and_status_keys_are_defined_once():
 
 
 def test_event_kinds_are_defined_once():
-    """The event kinds live in `ipc.protocol.EVENT_KINDS`; no other module spells the list out."""
+    """The event kinds live in `events.EVENT_KINDS`; no other module spells the list out."""
     import re
 
     spelled = re.compile(r"""["']timeline["'],\s*["']settings["'],\s*["']relayout["']""")
     found = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if spelled.search(p.read_text())]
-    assert found == ["ipc/protocol.py"], found
+    assert found == ["events.py"], found
+
+
+def _transport_users(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of the engine process's wire protocol from outside its package."""
+    return sorted(
+        (mod, dep)
+        for mod, deps in graph.items()
+        for dep in deps
+        if dep.startswith("workbench.ipc.protocol") and not mod.startswith("workbench.ipc")
+    )
+
+
+def test_shared_types_are_not_the_transports():
+    """Errors, events and limits live in `errors`, `events` and `settings`: a client or front that
+    imports them from `ipc.protocol` (so an HTTP client would raise an IPC error) fails here."""
+    known = _modules()
+    graph = {name: _imports(name, path, known) for name, path in known.items()}
+    assert _transport_users(graph) == []
+    assert _transport_users({"workbench.remote.wire": {"workbench.ipc.protocol.EngineDeadError"}}) == [
+        ("workbench.remote.wire", "workbench.ipc.protocol.EngineDeadError")
+    ]
 
 
 # The layers, bottom up. The core serves requests (engine, models, transports, HTTP front, the
@@ -213,6 +234,7 @@ CORE = {
     "remote",
     "http",
     "events",
+    "errors",
     "interface",
     "outputs",
     "reports",

@@ -11,13 +11,23 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-from .ipc.protocol import Event
+import msgspec
 
 log = logging.getLogger("workbench.client")
 
 POLL_S = 0.5  # longest a waiting caller sleeps before re-checking (keeps Ctrl-C responsive)
 
 _CLOSED = object()
+EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
+METRICS_EVERY_S = 1.0  # how often every engine (process, in-process, remote client) publishes "metrics"
+
+
+class Event(msgspec.Struct):
+    """What subscribers receive. ``data`` is a `Timeline` for "timeline" events, else a dict."""
+
+    kind: str
+    time: float
+    data: Any
 
 
 class EventSubscription:

@@ -98,7 +98,7 @@ class Engine(abc.ABC):
     def events(
         self, kinds: Iterable[str] | str | None = None, *, maxsize: int = 10_000, timeout: float = 10.0
     ) -> EventSubscription:
-        """Subscribe to engine events (`ipc.protocol.EVENT_KINDS`); returns once the subscription
+        """Subscribe to engine events (`events.EVENT_KINDS`); returns once the subscription
         is live, so no event published after this call returns is missed."""
         return self._subscribe(EventSubscription(self, kinds, maxsize=maxsize), timeout)
 

@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .engine.llm_engine import LLMEngine
-from .events import EventSubscription
+from .events import METRICS_EVERY_S, Event, EventSubscription
 from .interface import Engine, request_ids
-from .ipc.protocol import METRICS_EVERY_S, Event
 from .outputs import StreamChunk
 
 

@@ -22,6 +22,12 @@ from traitlets import Bool, Enum, HasTraits, Int, TraitError, Unicode
 
 LIVE, RELAYOUT, RELOAD, RESTART = "live", "relayout", "reload", "restart"
 
+# An engine process's limits (flags of `workbench serve`, not engine settings). Admission: what may
+# wait before new requests are refused (EngineBusyError); the HTTP front bounds its own text alike.
+DEFAULT_MAX_QUEUED_CHARS = 64 << 20  # prompt text waiting for the tokenizer
+DEFAULT_MAX_QUEUED_TOKENS = 1 << 22  # prompt tokens of requests admitted but not yet running
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, how long running requests may finish
+
 
 class EngineSettings(HasTraits):
     batching = Enum(["continuous", "static", "off"], default_value="continuous").tag(

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import EventSubscription
+from ..errors import EngineDeadError, WorkbenchIPCError
+from ..events import Event, EventSubscription
 from ..interface import Engine, closed_at_exit, deliver, request_ids
-from ..ipc.protocol import EngineDeadError, Event, WorkbenchIPCError
 from ..outputs import StreamChunk
 from ..reports import combine_metrics
 from ..timeline import Timeline, TimelineRecorder

@@ -34,9 +34,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..ipc.protocol import DEFAULT_MAX_QUEUED_CHARS
 from ..outputs import RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
+from ..settings import DEFAULT_MAX_QUEUED_CHARS
 from ..tokenizer import lower_thread_priority
 from .metrics import CONTENT_TYPE, FrontMetrics
 from .protocol import (
@@ -382,7 +382,7 @@ class Front:
 
 def engine_error(exc: BaseException) -> APIError:
     """An engine-side exception as the HTTP error it deserves."""
-    from ..ipc.protocol import EngineBusyError, EngineDeadError, EngineDrainingError, WorkbenchIPCError
+    from ..errors import EngineBusyError, EngineDeadError, EngineDrainingError, WorkbenchIPCError
 
     if isinstance(exc, APIError):
         return exc

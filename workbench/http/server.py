@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..ipc.protocol import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUED_CHARS
+from ..settings import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUED_CHARS
 from .protocol import DEFAULT_MAX_BODY_MB, DEFAULT_READ_TIMEOUT_S
 
 log = logging.getLogger("workbench.http")

@@ -25,8 +25,20 @@ from typing import Any
 
 import msgspec
 
+from ..errors import (  # carried over the wire by name (error_to_wire / error_from_wire)
+    EngineBusyError,
+    EngineConnectError,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineError,
+    EngineStartError,
+    ProtocolMismatchError,
+    WorkbenchIPCError,
+)
+from ..events import EVENT_KINDS, METRICS_EVERY_S, Event
 from ..outputs import StreamChunk
 from ..sampling_params import SamplingParams
+from ..settings import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_MAX_QUEUED_TOKENS
 
 PROTOCOL_VERSION = 1
 MAGIC = b"WB"
@@ -34,46 +46,7 @@ HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 # Decoding a message holds the GIL (a 16 MiB list of token ids takes ~70 ms, every thread of the
 # engine waiting), so the default stays at the HTTP front's body limit; larger batches: split them.
 DEFAULT_MAX_MESSAGE_MB = 16
-# Admission: what may wait in the engine process before new requests are refused (EngineBusyError).
-DEFAULT_MAX_QUEUED_CHARS = 64 << 20  # prompt text waiting for the tokenizer
-DEFAULT_MAX_QUEUED_TOKENS = 1 << 22  # prompt tokens of requests admitted but not yet running
-DEFAULT_DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, how long running requests may finish
-METRICS_EVERY_S = 1.0  # how often every engine (process, in-process, remote client) publishes "metrics"
 START_FAILED = "ENGINE START FAILED:"  # the log line start_engine quotes when the engine cannot start
-
-
-class WorkbenchIPCError(RuntimeError):
-    """Base of the errors raised by the IPC layer itself."""
-
-
-class ProtocolMismatchError(WorkbenchIPCError):
-    """The other side sent something this version of the protocol does not understand."""
-
-
-class EngineError(WorkbenchIPCError):
-    """An exception raised in the engine whose type is not re-raised as itself."""
-
-
-class EngineDeadError(WorkbenchIPCError):
-    """The engine process is gone (crashed, killed or shut down) or stopped answering."""
-
-
-class EngineBusyError(WorkbenchIPCError):
-    """The engine's queue is full (prompt text waiting to be tokenized, or prompt tokens waiting
-    to run): the request was refused, nothing else changed; retry later."""
-
-
-class EngineDrainingError(WorkbenchIPCError):
-    """The engine is shutting down (draining after a signal): it finishes what it accepted and
-    takes nothing new; retry on another engine, or on this one once it is back."""
-
-
-class EngineConnectError(WorkbenchIPCError, ConnectionError):
-    """No engine answered the handshake."""
-
-
-class EngineStartError(WorkbenchIPCError):
-    """The engine process exited, or never became ready, while starting."""
 
 
 # -- client -> engine ---------------------------------------------------------------------------
@@ -153,17 +126,6 @@ class EventMsg(msgspec.Struct, array_like=True):
     kind: str  # "timeline" | "settings" | "relayout" | "metrics" | "engine" | "sync"
     time: float  # time.monotonic() in the engine
     data: msgspec.Raw
-
-
-class Event(msgspec.Struct):
-    """What subscribers receive. ``data`` is a `Timeline` for "timeline" events, else a dict."""
-
-    kind: str
-    time: float
-    data: Any
-
-
-EVENT_KINDS = ("timeline", "settings", "relayout", "metrics", "engine")
 
 
 # -- codecs -------------------------------------------------------------------------------------
@@ -307,3 +269,21 @@ def error_from_wire(err: ErrorInfo) -> BaseException:
     if cls is not None:
         return cls(err.message)
     return EngineError(f"{err.type}: {err.message}")
+
+
+__all__ = [  # the shared types this module re-exports, besides its own
+    "EVENT_KINDS",
+    "METRICS_EVERY_S",
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "DEFAULT_MAX_QUEUED_CHARS",
+    "DEFAULT_MAX_QUEUED_TOKENS",
+    "Event",
+    "EngineBusyError",
+    "EngineConnectError",
+    "EngineDeadError",
+    "EngineDrainingError",
+    "EngineError",
+    "EngineStartError",
+    "ProtocolMismatchError",
+    "WorkbenchIPCError",
+]

@@ -22,7 +22,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..ipc.protocol import EVENT_KINDS
+from ..events import EVENT_KINDS
 from .reducer import ExpertLoad, TimelineReducer
 from .session import EngineSession, _local_name, get_session
 from .views import TimelineView

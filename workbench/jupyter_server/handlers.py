@@ -35,7 +35,7 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.utils import url_path_join
 from tornado import websocket
 
-from ..ipc.protocol import EVENT_KINDS
+from ..events import EVENT_KINDS
 from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, finite_or_none, history_window
 from .hub import EngineHub
 
@@ -46,7 +46,7 @@ STATUS_POLL_S = 1.0  # how often a websocket checks that its engine is still ali
 
 
 def _error_status(exc: BaseException) -> int:
-    from ..ipc.protocol import EngineConnectError, EngineDeadError, EngineStartError, WorkbenchIPCError
+    from ..errors import EngineConnectError, EngineDeadError, EngineStartError, WorkbenchIPCError
 
     if isinstance(exc, (ValueError, TypeError, KeyError)):
         return 400
@@ -80,7 +80,7 @@ class BaseHandler(APIHandler):
         self.finish(json.dumps(_jsonable(value)))
 
     def fail(self, exc: BaseException, name: str | None = None) -> None:
-        from ..ipc.protocol import EngineDeadError
+        from ..errors import EngineDeadError
 
         status = _error_status(exc)
         if isinstance(exc, EngineDeadError) and name:

@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 
-from ..events import EventSubscription
+from ..errors import EngineConnectError, EngineDeadError, WorkbenchIPCError
+from ..events import METRICS_EVERY_S, Event, EventSubscription
 from ..interface import Engine, closed_at_exit, deliver, request_ids
-from ..ipc.protocol import METRICS_EVERY_S, EngineConnectError, EngineDeadError, Event, WorkbenchIPCError
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..timeline import Timeline, TimelineRecorder, prompt_label

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from ..ipc.protocol import EngineDeadError, WorkbenchIPCError
+from ..errors import EngineDeadError, WorkbenchIPCError
 from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .prometheus import metrics_prefix

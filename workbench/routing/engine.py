@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
+from ..errors import EngineDeadError
 from ..interface import Engine, deliver, request_ids
-from ..ipc.protocol import EngineDeadError
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk
 from ..reports import combine_metrics
 from ..timeline import Timeline, TimelineRecorder
@@ -586,7 +586,7 @@ class RoutedEngine(Engine):
     def _member_failed(self, name: str, e: BaseException) -> bool:
         """Mark the member down when `e` means its engine is gone (True); a refusal of one
         request (bad input) leaves it up (False)."""
-        from ..ipc.protocol import EngineConnectError, EngineDrainingError
+        from ..errors import EngineConnectError, EngineDrainingError
 
         if self.members[name].alive and not isinstance(e, (EngineDeadError, EngineConnectError, EngineDrainingError)):
             return False
@@ -723,7 +723,7 @@ class RoutedEngine(Engine):
     def _publish_loop(self) -> None:
         """The router's timeline (its decisions and the members' steps) and metrics, as events: what
         an engine process publishes, so the same views follow a router."""
-        from ..ipc.protocol import Event
+        from ..events import Event
 
         cursor, last_metrics = self.recorder.cursor, 0.0
         while not self._closed:
