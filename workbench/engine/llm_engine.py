@@ -338,9 +338,8 @@ class LLMEngine:
         def choose(rows: torch.Tensor, row_seqs: list[Sequence]) -> list[int]:
             nonlocal drawing
             start = time.monotonic()
-            out = sampler.sample(
-                rows, row_seqs, self.outputs.eos_ids
-            )  # before the tokens are appended: penalties read them
+            # before the tokens are appended: penalties read them
+            out = sampler.sample(rows, row_seqs, self.outputs.eos_ids)
             drawing += time.monotonic() - start
             return out
 

@@ -236,15 +236,15 @@ class SpeculativeDecoder:
         request's drafts are judged under its grammar's masks."""
         draft = seq.spec_tokens
         base = len(seq)
-        if seq.grammar is not None and seq.params.greedy:
+        tokens = None
+        if seq.grammar is not None:
             start = time.monotonic()
-            tokens = seq.grammar.greedy_accept(logits, draft)
-            self.mask_ms += (time.monotonic() - start) * 1e3
-        else:
-            if seq.grammar is not None:
-                start = time.monotonic()
+            if seq.params.greedy:
+                tokens = seq.grammar.greedy_accept(logits, draft)
+            else:
                 logits = seq.grammar.mask_window(logits, draft)
-                self.mask_ms += (time.monotonic() - start) * 1e3
+            self.mask_ms += (time.monotonic() - start) * 1e3
+        if tokens is None:
             tokens = accept(seq, logits, draft, seq.spec_probs)
         accepted = len(tokens) - 1
         if seq.spec_jump:

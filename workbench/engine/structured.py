@@ -167,17 +167,13 @@ class GrammarState:
         """Greedy verification of `draft` against a verify row's logits [len(draft)+1, V] under the
         grammar: the drafts kept and one more token, as `speculative.accept` finds them on masked
         logits. A position is masked only where the grammar refuses its argmax."""
-        import xgrammar as xgr
-
         top = logits.max(-1).indices.tolist()  # max: argmax's first maximum, faster on a CPU (sampler.py)
         out, fed = [], 0
         for i in range(len(draft) + 1):
             pick = top[i]
             if not self.allows(pick):
                 row = logits[i : i + 1].clone()
-                bitmask = xgr.allocate_token_bitmask(1, logits.shape[-1])
-                self.matcher.fill_next_token_bitmask(bitmask, 0)
-                xgr.apply_token_bitmask_inplace(row, bitmask)
+                apply_masks(row, {0: self})  # the matcher stands after the drafts before position i
                 pick = int(row.argmax())
             out.append(pick)
             if i == len(draft) or pick != draft[i] or not self.matcher.accept_token(draft[i]):

@@ -510,9 +510,7 @@ class EngineServer:
         except Exception as e:
             self.send(ident, Rejected(ids, error_to_wire(e)))
             return
-        grammars = self.engine.grammars
-        new_grammar = any(r.params and r.params.structured and not grammars.cached(r.params.structured) for r in reqs)
-        if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing and not new_grammar:
+        if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing and not self._new_grammar(reqs):
             # Small, and nothing ahead of it: tokenizing here (under a millisecond) costs less
             # than the hand-over to the tokenizer thread and back. A grammar not seen before is
             # compiled there too (a large schema takes seconds).
@@ -522,6 +520,11 @@ class EngineServer:
             self._tokenizing[rid] = ident
         self._tokenizing_chars += chars
         self._tokenize_q.put((ident, msg, chars))
+
+    def _new_grammar(self, reqs) -> bool:
+        """Whether a request names a constraint not compiled yet (compiled on the tokenizer thread)."""
+        grammars = self.engine.grammars
+        return any(r.params and r.params.structured and not grammars.cached(r.params.structured) for r in reqs)
 
     def _admit(self, chars: int) -> None:
         """Refuse new work while too much waits (one message is always let into an empty queue:
