@@ -19,6 +19,7 @@
 // so both share one thread pool.
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -764,17 +765,24 @@ static inline void tile_group(const bf16 *x, const bf16 *wp, const bf16 *bias, b
 #endif
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W packed by cpu.pack_tiles; K even. Inside the caller's
-// parallel region (all threads call it). Groups of 64 outputs are handed out dynamically: a thread
-// preempted by another process does not hold the other at a static share's end.
+// parallel region (all threads call it). Tasks (a group of 64 outputs over a part of the rows) are
+// handed out dynamically: a thread preempted by another process does not hold the other at a
+// static share's end. The rows are split into parts until the tasks divide evenly among the
+// threads: SmolLM2's 576 outputs are 9 groups, which two threads took 5 and 4 (a tenth of those
+// GEMMs idle); the parts read their group's weights once each, from the caches after the first.
 static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
 #if WB_BF16_DOT
-    int64_t groups = (N + TN - 1) / TN, KP = K / 2;
+    int64_t groups = (N + TN - 1) / TN, KP = K / 2, row_tiles = (M + TM - 1) / TM, threads = omp_get_num_threads();
+    int64_t parts = 1;
+    while (parts < row_tiles && (groups * parts) % threads && groups * parts < 8 * threads) parts++;
+    int64_t part_rows = (row_tiles + parts - 1) / parts * TM;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t task = 0; task < groups * parts; task++) {
+        int64_t g = task / parts, first = task % parts * part_rows, last = first + part_rows < M ? first + part_rows : M;
         const bf16 *next = g + 1 < groups ? wp + (g + 1) * KP * TN * 2 : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += TM) {
-            const bf16 *pf = m0 == 0 ? next : NULL;
-            switch (M - m0 < TM ? M - m0 : TM) {
+        for (int64_t m0 = first; m0 < last; m0 += TM) {
+            const bf16 *pf = m0 == first ? next : NULL;
+            switch (last - m0 < TM ? last - m0 : TM) {
             case 1: tile_group(x, wp, bias, y, N, K, g, pf, m0, 1); break;
             case 2: tile_group(x, wp, bias, y, N, K, g, pf, m0, 2); break;
             case 3: tile_group(x, wp, bias, y, N, K, g, pf, m0, 3); break;
@@ -1360,6 +1368,13 @@ static inline __attribute__((always_inline)) void ext_score(vf s, float scale, i
     *mx = vf_max(*mx, sv);
 }
 
+// one key's probabilities for the tile's lanes: exp(score - max), zero where masked (m > 0: on the
+// diagonal, later than some of the tile's queries)
+static inline __attribute__((always_inline)) vf ext_prob(const float *st, vf max, int64_t m, float keep[][16]) {
+    vf e = vf_exp_nonpos(vf_sub(vf_load(st), max));
+    return m > 0 ? vf_mul(e, vf_load(keep[m])) : e;
+}
+
 static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, bf16 *out,
                         int64_t row0, int64_t nq, int64_t p0, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
                         int64_t bs, float scale) {
@@ -1464,25 +1479,23 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             vf corr = corrs[g] = vf_exp(vf_sub(run_max[g], new_max));
             run_max[g] = new_max;
             vf sum = vf_zero();
-            for (int64_t t = 0; t < cn; t++) {
-                int64_t m = c0 + t - p0;
-                float *st = sc + (g * chunk + t) * 16;
-                vf e = vf_exp(vf_sub(vf_load(st), new_max));
-                if (m > 0) e = vf_mul(e, vf_load(keep[m]));
-                sum = vf_add(sum, e);
-                vf_store(st, vf_round_bf(e));
-            }
-            run_sum[g] = vf_add(vf_mul(run_sum[g], corr), sum);
             float *ag = acc + g * D * 16, *sg = sc + g * chunk * 16;
 #if WB_BF16_DOT
-            // probabilities of key pairs, as the values: lane j = (p_j[t], p_j[t+1]) (odd tail: p = 0)
+            // probabilities of key pairs, as the values: lane j = (p_j[t], p_j[t+1]) in bf16 (odd
+            // tail: p = 0), packed in place straight from the fp32 exps (pair t / 2 is written after
+            // keys t and t + 1 are read)
             for (int64_t t = 0; t < cn; t += 2) {
-                __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(vf_load(sg + t * 16)), 16);
-                __m512i hi = t + 1 < cn ? _mm512_and_si512(_mm512_castps_si512(vf_load(sg + (t + 1) * 16)),
-                                                           _mm512_set1_epi32((int)0xffff0000u))
-                                        : _mm512_setzero_si512();
-                _mm512_storeu_si512(sg + t / 2 * 16, _mm512_or_si512(lo, hi));  // packed in place
+                vf e = ext_prob(sg + t * 16, new_max, c0 + t - p0, keep);
+                sum = vf_add(sum, e);
+                __m512i pair = _mm512_cvtepu16_epi32(wb_narrow_bf(e));
+                if (t + 1 < cn) {
+                    e = ext_prob(sg + (t + 1) * 16, new_max, c0 + t + 1 - p0, keep);
+                    sum = vf_add(sum, e);
+                    pair = _mm512_or_si512(pair, _mm512_slli_epi32(_mm512_cvtepu16_epi32(wb_narrow_bf(e)), 16));
+                }
+                _mm512_storeu_si512(sg + t / 2 * 16, pair);
             }
+            run_sum[g] = vf_add(vf_mul(run_sum[g], corr), sum);
             if (shared) continue;  // P.V below, all heads at once
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 vf a[16];
@@ -1495,6 +1508,12 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                 for (int i = 0; i < 16; i++) vf_store(ag + (d0 + i) * 16, a[i]);
             }
 #else
+            for (int64_t t = 0; t < cn; t++) {
+                vf e = ext_prob(sg + t * 16, new_max, c0 + t - p0, keep);
+                sum = vf_add(sum, e);
+                vf_store(sg + t * 16, vf_round_bf(e));
+            }
+            run_sum[g] = vf_add(vf_mul(run_sum[g], corr), sum);
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 vf a[16];
                 for (int i = 0; i < 16; i++) a[i] = vf_mul(vf_load(ag + (d0 + i) * 16), corr);

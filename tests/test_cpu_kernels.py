@@ -221,12 +221,20 @@ def test_linear_native_switch_keeps_results(native_variant, seed):
 @pytest.mark.parametrize(
     "m,n,k", [(9, 576, 576), (13, 100, 64), (64, 3072, 576), (70, 576, 1536), (300, 17, 2), (6, 64, 40), (1, 130, 98)]
 )
-def test_bf16_tiles_equal_the_exact_product(m, n, k):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bf16_tiles_equal_the_exact_product(m, n, k, threads):
     """Whole and partial tiles (rows past a multiple of 6, outputs past a multiple of 64 and of 16),
-    with and without bias: fp32 sums, one rounding, within an ulp of the exact result."""
+    with and without bias: fp32 sums, one rounding, within an ulp of the exact result. On 2 and 3
+    threads, groups of outputs that do not divide among them are split by rows too (9 groups on 2
+    threads: two parts each)."""
     if not cpu.tiles_available():
         pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
-    check_bf16_product(lambda x, w, b: cpu.Tiles(w, b)(x), m, n, k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_bf16_product(lambda x, w, b: cpu.Tiles(w, b)(x), m, n, k)
+    finally:
+        torch.set_num_threads(before)
     with pytest.raises(ValueError, match="even number of inputs"):
         cpu.pack_tiles(torch.zeros(4, 3, dtype=BF))
 

@@ -4,6 +4,7 @@ moves by a third within a minute, so separate runs cannot be compared).
     python docs/probes/ab_kernels.py gemv avx2 old=/tmp/old/cpu_kernels.c new=kernels/cpu_kernels.c
     python docs/probes/ab_kernels.py attention avx512_bf16 old=... new=...
 
+tiles: SmolLM2's 120 linears of a step of M rows (env M, default 176) on the bf16 tiles, GFLOP/s.
 gemv: SmolLM2's 121 bf16 GEMVs of a token (M activation rows, env M, default 1), GB/s of weights;
 GEMV=ymm for the ymm-register GEMVs, HUGE=1 for weights in 2 MiB pages (both as the engine on Zen 4).
 quant: the same token as `quantization=int4` runs it: 120 int4 GEMVs (groups of 32) and the int8
@@ -100,6 +101,22 @@ elif what == "quant":
 
         fns[name] = run
     unit, scale = "GB/s", sum(a.numel() * a.element_size() + b.numel() * b.element_size() for _, a, b, *_ in ops) / 1e9
+elif what == "tiles":
+    M = int(os.environ.get("M", "176"))
+    layers = 1
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+    packed = [cpu.pack_tiles((torch.randn(n, k, generator=g) * 0.02).bfloat16()) for n, k in shapes]
+    xs = {k: torch.randn(M, k, generator=g).bfloat16() for _, k in shapes}
+    ys = [torch.empty(M, n, dtype=torch.bfloat16) for n, _ in shapes]
+    fns = {}
+    for name, lib in libs.items():
+        f = lib.wb_gemm_tiles
+        f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        fns[name] = lambda f=f: (
+            [f(xs[k].data_ptr(), w.data_ptr(), None, y.data_ptr(), M, n, k) for w, (n, k), y in zip(packed, shapes, ys)]
+            and torch.cat([y.flatten() for y in ys])
+        )
+    unit, scale = "GFLOP/s", sum(2 * M * n * k for n, k in shapes) / 1e9
 elif what in ("attention", "extend"):
     Hq, Hkv, D, bs = 9, 3, 64, 16
     if what == "attention":
@@ -139,7 +156,7 @@ elif what in ("attention", "extend"):
     else:  # QK and PV over the causal pairs of every query head
         unit, scale = "GFLOP/s", layers * S * Hq * 4 * D * (N * ctx + N * (N + 1) / 2) / 1e9
 else:
-    raise SystemExit(f"unknown probe {what!r}; allowed: gemv, quant, attention, extend")
+    raise SystemExit(f"unknown probe {what!r}; allowed: gemv, quant, tiles, attention, extend")
 
 best, outs = dict.fromkeys(fns, float("inf")), {}
 for _ in range(8):
