@@ -250,6 +250,8 @@ def _reducer_messages(with_sources: bool = False):
                 [("aaaaaa1", 1, "decode"), ("bbbbbb2", 4, "prefill")],
                 num_prefill_tokens=4,
                 num_decode_tokens=1,
+                target_ms=400.0,  # the step-time target cut the prompt's chunk
+                predicted_ms=392.4,
             ),
             step(8, 10.2, "decode", [("aaaaaa1", 1, "decode"), ("bbbbbb2", 1, "decode")], num_decode_tokens=2),
         ],
@@ -294,6 +296,7 @@ def test_messages_carry_the_notebook_reducers_columns_and_palette():
     assert delta["columns"]["lanes"]["state"] == expected["lanes"]["state"]
     assert delta["columns"]["lanes"]["left"] == [round(t, 6) for t in expected["lanes"]["left"]]
     assert delta["columns"]["steps"]["phase"] == ["mixed", "decode"]
+    assert delta["columns"]["steps"]["bound"] == ["cut to the 400 ms step target (predicted 392 ms)", "-"]
     assert delta["columns"]["steps"]["color"] == [PHASE_COLORS["mixed"], PHASE_COLORS["decode"]]
     assert all("batch" not in s for s in snapshot["timeline"]["steps"] + delta["timeline"]["steps"])  # sent once
     # lanes are named by their prompt's start (else the request id); a settings change is a marker

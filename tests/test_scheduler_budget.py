@@ -11,7 +11,14 @@ import random
 import pytest
 
 from workbench import LLM, SamplingParams
-from workbench.engine.scheduler import attention_context_of, chunk_cost, chunk_within
+from workbench.engine.scheduler import (
+    CHUNK_ALIGN,
+    attention_context_of,
+    chunk_cost,
+    chunk_in_time,
+    chunk_within,
+    time_units,
+)
 
 
 def _brute(context: int, n: int, c0: float) -> float:
@@ -27,9 +34,11 @@ def test_chunk_cost_is_one_a_token_until_the_attention_context_then_grows():
     assert chunk_cost(0, 1000, 1389.7) == 1000  # short contexts: the token budget as before
     assert chunk_cost(0, 1000, None) == 1000
     for context in (0, 500, 3000, 7000):
-        n = chunk_within(context, 8000, 1024, 1389.7)
-        assert chunk_cost(context, n, 1389.7) <= 1024 < chunk_cost(context, n + 1, 1389.7) or n == 8000
+        n = chunk_within(context, 8000, 1024, 1389.7)  # the most whole tiles within the budget
+        assert n % CHUNK_ALIGN == 0 and chunk_cost(context, n, 1389.7) <= 1024 < chunk_cost(context, n + 16, 1389.7)
     assert chunk_within(7000, 5, 0.5, 100.0) == 1  # always progress
+    assert chunk_within(7000, 20, 1024, 1389.7) == 20  # a prompt's last chunk is not cut to a tile
+    assert chunk_within(0, 8000, 1016, None) == 1016  # counting tokens only: the budget as it is
 
 
 def test_the_embedded_models_attention_context():
@@ -90,10 +99,26 @@ def test_while_requests_decode_the_step_keeps_its_time_target(tiny):
         rid = outs[1].request_id
         steps = [s for s in llm.timeline().steps if any(b.request_id == rid and b.kind == "prefill" for b in s.batch)]
         sizes = [next(b.num_tokens for b in s.batch if b.request_id == rid) for s in steps]
-        return sizes, [o.token_ids for o in outs], llm.engine.scheduler.ms_per_unit
+        bounds = [(s.target_ms, s.predicted_ms) for s in steps]
+        return sizes, [o.token_ids for o in outs], llm.engine.scheduler.ms_per_unit, bounds
 
-    capped, capped_tokens, rate = chunks(1)
-    free, free_tokens, _ = chunks(0)
+    capped, capped_tokens, rate, bounds = chunks(1)
+    free, free_tokens, _, free_bounds = chunks(0)
     assert rate is not None and rate > 0
     assert max(capped[1:]) <= MIN_CAPPED_BUDGET < max(free[1:-1]), (capped, free)
     assert capped_tokens == free_tokens  # only where the chunks end moved
+    # the timeline says which steps the target cut, and the time predicted for what was left
+    assert bounds[0] == (0.0, 0.0) and all(t == 1.0 and p > 0 for t, p in bounds[1:-1]), bounds
+    assert set(free_bounds) == {(0.0, 0.0)}
+
+
+def test_step_time_is_predicted_linear_in_context():
+    """A token counts one time unit plus its context over the time context; the capped chunk is
+    the most whole tiles whose units fit what the target leaves."""
+    assert time_units(0, 10, None) == 10
+    assert time_units(100, 4, 50.0) == pytest.approx(sum(1 + (100 + i) / 50 for i in range(4)))
+    for context, left in ((0, 300.0), (4000, 300.0), (7000, 900.0)):
+        n = chunk_in_time(context, 8000, left, 2560.0)
+        assert n % CHUNK_ALIGN == 0 and time_units(context, n, 2560.0) <= left < time_units(context, n + 16, 2560.0)
+    assert chunk_in_time(7000, 10, 1e9, 2560.0) == 10  # it all fits: the whole rest
+    assert chunk_in_time(7000, 100, 0.5, 2560.0) == 0  # nothing fits (the step's first prefill gets a floor)

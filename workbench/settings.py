@@ -52,11 +52,11 @@ class EngineSettings(HasTraits):
         doc="a prefill chunk's tokens past the model's attention context count for their attention too, so "
         "long prompts take smaller chunks and no step stalls the decodes beside it",
     )
-    step_time_target_ms = Int(400, min=0, max=600_000).tag(
+    step_time_target_ms = Int(350, min=0, max=600_000).tag(
         label="Step time target (ms)",
         kind=LIVE,
-        doc="while requests decode, cap a step's prefill work so the step is predicted (from recent steps) to "
-        "take at most this long: their worst gap between tokens; 0: off",
+        doc="while requests decode, cap a step's prefill work so the step is predicted (from recent steps' time "
+        "per token and attended position) to take at most this long: their gap between tokens; 0: off",
     )
     kv_cache = Bool(True).tag(
         label="KV cache",

@@ -61,6 +61,10 @@ class StepEvent(msgspec.Struct, omit_defaults=True):
     # MoE models: per MoE layer, how many tokens each expert received in this step
     expert_counts: list[list[int]] = msgspec.field(default_factory=list)
     parts: dict[str, float] = msgspec.field(default_factory=dict)  # STEP_PARTS -> ms (a simulated step: none)
+    # the step-time target that cut this step's prefill (step_time_target_ms) and the time predicted
+    # for the step it left; 0: no target cut it
+    target_ms: float = 0.0
+    predicted_ms: float = 0.0
     replica: str = ""  # the replica that ran it, in a cluster's merged timeline
 
 

@@ -215,7 +215,8 @@ export class TimelineChart {
           ['tokens', '@tokens'],
           ['took', '@ms{0.0} ms'],
           ['drafts kept', '@spec'],
-          ['time went to', '@parts']
+          ['time went to', '@parts'],
+          ['bound', '@bound']
         ]
       })
     );

@@ -352,6 +352,7 @@ export interface IStepColumns {
   composition: string[];
   parts: string[];
   spec: string[]; // drafts accepted/proposed, and the tokens jump-forward kept
+  bound: string[]; // the step-time target that cut its prefill ("-": none)
 }
 
 /** The chart's step bars from the reducer's "steps" rows (all kept, or the new ones of a message). */
@@ -371,7 +372,8 @@ export function stepColumns(rows: Columns | undefined): IStepColumns {
     seq: col('seq'),
     composition: col('composition'),
     parts: col('parts'),
-    spec: col('spec')
+    spec: col('spec'),
+    bound: col('bound')
   };
 }
 

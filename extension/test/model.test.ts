@@ -178,6 +178,10 @@ describe('drawn columns: the Python reducer\'s', () => {
     st.apply(snap);
     const ch = st.apply(delta);
     expect(stepColumns(ch.newColumns.steps).phase).toEqual(['mixed', 'decode']);
+    expect(stepColumns(ch.newColumns.steps).bound).toEqual([
+      'cut to the 400 ms step target (predicted 392 ms)',
+      '-'
+    ]);
     expect(st.columns.steps.phase).toEqual(['prefill', 'mixed', 'decode']);
     const rc = requestColumns(st.columns.lanes);
     expect(rc.kind).toEqual(['queued', 'prefill', ...delta.columns!.lanes.state]);

@@ -36,7 +36,7 @@ from .hostload import HostSampler
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .response_cache import ResponseCache
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, attention_context_of
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, attention_context_of, time_context_of
 from .sequence import Sequence
 from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabulary
 
@@ -99,6 +99,7 @@ class LLMEngine:
         self.host = HostSampler()
         self.scheduler = Scheduler(s, num_blocks, self.timeline)
         self.scheduler.attention_context = attention_context_of(c)
+        self.scheduler.time_context = time_context_of(c)
         self.scheduler.set_kv_salt(kv_salt(s))
         self.event_hooks: list[Callable[[str, dict], None]] = []
         self.started = time.monotonic()

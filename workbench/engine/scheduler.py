@@ -13,10 +13,12 @@ The budget counts tokens, but a prefill chunk's work grows with its context: pas
 token of a chunk counts 1 + (context - attention_context) / attention_context, so a long prompt's
 later chunks get smaller and a step beside running decodes stays about as long as an early one
 (`attention_aware_budget`). Shorter contexts, decodes and verifies count one a token, as before.
-While requests decode, the budget is also capped so the step is predicted to take at most
-`step_time_target_ms` (their worst gap between tokens), at the milliseconds per budget unit that
-recent steps with prefill work took (learned in `record_step`, on the engine's clock or the
-simulator's).
+While requests decode, a step's prefill is also cut so the step is predicted to take at most
+`step_time_target_ms` (their worst gap between tokens). The prediction counts time units, each
+token one plus its context over the model's `time_context` (where a token's attention takes what its
+matmuls take), at the milliseconds per unit that recent steps with prefill work took (learned in
+`record_step`, on the engine's clock or the simulator's). Time is linear in those units at every
+context, so the learned rate holds as a prompt's context grows; the step records the bound.
 
 The scheduler owns every sequence's state and KV blocks: it admits, preempts and removes, and
 after each step `update_from_output` (and `update_after_verify`) advances what was computed,
@@ -53,6 +55,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     work: float = 0.0  # budget units the step used (tokens, long-context chunks counting more)
+    time_units: float = 0.0  # what its time is predicted from (time_units of each scheduled part)
+    time_target_ms: float = 0.0  # the step-time target in force (0: none)
+    time_capped: bool = False  # that target cut a prefill chunk of this step
     prefix_hit_tokens: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
@@ -73,6 +78,45 @@ class SchedulerOutput:
 
 
 MIN_CAPPED_BUDGET = 64  # the step-time cap never leaves a step less than this (a prefill must progress)
+# Prefill attention runs a tile of 16 queries at a time (the CPU extend kernel's lanes): a chunk of
+# 150 pays for 160, a tenth of its attention for nothing at long contexts, where attention is most
+# of a step.
+CHUNK_ALIGN = 16
+
+
+def _aligned(n: int) -> int:
+    """A cut chunk of `n` tokens cut down to whole tiles, where that leaves at least two. (A chunk
+    cut by a whole tile more, so that its tiles x KV heads divide evenly among two threads, gave
+    up more tokens than the idle thread it saved.)"""
+    return n - n % CHUNK_ALIGN if n >= 2 * CHUNK_ALIGN else n
+
+
+def _most(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [lo, hi] with fits(n), for a `fits` true up to some n and false after (lo
+    if none)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def time_units(context: int, n: int, time_context: float | None) -> float:
+    """`n` tokens after `context` computed ones in the units a step's time is linear in: each token
+    one, plus its context (the positions it attends to) over `time_context`."""
+    if not time_context or n <= 0:
+        return float(max(n, 0))
+    return n + (n * context + n * (n - 1) / 2) / time_context
+
+
+def chunk_in_time(context: int, todo: int, units: float, time_context: float | None) -> int:
+    """The most of `todo` prefill tokens after `context` whose time units fit `units` (maybe 0),
+    a chunk that is cut ending on a whole tile (`_aligned`)."""
+    if time_units(context, todo, time_context) <= units:
+        return todo
+    return _aligned(_most(0, todo - 1, lambda n: time_units(context, n, time_context) <= units))
 
 
 def chunk_cost(context: int, n: int, attention_context: float | None) -> float:
@@ -92,25 +136,18 @@ def chunk_cost(context: int, n: int, attention_context: float | None) -> float:
 
 
 def chunk_within(context: int, todo: int, budget: float, attention_context: float | None) -> int:
-    """The most of `todo` prefill tokens after `context` whose cost fits `budget` (at least one)."""
+    """The most of `todo` prefill tokens after `context` whose cost fits `budget` (at least one).
+    Counting work (`attention_context` given), a chunk the budget cuts ends on a whole tile."""
     n = min(todo, int(budget))
-    if not attention_context or n <= 1 or chunk_cost(context, n, attention_context) <= budget:
+    if not attention_context or n <= 1:
         return max(1, n)
-    lo, hi = 1, n  # cost grows with n: the largest n within the budget
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if chunk_cost(context, mid, attention_context) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    if chunk_cost(context, n, attention_context) > budget:
+        n = _most(1, n, lambda k: chunk_cost(context, k, attention_context) <= budget)
+    return _aligned(n) if n < todo else n
 
 
-def attention_context_of(config, attention_slower: float = 2.8) -> float:
-    """The context length at which one token's attention (QK and PV over every earlier position, in
-    every layer) costs as much as its matmuls, counting that attention runs `attention_slower` times
-    slower per FLOP than the matmuls (extend attention ~140 GFLOP/s against the bf16 tiles' ~390 on
-    a 2-vCPU Zen 4). SmolLM2-135M: ~1,400 tokens."""
+def _flops_per_token(config) -> tuple[float, float, float]:
+    """(the layers' matmul FLOPs, the LM head's, attention's per earlier position) of one token."""
     H, layers = config.hidden_size, config.num_hidden_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     per_layer = H * (q + 2 * kv) + q * H
@@ -118,9 +155,29 @@ def attention_context_of(config, attention_slower: float = 2.8) -> float:
     moe = getattr(config, "moe_layers", ()) or ()
     active = getattr(config, "num_experts_per_tok", 0) or 0
     expert = 3 * H * (getattr(config, "moe_intermediate_size", 0) or 0)
-    matmul = layers * per_layer + (layers - len(moe)) * dense + len(moe) * active * expert + config.vocab_size * H
-    attention = 4 * layers * q  # QK^T and PV, per earlier position
-    return 2 * matmul / (attention * attention_slower)
+    matmul = layers * per_layer + (layers - len(moe)) * dense + len(moe) * active * expert
+    return 2 * matmul, 2 * config.vocab_size * H, 4 * layers * q  # QK^T and PV per earlier position
+
+
+def attention_context_of(config, attention_slower: float = 2.8) -> float:
+    """The context length at which one token's attention (QK and PV over every earlier position, in
+    every layer) costs as much as its matmuls (the LM head's included), counting attention
+    `attention_slower` times dearer per FLOP: the budget's weight. SmolLM2-135M: ~1,400 tokens. It
+    weighs long contexts about twice what they take (see `time_context_of`): it makes a long
+    prompt's chunks shrink early; the step time is predicted from `time_context_of`."""
+    matmul, head, attention = _flops_per_token(config)
+    return (matmul + head) / (attention * attention_slower)
+
+
+def time_context_of(config, attention_slower: float = 1.2) -> float:
+    """The context length at which a prompt token's attention takes as long as its matmuls (the LM
+    head runs on a chunk's last token only), attention running `attention_slower` times slower per
+    FLOP: the step-time prediction's. 2026-12-06, a 2-vCPU Zen 4, an 8k prompt's chunks: extend
+    attention ~310 GFLOP/s, the bf16 tiles ~360-390; SmolLM2-135M: ~2,560 tokens, where those steps'
+    times put it at ~2,650. A host where the ratio differs is still predicted from the learned rate,
+    which then drifts as the context grows."""
+    matmul, _, attention = _flops_per_token(config)
+    return matmul / (attention * attention_slower)
 
 
 class Scheduler:
@@ -142,13 +199,24 @@ class Scheduler:
         self._kv_arrived: set[str] = set()
         # the model's attention context (attention_context_of), set by the engine; None: tokens only
         self.attention_context: float | None = None
-        self.ms_per_unit: float | None = None  # what recent steps with prefill work took per budget unit
+        self.time_context: float | None = None  # time_context_of the model, set by the engine; None: tokens
+        self.ms_per_unit: float | None = None  # what recent steps with prefill work took per time unit
 
-    def _prefill_chunk(self, seq: Sequence, todo: int, budget: float) -> tuple[int, float]:
-        """(tokens, budget units) of `seq`'s next prefill chunk within `budget`."""
+    def _prefill_chunk(self, seq: Sequence, todo: int, budget: float, out: SchedulerOutput) -> tuple[int, float]:
+        """(tokens, budget units) of `seq`'s next prefill chunk within `budget` and the time left
+        under the step-time target (`out.time_target_ms`; the step's first prefill gets at least
+        MIN_CAPPED_BUDGET tokens: a prompt always progresses)."""
         c0 = self.attention_context if self.settings.attention_aware_budget else None
-        n = chunk_within(seq.num_computed_tokens, todo, budget, c0)
-        return n, chunk_cost(seq.num_computed_tokens, n, c0)
+        context = seq.num_computed_tokens
+        n = chunk_within(context, todo, budget, c0)
+        if out.time_target_ms:
+            left = out.time_target_ms / self.ms_per_unit - out.time_units
+            timed = chunk_in_time(context, n, left, self.time_context)
+            if not any(s.kind == "prefill" for s in out.scheduled):
+                timed = max(timed, min(n, MIN_CAPPED_BUDGET))
+            out.time_capped |= timed < n
+            n = timed
+        return n, chunk_cost(context, n, c0)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -220,18 +288,16 @@ class Scheduler:
             seq.draft_computed = 0
 
     # -- policy ---------------------------------------------------------------------------------
-    def _step_budget(self) -> float:
-        """The token budget, capped while requests decode so the step keeps the time target."""
-        budget = float(self.settings.max_num_batched_tokens)
+    def _time_target(self) -> float:
+        """The step-time target in force: while requests decode, once a rate has been learned."""
         target = self.settings.step_time_target_ms
         if target and self.ms_per_unit and any(len(s) - s.num_computed_tokens <= 1 for s in self.running):
-            budget = min(budget, max(MIN_CAPPED_BUDGET, target / self.ms_per_unit))
-        return budget
+            return float(target)
+        return 0.0
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self._step_budget()
-        full = budget
+        out = SchedulerOutput(time_target_ms=self._time_target())
+        budget = full = float(self.settings.max_num_batched_tokens)
         policy = self.settings.batching
         max_seqs = 1 if policy == "off" else self.settings.max_num_seqs
 
@@ -246,11 +312,15 @@ class Scheduler:
                     break
                 seq = self.waiting.popleft()
                 self._admit(seq, out)
-                n, cost = self._prefill_chunk(seq, len(seq) - seq.num_computed_tokens, budget)
-                out.scheduled.append(ScheduledSeq(seq, n, "prefill"))
+                n, cost = self._prefill_chunk(seq, len(seq) - seq.num_computed_tokens, budget, out)
+                self._add(out, ScheduledSeq(seq, n, "prefill"))
                 budget -= cost
         out.work = full - budget
         return out
+
+    def _add(self, out: SchedulerOutput, s: ScheduledSeq) -> None:
+        out.scheduled.append(s)
+        out.time_units += time_units(s.seq.num_computed_tokens, s.num_tokens, self.time_context)
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> None:
         hit = self.bm.allocate(seq)
@@ -275,7 +345,7 @@ class Scheduler:
             todo = len(seq) + len(seq.spec_tokens) - seq.num_computed_tokens
             n, cost = min(todo, max(1, int(budget))), None
             if todo > 1 and not seq.spec_tokens:  # a prefill chunk: its attention may count
-                n, cost = self._prefill_chunk(seq, todo, budget)
+                n, cost = self._prefill_chunk(seq, todo, budget, out)
             while not self.bm.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -290,7 +360,7 @@ class Scheduler:
             if kind == "verify" and n < todo:  # budget cannot hold every draft token: drop them
                 seq.spec_tokens, seq.spec_probs, seq.spec_jump = [], None, False
                 n, kind = 1, "decode"
-            out.scheduled.append(ScheduledSeq(seq, n, kind))
+            self._add(out, ScheduledSeq(seq, n, kind))
             budget -= n if cost is None or kind != "prefill" else cost
             i += 1
         return budget
@@ -298,6 +368,9 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput | None, counted: bool = True) -> None:
         self.running.remove(seq)
         if out is not None:
+            for s in out.scheduled:
+                if s.seq is seq:
+                    out.time_units -= time_units(seq.num_computed_tokens, s.num_tokens, self.time_context)
             out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.bm.free(seq)
         self._kv_arrived.discard(seq.request_id)
@@ -369,9 +442,14 @@ class Scheduler:
         its time went (`timeline.STEP_PARTS`)."""
         batch = [BatchEntry(s.seq.request_id, s.num_tokens, s.kind) for s in sched.scheduled]
         prefill = sum(s.num_tokens for s in sched.scheduled if s.kind == "prefill")
-        if prefill and sched.work >= MIN_CAPPED_BUDGET and end > start:  # learn the time a unit of work takes
-            rate = (end - start) * 1e3 / sched.work
-            self.ms_per_unit = rate if self.ms_per_unit is None else 0.7 * self.ms_per_unit + 0.3 * rate
+        bound = {}
+        if sched.time_capped:  # the prediction the cut was made on (the rate it was scheduled at)
+            bound = {"target_ms": sched.time_target_ms, "predicted_ms": round(self.ms_per_unit * sched.time_units, 1)}
+        if prefill >= MIN_CAPPED_BUDGET and end > start:  # compute-bound: learn the time a unit takes
+            rate, old = (end - start) * 1e3 / sched.time_units, self.ms_per_unit
+            # a rate off by 2x is a new regime (the first steps' warm-up, a re-layout, another host
+            # load): taken at once, not averaged in over the next several steps
+            self.ms_per_unit = rate if old is None or not 0.5 < rate / old < 2 else 0.7 * old + 0.3 * rate
         used, total = self.kv_blocks
         self.timeline.add_step(
             start=start,
@@ -391,6 +469,7 @@ class Scheduler:
             output_tokens=output_tokens,
             expert_counts=expert_counts or [],
             parts=parts or {},
+            **bound,
         )
 
     # -- cache-wide -------------------------------------------------------------------------------

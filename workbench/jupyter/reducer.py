@@ -69,6 +69,13 @@ def _spec_text(accepted: int, proposed: int, jumped: int) -> str:
     return " · ".join(parts) or "-"
 
 
+def bound_text(target_ms: float, predicted_ms: float) -> str:
+    """What held a step's prefill back: "cut to the 400 ms step target (predicted 392 ms)"."""
+    if not target_ms:
+        return "-"
+    return f"cut to the {target_ms:g} ms step target (predicted {predicted_ms:.0f} ms)"
+
+
 COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": (
         "left",
@@ -89,6 +96,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "requests",
         "routing",
         "parts",
+        "bound",
         "replica",
     ),
     "lanes": ("left", "right", "bottom", "top", "lane", "request", "label", "state", "color", "tokens", "routed"),
@@ -464,6 +472,7 @@ class TimelineReducer:
             requests=self._listing(entries),
             routing=routing_text(_field(s, "expert_counts", None) or []),
             parts=parts_text(_field(s, "parts", None) or {}),
+            bound=bound_text(float(_field(s, "target_ms", 0) or 0), float(_field(s, "predicted_ms", 0) or 0)),
             replica=replica,
         )
         for rid, ntok, kind in entries:

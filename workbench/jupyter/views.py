@@ -148,6 +148,7 @@ class TimelineView:
                     ("KV blocks", "@kv"),
                     ("expert routing", "@routing"),
                     ("time went to", "@parts"),
+                    ("bound", "@bound"),  # the step-time target that cut its prefill
                 ],
             )
         )

@@ -49,6 +49,7 @@ DRAWN = {
         "decode_tokens",
         "composition",
         "parts",
+        "bound",
     ),
     "lanes": ("left", "right", "lane", "request", "label", "state", "color"),
     "changes": ("t", "end", "label", "by", "apply_ms", "relayout", "color"),

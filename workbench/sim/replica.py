@@ -49,7 +49,7 @@ class Replica:
         acceptance: float = 0.0,
         seed: int = 0,
         draft_cost=None,
-        attention_context: float | None = None,
+        contexts: tuple[float | None, float | None] = (None, None),
     ):
         self.index = index
         self.decode_only = decode_only  # a decode replica of a disaggregated layout
@@ -61,7 +61,8 @@ class Replica:
         self.draft_cost = draft_cost  # a draft model's forward, per proposing round (None: free proposals)
         self.timeline = TimelineRecorder(timeline_capacity)
         self.scheduler = Scheduler(settings, num_blocks, self.timeline, clock=lambda: self.t)
-        self.scheduler.attention_context = attention_context  # the model's, as the engine's scheduler has it
+        # the model's attention and time contexts, as the engine's scheduler has them
+        self.scheduler.attention_context, self.scheduler.time_context = contexts
         self.requests: dict[str, Request] = {}
         self.outstanding = 0  # tokens still to compute over its unfinished requests (the router's load)
         self.router: Router | None = None  # told of each request's tokens and end, as a cluster's is

@@ -227,17 +227,18 @@ class Simulator:
         self.device = device or "cpu"
         self.source = source or ("roofline" if isinstance(cost, RooflineCost) else "fitted")
 
-    def _attention_context(self) -> float | None:
-        """The model's attention context, for the scheduler's budget as the engine's counts it (None
-        where the model cannot be read here)."""
-        if not hasattr(self, "_attn_ctx"):
-            from ..engine.scheduler import attention_context_of
+    def _contexts(self) -> tuple[float | None, float | None]:
+        """The model's attention and time contexts, for the scheduler's budget and step-time target
+        as the engine's counts them ((None, None) where the model cannot be read here)."""
+        if not hasattr(self, "_ctx"):
+            from ..engine.scheduler import attention_context_of, time_context_of
 
             try:
-                self._attn_ctx = attention_context_of(model_config(self.model_name))
+                config = model_config(self.model_name)
+                self._ctx = (attention_context_of(config), time_context_of(config))
             except Exception:
-                self._attn_ctx = None
-        return self._attn_ctx
+                self._ctx = (None, None)
+        return self._ctx
 
     # -- construction from a live engine ------------------------------------------------------------
     @classmethod
@@ -508,7 +509,7 @@ class Simulator:
             timeline_capacity=timeline_capacity,
             acceptance=self._acceptance(spec_acceptance),
             draft_cost=self._draft_cost(s),
-            attention_context=self._attention_context(),
+            contexts=self._contexts(),
         )
         return s, self._cost_for(s), replica
 
