@@ -576,6 +576,45 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
         engine.generate(prompt_token_ids=[[255] * 500] * 5000, params=GREEDY)
 
 
+def test_a_flood_of_calls_is_answered_and_bounded(runtime_dir):
+    """A client that sends far faster than the step loop answers gets every call answered exactly
+    once: past MAX_PENDING_MESSAGES waiting, with an EngineBusyError saying so at once, instead of
+    the engine holding all of them (555k fuzzed messages once left it 10.4 GB resident). The loop
+    is held by a 4,000-token prefill step of the embedded model while 3,000 status calls arrive;
+    the prefill's own request is served as before."""
+    from workbench.ipc.server import MAX_PENDING_MESSAGES
+
+    eng = start_engine(None, name="flood", timeout=300, max_num_batched_tokens=4096, prefix_caching=False)
+    try:
+        info = conn.read_connection_file(runtime_dir / "flood.json")
+        long = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        with ThreadPoolExecutor(1) as pool:
+            served = pool.submit(eng.generate, prompt_token_ids=[[7 + i % 900 for i in range(4000)]], params=long)
+            wait_for(lambda: eng.metrics()["num_running"] == 1, 30, "the long prompt to run")
+            ctx = zmq.Context()
+            s = _raw_dealer(ctx, info.request_address, b"flooder")
+            s.setsockopt(zmq.RCVHWM, 0)  # as EngineClient's: its libzmq takes every answer while it sends
+            n = 3 * MAX_PENDING_MESSAGES
+            try:
+                for i in range(n):
+                    s.send_multipart([HEADER, encode(Call(i, "status"))])
+                answers: dict[int, list] = {}
+                while len(answers) < n:
+                    m = _recv(s, timeout_ms=60_000)
+                    assert m is not None, f"{n - len(answers)} calls never answered"
+                    answers.setdefault(m.call_id, []).append(m)
+            finally:
+                ctx.destroy(linger=0)
+            assert [len(o.token_ids) for o in served.result(timeout=120)] == [2]
+    finally:
+        stop_engine(eng)
+    assert all(len(a) == 1 for a in answers.values())  # each exactly once
+    busy = [a[0] for a in answers.values() if isinstance(a[0], Failure)]
+    assert busy and all(f.error.type == "EngineBusyError" for f in busy), busy[:3]
+    assert f"at most {MAX_PENDING_MESSAGES}" in busy[0].error.message, busy[0].error.message
+    assert len(busy) < n  # the calls within the bound were answered
+
+
 # -- faults -------------------------------------------------------------------------------------
 def test_kill_client_process_mid_stream_frees_its_kv(engine, reference, procs):
     # 200 requests of 400 tokens: far more work than fits in the 4 s the engine waits for a
