@@ -260,6 +260,58 @@ def _layer_breaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return out
 
 
+# Within the core, bottom up (docs/design/architecture-3.md, section 1): the shared contracts, the
+# engine and its models, the transport, the clients of an engine elsewhere, the HTTP front. A
+# package imports only its own layer and those below.
+CORE_LAYERS = (
+    {
+        "sampling_params",
+        "outputs",
+        "reports",
+        "timeline",
+        "settings",
+        "errors",
+        "events",
+        "interface",
+        "tokenizer",
+        "bokehjs",
+    },
+    {"engine", "models"},
+    {"ipc"},
+    {"remote"},
+    {"http"},
+)
+
+
+def _core_layer_breaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    level = {pkg: i for i, layer in enumerate(CORE_LAYERS) for pkg in layer}
+
+    def top(name: str) -> str:
+        return name.split(".")[1] if "." in name else ""
+
+    return [
+        (mod, dep)
+        for mod, deps in sorted(graph.items())
+        for dep in sorted(deps)
+        if top(mod) in level and top(dep) in level and level[top(dep)] > level[top(mod)]
+    ]
+
+
+def test_the_core_layers_point_down():
+    assert set().union(*CORE_LAYERS) == CORE  # every core package has its layer
+    known = _modules()
+    graph = {name: _imports(name, path, known) for name, path in known.items()}
+    assert _core_layer_breaks(graph) == []
+    # the check sees a contract reaching up into the engine and the engine into its transport
+    assert _core_layer_breaks(
+        {
+            "workbench.outputs": {"workbench.engine.sequence"},
+            "workbench.engine.llm_engine": {"workbench.ipc.server", "workbench.models.loader"},
+            "workbench.http.app": {"workbench.remote.client"},
+        }
+    ) == [("workbench.engine.llm_engine", "workbench.ipc.server"), ("workbench.outputs", "workbench.engine.sequence")]
+
+
 def test_layers_point_down():
     known = _modules()
     assert {n.split(".")[1] for n in known if "." in n} >= CORE | TOOLS | FRONTS  # every name is a package

@@ -53,6 +53,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 class LLMEngine:
+    # What an engine process calls from a thread other than its step loop's (the tokenizer thread,
+    # the calls thread): each reads only what never changes after loading (the tokenizer, the
+    # model's limits, the original weights) or the thread-safe grammar cache. Everything else
+    # changes under a step: tests/test_engine_loop_thread.py fails on any other use off the loop.
+    THREAD_SAFE = frozenset({"encode_prompt", "prepare", "weights_checksum"})
+
     def __init__(self, model: str | os.PathLike | None = None, **settings: Any):
         self.settings = EngineSettings(**validate(settings))
         s = self.settings
