@@ -582,7 +582,7 @@ def test_a_flood_of_calls_is_answered_and_bounded(runtime_dir):
     the engine holding all of them (555k fuzzed messages once left it 10.4 GB resident). The loop
     is held by a 4,000-token prefill step of the embedded model while 3,000 status calls arrive;
     the prefill's own request is served as before."""
-    from workbench.ipc.server import MAX_PENDING_MESSAGES
+    from workbench.ipc.transport import MAX_PENDING_MESSAGES
 
     eng = start_engine(None, name="flood", timeout=300, max_num_batched_tokens=4096, prefix_caching=False)
     try:

@@ -3,34 +3,25 @@
     python -m workbench.ipc.engine_main [--model M] [--name N] [--<setting> value ...]   (`engine_main.py`)
     workbench serve ...          (the same, from the CLI)
 
-Over 600 lines on purpose: `EngineServer` is one class whose four threads share an inbox and
-outbox discipline (only the main thread touches the engine); read together, the hand-overs are
-checkable in one place, and splitting them apart would hide exactly that.
-
+`EngineServer` is the engine loop; its sockets and their IO threads are `transport.Transport`.
 Threads:
 
-- main: the step loop. It drains the inbox (requests, aborts, RPCs, "client gone" notices),
-  then runs one `engine.step()`, routes the chunks to their requesters, and publishes timeline
-  increments. Everything that touches the engine (add, abort, configure, metrics...) runs here,
-  between steps, so a setting never changes under a running step.
+- main: the step loop, the only thread that touches the engine (apart from what
+  `LLMEngine.THREAD_SAFE` declares; tests/test_engine_loop_thread.py checks it). It drains the
+  transport's inbox (requests, aborts, RPCs, "client gone" notices), then runs one
+  `engine.step()`, routes the chunks to their requesters, and publishes timeline increments.
+  Adding, aborting, configuring, reading metrics all run here, between steps, so a setting never
+  changes under a running step (vLLM v1's busy loop reads the same: poll inputs, then step).
 - tokenizer: turns submitted prompts into token ids (the tokenizer releases the GIL) and hands
   them back through the inbox, so a huge prompt never stalls the steps of other requests. What
   waits for it, and what waits to run, is bounded (admission control: `EngineBusyError`).
-- router IO: owns the ROUTER socket. Decodes and checks incoming messages and puts them in the
-  inbox, answers pings itself (so heartbeats flow while a long step runs), encodes and sends
-  what the main thread put in the outbox, and notices clients that stopped sending heartbeats.
-- event IO: owns the PUB socket; encodes and publishes events (steps, request lifecycle,
-  settings changes, relayout progress, metrics once a second).
-
-Socket work thus overlaps compute (torch releases the GIL inside its kernels).
+- calls: builds the answers of calls that take long (hashing the weights, encoding a long
+  timeline) from what the loop took for them.
+- the transport's router IO and event IO threads (`transport.py`).
 
 SIGTERM or Ctrl-C drains: new requests and handshakes are refused, running requests finish until
 the drain deadline (`--drain-timeout`), the rest are aborted. A second signal exits at once,
 removing the connection file and sockets first.
-
-TCP is only offered with CURVE: the engine's keypair plus one client keypair, both written to
-the (0600) connection file; a ZAP handler accepts only that client key, so a peer without the
-keys can neither submit work nor read events.
 """
 
 from __future__ import annotations
@@ -38,17 +29,15 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import shutil
 import signal
 import sys
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import zmq
 from workbench_kernels import hostmem
 
 from ..reports import ProcessStatus, as_dict
@@ -58,48 +47,28 @@ from .protocol import (
     DEFAULT_MAX_MESSAGE_MB,
     DEFAULT_MAX_QUEUED_CHARS,
     DEFAULT_MAX_QUEUED_TOKENS,
-    HEADER,
     METRICS_EVERY_S,
     PROTOCOL_VERSION,
     Abort,
-    Bye,
     Call,
     EngineBusyError,
     EngineDrainingError,
     ErrorInfo,
-    EventMsg,
     Failure,
     Outputs,
-    Ping,
-    Pong,
-    ProtocolError,
     Rejected,
     Result,
     Submit,
-    check_header,
-    decode_client_message,
-    encode,
     encode_raw,
     encode_raw_in_pieces,
     error_to_wire,
-    guess_refs,
 )
+from .transport import Transport
 
 log = logging.getLogger("workbench.engine")
 
 INLINE_TOKENIZE_CHARS = 4096  # prompt characters (or ids) of a submit tokenized on the step loop itself
 TIMELINE_FLUSH_S = 0.05  # publish step/request events at most 20 times a second
-# What one client may have waiting for the step loop (decoded submits and calls): past either bound
-# its next ones are refused at once with EngineBusyError (one message is always taken, whatever its
-# size). Without them a client that sent faster than the loop answered grew the engine without end:
-# 555k fuzzed messages in 40 s left 10.4 GB resident, the backlog still being worked through.
-MAX_PENDING_MESSAGES = 1000
-MAX_PENDING_BYTES = 16 << 20
-# Per client, messages libzmq holds unread (past it the sender waits: backpressure, nothing lost)
-# and answers it holds for a client that does not read them (past it they are dropped: only a
-# client that stopped reading its socket, whose libzmq no longer drains it, gets there).
-ROUTER_RCVHWM = 64
-ROUTER_SNDHWM = 10_000
 
 
 class EngineServer:
@@ -120,10 +89,6 @@ class EngineServer:
         max_queued_tokens: int = DEFAULT_MAX_QUEUED_TOKENS,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ):
-        if transport not in ("ipc", "tcp"):
-            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        if not client_timeout_s > 0:
-            raise ValueError(f"client_timeout_s must be > 0, got {client_timeout_s}")
         for what, value in (
             ("max_queued_chars", max_queued_chars),
             ("max_queued_tokens", max_queued_tokens),
@@ -133,31 +98,27 @@ class EngineServer:
                 raise ValueError(f"{what} must be > 0, got {value}")
         self.engine = engine
         self.name = conn.check_name(name)
-        self.transport, self.host, self.port = transport, host, int(port)
-        self.client_timeout_s = float(client_timeout_s)
-        self.heartbeat_s = min(1.0, self.client_timeout_s / 4)
-        self.max_message_bytes = int(max_message_mb * 2**20)
+        self.transport = transport
+        self.io = Transport(
+            self.name,
+            transport=transport,
+            host=host,
+            port=port,
+            client_timeout_s=client_timeout_s,
+            max_message_bytes=int(max_message_mb * 2**20),
+            directory=directory or conn.runtime_dir(),
+        )
         self.parent_pid = parent_pid
-        self.directory = directory or conn.runtime_dir()
         self.log_file = log_file
         self.max_queued_chars, self.max_queued_tokens = int(max_queued_chars), int(max_queued_tokens)
         self.drain_timeout_s = float(drain_timeout_s)
         self.started = time.monotonic()
 
-        self._ctx = zmq.Context()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: deque = deque()
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._io_stop = threading.Event()
-        self._clients: dict[bytes, float] = {}  # router thread only: identity -> last seen
-        # identity -> (messages, bytes) in the inbox, not yet handled by the step loop
-        self._pending: dict[bytes, tuple[int, int]] = {}
-        self._pending_lock = threading.Lock()
         self._handled_bytes = 0  # of counted messages since the heap was last trimmed
         self._owners: dict[str, tuple[bytes, bool]] = {}  # request_id -> (identity, stream)
         self._owned: dict[bytes, set[str]] = defaultdict(set)
         self._client_names: dict[bytes, str] = {}
-        self._stop_mode: str | None = None  # None | "abort" | "drain"
+        self._stop: str | None = None  # None | "abort" | "drain" (`_stop_mode`)
         self._drain_deadline: float | None = None  # a signal's drain ends here
         self._tokenize_q: queue.SimpleQueue = queue.SimpleQueue()
         self._rejections = QuietLog(log)  # refused configure calls: a fuzzer's flood stays a few lines
@@ -169,10 +130,6 @@ class EngineServer:
         self._last_tl_flush = 0.0
         self._last_metrics = 0.0
         self._stalled = False
-        self._own_ipc_dir: Path | None = None
-        self._ipc_files: list[str] = []
-        self._curve: dict[str, str] | None = None
-        self._auth = None
         self.connection_file: Path | None = None
         self.info: conn.ConnectionInfo | None = None
         # Every method takes the caller's identity first (hello names it, configure records it).
@@ -200,263 +157,48 @@ class EngineServer:
 
     # -- setup ----------------------------------------------------------------------------------
     def start(self) -> Path:
-        """Bind the sockets, start the IO threads, then write the connection file (= ready)."""
-        if self.transport == "ipc":
-            req_addr, evt_addr, self._own_ipc_dir = conn.ipc_addresses(self.name, self.directory)
-        else:
-            req_addr = f"tcp://{self.host}:{self.port or '*'}"
-            evt_addr = f"tcp://{self.host}:*"
-            self._setup_curve()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._pub = self._ctx.socket(zmq.PUB)
-        for s in (self._router, self._pub):
-            s.setsockopt(zmq.LINGER, 2000)
-            if self._curve is not None:
-                s.curve_server = True
-                s.curve_secretkey = self._curve["server_secret"].encode()
-                s.curve_publickey = self._curve["server_public"].encode()
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
-        self._router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
-        self._router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        self._pub.setsockopt(zmq.SNDHWM, 10_000)
-        self._router.bind(req_addr)
-        self._pub.bind(evt_addr)
-        req_addr = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        evt_addr = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
-        if self.transport == "ipc":
-            self._ipc_files = [a.removeprefix("ipc://") for a in (req_addr, evt_addr)]
-        # Wakes the router thread when the main thread queued something to send.
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://wake-{id(self)}")
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(f"inproc://wake-{id(self)}")
-        self._router_thread = threading.Thread(target=self._router_loop, name="wb-router-io", daemon=True)
-        self._event_thread = threading.Thread(target=self._event_loop, name="wb-event-io", daemon=True)
+        """Bind the sockets, start the threads, then write the connection file (= ready)."""
+        self.io.bind()
         self._tokenizer_thread = threading.Thread(target=self._tokenize_loop, name="wb-tokenizer", daemon=True)
         self._call_thread = threading.Thread(target=self._background_loop, name="wb-calls", daemon=True)
-        self._router_thread.start()
-        self._event_thread.start()
         self._tokenizer_thread.start()
         self._call_thread.start()
-        curve = None
-        if self._curve is not None:
-            curve = {k: self._curve[k] for k in ("server_public", "client_public", "client_secret")}
-        self.info = conn.ConnectionInfo(
-            name=self.name,
-            pid=os.getpid(),
-            transport=self.transport,
-            request_address=req_addr,
-            event_address=evt_addr,
-            model=self.engine.model_name,
-            heartbeat_s=self.heartbeat_s,
-            client_timeout_s=self.client_timeout_s,
-            max_message_bytes=self.max_message_bytes,
-            protocol=PROTOCOL_VERSION,
-            curve=curve,
-            log_file=self.log_file,
-        )
-        self.connection_file = conn.write_connection_file(self.info, self.directory)
+        self.info, self.connection_file = self.io.announce(self.engine.model_name, self.log_file)
         log.info(
             "engine %r ready (pid %d, model %s, %s); connection file %s",
             self.name,
             os.getpid(),
             self.engine.model_name,
-            req_addr,
+            self.info.request_address,
             self.connection_file,
         )
         return self.connection_file
 
-    def _setup_curve(self) -> None:
-        if not zmq.has("curve"):
-            raise RuntimeError("this libzmq has no CURVE support; TCP needs it (use transport='ipc')")
-        from zmq.auth.thread import ThreadAuthenticator
+    @property
+    def _stop_mode(self) -> str | None:
+        return self._stop
 
-        server_public, server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
-        self._curve = {
-            k: v.decode()
-            for k, v in dict(
-                server_public=server_public,
-                server_secret=server_secret,
-                client_public=client_public,
-                client_secret=client_secret,
-            ).items()
-        }
-        allowed = client_public
-
-        class _OneKey:
-            def callback(self, domain, key):  # key: z85 public key of the connecting client
-                return key == allowed
-
-        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("workbench.engine.auth"))
-        self._auth.start()
-        self._auth.configure_curve_callback(domain="*", credentials_provider=_OneKey())
-
-    # -- router IO thread -------------------------------------------------------------------------
-    def _router_loop(self) -> None:
-        sock, wake = self._router, self._wake_rx
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(wake, zmq.POLLIN)
-        next_check = time.monotonic() + self.heartbeat_s
-        try:
-            while True:
-                ready = dict(poller.poll(100))
-                if wake in ready:
-                    while True:
-                        try:
-                            wake.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                self._flush_outbox()
-                if sock in ready:
-                    for _ in range(256):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
-                    self._flush_outbox()
-                t = time.monotonic()
-                if t >= next_check:
-                    next_check = t + self.heartbeat_s / 2
-                    self._check_clients(t)
-                if self._io_stop.is_set():
-                    self._flush_outbox()
-                    break
-        except Exception:  # pragma: no cover - a bug here must not hang clients silently
-            log.exception("router IO thread crashed")
-            self._inbox.put(("crash", None, "router IO thread crashed"))
-        finally:
-            sock.close()
-            wake.close()
-
-    def _flush_outbox(self) -> None:
-        while self._outbox:
-            ident, msg = self._outbox.popleft()
-            self._send_now(ident, msg)
-
-    def _send_now(self, ident: bytes, msg: Any) -> None:
-        try:
-            self._router.send_multipart([ident, HEADER, encode(msg)], zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as e:  # unknown peer is dropped silently by ROUTER; anything else: log
-            log.debug("send to %r failed: %s", ident, e)
-
-    def _on_frames(self, frames: list[bytes]) -> None:
-        ident = frames[0]
-        if len(frames) != 3:
-            self._send_now(ident, ProtocolError(f"expected 2 frames [header, body], got {len(frames) - 1}"))
-            return
-        header, body = frames[1], frames[2]
-        problem, kind = check_header(header), "ProtocolMismatchError"
-        if problem is None:
-            try:
-                msg = decode_client_message(body)
-            except msgspec.ValidationError as e:  # well-formed msgpack, wrong shape or values
-                problem, kind = f"invalid message: {e}", "ValueError"
-            except Exception as e:  # msgspec.DecodeError: not msgpack at all
-                problem = f"undecodable message: {e}"
-        if problem is not None:
-            call_id, request_ids = guess_refs(body)
-            err = ErrorInfo(kind, problem)
-            if call_id is not None:
-                self._send_now(ident, Failure(call_id, err))
-            elif request_ids:
-                self._send_now(ident, Rejected(request_ids, err))
-            else:
-                self._send_now(ident, ProtocolError(problem))
-            return
-        self._clients[ident] = time.monotonic()
-        if isinstance(msg, Ping):
-            self._send_now(ident, Pong(time.monotonic(), self._stop_mode is not None))
-        elif isinstance(msg, Bye):
-            self._clients.pop(ident, None)
-            self._inbox.put(("gone", ident, "said bye"))
-        elif isinstance(msg, Abort):  # always taken, not counted: dropping one would leave requests running
-            self._inbox.put(("msg", ident, (msg, None)))
-        elif self._take(ident, len(body)):
-            self._inbox.put(("msg", ident, (msg, len(body))))
-        else:
-            n, size = self._pending[ident]
-            err = ErrorInfo(
-                "EngineBusyError",
-                f"{n} messages ({size / 2**20:.1f} MiB) from this client already wait for the engine's step "
-                f"loop (at most {MAX_PENDING_MESSAGES}, {MAX_PENDING_BYTES >> 20} MiB); wait for answers "
-                "before sending more",
-            )
-            self._send_now(ident, Rejected([r.request_id for r in msg.requests], err) if isinstance(msg, Submit)
-                           else Failure(msg.call_id, err))  # fmt: skip
-
-    def _take(self, ident: bytes, size: int) -> bool:
-        """Count a message toward what `ident` has waiting, unless that is already at a bound."""
-        with self._pending_lock:
-            n, total = self._pending.get(ident, (0, 0))
-            if n and (n >= MAX_PENDING_MESSAGES or total + size > MAX_PENDING_BYTES):
-                return False
-            self._pending[ident] = (n + 1, total + size)
-            return True
-
-    def _taken(self, ident: bytes, size: int) -> None:
-        """The step loop took a counted message of `ident`'s."""
-        with self._pending_lock:
-            n, total = self._pending.get(ident, (1, size))
-            if n <= 1:
-                self._pending.pop(ident, None)
-            else:
-                self._pending[ident] = (n - 1, total - size)
-
-    def _check_clients(self, t: float) -> None:
-        for ident, seen in list(self._clients.items()):
-            if t - seen > self.client_timeout_s:
-                del self._clients[ident]
-                self._inbox.put(("gone", ident, f"no heartbeat for {t - seen:.1f}s"))
-
-    # -- event IO thread --------------------------------------------------------------------------
-    def _event_loop(self) -> None:
-        pub = self._pub
-        try:
-            while True:
-                item = self._events.get()
-                if item is None:
-                    break
-                kind, t, data = item
-                try:
-                    body = encode(EventMsg(kind, t, encode_raw(data)))
-                    pub.send_multipart([kind.encode(), HEADER, body], zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    pass
-                except Exception:
-                    log.exception("could not publish a %s event", kind)
-        finally:
-            pub.close()
-
-    def publish(self, kind: str, data: Any) -> None:
-        self._events.put((kind, time.monotonic(), data))
+    @_stop_mode.setter
+    def _stop_mode(self, mode: str | None) -> None:
+        self._stop = mode
+        self.io.stopping = mode is not None  # heartbeats tell the clients
 
     # -- main loop ------------------------------------------------------------------------------
-    def send(self, ident: bytes, msg: Any) -> None:
-        self._outbox.append((ident, msg))
-        try:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
     def install_signal_handlers(self) -> None:
         received = []
 
         def handler(signum, frame):
             received.append(signum)
             if len(received) > 1:  # a second Ctrl-C / SIGTERM: stop waiting for the drain
-                self._remove_files()
+                self.io.remove_files()
                 os._exit(128 + signum)
-            self._inbox.put(("signal", None, signal.Signals(signum).name))
+            self.io.inbox.put(("signal", None, signal.Signals(signum).name))
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
     def serve_forever(self) -> None:
-        self.publish("engine", {"state": "ready", "name": self.name, "pid": os.getpid()})
+        self.io.publish("engine", {"state": "ready", "name": self.name, "pid": os.getpid()})
         last_parent_check = time.monotonic()
         try:
             while True:
@@ -481,7 +223,7 @@ class EngineServer:
                     self._last_metrics = t
                     if self.log_file:
                         rotate_log(self.log_file, MAX_LOG_BYTES)
-                    self.publish("metrics", self.engine.metrics())
+                    self.io.publish("metrics", self.engine.metrics())
                     if self._handled_bytes >= TRIM_AFTER_HANDLED and not self.engine.has_unfinished_requests():
                         self._handled_bytes = 0  # a burst of messages is over: its heap goes back to the OS
                         hostmem.trim_heap()
@@ -497,13 +239,13 @@ class EngineServer:
 
     def _drain_inbox(self, wait: float) -> None:
         try:
-            item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+            item = self.io.inbox.get(timeout=wait) if wait > 0 else self.io.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
             self._handle(*item)
             try:
-                item = self._inbox.get_nowait()
+                item = self.io.inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -511,7 +253,7 @@ class EngineServer:
         if kind == "msg":
             payload, size = payload
             if size is not None:  # a counted submit or call
-                self._taken(ident, size)
+                self.io.taken(ident, size)
                 self._handled_bytes += size
             if isinstance(payload, Submit):
                 self._on_submit(ident, payload)
@@ -523,7 +265,7 @@ class EngineServer:
         elif kind == "encoded":
             self._on_encoded(ident, *payload)
         elif kind == "answer":
-            self.send(ident, payload)
+            self.io.send(ident, payload)
             self._trim_after(payload)
         elif kind == "gone":
             rids = self._owned.pop(ident, set())
@@ -560,7 +302,7 @@ class EngineServer:
             chars = sum(len(r.prompt or "") + len(r.prompt_token_ids or ()) for r in reqs)
             self._admit(chars)
         except Exception as e:
-            self.send(ident, Rejected(ids, error_to_wire(e)))
+            self.io.send(ident, Rejected(ids, error_to_wire(e)))
             return
         if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing and not self._new_grammar(reqs):
             # Small, and nothing ahead of it: tokenizing here (under a millisecond) costs less
@@ -607,7 +349,7 @@ class EngineServer:
                 encoded = [[] for _ in msg.requests]  # nobody waits for them: skip the work
             else:
                 encoded = self._encode(msg)
-            self._inbox.put(("encoded", ident, (msg, chars, encoded)))
+            self.io.inbox.put(("encoded", ident, (msg, chars, encoded)))
 
     def _encode(self, msg: Submit) -> list[list[int]] | BaseException:
         try:
@@ -642,7 +384,7 @@ class EngineServer:
                     self.engine.abort_request(rid)
                 raise
         except Exception as e:
-            self.send(ident, Rejected(ids, error_to_wire(e)))
+            self.io.send(ident, Rejected(ids, error_to_wire(e)))
             return
         for r in reqs:
             self._owners[r.request_id] = (ident, r.stream)
@@ -669,11 +411,11 @@ class EngineServer:
                 return
             raw = encode_raw(value)
         except Exception as e:
-            self.send(ident, Failure(call.call_id, error_to_wire(e)))
+            self.io.send(ident, Failure(call.call_id, error_to_wire(e)))
             if call.method == "configure":
                 self._rejections.note(f"configure {_short(call.kwargs)} rejected: {_short(e)}")
             return
-        self.send(ident, Result(call.call_id, raw))
+        self.io.send(ident, Result(call.call_id, raw))
 
     def _trim_after(self, answer) -> None:
         """After a large answer (a whole timeline: megabytes) is sent, give the C heap's free pages
@@ -696,7 +438,7 @@ class EngineServer:
                 answer = Result(call_id, work())
             except Exception as e:
                 answer = Failure(call_id, error_to_wire(e))
-            self._inbox.put(("answer", ident, answer))
+            self.io.inbox.put(("answer", ident, answer))
 
     def _step(self) -> None:
         timeline = self.engine.timeline
@@ -726,7 +468,7 @@ class EngineServer:
         self._owners.clear()
         self._owned.clear()
         for ident, rids in by_owner.items():
-            self.send(ident, Rejected(rids, err))
+            self.io.send(ident, Rejected(rids, err))
 
     def _route(self, chunks) -> None:
         by_owner: dict[bytes, list] = defaultdict(list)
@@ -744,7 +486,7 @@ class EngineServer:
                 continue
             by_owner[ident].append(c)
         for ident, cs in by_owner.items():
-            self.send(ident, Outputs(cs))
+            self.io.send(ident, Outputs(cs))
 
     def _flush_timeline(self, t: float) -> None:
         from ..timeline import Timeline
@@ -756,13 +498,13 @@ class EngineServer:
         since = self._tl_cursor
         steps, reqs, changes = _newer(rec.steps, since), _newer(rec.requests, since), _newer(rec.changes, since)
         self._tl_cursor = rec.cursor
-        self.publish("timeline", Timeline(steps=steps, requests=reqs, cursor=rec.cursor, changes=changes))
+        self.io.publish("timeline", Timeline(steps=steps, requests=reqs, cursor=rec.cursor, changes=changes))
 
     def _on_engine_event(self, kind: str, payload: dict) -> None:
         if kind == "settings":
             log.info("settings changed by %s: %s", payload.get("by"), payload.get("changes"))
         self._flush_timeline(time.monotonic())
-        self.publish(kind, payload)
+        self.io.publish(kind, payload)
 
     # -- RPC methods ----------------------------------------------------------------------------
     def _hello(self, ident: bytes, name: str = "", pid: int = 0, protocol: int = PROTOCOL_VERSION) -> dict:
@@ -775,8 +517,8 @@ class EngineServer:
         return {
             **self.status(),
             "settings": self.engine.settings.as_dict(),
-            "heartbeat_s": self.heartbeat_s,
-            "client_timeout_s": self.client_timeout_s,
+            "heartbeat_s": self.io.heartbeat_s,
+            "client_timeout_s": self.io.client_timeout_s,
             "monotonic": time.monotonic(),
         }
 
@@ -815,7 +557,7 @@ class EngineServer:
         return {"state": "stopping", "mode": mode, "pid": os.getpid()}
 
     def _sync_events(self, token: str = "") -> bool:
-        self.publish("sync", {"token": token})
+        self.io.publish("sync", {"token": token})
         return True
 
     # -- teardown -------------------------------------------------------------------------------
@@ -832,20 +574,9 @@ class EngineServer:
                 log.exception("abort of %s failed during shutdown", rid)
         self._refuse_queued()
         self._flush_timeline(time.monotonic())
-        self.publish("engine", {"state": "stopped", "name": self.name, "pid": os.getpid()})
-        self._remove_files()  # before the sockets close: nobody new finds this engine
-        self._io_stop.set()
-        try:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self._router_thread.join(5)
-        self._events.put(None)
-        self._event_thread.join(5)
-        self._wake_tx.close()
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
+        self.io.publish("engine", {"state": "stopped", "name": self.name, "pid": os.getpid()})
+        self.io.remove_files()  # before the sockets close: nobody new finds this engine
+        self.io.close()
         log.info("engine %r stopped", self.name)
 
     def _refuse_queued(self) -> None:
@@ -853,25 +584,18 @@ class EngineServer:
         instead of leaving its sender waiting for a timeout."""
         err = ErrorInfo("EngineDeadError", f"engine {self.name!r} is shutting down")
         for rid, ident in list(self._tokenizing.items()):
-            self.send(ident, Rejected([rid], err))
+            self.io.send(ident, Rejected([rid], err))
         self._tokenizing.clear()
         while True:
             try:
-                kind, ident, payload = self._inbox.get_nowait()
+                kind, ident, payload = self.io.inbox.get_nowait()
             except queue.Empty:
                 return
             msg = payload[0] if kind == "msg" else None
             if isinstance(msg, Call):
-                self.send(ident, Failure(msg.call_id, err))
+                self.io.send(ident, Failure(msg.call_id, err))
             elif isinstance(msg, Submit):
-                self.send(ident, Rejected([r.request_id for r in msg.requests], err))
-
-    def _remove_files(self) -> None:
-        conn.remove_connection_file(self.name, os.getpid(), self.directory)
-        for f in self._ipc_files:
-            Path(f).unlink(missing_ok=True)
-        if self._own_ipc_dir is not None:
-            shutil.rmtree(self._own_ipc_dir, ignore_errors=True)
+                self.io.send(ident, Rejected([r.request_id for r in msg.requests], err))
 
 
 def _newer(buf, cursor: int) -> list:
