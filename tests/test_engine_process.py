@@ -576,6 +576,16 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
         engine.generate(prompt_token_ids=[[255] * 500] * 5000, params=GREEDY)
 
 
+def test_a_token_id_prompt_past_the_context_is_refused_before_its_ids_are_decoded(engine):
+    """The transport refuses it from the array's length (a fuzzer's 500k-id prompts once left
+    their decoded ints' heap behind: +11-16% RSS), in the engine's words; one id less runs."""
+    limit = engine.status()["max_model_len"]
+    with pytest.raises(ValueError, match=f"more than {limit - 1} token ids; the model's context is {limit} tokens"):
+        engine.generate(prompt_token_ids=[[1] * limit], params=GREEDY, timeout=30)
+    [out] = engine.generate(prompt_token_ids=[[1] * (limit - 1)], params=SamplingParams(max_tokens=1), timeout=60)
+    assert out.finish_reason == "length"
+
+
 def test_a_flood_of_calls_is_answered_and_bounded(runtime_dir):
     """A client that sends far faster than the step loop answers gets every call answered exactly
     once: past MAX_PENDING_MESSAGES waiting, with an EngineBusyError saying so at once, instead of

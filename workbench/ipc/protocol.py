@@ -21,7 +21,7 @@ and is raised again as ValueError with the same message by the client (`error_fr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -185,6 +185,19 @@ def _container_header(n: int, fix: int, code16: int) -> bytes:
 
 def decode_client_message(body: bytes) -> ClientMessage:
     return _client_decoder.decode(body)
+
+
+def client_decoder(max_prompt_tokens: int) -> msgspec.msgpack.Decoder:
+    """A decoder of client messages that refuses a token-id prompt of more than
+    `max_prompt_tokens` ids before decoding any (msgspec checks an array's length first): a
+    fuzzer's 500k-id prompt then costs 0.02 ms instead of 19 ms and ~14 MB of Python ints whose
+    heap stayed behind. Its messages are still `Submit` and `NewRequest` instances."""
+    ids = Annotated[list[int], msgspec.Meta(max_length=max_prompt_tokens)]
+    request = msgspec.defstruct(
+        "NewRequest", [("prompt_token_ids", ids | None, None)], bases=(NewRequest,), array_like=True, omit_defaults=True
+    )
+    submit = msgspec.defstruct("Submit", [("requests", list[request])], bases=(Submit,), tag="submit", array_like=True)
+    return msgspec.msgpack.Decoder(Call | submit | Abort | Ping | Bye)
 
 
 def decode_engine_message(body: bytes) -> EngineMessage:

@@ -107,6 +107,7 @@ class EngineServer:
             client_timeout_s=client_timeout_s,
             max_message_bytes=int(max_message_mb * 2**20),
             directory=directory or conn.runtime_dir(),
+            max_prompt_tokens=engine.max_model_len - 1,
         )
         self.parent_pid = parent_pid
         self.log_file = log_file

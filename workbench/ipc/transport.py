@@ -44,6 +44,7 @@ from .protocol import (
     Rejected,
     Submit,
     check_header,
+    client_decoder,
     decode_client_message,
     encode,
     encode_raw,
@@ -81,6 +82,7 @@ class Transport:
         client_timeout_s: float = 10.0,
         max_message_bytes: int,
         directory: Path,
+        max_prompt_tokens: int | None = None,
     ):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -91,6 +93,9 @@ class Transport:
         self.heartbeat_s = min(1.0, self.client_timeout_s / 4)
         self.max_message_bytes = int(max_message_bytes)
         self.directory = directory
+        # token-id prompts longer than this are refused before their ids are decoded
+        self.max_prompt_tokens = max_prompt_tokens
+        self._decode = decode_client_message if max_prompt_tokens is None else client_decoder(max_prompt_tokens).decode
         self.stopping = False  # set by the loop while it drains or aborts: pongs tell the clients
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ctx = zmq.Context()
@@ -252,9 +257,15 @@ class Transport:
         problem, kind = check_header(header), "ProtocolMismatchError"
         if problem is None:
             try:
-                msg = decode_client_message(body)
+                msg = self._decode(body)
             except msgspec.ValidationError as e:  # well-formed msgpack, wrong shape or values
                 problem, kind = f"invalid message: {e}", "ValueError"
+                if self.max_prompt_tokens is not None and f"of length <= {self.max_prompt_tokens} -" in str(e):
+                    n = self.max_prompt_tokens
+                    problem = (
+                        f"a prompt has more than {n} token ids; the model's context is {n + 1} tokens (prompt plus "
+                        "at least one output token must fit)"
+                    )
             except Exception as e:  # msgspec.DecodeError: not msgpack at all
                 problem = f"undecodable message: {e}"
         if problem is not None:
