@@ -600,6 +600,13 @@ def _add_gpucheck(sub: argparse._SubParsersAction) -> None:
         help="skip the sections that would start after S seconds, and stop the sweep there (default 420 on a "
         "GPU, none on a dry run); the report is rewritten after every section",
     )
+    p.add_argument(
+        "--shape",
+        default=None,
+        metavar="NAME",
+        help="measure the engine on this model shape (random weights made on the GPU, the transformers peers "
+        "holding the same): llama3-8b, llama3.1-8b, llama3.2-1b, qwen2.5-7b, smollm2-135m (workbench/models/shapes)",
+    )
     p.set_defaults(_run=_run_gpucheck)
 
 
@@ -621,6 +628,7 @@ def _run_gpucheck(args: argparse.Namespace) -> int:
             only=only,
             budget_s=args.budget_s,
             checkpoint=lambda rep: write_report(rep, args.output),
+            shape=args.shape,
         )
     except (RuntimeError, ValueError) as e:
         print(f"workbench gpucheck: {e}", file=sys.stderr)

@@ -106,12 +106,20 @@ def run_gpucheck(
     only: list[str] | None = None,
     budget_s: float | None = None,
     checkpoint: Callable[[dict], Any] | None = None,
+    shape: str | None = None,
 ) -> dict:
     """The whole check; returns the report (see the module doc). `only`: some of SECTIONS;
     `budget_s`: a section that would start later than this many seconds in is skipped, and the
     sweep stops there (default: 420 s on a GPU, none on a dry run); `checkpoint(report)` is called
-    after every section, so a run cut off still leaves what it measured."""
+    after every section, so a run cut off still leaves what it measured. `shape`: the engine runs
+    measure that model shape (`models.shapes`, random weights made on the device; the transformers
+    peers hold the same weights) instead of SmolLM2."""
     import torch
+
+    from .models import shapes
+
+    if shape is not None:
+        shapes.shape_config(shape)  # an unknown shape is refused before anything runs
 
     if not dry_run and not torch.cuda.is_available():
         raise RuntimeError(
@@ -176,7 +184,9 @@ def run_gpucheck(
         model: dict[str, Any] = {}
 
         def bench_model() -> str | None:
-            if not model:
+            if not model and shape is not None:
+                model["path"], engine["model"] = shapes.PREFIX + shape, f"random weights of {shape}'s shape"
+            elif not model:
                 model["path"], engine["model"] = _model_folder(dry_run, root)
             return model["path"]
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..models import shapes
 from .stats import RequestRecord
 from .workload import BenchRequest, Workload
 
@@ -34,7 +35,12 @@ def load_hf_model(path: str, dtype: torch.dtype, device="cpu", quantization_conf
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     kw = {} if quantization_config is None else {"quantization_config": quantization_config}
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
+    if str(path).startswith(shapes.PREFIX):  # a model shape: our random weights, made on the device
+        if quantization_config is not None:
+            raise ValueError(f"the quantised transformers peers load a model folder, not {path!r}")
+        model = shapes.hf_model(str(path).removeprefix(shapes.PREFIX), dtype, device)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
     pad = model.config.pad_token_id
     if pad is None:
         eos = model.config.eos_token_id

@@ -238,6 +238,7 @@ def run_bench(
     `quick` shrinks everything (prompt 32-128, output 16-64 tokens unless given, a 64-token single
     stream, smaller roofline probes) for smoke tests; the default is the full workload.
     """
+    from ..models import shapes
     from ..models.loader import load_model
     from ..settings import EngineSettings, validate
 
@@ -277,14 +278,17 @@ def run_bench(
     ss_tokens = single_stream_tokens or (64 if quick else SINGLE_STREAM_TOKENS)
 
     log("loading the model")
-    loaded = load_model(model, dtype=dtype)
-    config, tokenizer = loaded.config, loaded.tokenizer
-    model_name = config.name
     hf_path = None
-    if any(s.startswith("hf_") for s in systems) or "vllm" in systems:
-        hf_path = hf_folder(model, loaded)
-    del loaded
-    gc.collect()
+    if isinstance(model, str) and model.startswith(shapes.PREFIX):  # no weights to read here: the config
+        config, tokenizer, hf_path = shapes.shape_config(model.removeprefix(shapes.PREFIX)), None, model
+    else:
+        loaded = load_model(model, dtype=dtype)
+        config, tokenizer = loaded.config, loaded.tokenizer
+        if any(s.startswith("hf_") for s in systems) or "vllm" in systems:
+            hf_path = hf_folder(model, loaded)
+        del loaded
+        gc.collect()
+    model_name = config.name
 
     workload = make_workload(
         num_requests,

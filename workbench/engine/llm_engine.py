@@ -64,7 +64,7 @@ class LLMEngine:
         s = self.settings
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device)
         self.dtype = DTYPES["bfloat16" if s.dtype == "auto" else s.dtype]
-        loaded = load_model(model, dtype=self.dtype)
+        loaded = load_model(model, dtype=self.dtype, device=self.device)  # a model shape's random weights made there
         self.model_name = loaded.config.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -31,6 +31,8 @@ from .embedded import (
 )
 from .gguf import load_gguf, read_gguf
 from .hf import load_hf_dir
+from .shapes import PREFIX as SHAPE_PREFIX
+from .shapes import load_shape
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -49,12 +51,18 @@ __all__ = [
 ]
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+def load_model(
+    model: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+) -> LoadedModel:
     """Load a model's config, weights (cast to `dtype`) and tokenizer.
 
-    `model`: None or "smollm2-135m" for the embedded default; a Hugging Face model folder; or a
-    `.gguf` file (parsed and dequantised on every call; only the default is cached).
+    `model`: None or "smollm2-135m" for the embedded default; a Hugging Face model folder; a
+    `.gguf` file (parsed and dequantised on every call; only the default is cached); or
+    "shape:NAME" (`models.shapes`: a published config with random weights, made on `device`;
+    everything else is loaded on the CPU).
     """
+    if isinstance(model, str) and model.startswith(SHAPE_PREFIX):
+        return load_shape(model.removeprefix(SHAPE_PREFIX), dtype, device)
     if model is None or (isinstance(model, str) and model in DEFAULT_ALIASES and not os.path.exists(model)):
         t0 = time.perf_counter()
         folder = ensure_converted(default_gguf_path(), DEFAULT_MODEL)
