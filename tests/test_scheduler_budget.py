@@ -112,6 +112,27 @@ def test_while_requests_decode_the_step_keeps_its_time_target(tiny):
     assert set(free_bounds) == {(0.0, 0.0)}
 
 
+def test_a_step_past_its_time_target_admits_no_empty_chunks(tiny):
+    """With the target spent by the step's first prefill, the other prompts wait for later steps:
+    no request is ever scheduled for zero tokens, and every answer is the one without a target."""
+
+    def run(target: int):
+        llm = LLM(tiny, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=512, step_time_target_ms=target)
+        rng = random.Random(9)
+        prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (4, 300, 40, 200, 40, 6)]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        first = llm.generate(prompt_token_ids=prompts[:1], params=params)  # a decode, so the target applies
+        outs = llm.generate(prompt_token_ids=prompts[1:], params=params)
+        entries = [b for s in llm.timeline().steps for b in s.batch]
+        return [o.token_ids for o in first + outs], entries, llm.timeline().steps
+
+    capped, entries, steps = run(1)
+    free, _, _ = run(0)
+    assert all(b.num_tokens >= 1 for b in entries), [b for b in entries if b.num_tokens < 1]
+    assert any(s.target_ms for s in steps)  # the target did cut steps
+    assert capped == free
+
+
 def test_step_time_is_predicted_linear_in_context():
     """A token counts one time unit plus its context over the time context; the capped chunk is
     the most whole tiles whose units fit what the target leaves."""

@@ -205,7 +205,7 @@ class Scheduler:
     def _prefill_chunk(self, seq: Sequence, todo: int, budget: float, out: SchedulerOutput) -> tuple[int, float]:
         """(tokens, budget units) of `seq`'s next prefill chunk within `budget` and the time left
         under the step-time target (`out.time_target_ms`; the step's first prefill gets at least
-        MIN_CAPPED_BUDGET tokens: a prompt always progresses)."""
+        MIN_CAPPED_BUDGET tokens: a prompt always progresses; a later one may get none)."""
         c0 = self.attention_context if self.settings.attention_aware_budget else None
         context = seq.num_computed_tokens
         n = chunk_within(context, todo, budget, c0)
@@ -313,6 +313,8 @@ class Scheduler:
                 seq = self.waiting.popleft()
                 self._admit(seq, out)
                 n, cost = self._prefill_chunk(seq, len(seq) - seq.num_computed_tokens, budget, out)
+                if not n:  # the step-time target is spent: it starts next step (admitted, its blocks held)
+                    break
                 self._add(out, ScheduledSeq(seq, n, "prefill"))
                 budget -= cost
         out.work = full - budget
@@ -346,6 +348,9 @@ class Scheduler:
             n, cost = min(todo, max(1, int(budget))), None
             if todo > 1 and not seq.spec_tokens:  # a prefill chunk: its attention may count
                 n, cost = self._prefill_chunk(seq, todo, budget, out)
+                if not n:  # the step-time target is spent: its next chunk waits, the decodes after it run
+                    i += 1
+                    continue
             while not self.bm.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
