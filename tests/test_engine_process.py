@@ -578,10 +578,13 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
 
 def test_a_token_id_prompt_past_the_context_is_refused_before_its_ids_are_decoded(engine):
     """The transport refuses it from the array's length (a fuzzer's 500k-id prompts once left
-    their decoded ints' heap behind: +11-16% RSS), in the engine's words; one id less runs."""
+    their decoded ints' heap behind: +11-16% RSS), in the engine's words (the count read from the
+    array's header); one id less runs."""
     limit = engine.status()["max_model_len"]
-    with pytest.raises(ValueError, match=f"more than {limit - 1} token ids; the model's context is {limit} tokens"):
+    with pytest.raises(ValueError, match=f"prompt has {limit} tokens; the model's context is {limit} tokens"):
         engine.generate(prompt_token_ids=[[1] * limit], params=GREEDY, timeout=30)
+    with pytest.raises(ValueError, match=f"prompt has 70000 tokens; the model's context is {limit} tokens"):
+        engine.generate(prompt_token_ids=[[1, 2], [1] * 70000], params=GREEDY, timeout=30)  # array 32's header
     [out] = engine.generate(prompt_token_ids=[[1] * (limit - 1)], params=SamplingParams(max_tokens=1), timeout=60)
     assert out.finish_reason == "length"
 

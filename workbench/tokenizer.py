@@ -95,10 +95,14 @@ def lower_thread_priority(niceness: int = 10) -> None:
             pass
 
 
+def too_long_message(why: str, max_tokens: int) -> str:
+    """Why a prompt is refused for its length, in the words every path uses (the tokenizer, the
+    engine, the engine process's transport)."""
+    return f"{why}; the model's context is {max_tokens} tokens (prompt plus at least one output token must fit)"
+
+
 def _too_long(why: str, max_tokens: int) -> ValueError:
-    return ValueError(
-        f"{why}; the model's context is {max_tokens} tokens (prompt plus at least one output token must fit)"
-    )
+    return ValueError(too_long_message(why, max_tokens))
 
 
 def _word_boundary(text: str, before: int) -> int:

@@ -30,6 +30,7 @@ from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
+from ..tokenizer import too_long_message
 from . import live_settings, sampler, structured
 from .attention import KVCache
 from .hostload import HostSampler
@@ -263,10 +264,7 @@ class LLMEngine:
         return ids
 
     def _too_long(self, num_tokens: int) -> str:
-        return (
-            f"prompt has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "
-            "(prompt plus at least one output token must fit)"
-        )
+        return too_long_message(f"prompt has {num_tokens} tokens", self.max_model_len)
 
     def abort_request(self, request_id: str) -> StreamChunk | None:
         req = self.requests.get(request_id)

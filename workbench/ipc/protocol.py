@@ -187,6 +187,32 @@ def decode_client_message(body: bytes) -> ClientMessage:
     return _client_decoder.decode(body)
 
 
+class _IdsUnread(NewRequest, array_like=True, omit_defaults=True):
+    prompt_token_ids: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack's nil where absent
+
+
+class _SubmitIdsUnread(Submit, tag="submit", array_like=True):
+    requests: list[_IdsUnread]
+
+
+_ids_unread_decoder = msgspec.msgpack.Decoder(_SubmitIdsUnread)
+
+
+def token_id_counts(body: bytes) -> list[int | None]:
+    """How many prompt token ids each request of a submit carries (None: a text prompt), read from
+    their arrays' headers without decoding a single id."""
+    out: list[int | None] = []
+    for r in _ids_unread_decoder.decode(body).requests:
+        raw = bytes(r.prompt_token_ids)
+        if raw[0] == 0xC0:  # nil: a text prompt
+            out.append(None)
+        elif 0x90 <= raw[0] <= 0x9F:  # fixarray
+            out.append(raw[0] & 0x0F)
+        else:  # array 16 (0xdc) or array 32 (0xdd)
+            out.append(int.from_bytes(raw[1 : 3 if raw[0] == 0xDC else 5], "big"))
+    return out
+
+
 def client_decoder(max_prompt_tokens: int) -> msgspec.msgpack.Decoder:
     """A decoder of client messages that refuses a token-id prompt of more than
     `max_prompt_tokens` ids before decoding any (msgspec checks an array's length first): a

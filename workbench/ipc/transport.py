@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from ..tokenizer import too_long_message
 from . import connection as conn
 from .protocol import (
     HEADER,
@@ -49,6 +50,7 @@ from .protocol import (
     encode,
     encode_raw,
     guess_refs,
+    token_id_counts,
 )
 
 log = logging.getLogger("workbench.engine")
@@ -261,11 +263,8 @@ class Transport:
             except msgspec.ValidationError as e:  # well-formed msgpack, wrong shape or values
                 problem, kind = f"invalid message: {e}", "ValueError"
                 if self.max_prompt_tokens is not None and f"of length <= {self.max_prompt_tokens} -" in str(e):
-                    n = self.max_prompt_tokens
-                    problem = (
-                        f"a prompt has more than {n} token ids; the model's context is {n + 1} tokens (prompt plus "
-                        "at least one output token must fit)"
-                    )
+                    n = next(c for c in token_id_counts(body) if c is not None and c > self.max_prompt_tokens)
+                    problem = too_long_message(f"prompt has {n} tokens", self.max_prompt_tokens + 1)
             except Exception as e:  # msgspec.DecodeError: not msgpack at all
                 problem = f"undecodable message: {e}"
         if problem is not None:
