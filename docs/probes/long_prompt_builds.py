@@ -8,7 +8,8 @@ host (a shared host's speed moves by 10-20% within minutes):
                  exec(open('docs/probes/long_prompt_builds.py').read())"; done; done
 
 (`.dev` holds links named workbench and workbench_kernels to the checkout's packages, as `make
-setup` makes them.) The argument seeds the prompts.
+setup` makes them.) The argument seeds the prompts. It repeats the loop of `bench.scenarios`'
+long_prompt scenario on purpose: checkouts older than that scenario have only the engine's API.
 """
 
 import json

@@ -98,7 +98,6 @@ class EngineServer:
                 raise ValueError(f"{what} must be > 0, got {value}")
         self.engine = engine
         self.name = conn.check_name(name)
-        self.transport = transport
         self.io = Transport(
             self.name,
             transport=transport,
@@ -108,6 +107,7 @@ class EngineServer:
             max_message_bytes=int(max_message_mb * 2**20),
             directory=directory or conn.runtime_dir(),
             max_prompt_tokens=engine.max_model_len - 1,
+            stopping=lambda: self._stop_mode is not None,  # heartbeats tell the clients
         )
         self.parent_pid = parent_pid
         self.log_file = log_file
@@ -119,7 +119,7 @@ class EngineServer:
         self._owners: dict[str, tuple[bytes, bool]] = {}  # request_id -> (identity, stream)
         self._owned: dict[bytes, set[str]] = defaultdict(set)
         self._client_names: dict[bytes, str] = {}
-        self._stop: str | None = None  # None | "abort" | "drain" (`_stop_mode`)
+        self._stop_mode: str | None = None  # None | "abort" | "drain"
         self._drain_deadline: float | None = None  # a signal's drain ends here
         self._tokenize_q: queue.SimpleQueue = queue.SimpleQueue()
         self._rejections = QuietLog(log)  # refused configure calls: a fuzzer's flood stays a few lines
@@ -174,15 +174,6 @@ class EngineServer:
             self.connection_file,
         )
         return self.connection_file
-
-    @property
-    def _stop_mode(self) -> str | None:
-        return self._stop
-
-    @_stop_mode.setter
-    def _stop_mode(self, mode: str | None) -> None:
-        self._stop = mode
-        self.io.stopping = mode is not None  # heartbeats tell the clients
 
     # -- main loop ------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -534,7 +525,7 @@ class EngineServer:
                 **engine,
                 name=self.name,
                 protocol=PROTOCOL_VERSION,
-                transport=self.transport,
+                transport=self.io.transport,
                 num_clients=len(self._client_names),
                 num_requests=len(self.engine.requests),
                 connection_file=str(self.connection_file) if self.connection_file else None,

@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,7 @@ class Transport:
         max_message_bytes: int,
         directory: Path,
         max_prompt_tokens: int | None = None,
+        stopping: Callable[[], bool] = lambda: False,
     ):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
@@ -98,7 +100,7 @@ class Transport:
         # token-id prompts longer than this are refused before their ids are decoded
         self.max_prompt_tokens = max_prompt_tokens
         self._decode = decode_client_message if max_prompt_tokens is None else client_decoder(max_prompt_tokens).decode
-        self.stopping = False  # set by the loop while it drains or aborts: pongs tell the clients
+        self._stopping = stopping  # whether the loop drains or aborts: pongs tell the clients
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._outbox: deque = deque()
@@ -279,7 +281,7 @@ class Transport:
             return
         self._clients[ident] = time.monotonic()
         if isinstance(msg, Ping):
-            self._send_now(ident, Pong(time.monotonic(), self.stopping))
+            self._send_now(ident, Pong(time.monotonic(), self._stopping()))
         elif isinstance(msg, Bye):
             self._clients.pop(ident, None)
             self.inbox.put(("gone", ident, "said bye"))
