@@ -35,10 +35,10 @@ def load_hf_model(path: str, dtype: torch.dtype, device="cpu", quantization_conf
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     kw = {} if quantization_config is None else {"quantization_config": quantization_config}
-    if str(path).startswith(shapes.PREFIX):  # a model shape: our random weights, made on the device
+    if shapes.shape_of(path):  # a model shape: our random weights, made on the device
         if quantization_config is not None:
             raise ValueError(f"the quantised transformers peers load a model folder, not {path!r}")
-        model = shapes.hf_model(str(path).removeprefix(shapes.PREFIX), dtype, device)
+        model = shapes.hf_model(shapes.shape_of(path), dtype, device)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
     pad = model.config.pad_token_id

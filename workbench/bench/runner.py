@@ -279,8 +279,8 @@ def run_bench(
 
     log("loading the model")
     hf_path = None
-    if isinstance(model, str) and model.startswith(shapes.PREFIX):  # no weights to read here: the config
-        config, tokenizer, hf_path = shapes.shape_config(model.removeprefix(shapes.PREFIX)), None, model
+    if shapes.shape_of(model):  # no weights to read here: the config
+        config, tokenizer, hf_path = shapes.shape_config(shapes.shape_of(model)), None, model
     else:
         loaded = load_model(model, dtype=dtype)
         config, tokenizer = loaded.config, loaded.tokenizer

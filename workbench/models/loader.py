@@ -31,8 +31,7 @@ from .embedded import (
 )
 from .gguf import load_gguf, read_gguf
 from .hf import load_hf_dir
-from .shapes import PREFIX as SHAPE_PREFIX
-from .shapes import load_shape
+from .shapes import load_shape, shape_of
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -61,8 +60,8 @@ def load_model(
     "shape:NAME" (`models.shapes`: a published config with random weights, made on `device`;
     everything else is loaded on the CPU).
     """
-    if isinstance(model, str) and model.startswith(SHAPE_PREFIX):
-        return load_shape(model.removeprefix(SHAPE_PREFIX), dtype, device)
+    if shape_of(model):
+        return load_shape(shape_of(model), dtype, device)
     if model is None or (isinstance(model, str) and model in DEFAULT_ALIASES and not os.path.exists(model)):
         t0 = time.perf_counter()
         folder = ensure_converted(default_gguf_path(), DEFAULT_MODEL)

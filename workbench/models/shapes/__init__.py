@@ -28,13 +28,22 @@ def shape_names() -> list[str]:
     return sorted(p.stem for p in FOLDER.glob("*.json"))
 
 
-def shape_config(name: str) -> ModelConfig:
-    """The config of shape `name` (ValueError naming the known ones)."""
+def shape_of(model) -> str | None:
+    """NAME of a model named "shape:NAME", else None."""
+    return model.removeprefix(PREFIX) if isinstance(model, str) and model.startswith(PREFIX) else None
+
+
+def _published(name: str) -> dict:
+    """Shape `name`'s config.json (ValueError naming the known ones)."""
     path = FOLDER / f"{name}.json"
     if not path.is_file():
         raise ValueError(f"unknown model shape {name!r}; known: {', '.join(shape_names())}")
-    cfg = json.loads(path.read_text(encoding="utf-8"))
-    return ModelConfig.from_hf_config(cfg, f"{PREFIX}{name}", name=f"{name} (random weights)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def shape_config(name: str) -> ModelConfig:
+    """The config of shape `name` (ValueError naming the known ones)."""
+    return ModelConfig.from_hf_config(_published(name), f"{PREFIX}{name}", name=f"{name} (random weights)")
 
 
 def load_shape(name: str, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0) -> LoadedModel:
@@ -52,12 +61,12 @@ def fill_random(config: ModelConfig, tensors: dict[str, torch.Tensor], seed: int
     """Fill a model's tensors (ours, or a transformers model's state dict) in place, key by key in
     one order from one generator, so both hold the same values: matrices normal(0, INIT_STD), norms
     ones, biases zeros."""
-    gens: dict[torch.device, torch.Generator] = {}
+    gen = None  # on the tensors' device, made at the first matrix
     with torch.no_grad():
         for key in expected_weight_shapes(config):
             t = tensors[key]
             if t.dim() == 2:
-                gen = gens.setdefault(t.device, torch.Generator(t.device).manual_seed(seed))
+                gen = gen or torch.Generator(t.device).manual_seed(seed)
                 t.normal_(0.0, INIT_STD, generator=gen)
             else:
                 t.fill_(0.0 if key.endswith(".bias") else 1.0)
@@ -68,8 +77,7 @@ def hf_model(name: str, dtype: torch.dtype, device: torch.device | str = "cpu", 
     weights (the peers of `workbench bench` and gpucheck on a shape)."""
     import transformers
 
-    cfg = json.loads((FOLDER / f"{name}.json").read_text(encoding="utf-8"))
-    hf_config = transformers.AutoConfig.for_model(**cfg)
+    hf_config = transformers.AutoConfig.for_model(**_published(name))
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     fill_random(shape_config(name), dict(model.named_parameters()), seed)
