@@ -33,6 +33,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["dry_run"] is True and "Triton interpreter" in rep["device"]["name"]
     assert {"device", "kernels", "engine", "cuda_graphs", "dry_run", "limits", "targets"} <= set(rep)
+    assert rep["shape"] is None  # no --shape: the dry run's tiny model
     names = [k["name"] for k in rep["kernels"]]
     for kernel in (
         "decode_attention smollm2",

@@ -142,6 +142,7 @@ def run_gpucheck(
     dtype = torch.float32 if dry_run else torch.bfloat16  # the interpreter's bf16 tl.dot is wrong
     report: dict[str, Any] = {
         "dry_run": dry_run,
+        "shape": shape,  # the model shape the engine runs measured (None: SmolLM2, or the dry run's tiny model)
         "device": _device(torch, triton, dry_run),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "argv": sys.argv[1:],
