@@ -1058,10 +1058,10 @@ def test_the_front_bounds_the_text_it_tokenizes():
     34 s, no 503). It now refuses what would exceed the bound, as the engine does."""
     import asyncio
 
-    from workbench.http.app import Front
     from workbench.http.server import load_front_tokenizer
+    from workbench.http.serving import Serving
 
-    front = Front(
+    front = Serving(
         None,
         model_names=["m"],
         tokenizer=load_front_tokenizer("smollm2-135m"),
@@ -1094,15 +1094,65 @@ def test_metrics_follow_the_key_unless_opened_for_scrapers(tiny_llama):
 
     from workbench import LLM
     from workbench.http.app import create_app
-    from workbench.http.server import make_front
+    from workbench.http.server import make_serving
 
     engine = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16)
     for open_metrics, status in ((False, 401), (True, 200)):
-        front = make_front(engine, api_key="k3y", tokenizer=None, open_metrics=open_metrics)
+        front = make_serving(engine, api_key="k3y", tokenizer=None, open_metrics=open_metrics)
         with TestClient(create_app(front)) as http:
             assert http.get("/metrics").status_code == status
             assert http.get("/metrics", headers={"Authorization": "Bearer k3y"}).status_code == 200
             assert http.get("/health").status_code == 200
+
+
+def test_each_route_handler_answers_alone(tiny_llama):
+    """Issue 48.4: the routes are module-level handlers over the app's `Serving`, callable without
+    FastAPI's routing: a hand-built request gets the engine's own greedy tokens, bad input raises
+    the 400 the app would send, and the drain's count of running handlers goes back to zero."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from workbench import LLM, SamplingParams
+    from workbench.http.routes import admin, completions, models
+    from workbench.http.server import make_serving
+
+    engine = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16)
+    serving = make_serving(engine, served_model_name="tiny", tokenizer=None)
+    app = SimpleNamespace(state=SimpleNamespace(serving=serving))
+
+    def request(path: str, body: bytes = b"") -> Request:
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if sent:  # the client stays connected
+                await asyncio.Event().wait()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        headers = [(b"content-length", str(len(body)).encode())]
+        scope = {"type": "http", "method": "POST" if body else "GET", "path": path, "headers": headers,
+                 "query_string": b"", "app": app}  # fmt: skip
+        return Request(scope, receive)
+
+    body = b'{"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "return_token_ids": true}'
+    answer = asyncio.run(completions.completions(request("/v1/completions", body)))
+    choice = json.loads(answer.body)["choices"][0]
+    [want] = engine.generate(prompt_token_ids=[[5, 6, 7]], params=SamplingParams(temperature=0, max_tokens=4))
+    assert choice["token_ids"] == want.token_ids and len(want.token_ids) == 4
+    assert serving.inflight == 0
+    with pytest.raises(APIError) as e:
+        asyncio.run(completions.completions(request("/v1/completions", b'{"prompt": [5], "max_tokens": -1}')))
+    assert (e.value.status, e.value.param) == (400, "max_tokens") and serving.inflight == 0
+    with pytest.raises(APIError) as e:
+        asyncio.run(models.get_model(request("/v1/models/nope"), "nope"))
+    assert e.value.status == 404 and "'tiny'" in e.value.message
+    listed = asyncio.run(models.list_models(request("/v1/models")))
+    assert [m["id"] for m in listed["data"]] == ["tiny"]
+    health = asyncio.run(admin.health(request("/health")))
+    assert health.status_code == 200 and json.loads(health.body)["model"] == "tiny"
 
 
 def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch, tiny_llama):
@@ -1112,19 +1162,21 @@ def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch, tiny_llama):
     import threading
 
     from workbench import LLM
-    from workbench.http import app as app_module
+    from workbench.http import serving as serving_module
     from workbench.http.protocol import CompletionRequest
-    from workbench.http.server import make_front
+    from workbench.http.server import make_serving
 
-    front = make_front(LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16), tokenizer=None)
+    front = make_serving(LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16), tokenizer=None)
     threads = []
-    real = app_module.decode_request
-    monkeypatch.setattr(app_module, "decode_request", lambda b, k: threads.append(threading.get_ident()) or real(b, k))
+    real = serving_module.decode_request
+    monkeypatch.setattr(
+        serving_module, "decode_request", lambda b, k: threads.append(threading.get_ident()) or real(b, k)
+    )
 
     async def both():
         loop_thread = threading.get_ident()
         small = b'{"prompt": [5, 6], "max_tokens": 1}'
-        large = b'{"prompt": [' + b"5," * (app_module.OFF_LOOP_BYTES // 2) + b'5], "max_tokens": 1}'
+        large = b'{"prompt": [' + b"5," * (serving_module.OFF_LOOP_BYTES // 2) + b'5], "max_tokens": 1}'
         await front.decode(small, CompletionRequest)
         await front.decode(large, CompletionRequest)
         return loop_thread

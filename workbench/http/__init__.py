@@ -17,17 +17,19 @@ The cost is one more local hop (msgpack over a Unix socket, well under a millise
 is small next to a decode step. `workbench serve --http` starts both with one command: the
 engine as a child process (stopped with the front; it exits by itself if the front is killed).
 
-Modules: `protocol` (request models, errors, SamplingParams mapping), `app` (routes, auth,
-streaming, disconnects), `metrics` (Prometheus), `server` (uvicorn, CLI, `start_http_server`).
+Modules: `protocol` (request models, errors, SamplingParams mapping), `serving` (what the routes
+share and do: auth, checks, tokenizing, engine calls, the drain), `routes/` (the handlers, one
+router per concern), `render` (bodies and SSE chunks), `answer` (JSON or a stream, disconnects),
+`app` (mounts the routers), `metrics` (Prometheus), `server` (uvicorn, CLI, `start_http_server`).
 """
 
-__all__ = ["Front", "HttpServerHandle", "create_app", "make_front", "run_front", "start_http_server"]
+__all__ = ["HttpServerHandle", "Serving", "create_app", "make_serving", "run_front", "start_http_server"]
 
 _LAZY = {
-    "Front": "app",
+    "Serving": "serving",
     "create_app": "app",
     "HttpServerHandle": "server",
-    "make_front": "server",
+    "make_serving": "server",
     "run_front": "server",
     "start_http_server": "server",
 }

@@ -78,7 +78,7 @@ def load_front_tokenizer(model=None, engine_model_name: str | None = None):
     return None
 
 
-def make_front(
+def make_serving(
     engine,
     *,
     model=None,
@@ -90,7 +90,7 @@ def make_front(
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     open_metrics: bool = False,
 ):
-    from .app import Front
+    from .serving import Serving
 
     status = engine.status()
     engine_model = status.get("model") or "model"
@@ -106,7 +106,7 @@ def make_front(
                 "tokens are spelled token_id:<id> (pass the model path to fix that)",
                 engine_model,
             )
-    return Front(
+    return Serving(
         engine,
         model_names=names,
         tokenizer=tokenizer,
@@ -175,7 +175,7 @@ def _uvicorn_server(
     stops without waiting."""
     import uvicorn
 
-    front = app.state.front
+    serving = app.state.serving
 
     class Server(uvicorn.Server):
         signals = 0
@@ -193,12 +193,12 @@ def _uvicorn_server(
             elif self.signals == 1:
                 loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
             else:
-                loop.call_soon_threadsafe(front.cut_all, "a second signal ended the drain")
+                loop.call_soon_threadsafe(serving.cut_all, "a second signal ended the drain")
 
         async def drain(self) -> None:
-            front.begin_drain(drain_timeout)
+            serving.begin_drain(drain_timeout)
             deadline = time.monotonic() + drain_timeout + 2.0  # the cut answers need a moment
-            while front.busy() and time.monotonic() < deadline:
+            while serving.busy() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             self.should_exit = True
 
@@ -281,8 +281,8 @@ def start_http_server(
     notebook, a test). For production use `workbench serve --http`, a process of its own."""
     from .app import create_app
 
-    front = make_front(engine, model=model, served_model_name=served_model_name, api_key=api_key)
-    server = _uvicorn_server(create_app(front), host, port, log_level, header_timeout=header_timeout)
+    serving = make_serving(engine, model=model, served_model_name=served_model_name, api_key=api_key)
+    server = _uvicorn_server(create_app(serving), host, port, log_level, header_timeout=header_timeout)
     thread = threading.Thread(target=server.run, name="wb-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
@@ -424,7 +424,7 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
             model = local[0] if local and local[0] not in ("default", "smollm2-135m") else None
             if len({m.status().get("vocab_size") for m in engine.members.values()}) != 1:
                 tokenizer, model = None, None
-        front = make_front(
+        serving = make_serving(
             engine,
             model=model,
             tokenizer=tokenizer,
@@ -436,7 +436,7 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
             open_metrics=getattr(args, "metrics_without_key", False),
         )
         server = _uvicorn_server(
-            create_app(front),
+            create_app(serving),
             host,
             port,
             args.http_log_level,
@@ -452,7 +452,7 @@ def run_front(args: argparse.Namespace, settings: dict | None = None, start_clus
         else:
             where = f"engine {engine.name!r} (log: {engine.log_file})"
         print(
-            f"workbench: {where} serving {front.model_names[0]!r} on http://{shown}:{port}/v1"
+            f"workbench: {where} serving {serving.model_names[0]!r} on http://{shown}:{port}/v1"
             + (" (API key required)" if api_key else ""),
             file=sys.stderr,
             flush=True,
