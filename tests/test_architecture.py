@@ -242,6 +242,7 @@ CORE = {
     "settings",
     "timeline",
     "tokenizer",
+    "processing",
     "bokehjs",
 }
 TOOLS = {"bench", "tuning", "runs", "sim"}
@@ -274,6 +275,7 @@ CORE_LAYERS = (
         "events",
         "interface",
         "tokenizer",
+        "processing",
         "bokehjs",
     },
     {"engine", "models"},

@@ -246,6 +246,29 @@ def test_bad_requests_raise_and_leave_others_running(tiny_llama, kwargs, exc, wo
     assert chunks[-1].output.token_ids == hf_greedy(model, good, 6)
 
 
+def test_requests_are_processed_once_and_the_core_guards_its_context(tiny_llama):
+    """Issue 48.2: the input processor checks a request whole, and the core adds what it produced
+    without reading the ids again; a processed request that cannot fit the context (built by hand)
+    is still refused by the core, and the engine serves on."""
+    from workbench.processing.input import ProcessedRequest
+
+    path, model = tiny_llama
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    inputs = llm.engine.inputs
+    with pytest.raises(ValueError, match=r"logit_bias names token ids outside the vocabulary \[0, "):
+        inputs.process(None, SamplingParams(logit_bias={10_000: 1.0}), prompt_token_ids=[5, 6])
+    good = ragged_prompts(seed=4, lengths=(9,))[0]
+    req = inputs.process(None, SamplingParams(max_tokens=5, temperature=0), prompt_token_ids=good)
+    assert req.prompt_token_ids == good and req.grammar is None
+    with pytest.raises(ValueError, match="prompt has 600 tokens"):
+        llm.engine.add_processed(ProcessedRequest([5] * 600, SamplingParams(max_tokens=1)))
+    rid = llm.engine.add_processed(req)
+    chunks = []
+    while llm.engine.has_unfinished_requests():
+        chunks += [c for c in llm.engine.step() if c.request_id == rid]
+    assert chunks[-1].output.token_ids == hf_greedy(model, good, 5)
+
+
 @pytest.mark.parametrize(
     "params, exc, field",
     [

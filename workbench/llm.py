@@ -49,14 +49,13 @@ class LLM(Engine):
         stream: bool = False,
         into: list[str] | None = None,
     ) -> list[str]:
-        # Validate everything first so one bad prompt submits nothing.
-        encoded = [self.engine.encode_prompt(p, ids, chat) for p, ids, _ in batch]
-        for _, _, sp in batch:
-            self.engine.prepare(sp)  # a constraint compiles (or is refused) before anything runs
+        # Process everything first (a constraint compiles, or is refused) so one bad prompt submits nothing.
+        inputs = self.engine.inputs
+        processed = [inputs.process(p, sp, prompt_token_ids=ids, chat=chat) for p, ids, sp in batch]
         submitted: list[str] = []
         try:
-            for (p, _, sp), ids in zip(batch, encoded):
-                rid = self.engine.add_request(p, sp, prompt_token_ids=ids)
+            for req in processed:
+                rid = self.engine.add_processed(req)
                 self._sinks[rid] = (sink, stream)
                 submitted.append(rid)
                 if into is not None:

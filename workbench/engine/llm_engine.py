@@ -26,11 +26,11 @@ from workbench_kernels import hostmem
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk
+from ..processing.input import InputProcessor, ProcessedRequest
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
-from ..tokenizer import too_long_message
 from . import live_settings, sampler, structured
 from .attention import KVCache
 from .hostload import HostSampler
@@ -54,11 +54,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 class LLMEngine:
-    # What an engine process calls from a thread other than its step loop's (the tokenizer thread,
-    # the calls thread): each reads only what never changes after loading (the tokenizer, the
-    # model's limits, the original weights) or the thread-safe grammar cache. Everything else
-    # changes under a step: tests/test_engine_loop_thread.py fails on any other use off the loop.
-    THREAD_SAFE = frozenset({"encode_prompt", "prepare", "weights_checksum"})
+    # What an engine process calls from a thread other than its step loop's (the calls thread):
+    # it reads only the original weights, which no re-layout replaces. Everything else changes
+    # under a step: tests/test_engine_loop_thread.py fails on any other use off the loop. (The
+    # tokenizer thread uses `self.inputs`, an object of its own, never the engine.)
+    THREAD_SAFE = frozenset({"weights_checksum"})
 
     def __init__(self, model: str | os.PathLike | None = None, **settings: Any):
         self.settings = EngineSettings(**validate(settings))
@@ -119,6 +119,7 @@ class LLMEngine:
         self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self.load_draft, self.totals)
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
         self.grammars = structured.Grammars(self.tokenizer, c.vocab_size, c.eos_token_ids)
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, c.vocab_size, self.grammars)
         self.response_cache = ResponseCache()
         self._cache_keys: dict[str, tuple] = {}  # request_id -> its response-cache key, while it runs
         self._ready: list[StreamChunk] = []  # answers from the response cache, handed out at the next step
@@ -134,20 +135,23 @@ class LLMEngine:
         request_id: str | None = None,
         arrival: float | None = None,
     ) -> str:
-        params = SamplingParams.coerce(params)
-        ids = self.encode_prompt(prompt, prompt_token_ids, chat)
+        """Process a request (`self.inputs`) and add it: what `LLM` and tests call."""
+        processed = self.inputs.process(prompt, params, prompt_token_ids=prompt_token_ids, chat=chat)
+        return self.add_processed(processed, request_id=request_id, arrival=arrival)
+
+    def add_processed(
+        self, req: ProcessedRequest, *, request_id: str | None = None, arrival: float | None = None
+    ) -> str:
+        """Add a request the input processor checked whole; its ids are not read again here, only
+        what the step loop's own state decides (the id is free, the KV cache can ever hold it)."""
+        ids, params, prompt, grammar = req.prompt_token_ids, req.params, req.prompt, req.grammar
         request_id = request_id or uuid.uuid4().hex[:12]
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(self._too_long(len(ids)))
-        vocab = self.model_config.vocab_size
-        outside = [t for t in (params.logit_bias or ()) if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
-        grammar = self._grammar(params)
+        if len(ids) >= self.max_model_len:  # O(1), and what a step could not survive
+            raise ValueError(self.inputs.too_long(len(ids)))
         need = self.scheduler.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
         if need is not None:
             raise ValueError(
@@ -186,16 +190,6 @@ class LLMEngine:
             self.timeline.add_request(seq.metrics.arrival, request_id, "grammar", f"{grammar.kind} {detail}")
         return request_id
 
-    def prepare(self, params: SamplingParams | None) -> None:
-        """What a request needs before it is added, done off the step loop by an engine process's
-        tokenizer thread: its grammar compiled (an invalid one raises ValueError here). Touches
-        only the grammar cache (thread-safe)."""
-        if params is not None:
-            self._grammar(params)
-
-    def _grammar(self, params: SamplingParams) -> structured.Compiled | None:
-        return None if params.structured is None else self.grammars.get(params.structured)
-
     def _answer_from_cache(self, request_id: str, prompt, ids: list[int], hit: RequestOutput, arrival) -> str:
         """An exact repeat: the earlier answer under this request's id, at the next step, no step run."""
         now = time.monotonic()
@@ -230,41 +224,6 @@ class LLMEngine:
         if not isinstance(prompt, str) and self.tokenizer is not None:
             prompt = self.tokenizer.decode(ids[:16])
         return prompt_label(prompt if isinstance(prompt, str) else None)
-
-    def encode_prompt(self, prompt, prompt_token_ids, chat: bool) -> list[int]:
-        """Token ids for a request; prompt_token_ids win (prompt is then only a label)."""
-        if prompt is None and prompt_token_ids is None:
-            raise ValueError("give a prompt or prompt_token_ids")
-        if prompt_token_ids is not None:
-            if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids
-            ):
-                raise TypeError("prompt_token_ids must be a list of ints")
-            ids = list(prompt_token_ids)
-            if len(ids) >= self.max_model_len:  # before scanning millions of ids
-                raise ValueError(self._too_long(len(ids)))
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt_token_ids has ids outside the vocabulary [0, {self.model_config.vocab_size}): {bad[:5]}"
-                )
-        else:
-            if not isinstance(prompt, str):
-                raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
-            # Refused from its length (or a prefix's tokens) when it cannot fit: tokenizing
-            # megabytes costs seconds. A chat message is checked before its template is rendered.
-            if chat:
-                self.tokenizer.check_fits(prompt, self.max_model_len)
-                prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
-            ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=not chat)
-        if not ids:
-            raise ValueError("prompt is empty: it must have at least one token")
-        return ids
-
-    def _too_long(self, num_tokens: int) -> str:
-        return too_long_message(f"prompt has {num_tokens} tokens", self.max_model_len)
 
     def abort_request(self, request_id: str) -> StreamChunk | None:
         req = self.requests.get(request_id)
@@ -430,7 +389,7 @@ class LLMEngine:
     def score(self, token_ids: list[int], chunk: int = 128) -> list[float]:
         """Log-probability of each token after the first, given those before it (for perplexity
         reports). Runs between steps on spare KV blocks; other requests are untouched."""
-        ids = self.encode_prompt(None, token_ids, False)
+        ids = self.inputs.encode(None, token_ids, False)
         if len(ids) < 2:
             return []  # nothing comes after the first token
         if len(ids) > self.max_model_len:

@@ -12,7 +12,8 @@ Threads:
   `engine.step()`, routes the chunks to their requesters, and publishes timeline increments.
   Adding, aborting, configuring, reading metrics all run here, between steps, so a setting never
   changes under a running step (vLLM v1's busy loop reads the same: poll inputs, then step).
-- tokenizer: turns submitted prompts into token ids (the tokenizer releases the GIL) and hands
+- tokenizer: processes submitted requests (`engine.inputs`, an `InputProcessor`, handed over by
+  the loop: token ids, checks, a constraint compiled; the tokenizer releases the GIL) and hands
   them back through the inbox, so a huge prompt never stalls the steps of other requests. What
   waits for it, and what waits to run, is bounded (admission control: `EngineBusyError`).
 - calls: builds the answers of calls that take long (hashing the weights, encoding a long
@@ -296,21 +297,17 @@ class EngineServer:
         except Exception as e:
             self.io.send(ident, Rejected(ids, error_to_wire(e)))
             return
-        if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing and not self._new_grammar(reqs):
+        inputs = self.engine.inputs  # taken here, on the loop: the tokenizer thread never reads the engine
+        if chars <= INLINE_TOKENIZE_CHARS and not self._tokenizing and all(inputs.is_compiled(r.params) for r in reqs):
             # Small, and nothing ahead of it: tokenizing here (under a millisecond) costs less
             # than the hand-over to the tokenizer thread and back. A grammar not seen before is
             # compiled there too (a large schema takes seconds).
-            self._on_encoded(ident, msg, 0, self._encode(msg))
+            self._on_encoded(ident, msg, 0, _process(inputs, msg))
             return
         for rid in ids:
             self._tokenizing[rid] = ident
         self._tokenizing_chars += chars
-        self._tokenize_q.put((ident, msg, chars))
-
-    def _new_grammar(self, reqs) -> bool:
-        """Whether a request names a constraint not compiled yet (compiled on the tokenizer thread)."""
-        grammars = self.engine.grammars
-        return any(r.params and r.params.structured and not grammars.cached(r.params.structured) for r in reqs)
+        self._tokenize_q.put((ident, msg, chars, inputs))
 
     def _admit(self, chars: int) -> None:
         """Refuse new work while too much waits (one message is always let into an empty queue:
@@ -336,22 +333,14 @@ class EngineServer:
             item = self._tokenize_q.get()
             if item is None:
                 return
-            ident, msg, chars = item
-            if all(r.request_id in self._cancelled for r in msg.requests):
-                encoded = [[] for _ in msg.requests]  # nobody waits for them: skip the work
+            ident, msg, chars, inputs = item
+            if all(r.request_id in self._cancelled for r in msg.requests):  # nobody waits for them: skip the work
+                processed = ValueError("aborted before its prompt was tokenized")
             else:
-                encoded = self._encode(msg)
-            self.io.inbox.put(("encoded", ident, (msg, chars, encoded)))
+                processed = _process(inputs, msg)
+            self.io.inbox.put(("encoded", ident, (msg, chars, processed)))
 
-    def _encode(self, msg: Submit) -> list[list[int]] | BaseException:
-        try:
-            for r in msg.requests:
-                self.engine.prepare(r.params)
-            return [self.engine.encode_prompt(r.prompt, r.prompt_token_ids, r.chat) for r in msg.requests]
-        except Exception as e:
-            return e
-
-    def _on_encoded(self, ident: bytes, msg: Submit, chars: int, encoded) -> None:
+    def _on_encoded(self, ident: bytes, msg: Submit, chars: int, processed) -> None:
         reqs = msg.requests
         ids = [r.request_id for r in reqs]
         self._tokenizing_chars -= chars
@@ -362,15 +351,13 @@ class EngineServer:
             return  # the client vanished while its prompts were tokenized
         added: list[str] = []
         try:
-            if isinstance(encoded, BaseException):
-                raise encoded
+            if isinstance(processed, BaseException):
+                raise processed
             if self._stop_mode == "abort":  # a drain still runs what it accepted before the signal
                 raise EngineDrainingError(f"engine {self.name!r} is shutting down and accepts no new requests")
             try:
-                for r, tokens in zip(reqs, encoded):
-                    added.append(
-                        self.engine.add_request(r.prompt, r.params, prompt_token_ids=tokens, request_id=r.request_id)
-                    )
+                for r, req in zip(reqs, processed):
+                    added.append(self.engine.add_processed(req, request_id=r.request_id))
             except BaseException:
                 for rid in added:
                     self.engine.abort_request(rid)
@@ -611,6 +598,16 @@ def _short(value: Any, most: int = 200) -> str:
     """A value for a log line: its repr, cut to `most` characters (a hostile call can be megabytes)."""
     text = repr(value) if not isinstance(value, BaseException) else str(value)
     return text if len(text) <= most else text[:most] + f"... ({len(text):,} characters)"
+
+
+def _process(inputs, msg: Submit) -> list | BaseException:
+    """A submit's requests processed whole (`InputProcessor`), or the error that refuses them all."""
+    try:
+        return [
+            inputs.process(r.prompt, r.params, prompt_token_ids=r.prompt_token_ids, chat=r.chat) for r in msg.requests
+        ]
+    except Exception as e:
+        return e
 
 
 class QuietLog:
