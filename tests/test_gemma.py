@@ -69,6 +69,9 @@ def test_gemma3_logprobs_match_and_the_window_matters(gemma, backend):
     ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, attention_backend=backend)
     assert llm.engine.runner.backend.name == backend and llm.engine.runner.backend.windows == [6, 0, 6]
+    if backend == "triton":  # its (1 + w) and sandwich norms stay torch ops: the fused layer ops say why
+        assert llm.engine.runner.model.fused_ops is None
+        assert "sandwich norms run as torch ops" in llm.engine.runner.model.fused_layers_reason
     ref = _reference_logprobs(model, ids)
     torch.testing.assert_close(torch.tensor(llm.score(ids)), ref, atol=1e-4, rtol=1e-4)
     llm.engine.runner.backend.windows = [0, 0, 0]

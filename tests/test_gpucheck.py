@@ -8,7 +8,7 @@ import sys
 import pytest
 
 # gpucheck's sections, in the order they run (the most needed first: a spent budget skips the last)
-EVERY_SECTION = ["kernels", "exactness", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep"]
+EVERY_SECTION = ["kernels", "exactness", "launches", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep"]
 
 
 def _gpucheck(cwd, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -68,6 +68,13 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     for check in eng["exactness"].values():
         assert check["identical_requests"] == check["requests"] == 5, check
         assert check["sampled_repeatable"] is True, check
+    # issue 50.2: the eager decode step's launches per layer, counted; the fused layer ops serve
+    launches = rep["launches"]
+    assert launches["fused_layers"] is True and launches["layers"] == 2
+    assert rep["launches_per_layer"] == launches["counts"]["fused"]["per_layer"] <= 12
+    assert launches["counts"]["unfused"]["per_layer"] >= rep["launches_per_layer"] + 10
+    assert "kernel launches per layer, eager decode of 4: " in out.with_suffix(".md").read_text()
+    assert "USDT" not in done.stderr and "profiler_start" not in done.stderr
     graphs = rep["cuda_graphs"]
     assert graphs["buckets"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert graphs["steps"]["replayed"] == 0 and graphs["steps"]["eager"] > 0

@@ -410,3 +410,91 @@ def test_fused_moe_matches_reference(tokens, experts, top_k, hidden, inter, bloc
     _check(out, ref.fused_moe_ref(h, w13, w2, weights.to(DEVICE), ids.to(DEVICE)), dtype)
     with pytest.raises(ValueError, match="shapes do not fit"):
         fused_moe(h, w13, w2[:, :, :-1], weights, ids)
+
+
+# ----------------------------------------------------------------------------- fused layer ops
+# Each against the torch ops it replaces in the model's unfused path (workbench/models/llama.py),
+# equal to the bit in bf16 too: the kernels round where those ops round (bf16 by hand: the
+# interpreter truncates fp32 -> bf16 where a GPU rounds).
+def _exact(got, want, dtype):
+    if DEVICE.type == "cpu" or dtype == F32:
+        tol = 0 if dtype != F32 else 1e-6
+        assert (got.float() - want.float()).abs().max().item() <= tol
+    else:  # a GPU's exp/sqrt may round their last bit differently from torch's
+        _check(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (7, 96), (3, 576)])
+def test_rms_norm_with_the_residual_add_matches_the_model(dtype, rows, hidden):
+    from workbench_kernels.triton_ops import rms_norm
+
+    from workbench.models.llama import rms_norm as model_rms_norm
+
+    gen = torch.Generator().manual_seed(rows * hidden)
+    wide = torch.randn(rows, 2 * hidden, generator=gen).to(DEVICE, dtype)
+    x = wide[:, :hidden]  # strided rows, as a merged projection's slice
+    residual = torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    out, new_residual = rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, x + residual)
+    _exact(out, model_rms_norm(x + residual, weight, 1e-5), dtype)
+    alone, same = rms_norm(x, weight, 1e-6)
+    assert same is x
+    _exact(alone, model_rms_norm(x, weight, 1e-6), dtype)
+    with pytest.raises(ValueError, match=r"weight \[H\]"):
+        rms_norm(x, weight[:-1], 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, weight, 1e-5, residual[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("rows, inter", [(1, 48), (5, 1536)])
+def test_silu_mul_matches_the_model(dtype, rows, inter):
+    import torch.nn.functional as F
+    from workbench_kernels.triton_ops import silu_mul
+
+    gate_up = (3 * torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter))).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = silu_mul(gate_up)
+    want = F.silu(gate) * up
+    if dtype == F32:  # exp's last bit may differ from torch's
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        _exact(got, want, dtype)
+    with pytest.raises(ValueError, match=r"\[T, 2I\]"):
+        silu_mul(gate_up[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("d, hq, hkv", [(64, 9, 3), (128, 8, 8), (80, 4, 1)])
+def test_rope_and_kv_write_match_the_model(dtype, d, hq, hkv):
+    """RoPE on q and k at each token's position, k and v into the cache at its slot (-1: none)."""
+    from types import SimpleNamespace
+
+    from workbench_kernels.triton_ops import rope_write_kv
+
+    from workbench.models.llama import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(d + hq)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    cfg = SimpleNamespace(head_dim=d, rope_theta=500000.0, rope_scaling=scaling, max_position_embeddings=1024)
+    rope = RotaryEmbedding(cfg, 1024, DEVICE, dtype)
+    tokens = 6
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)  # one merged projection
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    positions = torch.tensor([0, 7, 63, 64, 700, 1023], device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 17, 31, 8], dtype=torch.int32, device=DEVICE)
+    k_cache = torch.randn(4, 8, hkv, d, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(4, 8, hkv, d, generator=gen).to(DEVICE, dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    got_q = rope_write_kv(q, k, v, rope.cos, rope.sin, positions, k_cache, v_cache, slots)
+    rq, rk = rope(positions, q, k)
+    ref.write_kv_ref(rk, v, want_k, want_v, slots)
+    _exact(got_q, rq, dtype)
+    _exact(k_cache, want_k, dtype)
+    assert torch.equal(v_cache, want_v)
+    with pytest.raises(ValueError, match="unquantised caches only"):
+        rope_write_kv(q, k, v, rope.cos, rope.sin, positions, k_cache.to(INT8), v_cache.to(INT8), slots)
+    with pytest.raises(ValueError, match="one entry per token"):
+        rope_write_kv(q, k, v, rope.cos, rope.sin, positions[:-1], k_cache, v_cache, slots)

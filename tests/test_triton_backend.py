@@ -24,6 +24,8 @@ def test_triton_backend_matches_torch(tiny_qwen2, settings):
     torch_out = LLM(str(path), attention_backend="torch", **common).generate(prompt_token_ids=_prompts(), params=params)
     llm = LLM(str(path), attention_backend="triton", **common)
     assert llm.status()["attention_backend"] == "triton"
+    model = llm.engine.runner.model
+    assert model.fused_ops is not None and model.fused_layers_reason is None  # issue 50.2: the fused layer ops
     triton_out = llm.generate(prompt_token_ids=_prompts(), params=params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
 

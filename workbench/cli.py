@@ -613,7 +613,8 @@ def _add_gpucheck(sub: argparse._SubParsersAction) -> None:
 def _run_gpucheck(args: argparse.Namespace) -> int:
     import time
 
-    from .gpucheck import run_gpucheck, write_report
+    from .bench.gpu_report import write_report
+    from .gpucheck import run_gpucheck
 
     started = time.monotonic()
 

@@ -18,12 +18,16 @@ markdown summary beside it, both rewritten after every section so a run cut off 
   stream) with our Triton kernels against transformers' padded static batches (`triton`), with
   CUDA graphs (`triton_cuda_graphs`), transformers one request at a time and its single stream
   (`hf_sequential`, a few requests), and torch's ops in place of ours (`torch_ops`);
+- `launches_per_layer` (and `launches`: with the fused layer ops and without, outside the layers):
+  kernel launches of a decoder layer in an eager decode step, counted with the torch profiler
+  (`bench/launches.py`; target <= 12);
 - `cuda_graphs`: the single stream with CUDA graphs on and off, and how many steps replayed;
 - `sweep`: launch configurations of decode and prefill attention timed against the defaults in
   whatever budget is left (what to tune next);
 - `sections_s`, `skipped`, `errors`: what each section took, what the budget left out, what failed;
-- `targets`: decode attention >= 70% of copy bandwidth, prefill >= 1.0x SDPA, engine >= 5x
-  transformers at 64 requests and on a single stream, CUDA graphs >= 3x on a single stream.
+- `targets` (`bench/gpu_report.py`, which also writes the report): decode attention >= 70% of
+  copy bandwidth, prefill >= 1.0x SDPA, engine >= 5x transformers at 64 requests and on a single
+  stream, CUDA graphs >= 3x on a single stream, at most 12 launches per layer.
 
 `--dry-run` runs the same pipeline on the CPU (the Triton interpreter, fp32, tiny shapes and a
 tiny model, no speed targets; `dry_run: true`): the test suite runs it, so the script cannot rot
@@ -35,7 +39,6 @@ the weights' values."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -45,19 +48,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-TARGETS = {
-    "decode_attention_fraction": 0.70,
-    "prefill_vs_sdpa": 1.0,
-    "engine_vs_transformers_w64": 5.0,
-    "engine_vs_transformers_w64_cuda_graphs": 5.0,
-    "engine_single_stream_vs_transformers": 5.0,
-    "cuda_graphs_single_stream": 3.0,
-}
-DEFAULT_OUTPUT = Path("docs") / "gpu" / "gpucheck.json"
+from .bench.gpu_report import decode_tok_s, targets
 
 # The sections, in the order they run (the most needed first: a run out of budget skips the last).
 # `--only` picks some; the device's limits are always measured (the kernels' fractions need them).
-SECTIONS = ("kernels", "exactness", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep")
+SECTIONS = ("kernels", "exactness", "launches", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep")
 
 # Sizes: a realistic GPU run, and the dry run's (the interpreter runs a kernel in Python).
 GPU = {
@@ -149,6 +144,7 @@ def run_gpucheck(
         "budget_s": budget_s,
         "kernels": [],
         "engine": {},
+        "launches_per_layer": None,  # kernel launches of a decoder layer in an eager decode step
         "cuda_graphs": {},
         "targets": [],
         "sections_s": {},
@@ -200,8 +196,13 @@ def run_gpucheck(
         def run(name: str, **kw):
             engine[name] = _engine_run(bench_model(), device, dry_run, sizes, log, **kw)
 
+        def launches():
+            report["launches"] = _launches(bench_model(), device, log)
+            report["launches_per_layer"] = report["launches"]["launches_per_layer"]
+
         section("kernels", kernels)
         section("exactness", exactness)
+        section("launches", launches)
         section("triton", lambda: run("triton", systems=["workbench", "hf_static"]))
         section("cuda_graphs", lambda: run("triton_cuda_graphs", systems=["workbench"], cuda_graphs=True))
         section(
@@ -215,7 +216,7 @@ def run_gpucheck(
             report["sweep"] = _sweep(bench, triton_ops, timer, device, dtype, sizes, deadline, log)
 
         section("sweep", sweep)
-    report["targets"] = [] if dry_run else _targets(report)
+    report["targets"] = [] if dry_run else targets(report)
     report["duration_s"] = time.monotonic() - started
     return report
 
@@ -388,14 +389,29 @@ def _engine_run(
     }
 
 
-def _decode_tok_s(engine: dict, run: str, system: str) -> float | None:
-    return ((engine.get(run) or {}).get("results", {}).get(system) or {}).get("decode_tok_s")
+def _launches(model: str | None, device, log) -> dict:
+    """Kernel launches per decoder layer in an eager decode step of 4 sequences, with the fused
+    layer ops and without (`bench/launches.py`)."""
+    import torch
+
+    from .bench.launches import launches_per_layer
+    from .llm import LLM
+
+    log("engine: kernel launches per layer (eager decode, torch profiler)")
+    dtype = "float32" if device.type == "cpu" else "auto"  # the dry run's: its C kernels would take a bf16 step
+    llm = LLM(model, device=str(device), dtype=dtype, attention_backend="triton", num_kv_blocks=64)
+    try:
+        return launches_per_layer(llm)
+    finally:
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _graphs(engine: dict) -> dict:
     """The single stream with CUDA graphs on and off, and how many steps replayed."""
-    off = _decode_tok_s(engine, "triton", "workbench_single_stream")
-    on = _decode_tok_s(engine, "triton_cuda_graphs", "workbench_single_stream")
+    off = decode_tok_s(engine, "triton", "workbench_single_stream")
+    on = decode_tok_s(engine, "triton_cuda_graphs", "workbench_single_stream")
     status = (engine.get("triton_cuda_graphs") or {}).get("engine_status", {})
     replayed = (status.get("cuda_graph_steps") or {}).get("replayed", 0)
     return {
@@ -493,109 +509,3 @@ def _exactness(device, dry_run: bool, root: Path, log) -> dict:
             "cuda_graph_reason": st["cuda_graph_reason"],
         }
     return out
-
-
-def _targets(rep: dict) -> list[dict]:
-    out = []
-
-    def add(name: str, value):
-        if isinstance(value, (int, float)):
-            out.append({"name": name, "value": value, "target": TARGETS[name], "met": value >= TARGETS[name]})
-
-    decodes = [k["fraction"] for k in rep["kernels"] if k["name"].startswith("decode_attention") and "fraction" in k]
-    prefills = [k["fraction"] for k in rep["kernels"] if k["name"].startswith("extend_attention") and "fraction" in k]
-    add("decode_attention_fraction", min(decodes) if decodes else None)
-    add("prefill_vs_sdpa", min(prefills) if prefills else None)
-    eng = rep["engine"]
-    add("engine_vs_transformers_w64", (eng.get("triton") or {}).get("ratios", {}).get("workbench_vs_hf_static"))
-    # the same workload (one seed, one request count) in both runs: graphs' W64 over transformers' of the first
-    graphs_w64 = ((eng.get("triton_cuda_graphs") or {}).get("results", {}).get("workbench") or {}).get("output_tok_s")
-    hf_w64 = ((eng.get("triton") or {}).get("results", {}).get("hf_static") or {}).get("output_tok_s")
-    add("engine_vs_transformers_w64_cuda_graphs", graphs_w64 / hf_w64 if graphs_w64 and hf_w64 else None)
-    ours = _decode_tok_s(eng, "triton_cuda_graphs", "workbench_single_stream") or _decode_tok_s(
-        eng, "triton", "workbench_single_stream"
-    )
-    theirs = _decode_tok_s(eng, "hf_sequential", "hf_single_stream")
-    add("engine_single_stream_vs_transformers", ours / theirs if ours and theirs else None)
-    add("cuda_graphs_single_stream", rep["cuda_graphs"].get("speedup"))
-    return out
-
-
-def summary_markdown(rep: dict) -> str:
-    """The short summary written beside the JSON (of a whole run or of one cut off part way)."""
-    dev = rep["device"]
-    lim = rep.get("limits") or {}
-    lines = [
-        f"# workbench gpucheck{' (dry run)' if rep['dry_run'] else ''}: {dev['name']}",
-        "",
-        f"torch {dev['torch']}, Triton {dev['triton']}; started {rep['started_at']}, took "
-        f"{rep.get('duration_s', 0):.0f} s. Limits: copy {lim.get('copy_GBps', 0):.0f} GB/s (read + write), "
-        f"bf16 matmul {lim.get('matmul_TFLOPs', 0):.1f} TFLOP/s ({lim.get('matmul_n')}^3).",
-        "",
-        "Sections (s): " + ", ".join(f"{k} {v:g}" for k, v in rep.get("sections_s", {}).items()),
-    ]
-    lines += [f"- skipped {s}" for s in rep.get("skipped", [])]
-    lines += [f"- FAILED {name}: {err[:300]}" for name, err in rep.get("errors", {}).items()]
-    lines += ["", "| kernel | max abs err | GB/s | fraction |", "|---|---|---|---|"]
-    for k in rep["kernels"]:
-        if "error" in k:
-            lines.append(f"| {k['name']} | FAILED: {k['error'][:120]} | | |")
-            continue
-        of = " of SDPA" if k.get("fraction_of") else " of copy"
-        lines.append(f"| {k['name']} | {k['max_abs_err']:.3g} | {k['gb_s']:.3g} | {k['fraction']:.3g}{of} |")
-    eng = rep["engine"]
-    lines += ["", f"Engine ({eng.get('model', 'not run')}):", ""]
-    for name in ("triton", "triton_cuda_graphs", "hf_sequential", "torch_ops"):
-        for sysname, s in ((eng.get(name) or {}).get("results") or {}).items():
-            extra = f", decode {s['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in s else ""
-            lines.append(
-                f"- {name} / {sysname}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
-                f"ITL p50 {s['itl_p50_ms']:.1f} ms{extra}"
-            )
-    for name, x in (eng.get("exactness") or {}).items():
-        lines.append(
-            f"- exactness ({name}): {x['identical_requests']}/{x['requests']} fp32 greedy requests equal "
-            f"transformers'; seeded sampling repeatable: {x.get('sampled_repeatable')}; CUDA graph steps "
-            f"{x['cuda_graph_steps']}"
-        )
-    g = rep["cuda_graphs"]
-    if g.get("speedup"):
-        lines.append(
-            f"- CUDA graphs, single stream: {g['single_stream_tok_s_on']:.1f} vs "
-            f"{g['single_stream_tok_s_off']:.1f} tok/s ({g['speedup']:.2f}x); steps {g['steps']}"
-        )
-    else:
-        lines.append(f"- CUDA graphs: not measured ({g.get('last_eager_reason')})")
-    if rep.get("sweep"):
-        lines += ["", "| sweep | default us | fastest us | fastest config | configs |", "|---|---|---|---|---|"]
-        for key, r in rep["sweep"].items():
-            best = r["fastest"][0]
-            cfg = {k: v for k, v in best.items() if k != "time_us"}
-            lines.append(
-                f"| {key} | {r['default']['time_us'] or 0:.1f} | {best['time_us']:.1f} | {cfg} | "
-                f"{r['configs_timed']}{'' if r['complete'] else ' (budget)'} |"
-            )
-    if rep["targets"]:
-        lines += ["", "| target | value | needed | met |", "|---|---|---|---|"]
-        lines += [
-            f"| {t['name']} | {t['value']:.2f} | >= {t['target']:g} | {'yes' if t['met'] else 'NO'} |"
-            for t in rep["targets"]
-        ]
-    elif rep["dry_run"]:
-        lines += ["", "Dry run: no speed targets."]
-    return "\n".join(lines) + "\n"
-
-
-def write_report(rep: dict, output: str | os.PathLike | None) -> tuple[Path, Path]:
-    """The JSON at `output` (default docs/gpu/gpucheck.json; the dry run's gpucheck-dryrun.json) and
-    its markdown summary beside it (same name, .md)."""
-    path = (
-        Path(output)
-        if output
-        else DEFAULT_OUTPUT.with_name("gpucheck-dryrun.json" if rep["dry_run"] else DEFAULT_OUTPUT.name)
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rep, indent=2, default=str) + "\n")
-    md = path.with_suffix(".md")
-    md.write_text(summary_markdown(rep))
-    return path, md

@@ -76,7 +76,7 @@ class ModelRunner:
             windows=self.model.windows,
         )
         self.backend_name = name
-        self.model.set_moe_kernel(self.backend.name == "triton")
+        self.model.set_triton_kernels(self.backend.name == "triton")
         self.drop_graphs()
 
     def set_cuda_graphs(self, on: bool, max_num_seqs: int) -> None:

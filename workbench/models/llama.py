@@ -157,8 +157,8 @@ class DecoderLayer:
             return [self.qkv, self.o, *self.moe.linears()]
         return [self.qkv, self.o, self.gate_up, self.down]
 
-    def __call__(self, x, positions, rope, attention, meta):
-        h = self.input_norm(x)
+    def _qkv(self, h: torch.Tensor):
+        """The normed input's queries, keys and values [T, H, D], their per-model norms applied."""
         qkv = self.qkv(h)
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         if self.q_norm is not None and not self.qk_norm_per_head:
@@ -168,6 +168,10 @@ class DecoderLayer:
         v = v.view(-1, self.nkv, self.d)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_normed(q), self.k_normed(k)
+        return q, k, v
+
+    def __call__(self, x, positions, rope, attention, meta):
+        q, k, v = self._qkv(self.input_norm(x))
         q, k = rope(positions, q, k)
         o = self.o(attention(q, k, v, self.index, meta).reshape(-1, self.nq * self.d))
         if self.sandwich:
@@ -175,6 +179,26 @@ class DecoderLayer:
             return x + self.post_ff_norm(self._mlp(self.pre_ff_norm(x)))
         x = x + o
         return x + self._mlp(self.post_attn_norm(x))
+
+    def fused(self, x, residual, positions, rope, attention, meta, ops):
+        """The layer in few kernel launches (`ops`: the Triton backend's `fused_layer` kernels),
+        the same arithmetic as `__call__`: the residual stream rides beside x, added inside the
+        next norm (vLLM's fused_add_rms_norm); RoPE rotates as it writes the KV cache. Returns
+        (this layer's MLP output, the residual stream before it)."""
+        h, residual = ops.rms_norm(x, self.ln1, self.eps, residual)
+        q, k, v = self._qkv(h)
+        k_cache, v_cache, k_scale, _ = attention.kv.layer(self.index)
+        if k_scale is None:
+            q = ops.rope_write_kv(q, k, v, rope.cos, rope.sin, positions, k_cache, v_cache, meta.slot_mapping)
+            a = attention.attend(q, self.index, meta)
+        else:  # a quantised cache: write_kv's per-head scales
+            q, k = rope(positions, q, k)
+            a = attention(q, k, v, self.index, meta)
+        o = self.o(a.reshape(-1, self.nq * self.d))
+        h, residual = ops.rms_norm(o, self.ln2, self.eps, residual)
+        if self.moe is not None or self.gelu:
+            return self._mlp(h), residual
+        return self.down(ops.silu_mul(self.gate_up(h))), residual
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
@@ -261,6 +285,8 @@ class Transformer:
         )
         self.softcap = config.final_logit_softcapping
         self.cpu_forward = None  # a CpuKernelForward while fused C layers serve this model
+        self.fused_ops = None  # the Triton fused layer ops while they serve (`set_triton_kernels`)
+        self.fused_layers_reason: str | None = "not set up yet"  # why they do not (None: they do)
         self._why_not: str | None = "not set up yet"  # why no C kernel serves (None: they do)
         self._unfused: str | None = None  # why the layers are not fused, when the C kernels serve
 
@@ -318,11 +344,24 @@ class Transformer:
             return []
         return torch.stack([moe._counts.to(self.embed.device) for moe in self.moe_layers]).tolist()
 
-    def set_moe_kernel(self, fused: bool) -> None:
-        """Route MoE layers through the Triton fused-MoE kernel (the triton backend) or the
-        expert-by-expert torch path."""
+    def set_triton_kernels(self, on: bool) -> None:
+        """The Triton backend's kernels beyond attention (on) or torch's ops: the fused-MoE
+        experts, and the fused layer ops (residual add + RMSNorm, RoPE + KV write, SiLU x up)
+        where the architecture's norms allow (`fused_layers_reason`)."""
         for moe in self.moe_layers:
-            moe.fused = fused
+            moe.fused = on
+        c = self.config
+        why = None
+        if not on:
+            why = "the attention backend is not 'triton'"
+        elif c.norm_offset or c.sandwich_norms:
+            why = "Gemma's (1 + w) and sandwich norms run as torch ops"
+        self.fused_layers_reason = why
+        self.fused_ops = None
+        if why is None:
+            from workbench_kernels import triton_ops
+
+            self.fused_ops = triton_ops
 
     def quantize(self, mode: str, group_size: int | str) -> None:
         if group_size == "auto":
@@ -338,6 +377,12 @@ class Transformer:
             x = x * self.embed_scale
         if self.cpu_forward is not None and attention.kv.k_scale is None:  # quantised KV: torch ops
             return self.cpu_forward(x, positions, attention, meta)
+        ops = self.fused_ops
+        if ops is not None:
+            residual = None
+            for layer, rope in zip(self.layers, self.ropes):
+                x, residual = layer.fused(x, residual, positions, rope, attention, meta, ops)
+            return ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)[0]
         for layer, rope in zip(self.layers, self.ropes):
             x = layer(x, positions, rope, attention, meta)
         return self.final_norm(x)

@@ -1,0 +1,148 @@
+"""The report of `workbench gpucheck` (`workbench/gpucheck.py`): its targets, the markdown summary
+written beside the JSON, and the writing of both (after every section, so a run cut off keeps
+its part)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TARGETS = {
+    "decode_attention_fraction": 0.70,
+    "prefill_vs_sdpa": 1.0,
+    "engine_vs_transformers_w64": 5.0,
+    "engine_vs_transformers_w64_cuda_graphs": 5.0,
+    "engine_single_stream_vs_transformers": 5.0,
+    "cuda_graphs_single_stream": 3.0,
+}
+# at most (the others: at least)
+CEILINGS = {"launches_per_layer": 12}
+DEFAULT_OUTPUT = Path("docs") / "gpu" / "gpucheck.json"
+
+
+def decode_tok_s(engine: dict, run: str, system: str) -> float | None:
+    """A run's decode tok/s of one system, if it ran."""
+    return ((engine.get(run) or {}).get("results", {}).get(system) or {}).get("decode_tok_s")
+
+
+def targets(rep: dict) -> list[dict]:
+    out = []
+
+    def add(name: str, value):
+        if isinstance(value, (int, float)):
+            out.append({"name": name, "value": value, "target": TARGETS[name], "met": value >= TARGETS[name]})
+
+    decodes = [k["fraction"] for k in rep["kernels"] if k["name"].startswith("decode_attention") and "fraction" in k]
+    prefills = [k["fraction"] for k in rep["kernels"] if k["name"].startswith("extend_attention") and "fraction" in k]
+    add("decode_attention_fraction", min(decodes) if decodes else None)
+    add("prefill_vs_sdpa", min(prefills) if prefills else None)
+    eng = rep["engine"]
+    add("engine_vs_transformers_w64", (eng.get("triton") or {}).get("ratios", {}).get("workbench_vs_hf_static"))
+    # the same workload (one seed, one request count) in both runs: graphs' W64 over transformers' of the first
+    graphs_w64 = ((eng.get("triton_cuda_graphs") or {}).get("results", {}).get("workbench") or {}).get("output_tok_s")
+    hf_w64 = ((eng.get("triton") or {}).get("results", {}).get("hf_static") or {}).get("output_tok_s")
+    add("engine_vs_transformers_w64_cuda_graphs", graphs_w64 / hf_w64 if graphs_w64 and hf_w64 else None)
+    ours = decode_tok_s(eng, "triton_cuda_graphs", "workbench_single_stream") or decode_tok_s(
+        eng, "triton", "workbench_single_stream"
+    )
+    theirs = decode_tok_s(eng, "hf_sequential", "hf_single_stream")
+    add("engine_single_stream_vs_transformers", ours / theirs if ours and theirs else None)
+    add("cuda_graphs_single_stream", rep["cuda_graphs"].get("speedup"))
+    launches = rep.get("launches_per_layer")
+    if isinstance(launches, (int, float)):
+        cap = CEILINGS["launches_per_layer"]
+        out.append(
+            {"name": "launches_per_layer", "value": launches, "target": cap, "met": launches <= cap, "at_most": True}
+        )
+    return out
+
+
+def summary_markdown(rep: dict) -> str:
+    """The short summary written beside the JSON (of a whole run or of one cut off part way)."""
+    dev = rep["device"]
+    lim = rep.get("limits") or {}
+    lines = [
+        f"# workbench gpucheck{' (dry run)' if rep['dry_run'] else ''}: {dev['name']}",
+        "",
+        f"torch {dev['torch']}, Triton {dev['triton']}; started {rep['started_at']}, took "
+        f"{rep.get('duration_s', 0):.0f} s. Limits: copy {lim.get('copy_GBps', 0):.0f} GB/s (read + write), "
+        f"bf16 matmul {lim.get('matmul_TFLOPs', 0):.1f} TFLOP/s ({lim.get('matmul_n')}^3).",
+        "",
+        "Sections (s): " + ", ".join(f"{k} {v:g}" for k, v in rep.get("sections_s", {}).items()),
+    ]
+    lines += [f"- skipped {s}" for s in rep.get("skipped", [])]
+    lines += [f"- FAILED {name}: {err[:300]}" for name, err in rep.get("errors", {}).items()]
+    lines += ["", "| kernel | max abs err | GB/s | fraction |", "|---|---|---|---|"]
+    for k in rep["kernels"]:
+        if "error" in k:
+            lines.append(f"| {k['name']} | FAILED: {k['error'][:120]} | | |")
+            continue
+        of = " of SDPA" if k.get("fraction_of") else " of copy"
+        lines.append(f"| {k['name']} | {k['max_abs_err']:.3g} | {k['gb_s']:.3g} | {k['fraction']:.3g}{of} |")
+    eng = rep["engine"]
+    lines += ["", f"Engine ({eng.get('model', 'not run')}):", ""]
+    for name in ("triton", "triton_cuda_graphs", "hf_sequential", "torch_ops"):
+        for sysname, s in ((eng.get(name) or {}).get("results") or {}).items():
+            extra = f", decode {s['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in s else ""
+            lines.append(
+                f"- {name} / {sysname}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
+                f"ITL p50 {s['itl_p50_ms']:.1f} ms{extra}"
+            )
+    for name, x in (eng.get("exactness") or {}).items():
+        lines.append(
+            f"- exactness ({name}): {x['identical_requests']}/{x['requests']} fp32 greedy requests equal "
+            f"transformers'; seeded sampling repeatable: {x.get('sampled_repeatable')}; CUDA graph steps "
+            f"{x['cuda_graph_steps']}"
+        )
+    n = rep.get("launches")
+    if n:
+        counts = n["counts"]
+        serving = counts.get("fused", counts["unfused"])
+        why = f"unfused {counts['unfused']['per_layer']:g}" if "fused" in counts else n["fused_layers_reason"]
+        lines.append(
+            f"- kernel launches per layer, eager decode of {n['batch']}: {n['launches_per_layer']:g} ({why}); "
+            f"{serving['outside_layers']:g} outside the layers; counted: {n['counted']}"
+        )
+    g = rep["cuda_graphs"]
+    if g.get("speedup"):
+        lines.append(
+            f"- CUDA graphs, single stream: {g['single_stream_tok_s_on']:.1f} vs "
+            f"{g['single_stream_tok_s_off']:.1f} tok/s ({g['speedup']:.2f}x); steps {g['steps']}"
+        )
+    else:
+        lines.append(f"- CUDA graphs: not measured ({g.get('last_eager_reason')})")
+    if rep.get("sweep"):
+        lines += ["", "| sweep | default us | fastest us | fastest config | configs |", "|---|---|---|---|---|"]
+        for key, r in rep["sweep"].items():
+            best = r["fastest"][0]
+            cfg = {k: v for k, v in best.items() if k != "time_us"}
+            lines.append(
+                f"| {key} | {r['default']['time_us'] or 0:.1f} | {best['time_us']:.1f} | {cfg} | "
+                f"{r['configs_timed']}{'' if r['complete'] else ' (budget)'} |"
+            )
+    if rep["targets"]:
+        lines += ["", "| target | value | needed | met |", "|---|---|---|---|"]
+        lines += [
+            f"| {t['name']} | {t['value']:.2f} | {'<=' if t.get('at_most') else '>='} {t['target']:g} | "
+            f"{'yes' if t['met'] else 'NO'} |"
+            for t in rep["targets"]
+        ]
+    elif rep["dry_run"]:
+        lines += ["", "Dry run: no speed targets."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(rep: dict, output: str | os.PathLike | None) -> tuple[Path, Path]:
+    """The JSON at `output` (default docs/gpu/gpucheck.json; the dry run's gpucheck-dryrun.json) and
+    its markdown summary beside it (same name, .md)."""
+    path = (
+        Path(output)
+        if output
+        else DEFAULT_OUTPUT.with_name("gpucheck-dryrun.json" if rep["dry_run"] else DEFAULT_OUTPUT.name)
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rep, indent=2, default=str) + "\n")
+    md = path.with_suffix(".md")
+    md.write_text(summary_markdown(rep))
+    return path, md
