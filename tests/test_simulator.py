@@ -459,7 +459,7 @@ def test_a_recorded_timeline_replays_as_a_trace(tiny_llama):
 
 
 def test_a_sweep_simulates_its_grid_first_and_measures_the_predicted_front(tiny_llama, tmp_path):
-    from workbench.tuning.sweep import _off_the_predicted_front
+    from workbench.tuning.sweep_run import _off_the_predicted_front
 
     llm = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=64)
     sim = Simulator.calibrate(llm)

@@ -238,222 +238,284 @@ def run_bench(
     `quick` shrinks everything (prompt 32-128, output 16-64 tokens unless given, a 64-token single
     stream, smaller roofline probes) for smoke tests; the default is the full workload.
     """
-    from ..models import shapes
-    from ..models.loader import load_model
     from ..settings import EngineSettings, validate
 
-    progress = progress or _no_progress
-    log = log or (lambda msg: None)
     systems = list(systems)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
     if hf_dtype not in HF_DTYPES:
         raise ValueError(f"invalid hf_dtype {hf_dtype!r}; allowed: {', '.join(HF_DTYPES)}")
-    from .llama_cpp import HOW_TO_GET, find_llama_server, model_gguf, run_llama_server
-
     notes: list[str] = []
-    llama_binary = find_llama_server(llama_server) if "llama_server" in systems else None
-    llama_gguf = model_gguf(model) if "llama_server" in systems else None
-    if "llama_server" in systems and (llama_binary is None or llama_gguf is None):
-        notes.append(f"llama_server skipped: {HOW_TO_GET if llama_binary is None else 'the model has no GGUF file'}")
-        systems.remove("llama_server")
-    from .vllm_peer import HOW_TO_GET as HOW_TO_GET_VLLM
-    from .vllm_peer import find_vllm_python, run_vllm_server, workbench_http_server
-
-    vllm = find_vllm_python(vllm_python) if "vllm" in systems else None
-    if "vllm" in systems and vllm is None:
-        notes.append(f"vllm skipped: {HOW_TO_GET_VLLM}")
-        systems.remove("vllm")
-    if "vllm" in systems and "workbench" in systems and "workbench_http" not in systems:
-        systems.append("workbench_http")  # the same server path as vLLM's, for the ratio
+    peers = _find_peers(model, systems, llama_server, vllm_python, notes)
     settings = validate(dict(settings or {}))
     eff = EngineSettings(**settings)
     dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
         eff.dtype
     ]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if eff.device == "auto" else eff.device)
-    prompt_len = tuple(prompt_len or ((32, 128) if quick else DEFAULT_PROMPT_LEN))
-    output_len = tuple(output_len or ((16, 64) if quick else DEFAULT_OUTPUT_LEN))
-    ss_tokens = single_stream_tokens or (64 if quick else SINGLE_STREAM_TOKENS)
-
-    log("loading the model")
-    hf_path = None
-    if shapes.shape_of(model):  # no weights to read here: the config
-        config, tokenizer, hf_path = shapes.shape_config(shapes.shape_of(model)), None, model
-    else:
-        loaded = load_model(model, dtype=dtype)
-        config, tokenizer = loaded.config, loaded.tokenizer
-        if any(s.startswith("hf_") for s in systems) or "vllm" in systems:
-            hf_path = hf_folder(model, loaded)
-        del loaded
-        gc.collect()
-    model_name = config.name
-
-    workload = make_workload(
-        num_requests,
+    (log or (lambda msg: None))("loading the model")
+    config, tokenizer, hf_path = _model_config(model, systems, dtype)
+    run = _Run(
+        model=model,
+        systems=systems,
+        settings=settings,
+        eff=eff,
+        device=device,
+        config=config,
+        hf_path=hf_path,
+        single_stream=single_stream,
+        progress=progress or _no_progress,
+        log=log or (lambda msg: None),
+        notes=notes,
+    )
+    run.make_workloads(
+        tokenizer,
+        num_requests=num_requests,
         seed=seed,
-        tokenizer=tokenizer,
-        vocab_size=config.vocab_size,
-        prompt_len=prompt_len,
-        output_len=output_len,
+        prompt_len=tuple(prompt_len or ((32, 128) if quick else DEFAULT_PROMPT_LEN)),
+        output_len=tuple(output_len or ((16, 64) if quick else DEFAULT_OUTPUT_LEN)),
         arrival=arrival,
         rate=rate,
-        special_token_ids=tuple(config.eos_token_ids)
-        + ((config.bos_token_id,) if config.bos_token_id is not None else ()),
+        ss_tokens=single_stream_tokens or (64 if quick else SINGLE_STREAM_TOKENS),
     )
-    ss_req = single_stream_request(
-        text_token_ids(tokenizer) if tokenizer is not None else None,
-        vocab_size=config.vocab_size,
-        max_tokens=ss_tokens,
-        seed=seed,
-    )
-    ss_workload = Workload([ss_req], seed)
-    # ours and transformers: the same tokens in segments, the bandwidth read around each
-    ss_part = Workload([dataclasses.replace(ss_req, max_tokens=max(2, ss_tokens // SINGLE_STREAM_SEGMENTS))], seed)
-
-    report: dict[str, Any] = {
-        "model": model_name,
+    report = run.report = {
+        "model": config.name,
         "model_path": config.path,
         "machine": machine_info(),
         "loadavg_start": _loadavg(),
         "settings": eff.as_dict(),
-        "workload": workload.describe(),
+        "workload": run.workload.describe(),
         "systems": systems,
         "notes": notes,
     }
-
-    log("measuring the roofline")
+    run.log("measuring the roofline")
     costs = model_costs(config, dtype, eff.quantization, eff.quant_group_size)
-    roof = measure_roofline(
-        costs, dtype=dtype, quick=quick, workload=workload, hidden_size=config.hidden_size, device=device
+    run.roof = report["roofline"] = measure_roofline(
+        costs, dtype=dtype, quick=quick, workload=run.workload, hidden_size=config.hidden_size, device=device
     )
-    report["roofline"] = roof
-
-    results: dict[str, dict] = {}
-    records: dict[str, list[RequestRecord]] = {}
-
     if "workbench" in systems:
-        from ..llm import LLM
-
-        log("workbench: loading the engine")
-        engine = LLM(model, **settings)
-        warm_up_engine(engine, config.vocab_size)
-        bar = progress("workbench", len(workload))
-        try:
-            recs, start = run_workload(engine, workload.requests, progress=bar)
-        finally:
-            bar.close()
-        results["workbench"] = summarize(recs, start)
-        results["workbench"]["step_breakdown"] = _breakdown(engine, start)
-        records["workbench"] = recs
-        report["engine_status"] = {k: v for k, v in engine.status().items() if k not in ("pid", "uptime_s")}
-        if single_stream:
-            engine.reset_prefix_cache()
-            bar = progress("workbench_single_stream", SINGLE_STREAM_SEGMENTS)
-            try:
-                segments = run_segments(lambda: run_workload(engine, ss_part.requests, progress=bar), device)
-            finally:
-                bar.close()
-            results["workbench_single_stream"] = single_stream_summary(segments, roof)
-            # the last segment's steps: the span of all of them would count the bandwidth readings
-            # between segments as time between steps
-            results["workbench_single_stream"]["step_breakdown"] = _breakdown(engine, segments[-1][1])
-            records["workbench_single_stream"] = segment_records(segments)
-        del engine
+        run.workbench()
+        gc.collect()  # its engine, before the next system loads its model
+    if "hf_static" in systems or "hf_sequential" in systems:
+        run.transformers(hf_dtype, dtype, hf_batch_size)
         gc.collect()
-
-    hf_systems = [s for s in ("hf_static", "hf_sequential") if s in systems]
-    if hf_systems:
-        from .peers import load_hf_model, run_hf, warm_up
-
-        hf_torch_dtype, report["hf_dtype_reason"] = _hf_dtype(hf_dtype, dtype, device, roof)
-        report["hf_dtype"] = str(hf_torch_dtype).removeprefix("torch.")
-        log(f"hf: loading transformers in {report['hf_dtype']} ({report['hf_dtype_reason']})")
-        hf = load_hf_model(hf_path, hf_torch_dtype, device)
-        warm_up(hf, config.vocab_size)
-        for name in hf_systems:
-            bar = progress(name, len(workload))
-            try:
-                recs, start = run_hf(
-                    hf, workload, batch_size=hf_batch_size if name == "hf_static" else 1, progress=bar.update
-                )
-            finally:
-                bar.close()
-            results[name] = summarize(recs, start)
-            records[name] = recs
-        if single_stream and "hf_sequential" in systems:
-            bar = progress("hf_single_stream", SINGLE_STREAM_SEGMENTS)
-            try:
-                segments = run_segments(lambda: run_hf(hf, ss_part, batch_size=1, progress=bar.update), device)
-            finally:
-                bar.close()
-            results["hf_single_stream"] = single_stream_summary(segments, roof)
-            records["hf_single_stream"] = segment_records(segments)
-        del hf
-        gc.collect()
-
     if "llama_server" in systems:
-        runs = {"llama_server": workload, **({"llama_server_single_stream": ss_workload} if single_stream else {})}
-        try:
-            summaries, report["llama_server"] = run_llama_server(
-                llama_binary, llama_gguf, runs, threads=torch.get_num_threads(), progress=progress, log=log
-            )
-        except RuntimeError as e:
-            notes.append(f"llama_server failed: {e}")
-            summaries = {}
-        results.update(summaries)
-        if "llama_server_single_stream" in results:
-            _endpoint_single_stream(results["llama_server_single_stream"])
-
+        run.llama_server(*peers["llama_server"])
     for name in ("workbench_http", "vllm"):
-        if name not in systems:
-            continue
-        runs = {name: workload, **({f"{name}_single_stream": ss_workload} if single_stream else {})}
-        try:
-            if name == "vllm":
-                summaries, report["vllm"] = run_vllm_server(
-                    vllm,
-                    hf_path,
-                    runs,
-                    threads=torch.get_num_threads(),
-                    max_num_seqs=eff.max_num_seqs,
-                    progress=progress,
-                    log=log,
-                )
-            else:
-                peer = workbench_http_server(model, settings, name=f"bench-http-{os.getpid()}")
-                summaries, report["workbench_http"] = serve_workloads(peer, runs, progress=progress, log=log)
-        except RuntimeError as e:
-            notes.append(f"{name} failed: {e}")
-            summaries = {}
-        results.update(summaries)
-        if f"{name}_single_stream" in results:
-            _endpoint_single_stream(results[f"{name}_single_stream"])
-
-    # Order results as asked, single streams after their system.
-    order = [
-        s
-        for s in (
-            "workbench",
-            "workbench_single_stream",
-            "workbench_http",
-            "workbench_http_single_stream",
-            "hf_sequential",
-            "hf_static",
-            "hf_single_stream",
-            "llama_server",
-            "llama_server_single_stream",
-            "vllm",
-            "vllm_single_stream",
-        )
-        if s in results
-    ]
-    report["results"] = {name: results[name] for name in order}
-    _add_comparisons(report, records)
+        if name in systems:
+            run.server(name, peers.get("vllm"))
+    report["results"] = {name: run.results[name] for name in RESULT_ORDER if name in run.results}
+    _add_comparisons(report, run.records)
     report["loadavg_end"] = _loadavg()
     report["argv"] = sys.argv[1:]
     return report
+
+
+# results in this order: each system's single stream after it
+RESULT_ORDER = (
+    "workbench",
+    "workbench_single_stream",
+    "workbench_http",
+    "workbench_http_single_stream",
+    "hf_sequential",
+    "hf_static",
+    "hf_single_stream",
+    "llama_server",
+    "llama_server_single_stream",
+    "vllm",
+    "vllm_single_stream",
+)
+
+
+def _find_peers(model, systems: list[str], llama_server, vllm_python, notes: list[str]) -> dict:
+    """The peers' builds: llama-server and its GGUF, vLLM's Python. A peer not found is dropped
+    from `systems` with a note saying how to get it."""
+    from .llama_cpp import HOW_TO_GET, find_llama_server, model_gguf
+    from .vllm_peer import HOW_TO_GET as HOW_TO_GET_VLLM
+    from .vllm_peer import find_vllm_python
+
+    peers: dict[str, Any] = {}
+    if "llama_server" in systems:
+        binary, gguf = find_llama_server(llama_server), model_gguf(model)
+        if binary is None or gguf is None:
+            notes.append(f"llama_server skipped: {HOW_TO_GET if binary is None else 'the model has no GGUF file'}")
+            systems.remove("llama_server")
+        peers["llama_server"] = (binary, gguf)
+    if "vllm" in systems:
+        peers["vllm"] = find_vllm_python(vllm_python)
+        if peers["vllm"] is None:
+            notes.append(f"vllm skipped: {HOW_TO_GET_VLLM}")
+            systems.remove("vllm")
+    if "vllm" in systems and "workbench" in systems and "workbench_http" not in systems:
+        systems.append("workbench_http")  # the same server path as vLLM's, for the ratio
+    return peers
+
+
+def _model_config(model, systems: list[str], dtype: torch.dtype):
+    """(config, tokenizer, the transformers folder the peers load): a shape's config (no weights
+    read), or the model loaded once for its config and tokenizer."""
+    from ..models import shapes
+    from ..models.loader import load_model
+
+    if shapes.shape_of(model):
+        return shapes.shape_config(shapes.shape_of(model)), None, model
+    loaded = load_model(model, dtype=dtype)
+    hf_path = hf_folder(model, loaded) if any(s.startswith("hf_") or s == "vllm" for s in systems) else None
+    config, tokenizer = loaded.config, loaded.tokenizer
+    del loaded
+    gc.collect()
+    return config, tokenizer, hf_path
+
+
+@dataclasses.dataclass
+class _Run:
+    """One benchmark run's shared state: what it runs on, its workloads, and what it found."""
+
+    model: Any
+    systems: list[str]
+    settings: dict
+    eff: Any
+    device: torch.device
+    config: Any
+    hf_path: str | None
+    single_stream: bool
+    progress: Progress
+    log: Callable[[str], None]
+    notes: list[str]
+    report: dict = dataclasses.field(default_factory=dict)
+    roof: dict = dataclasses.field(default_factory=dict)
+    results: dict[str, dict] = dataclasses.field(default_factory=dict)
+    records: dict[str, list[RequestRecord]] = dataclasses.field(default_factory=dict)
+
+    def make_workloads(self, tokenizer, *, num_requests, seed, prompt_len, output_len, arrival, rate, ss_tokens):
+        config = self.config
+        self.workload = make_workload(
+            num_requests,
+            seed=seed,
+            tokenizer=tokenizer,
+            vocab_size=config.vocab_size,
+            prompt_len=prompt_len,
+            output_len=output_len,
+            arrival=arrival,
+            rate=rate,
+            special_token_ids=tuple(config.eos_token_ids)
+            + ((config.bos_token_id,) if config.bos_token_id is not None else ()),
+        )
+        ss_req = single_stream_request(
+            text_token_ids(tokenizer) if tokenizer is not None else None,
+            vocab_size=config.vocab_size,
+            max_tokens=ss_tokens,
+            seed=seed,
+        )
+        self.ss_workload = Workload([ss_req], seed)
+        # ours and transformers: the same tokens in segments, the bandwidth read around each
+        part = dataclasses.replace(ss_req, max_tokens=max(2, ss_tokens // SINGLE_STREAM_SEGMENTS))
+        self.ss_part = Workload([part], seed)
+
+    def _bar(self, name: str, total: int, fn):
+        bar = self.progress(name, total)
+        try:
+            return fn(bar)
+        finally:
+            bar.close()
+
+    def workbench(self) -> None:
+        from ..llm import LLM
+
+        self.log("workbench: loading the engine")
+        engine = LLM(self.model, **self.settings)
+        warm_up_engine(engine, self.config.vocab_size)
+        recs, start = self._bar(
+            "workbench", len(self.workload), lambda bar: run_workload(engine, self.workload.requests, progress=bar)
+        )
+        self.results["workbench"] = {**summarize(recs, start), "step_breakdown": _breakdown(engine, start)}
+        self.records["workbench"] = recs
+        self.report["engine_status"] = {k: v for k, v in engine.status().items() if k not in ("pid", "uptime_s")}
+        if self.single_stream:
+            engine.reset_prefix_cache()
+            segments = self._bar(
+                "workbench_single_stream",
+                SINGLE_STREAM_SEGMENTS,
+                lambda bar: run_segments(
+                    lambda: run_workload(engine, self.ss_part.requests, progress=bar), self.device
+                ),
+            )
+            # the last segment's steps: the span of all of them would count the bandwidth readings
+            # between segments as time between steps
+            self.results["workbench_single_stream"] = {
+                **single_stream_summary(segments, self.roof),
+                "step_breakdown": _breakdown(engine, segments[-1][1]),
+            }
+            self.records["workbench_single_stream"] = segment_records(segments)
+
+    def transformers(self, hf_dtype: str, dtype: torch.dtype, hf_batch_size: int) -> None:
+        from .peers import load_hf_model, run_hf, warm_up
+
+        hf_torch_dtype, self.report["hf_dtype_reason"] = _hf_dtype(hf_dtype, dtype, self.device, self.roof)
+        self.report["hf_dtype"] = str(hf_torch_dtype).removeprefix("torch.")
+        self.log(f"hf: loading transformers in {self.report['hf_dtype']} ({self.report['hf_dtype_reason']})")
+        hf = load_hf_model(self.hf_path, hf_torch_dtype, self.device)
+        warm_up(hf, self.config.vocab_size)
+        for name in [s for s in ("hf_static", "hf_sequential") if s in self.systems]:
+            batch = hf_batch_size if name == "hf_static" else 1
+            recs, start = self._bar(
+                name,
+                len(self.workload),
+                lambda bar, batch=batch: run_hf(hf, self.workload, batch_size=batch, progress=bar.update),
+            )
+            self.results[name] = summarize(recs, start)
+            self.records[name] = recs
+        if self.single_stream and "hf_sequential" in self.systems:
+            segments = self._bar(
+                "hf_single_stream",
+                SINGLE_STREAM_SEGMENTS,
+                lambda bar: run_segments(
+                    lambda: run_hf(hf, self.ss_part, batch_size=1, progress=bar.update), self.device
+                ),
+            )
+            self.results["hf_single_stream"] = single_stream_summary(segments, self.roof)
+            self.records["hf_single_stream"] = segment_records(segments)
+
+    def _runs(self, name: str) -> dict:
+        return {name: self.workload, **({f"{name}_single_stream": self.ss_workload} if self.single_stream else {})}
+
+    def llama_server(self, binary, gguf) -> None:
+        from .llama_cpp import run_llama_server
+
+        try:
+            summaries, self.report["llama_server"] = run_llama_server(
+                binary, gguf, self._runs("llama_server"), threads=torch.get_num_threads(), progress=self.progress,
+                log=self.log,
+            )  # fmt: skip
+        except RuntimeError as e:
+            self.notes.append(f"llama_server failed: {e}")
+            summaries = {}
+        self._add_endpoint("llama_server", summaries)
+
+    def server(self, name: str, vllm_python) -> None:
+        """A system measured through its HTTP server: vLLM's, or ours (the same client for both)."""
+        from .vllm_peer import run_vllm_server, workbench_http_server
+
+        runs = self._runs(name)
+        try:
+            if name == "vllm":
+                summaries, self.report["vllm"] = run_vllm_server(
+                    vllm_python, self.hf_path, runs, threads=torch.get_num_threads(),
+                    max_num_seqs=self.eff.max_num_seqs, progress=self.progress, log=self.log,
+                )  # fmt: skip
+            else:
+                peer = workbench_http_server(self.model, self.settings, name=f"bench-http-{os.getpid()}")
+                summaries, self.report[name] = serve_workloads(peer, runs, progress=self.progress, log=self.log)
+        except RuntimeError as e:
+            self.notes.append(f"{name} failed: {e}")
+            summaries = {}
+        self._add_endpoint(name, summaries)
+
+    def _add_endpoint(self, name: str, summaries: dict) -> None:
+        self.results.update(summaries)
+        if f"{name}_single_stream" in self.results:
+            _endpoint_single_stream(self.results[f"{name}_single_stream"])
 
 
 def _breakdown(engine, start: float) -> dict:
