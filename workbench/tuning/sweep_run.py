@@ -20,6 +20,7 @@ from typing import Any
 from ..bench.stats import NoProgress
 from ..bench.workload import BenchRequest
 from ..runs import RunLog, recording_enabled, safe_finish, safe_start
+from ..runs.log import HEADLINE
 from .costs import resolve
 from .grid import QUANT_DEFAULTS, grid_points, point_label, stable_hash
 from .measure import SweepTarget, aggregate, is_quantised, measure_run, perplexity
@@ -33,17 +34,7 @@ _NOT_METRICS = ("index", "label", "point", "settings", "run_id", "key", "configu
 
 # Settings the simulator models (the scheduler's); a point changing any other is always measured.
 SIMULATED_SETTINGS = frozenset({"batching", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "prefix_caching"})
-PREDICTED_KEYS = (
-    "output_tok_s",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "cost_per_mtok",
-    "joules_per_token",
-    "kv_usage_peak",
-    "preemptions",
-)
+PREDICTED_KEYS = (*HEADLINE, "kv_usage_peak", "preemptions")  # what a simulated point reports
 
 
 class SweepRun:
