@@ -90,7 +90,7 @@ class TimelineView:
     # -- layout -----------------------------------------------------------------------------------
     def _build(self, title: str | None, bin_s: float, smooth_s: float):
         from bokeh.layouts import column, gridplot
-        from bokeh.models import DataRange1d, HoverTool, Legend, LegendItem, Range1d
+        from bokeh.models import DataRange1d, Range1d
 
         x_range = DataRange1d(range_padding=0.02)
         if self.live:
@@ -99,6 +99,42 @@ class TimelineView:
         tools = "xpan,xwheel_zoom,box_zoom,reset,save"
         self._lanes_shown = 1
         self._y_range = Range1d(start=1.6, end=-0.6)  # flipped: steps on top, lanes downwards
+        tl = self.timeline_figure = self._timeline(title, x_range, tools)
+        self._settings_changes(tl)
+        self._legend(tl)
+
+        def small(title: str, y_label: str):
+            from bokeh.plotting import figure
+
+            f = figure(
+                title=title,
+                height=170,
+                width=self.width // 2,
+                x_range=x_range,
+                tools=tools,
+                sizing_mode="stretch_width",
+                toolbar_location=None,
+                y_axis_label=y_label,
+            )
+            f.title.text_font_size = "9pt"
+            return f
+
+        tput = self._throughput(
+            small(f"Output tokens/s ({smooth_s:g} s average; dots: each {bin_s:g} s)", "tok/s"), bin_s, smooth_s
+        )
+        lat = self._latency(small("Latency: TTFT (dots) and inter-token (line)", "ms"))
+        kv = self._kv(small("KV-cache blocks used", "blocks"))
+        rates = self._rates(small("Prefix hit rate and speculative acceptance", "fraction"))
+        host = self._host(small("Host: CPU, memory and KV cache in use", "% of the host"))
+        for f in (tput, lat, kv, rates, host):
+            self._change_lines(f)
+        self.figures = {"timeline": tl, "throughput": tput, "latency": lat, "kv": kv, "rates": rates, "host": host}
+        grid = gridplot([[tput, lat], [kv, rates], [host, None]], sizing_mode="stretch_width", toolbar_location=None)
+        return column(tl, grid, sizing_mode="stretch_width")
+
+    def _timeline(self, title: str | None, x_range, tools: str):
+        """The steps row and one lane per request, with their hovers."""
+        from bokeh.models import HoverTool
         from bokeh.plotting import figure
 
         tl = figure(
@@ -165,9 +201,14 @@ class TimelineView:
             )
         )
         tl.yaxis.major_label_text_font_size = "8pt"
+        return tl
+
+    def _settings_changes(self, tl) -> None:
+        """A settings change: a dashed line across every plot, a marker on top (hover: what, who,
+        how long), and its re-layout stall hatched in the steps row (zero width for live changes)."""
+        from bokeh.models import HoverTool
+
         changes = self.sources["changes"]
-        # A settings change: a dashed line across every plot, a marker on top (hover: what, who,
-        # how long), and its re-layout stall hatched in the steps row (zero width for live changes).
         tl.quad(
             left="t",
             right="end",
@@ -192,8 +233,12 @@ class TimelineView:
                 ],
             )
         )
-        # Legend swatches: glyphs of one NaN row each (never drawn on the plot; BokehJS draws no
-        # swatch for a glyph without rows).
+
+    def _legend(self, tl) -> None:
+        """Legend swatches: glyphs of one NaN row each (never drawn on the plot; BokehJS draws no
+        swatch for a glyph without rows)."""
+        from bokeh.models import Legend, LegendItem
+
         nan = [float("nan")]
         legend_items = []
         for state, color in {**{"queued": STATE_COLORS["queued"]}, **PHASE_COLORS}.items():
@@ -216,24 +261,11 @@ class TimelineView:
             ),
             "above",
         )
-        self.timeline_figure = tl
 
-        def small(title: str, y_label: str):
-            f = figure(
-                title=title,
-                height=170,
-                width=self.width // 2,
-                x_range=x_range,
-                tools=tools,
-                sizing_mode="stretch_width",
-                toolbar_location=None,
-                y_axis_label=y_label,
-            )
-            f.title.text_font_size = "9pt"
-            return f
+    def _throughput(self, tput, bin_s: float, smooth_s: float):
+        from bokeh.models import DataRange1d, HoverTool
 
         series = self.sources["series"]
-        tput = small(f"Output tokens/s ({smooth_s:g} s average; dots: each {bin_s:g} s)", "tok/s")
         tput_line = tput.line("t", "tok_s_avg", source=series, line_width=2, color=PHASE_COLORS["decode"])
         tput_dots = tput.scatter("t", "tok_s", source=series, size=3, color=PHASE_COLORS["decode"], alpha=0.35)
         tput.y_range = DataRange1d(renderers=[tput_line, tput_dots], start=0)
@@ -250,7 +282,12 @@ class TimelineView:
                 mode="vline",
             )
         )
-        lat = small("Latency: TTFT (dots) and inter-token (line)", "ms")
+        return tput
+
+    def _latency(self, lat):
+        from bokeh.models import DataRange1d, HoverTool
+
+        series = self.sources["series"]
         ttft = lat.scatter(
             "t", "ttft_ms", source=self.sources["ttft"], size=6, color=PHASE_COLORS["prefill"], legend_label="TTFT"
         )
@@ -259,12 +296,22 @@ class TimelineView:
         lat.legend.location = "top_left"
         lat.legend.label_text_font_size = "8pt"
         lat.add_tools(HoverTool(tooltips=[("request", "@request"), ("TTFT", "@ttft_ms{0} ms")]))
-        kv = small("KV-cache blocks used", "blocks")
+        return lat
+
+    def _kv(self, kv):
+        from bokeh.models import DataRange1d, HoverTool
+
+        series = self.sources["series"]
         used = kv.varea(x="t", y1=0, y2="kv_used", source=series, alpha=0.4, color=PHASE_COLORS["mixed"])
         kv.line("t", "kv_used", source=series, color=PHASE_COLORS["mixed"])
         kv.y_range = DataRange1d(renderers=[used], start=0)  # scale to what is used; the total is in the hover
         kv.add_tools(HoverTool(tooltips=[("t", "@t{0.0} s"), ("used", "@kv_used / @kv_total")], mode="vline"))
-        rates = small("Prefix hit rate and speculative acceptance", "fraction")
+        return kv
+
+    def _rates(self, rates):
+        from bokeh.models import Range1d
+
+        series = self.sources["series"]
         rates.y_range = Range1d(-0.02, 1.05)
         rates.line(
             "t",
@@ -286,7 +333,11 @@ class TimelineView:
         rates.scatter("t", "spec_accept_rate", source=series, size=4, color=PHASE_COLORS["verify"])
         rates.legend.location = "bottom_left"
         rates.legend.label_text_font_size = "8pt"
-        host = small("Host: CPU, memory and KV cache in use", "% of the host")
+        return rates
+
+    def _host(self, host):
+        from bokeh.models import HoverTool, Range1d
+
         host.y_range = Range1d(-2, 102)
         hs = self.sources["host"]
         for col, label, color in (
@@ -312,11 +363,7 @@ class TimelineView:
         host.legend.location = "top_left"
         host.legend.label_text_font_size = "8pt"
         host.legend.orientation = "horizontal"
-        for f in (tput, lat, kv, rates, host):
-            self._change_lines(f)
-        self.figures = {"timeline": tl, "throughput": tput, "latency": lat, "kv": kv, "rates": rates, "host": host}
-        grid = gridplot([[tput, lat], [kv, rates], [host, None]], sizing_mode="stretch_width", toolbar_location=None)
-        return column(tl, grid, sizing_mode="stretch_width")
+        return host
 
     def _change_lines(self, fig) -> None:
         """Settings changes as vertical lines (past any y range; each plot's range ignores them)."""
