@@ -3,7 +3,7 @@ are under start_engine; it writes past a limit, rotates, writes again."""
 
 import sys
 
-from workbench.ipc.server import rotate_log
+from workbench.ipc.logs import rotate_log
 
 path, limit = sys.argv[1], int(sys.argv[2])
 print("x" * (limit + 10), file=sys.stderr, flush=True)

@@ -27,14 +27,9 @@ import pytest
 import zmq
 from jupyter_helpers import private_runtime_dir, stop_engine, wait_for
 
+from workbench.errors import EngineBusyError, EngineConnectError, EngineDeadError, EngineStartError
 from workbench.ipc import connection as conn
-from workbench.ipc.client import (
-    EngineBusyError,
-    EngineClient,
-    EngineConnectError,
-    EngineDeadError,
-    EngineStartError,
-)
+from workbench.ipc.client import EngineClient
 from workbench.ipc.launch import start_engine
 from workbench.ipc.protocol import (
     HEADER,
@@ -287,7 +282,7 @@ def test_outputs_go_only_to_the_requester(engine):
 def test_configure_mid_stream(engine, reference, name, value, default):
     """Another client changes a live setting while two streams run: they continue, stay
     correct (greedy), and every client sees the change event."""
-    from workbench.ipc.client import _default_client_name
+    from workbench.ipc.connection import default_client_name
 
     prompts = [PROMPTS[0], PROMPTS[2]]
     with EngineClient.connect("shared", timeout=10) as a, EngineClient.connect("shared", timeout=10) as b:
@@ -304,7 +299,7 @@ def test_configure_mid_stream(engine, reference, name, value, default):
                 pytest.fail("the change never landed while the streams ran")
             for evs in events:  # one list per client, each ending with the change
                 assert evs[-1].data["changes"] == {name: value} and evs[-1].data["settings"][name] == value
-                assert evs[-1].data["by"] == f"{_default_client_name()} (pid {os.getpid()})"
+                assert evs[-1].data["by"] == f"{default_client_name()} (pid {os.getpid()})"
                 if name == "kv_cache_dtype":
                     assert [e.data["state"] for e in evs if e.kind == "relayout"] == ["started", "done"]
             # on the timeline too: old -> new, and who made it
@@ -1210,12 +1205,12 @@ def test_a_flood_of_refused_calls_is_a_few_log_lines(caplog):
     fuzzing run): now at most `burst` lines a period, each cut short, the rest counted."""
     import logging
 
-    from workbench.ipc.server import QuietLog, _short
+    from workbench.ipc.logs import QuietLog, short
 
     logger = logging.getLogger("workbench.test.quiet")
     quiet = QuietLog(logger, burst=3, period_s=60.0)
     with caplog.at_level(logging.INFO, logger="workbench.test.quiet"):
-        shown = [quiet.note(f"configure {_short({'x': 'y' * 5000})} rejected", now=i / 10) for i in range(100)]
+        shown = [quiet.note(f"configure {short({'x': 'y' * 5000})} rejected", now=i / 10) for i in range(100)]
         assert shown.count(True) == 3 and quiet.suppressed == 97
         assert quiet.note("after the period", now=70.0)
     lines = [r.getMessage() for r in caplog.records]

@@ -300,9 +300,9 @@ def test_dashboard_controls_bound_to_engine(shell, client):
         for d in (d1, d2):
             wait_for(lambda d=d: (d.pump(), d.controls["max_num_seqs"].value == 5)[1], 20, "max_num_seqs to show")
         # who changed it is named; a dashboard never reports its own change as someone else's
-        from workbench.ipc.client import _default_client_name
+        from workbench.ipc.connection import default_client_name
 
-        by = f"Changed by {_default_client_name()} (pid {os.getpid()}): max_num_seqs=5"
+        by = f"Changed by {default_client_name()} (pid {os.getpid()}): max_num_seqs=5"
         assert any(m.startswith(by) for m in d2.messages), d2.messages
         d1.pump()
         assert not any(m.startswith("Changed by") and "batching" in m for m in d1.messages), d1.messages

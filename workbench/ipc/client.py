@@ -12,10 +12,8 @@ widget callback, an asyncio task) hand it messages through a queue and wait on t
 future or queue, so the client is thread-safe and asyncio-friendly. The IO thread sends
 heartbeats and notices a dead engine (process gone, or silent for the engine's client timeout):
 every waiter then raises `EngineDeadError` instead of hanging. Events come through a SUB socket
-owned by a second thread, started on the first subscription.
-
-Over 600 lines on purpose: one class whose IO thread, event thread and callers share one lock and
-one dead / revived state (`reconnect`); `start_engine` is in `launch.py`.
+owned by a second thread, started on the first subscription (`event_feed.py`). `start_engine`
+is in `launch.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import os
 import secrets
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -38,51 +35,36 @@ from typing import Any
 
 import zmq
 
-from ..events import EventSubscription
+from ..events import Event, EventSubscription
 from ..interface import Engine, closed_at_exit, deliver, request_ids
 from ..timeline import Timeline
 from . import connection as conn
+from .event_feed import EventFeed
 from .protocol import (
     HEADER,
     PROTOCOL_VERSION,
     Abort,
     Bye,
     Call,
-    EngineBusyError,
     EngineConnectError,
     EngineDeadError,
     EngineDrainingError,
-    EngineStartError,
-    Event,
     Failure,
     NewRequest,
     Outputs,
     Ping,
     Pong,
     ProtocolError,
-    ProtocolMismatchError,
     Rejected,
     Result,
     Submit,
     WorkbenchIPCError,
     check_header,
     decode_engine_message,
-    decode_event,
     decode_value,
     encode_strict,
     error_from_wire,
 )
-
-__all__ = [
-    "EngineBusyError",
-    "EngineClient",
-    "EngineConnectError",
-    "EngineDeadError",
-    "EngineStartError",
-    "Event",
-    "EventSubscription",
-    "ProtocolMismatchError",
-]
 
 log = logging.getLogger("workbench.client")
 
@@ -106,7 +88,7 @@ class EngineClient(Engine):
     ):
         self.name = info.name
         self.reconnect = reconnect  # after the engine dies, attach to the next one holding the name
-        self._client_name = client_name or _default_client_name()
+        self._client_name = client_name or conn.default_client_name()
         self._check_pid_wanted = check_pid
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
@@ -125,10 +107,8 @@ class EngineClient(Engine):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._subs: list[EventSubscription] = []
-        self._ev_thread: threading.Thread | None = None
-        self._ev_lock = threading.Lock()
-        self._ev_ready = threading.Event()
-        self._sync_tokens: dict[str, threading.Event] = {}
+        self._events = EventFeed(self._ctx, self.name, self._deliver_event)
+        self._ev_lock = threading.Lock()  # one feed thread started, not two
         self._reconnect_lock = threading.Lock()
         self._io: threading.Thread | None = None
         try:
@@ -179,14 +159,14 @@ class EngineClient(Engine):
             info = conn.live_engine(self.name, directory)
             if info is None or info.pid == self.pid:
                 return False
-            for t in (self._io, self._ev_thread):
+            for t in (self._io, self._events.thread):
                 if t is not None and t is not threading.current_thread():
                     t.join(5)  # both leave once the client is dead
             self._outq.clear()
             with self._lock:
                 self._subs = []  # they ended with the old engine's EngineDeadError
-            self._ev_thread, self._got_reply = None, False
-            self._ev_ready.clear()
+            self._events.reset()
+            self._got_reply = False
             self._dead = None
             try:
                 self._open(info, None, 10.0)
@@ -250,7 +230,7 @@ class EngineClient(Engine):
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        _apply_curve(sock, info)
+        conn.apply_curve(sock, info)
         sock.connect(info.request_address)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -542,23 +522,22 @@ class EngineClient(Engine):
         with self._ev_lock:
             if self._dead is not None:
                 raise _copy_exc(self._dead)
-            if self._ev_thread is None:
-                self._ev_thread = threading.Thread(
-                    target=self._event_loop, name=f"wb-client-events-{self.name}", daemon=True
-                )
-                self._ev_thread.start()
-                if not self._ev_ready.wait(timeout):
-                    raise TimeoutError("event thread did not start")
+            self._events.start(self.info, lambda: not self._closing and self._dead is None, timeout)
         self._sync_events(timeout)
         with self._lock:
             self._subs.append(sub)
         return sub
 
+    def _deliver_event(self, ev: Event) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            sub._deliver(ev)
+
     def _sync_events(self, timeout: float) -> None:
         """Wait until our SUB socket receives events (a PUB drops what it sends before then)."""
         token = secrets.token_hex(8)
-        seen = threading.Event()
-        self._sync_tokens[token] = seen
+        seen = self._events.expect(token)
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
@@ -567,51 +546,7 @@ class EngineClient(Engine):
                     return
             raise TimeoutError(f"event subscription to engine {self.name!r} not live within {timeout}s")
         finally:
-            self._sync_tokens.pop(token, None)
-
-    def _event_loop(self) -> None:
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        _apply_curve(sock, self.info)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(self.info.event_address)
-        self._ev_ready.set()
-        try:
-            while not self._closing and self._dead is None:
-                if not sock.poll(200):
-                    continue
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_event_frames(frames)
-        except Exception:  # pragma: no cover
-            log.exception("client event thread crashed")
-        finally:
-            sock.close()
-
-    def _on_event_frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 3 or check_header(frames[1]) is not None:
-            return
-        try:
-            msg = decode_event(frames[2])
-            data = decode_value(msg.data, Timeline if msg.kind == "timeline" else Any)
-        except Exception as e:
-            log.warning("dropping an undecodable event: %s", e)
-            return
-        if msg.kind == "sync":
-            token = data.get("token") if isinstance(data, dict) else None
-            seen = self._sync_tokens.get(token)
-            if seen is not None:
-                seen.set()
-            return
-        ev = Event(msg.kind, msg.time, data)
-        with self._lock:
-            subs = list(self._subs)
-        for sub in subs:
-            sub._deliver(ev)
+            self._events.forget(token)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -624,7 +559,7 @@ class EngineClient(Engine):
             self._wake_w.send(b"\0")
         except OSError:
             pass
-        threads = [t for t in (self._io, self._ev_thread) if t is not None]
+        threads = [t for t in (self._io, self._events.thread) if t is not None]
         for t in threads:
             if t is not threading.current_thread():
                 t.join(5)
@@ -666,35 +601,9 @@ class EngineClient(Engine):
         raise TimeoutError(f"engine {self.name!r} (pid {self.pid}) did not exit in time")
 
 
-# -- helpers ------------------------------------------------------------------------------------
-def _default_client_name() -> str:
-    """How the engine names this client (in its log, and as `by` on the settings changes it makes)."""
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if getattr(shell, "kernel", None) is not None:
-        return "notebook kernel"
-    if not sys.argv or not sys.argv[0] or sys.argv[0] == "-c":
-        return "python"
-    script = os.path.basename(sys.argv[0])
-    if script == "__main__.py":  # python -m package: the package's name
-        script = os.path.basename(os.path.dirname(sys.argv[0]))
-    return script
-
-
-def _apply_curve(sock: zmq.Socket, info: conn.ConnectionInfo) -> None:
-    if info.transport != "tcp":
-        return
-    keys = info.curve or {}
-    if not all(keys.get(k) for k in ("server_public", "client_public", "client_secret")):
-        # No keys: connect anyway; the engine's CURVE handshake will never let us in, and the
-        # handshake timeout reports it.
-        return
-    sock.curve_serverkey = keys["server_public"].encode()
-    sock.curve_publickey = keys["client_public"].encode()
-    sock.curve_secretkey = keys["client_secret"].encode()
-
-
 def _copy_exc(exc: BaseException) -> BaseException:
+    """A fresh copy to raise in this caller's thread (one exception object raised in several
+    threads would collect all their tracebacks)."""
     try:
         return type(exc)(*exc.args)
     except Exception:

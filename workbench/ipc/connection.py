@@ -24,6 +24,7 @@ import re
 import secrets
 import socket
 import stat
+import sys
 import tempfile
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -320,3 +321,31 @@ def unique_name(directory: Path | None = None) -> str:
     if live_engine("default", directory) is None:
         return "default"
     return f"engine-{secrets.token_hex(3)}"
+
+
+def apply_curve(sock, info: ConnectionInfo) -> None:
+    """A client socket set up for the engine's CURVE encryption (tcp; ipc needs none)."""
+    if info.transport != "tcp":
+        return
+    keys = info.curve or {}
+    if not all(keys.get(k) for k in ("server_public", "client_public", "client_secret")):
+        # No keys: connect anyway; the engine's CURVE handshake will never let us in, and the
+        # handshake timeout reports it.
+        return
+    sock.curve_serverkey = keys["server_public"].encode()
+    sock.curve_publickey = keys["client_public"].encode()
+    sock.curve_secretkey = keys["client_secret"].encode()
+
+
+def default_client_name() -> str:
+    """How the engine names this client (in its log, and as `by` on the settings changes it makes)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if getattr(shell, "kernel", None) is not None:
+        return "notebook kernel"
+    if not sys.argv or not sys.argv[0] or sys.argv[0] == "-c":
+        return "python"
+    script = os.path.basename(sys.argv[0])
+    if script == "__main__.py":  # python -m package: the package's name
+        script = os.path.basename(os.path.dirname(sys.argv[0]))
+    return script

@@ -31,7 +31,6 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -42,7 +41,9 @@ import msgspec
 from workbench_kernels import hostmem
 
 from ..reports import ProcessStatus, as_dict
+from ..settings import schema
 from . import connection as conn
+from .logs import MAX_LOG_BYTES, QuietLog, rotate_log, short
 from .protocol import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_MESSAGE_MB,
@@ -144,7 +145,7 @@ class EngineServer:
             "timeline": lambda _who, **kw: self._timeline(**kw),
             "reset_prefix_cache": lambda _who: self.engine.reset_prefix_cache(),
             "weights_checksum": lambda _who: lambda: encode_raw(self.engine.weights_checksum()),
-            "schema": lambda _who: _schema(),
+            "schema": lambda _who: schema(),
             "shutdown": lambda _who, **kw: self._shutdown_rpc(**kw),
             "sync_events": lambda _who, **kw: self._sync_events(**kw),
         }
@@ -392,7 +393,7 @@ class EngineServer:
         except Exception as e:
             self.io.send(ident, Failure(call.call_id, error_to_wire(e)))
             if call.method == "configure":
-                self._rejections.note(f"configure {_short(call.kwargs)} rejected: {_short(e)}")
+                self._rejections.note(f"configure {short(call.kwargs)} rejected: {short(e)}")
             return
         self.io.send(ident, Result(call.call_id, raw))
 
@@ -468,16 +469,13 @@ class EngineServer:
             self.io.send(ident, Outputs(cs))
 
     def _flush_timeline(self, t: float) -> None:
-        from ..timeline import Timeline
-
         self._last_tl_flush = t
         rec = self.engine.timeline
         if rec.cursor == self._tl_cursor:
             return
-        since = self._tl_cursor
-        steps, reqs, changes = _newer(rec.steps, since), _newer(rec.requests, since), _newer(rec.changes, since)
-        self._tl_cursor = rec.cursor
-        self.io.publish("timeline", Timeline(steps=steps, requests=reqs, cursor=rec.cursor, changes=changes))
+        new = rec.newer(self._tl_cursor)
+        self._tl_cursor = new.cursor
+        self.io.publish("timeline", new)
 
     def _on_engine_event(self, kind: str, payload: dict) -> None:
         if kind == "settings":
@@ -577,29 +575,6 @@ class EngineServer:
                 self.io.send(ident, Rejected([r.request_id for r in msg.requests], err))
 
 
-def _newer(buf, cursor: int) -> list:
-    """Items of an append-only ring buffer with seq > cursor, oldest first, in O(new)."""
-    out = []
-    for item in reversed(buf):
-        if item.seq <= cursor:
-            break
-        out.append(item)
-    out.reverse()
-    return out
-
-
-def _schema() -> list:
-    from ..settings import schema
-
-    return schema()
-
-
-def _short(value: Any, most: int = 200) -> str:
-    """A value for a log line: its repr, cut to `most` characters (a hostile call can be megabytes)."""
-    text = repr(value) if not isinstance(value, BaseException) else str(value)
-    return text if len(text) <= most else text[:most] + f"... ({len(text):,} characters)"
-
-
 def _process(inputs, msg: Submit) -> list | BaseException:
     """A submit's requests processed whole (`InputProcessor`), or the error that refuses them all."""
     try:
@@ -610,53 +585,7 @@ def _process(inputs, msg: Submit) -> list | BaseException:
         return e
 
 
-class QuietLog:
-    """Log at INFO at most `burst` lines per `period_s`; the rest are counted and the count is logged
-    with the next line that gets through (so a flood of rejections costs a few lines a minute)."""
-
-    def __init__(self, logger: logging.Logger, burst: int = 10, period_s: float = 60.0):
-        self.logger, self.burst, self.period_s = logger, burst, period_s
-        self._window_start = 0.0
-        self._in_window = 0
-        self.suppressed = 0
-
-    def note(self, line: str, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        if now - self._window_start >= self.period_s:
-            self._window_start, self._in_window = now, 0
-        if self._in_window >= self.burst:
-            self.suppressed += 1
-            return False
-        self._in_window += 1
-        if self.suppressed:
-            line += f" ({self.suppressed} similar line(s) suppressed)"
-            self.suppressed = 0
-        self.logger.info("%s", line)
-        return True
-
-
 TRIM_AFTER_BYTES = 1 << 20  # answers at least this large are followed by a heap trim
 # Messages handled since the last trim past which an idle engine trims its heap (decoding a burst of
 # large submits: 555k fuzzed messages left 550 MB more resident than before them, the engine idle).
 TRIM_AFTER_HANDLED = 64 << 20
-MAX_LOG_BYTES = 20 << 20  # an engine's log past this moves to NAME.log.1 and a fresh one starts
-
-
-def rotate_log(path: str | os.PathLike, limit: int) -> bool:
-    """When the log this process writes as its stdout and stderr (start_engine's) has grown past
-    `limit` bytes, move it to PATH.1 (replacing the one before) and carry on in a fresh file on the
-    same descriptors. Returns whether it rotated."""
-    try:
-        if os.stat(path).st_size <= limit or os.fstat(2).st_ino != os.stat(path).st_ino:
-            return False  # small, or not this process's output (nothing to rotate here)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.replace(path, f"{path}.1")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    except OSError:
-        return False
-    log.info("log rotated: the previous %d bytes are in %s.1", limit, path)
-    return True
