@@ -1,9 +1,8 @@
 """`RemoteEngineClient`: the engine interface over an OpenAI-compatible HTTP server (see the
 package docstring for how each part is built).
 
-Over 600 lines on purpose: one class whose callers (any thread) and its asyncio loop thread share
-the pending-request table, the client-side timeline and the metrics window under one lock; the
-servers' dialects (`wire.py`) and Prometheus parsing (`prometheus.py`) are already apart.
+What the server reports about itself (settings per dialect, metrics) is `reports.py`; the
+dialects of its requests and answers `wire.py`; Prometheus parsing `prometheus.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ from ..interface import Engine, closed_at_exit, deliver, request_ids
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..timeline import Timeline, TimelineRecorder, prompt_label
-from .prometheus import parse_prometheus, server_metrics
+from .prometheus import parse_prometheus
+from .reports import metrics_of, server_settings
 from .wire import (
     EXTRA_FIELDS,
     TOKEN_ID_KINDS,
@@ -41,7 +41,6 @@ from .wire import (
     http_error,
     parse_logprobs,
     request_body,
-    sglang_settings,
     split_url,
     transport_error,
 )
@@ -53,7 +52,6 @@ log = logging.getLogger("workbench.remote")
 ENV_API_KEYS = ("WORKBENCH_API_KEY", "OPENAI_API_KEY")
 _RECENT = 1000  # finished requests kept for the latency percentiles
 _clients = closed_at_exit()  # closed at exit (their loop threads are daemons)
-_TOK_WINDOW_S = 10.0  # output_tok_s window (as the engine's metrics())
 
 
 class _Pending:
@@ -235,42 +233,7 @@ class RemoteEngineClient(Engine):
         return self._run(self._asettings(), self.rpc_timeout)
 
     async def _asettings(self) -> dict:
-        from ..settings import setting_names
-
-        out: dict[str, Any] = {}
-        if self.kind == "workbench":
-            got = await self._get_json("/workbench/settings")
-            out = dict(got.get("settings") or {})
-        elif self.kind == "vllm" and self.has_metrics:
-            text = await self._get_text("/metrics")
-            info = (parse_prometheus(text).get("vllm:cache_config_info") or [({}, 0)])[0][0] if text else {}
-            if info.get("block_size", "").isdigit():
-                out["block_size"] = int(info["block_size"])
-            if info.get("num_gpu_blocks", "").isdigit():
-                out["num_kv_blocks"] = int(info["num_gpu_blocks"])
-            if "enable_prefix_caching" in info:
-                out["prefix_caching"] = info["enable_prefix_caching"].lower() == "true"
-            if info.get("cache_dtype"):
-                out["kv_cache_dtype"] = info["cache_dtype"]
-        elif self.kind == "sglang":
-            for path in ("/get_server_info", "/server_info"):
-                text = await self._get_text(path)
-                if text:
-                    out = sglang_settings(json.loads(text))
-                    break
-        elif self.kind == "llama.cpp":
-            text = await self._get_text("/props")
-            if text:
-                props = json.loads(text)
-                if isinstance(props.get("total_slots"), int):
-                    out["max_num_seqs"] = props["total_slots"]
-                n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
-                if isinstance(n_ctx, int):
-                    out["max_model_len"] = n_ctx
-        if self.max_model_len and "max_model_len" not in out:
-            out["max_model_len"] = self.max_model_len
-        known = set(setting_names())
-        return {k: v for k, v in out.items() if k in known and v is not None}
+        return await server_settings(self)
 
     async def asettings(self) -> dict:
         return await self._on_loop(self._asettings())
@@ -318,67 +281,9 @@ class RemoteEngineClient(Engine):
         return self._run(self._ametrics(), self.rpc_timeout)
 
     async def _ametrics(self) -> dict:
-        from ..reports import percentile
-
-        now = time.monotonic()
         with self._lock:
-            recent = list(self._recent)
-            pending = list(self._pending.values())
-            totals = dict(self._totals)
-        ttft = [o.metrics.ttft for o in recent if o.metrics.ttft is not None]
-        itl = [x for o in recent for x in o.metrics.itl]
-        window = [t for o in recent for t in o.metrics.token_times if t >= now - _TOK_WINDOW_S]
-        running = sum(1 for p in pending if p.first is not None)
-        m: dict[str, Any] = {
-            "output_tok_s": len(window) / _TOK_WINDOW_S if window else 0.0,
-            "num_waiting": len(pending) - running,
-            "num_running": running,
-            "kv_blocks_used": None,
-            "kv_blocks_total": None,
-            "kv_usage": None,
-            "prefix_hit_rate": None,
-            "spec_acceptance_rate": None,
-            "spec_mean_accepted": None,
-            "ttft_p50_ms": percentile(ttft, 50) * 1e3,
-            "ttft_p99_ms": percentile(ttft, 99) * 1e3,
-            "itl_p50_ms": percentile(itl, 50) * 1e3,
-            "itl_p99_ms": percentile(itl, 99) * 1e3,
-            "total_prompt_tokens": totals["prompt_tokens"],
-            "total_output_tokens": totals["output_tokens"],
-            "total_finished": totals["finished"],
-        }
-        sources = {
-            k: "client"
-            for k in (
-                "output_tok_s",
-                "num_waiting",
-                "num_running",
-                "ttft_p50_ms",
-                "ttft_p99_ms",
-                "itl_p50_ms",
-                "itl_p99_ms",
-                "total_prompt_tokens",
-                "total_output_tokens",
-                "total_finished",
-            )
-        }
-        m["client_num_waiting"], m["client_num_running"] = m["num_waiting"], m["num_running"]
-        if self.has_metrics:
-            text = await self._get_text("/metrics")
-            if text:
-                srv = server_metrics(parse_prometheus(text))
-                gen = srv.get("total_output_tokens")
-                if gen is not None and "output_tok_s" not in srv:
-                    last = self._last_scrape
-                    if last is not None and now > last[0] and gen >= last[1]:
-                        srv["output_tok_s"] = (gen - last[1]) / (now - last[0])
-                    self._last_scrape = (now, gen)
-                m.update(srv)
-                sources.update({k: "server" for k in srv})
-        m = {k: v for k, v in m.items() if v is not None}  # absent: nobody reports it (never made up)
-        m["sources"] = {k: v for k, v in sources.items() if k in m}
-        m["remote"] = self.base
-        return m
+            recent, pending, totals = list(self._recent), list(self._pending.values()), dict(self._totals)
+        return await metrics_of(self, recent, pending, totals)
 
     def timeline(self, since: int | None = None) -> Timeline:
         """This client's requests (arrived, first_token, finished) after cursor `since`."""
