@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from workbench.bench import RESULT_KEYS, percentile, summarize
+from workbench.bench.compare import token_agreement
 from workbench.bench.driver import run_workload
-from workbench.bench.runner import token_agreement
 from workbench.bench.stats import RequestRecord
 from workbench.bench.workload import TEXT_FILE, make_workload, single_stream_request
 from workbench.cli import main

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..runs import machine_facts, record_bench
+from .compare import add_comparisons
 from .driver import run_workload
 from .roofline import measure_bandwidth, measure_roofline, model_costs
 from .server_peer import serve_workloads
@@ -58,13 +59,6 @@ DEFAULT_SYSTEMS = ("workbench", "hf_sequential", "hf_static", "llama_server", "v
 HF_DTYPES = ("auto", "bfloat16", "float32")
 HF_STATIC_BATCH = 16
 SINGLE_STREAM_TOKENS = 256
-
-# The issue's targets.
-TARGET_VS_HF_SEQUENTIAL = 8.0
-TARGET_VS_HF_STATIC = 2.0
-TARGET_SINGLE_STREAM_BW_FRACTION = 0.60
-TARGET_VS_LLAMA_SERVER = 1.5
-TARGET_VS_VLLM = 1.3  # issue 27: W64 output tok/s, both servers through the same client
 
 Progress = Callable[[str, int], Any]  # (description, total) -> object with update(n) and close()
 
@@ -156,28 +150,6 @@ def hf_folder(model, loaded) -> str:
 
         return str(ensure_converted(model, Path(model).stem))
     raise ValueError(f"no Hugging Face folder for model {model!r}: the hf_* peers cannot load it")
-
-
-def token_agreement(reference: list[RequestRecord], other: list[RequestRecord]) -> dict:
-    """How far two systems' greedy outputs agree: identical requests, and the share of tokens
-    before the first difference (bf16 rounding differs between implementations, so long greedy
-    runs can drift apart without either being wrong)."""
-    same = 0
-    prefix = total = 0
-    for a, b in zip(reference, other):
-        same += a.token_ids == b.token_ids
-        n = 0
-        for x, y in zip(a.token_ids, b.token_ids):
-            if x != y:
-                break
-            n += 1
-        prefix += n
-        total += len(a.token_ids)
-    return {
-        "identical_requests": same,
-        "requests": len(reference),
-        "common_prefix_token_fraction": prefix / total if total else 1.0,
-    }
 
 
 def machine_info() -> dict:
@@ -306,7 +278,7 @@ def run_bench(
         if name in systems:
             run.server(name, peers.get("vllm"))
     report["results"] = {name: run.results[name] for name in RESULT_ORDER if name in run.results}
-    _add_comparisons(report, run.records)
+    add_comparisons(report, run.records)
     report["loadavg_end"] = _loadavg()
     report["argv"] = sys.argv[1:]
     return report
@@ -544,102 +516,3 @@ def _endpoint_single_stream(summary: dict) -> None:
     weight bytes differ (a GGUF), so no bandwidth fraction is claimed for it."""
     itl = summary.get("itl_p50_ms") or 0.0
     summary["decode_tok_s"] = 1e3 / itl if itl > 0 else 0.0
-
-
-def _add_comparisons(report: dict, records: dict[str, list[RequestRecord]]) -> None:
-    results, roof = report["results"], report["roofline"]
-    wl_limit = roof.get("workload", {}).get("output_tok_s_limit", 0.0)
-    fractions: dict[str, float] = {}
-    for name, r in results.items():
-        if name.endswith("single_stream"):
-            if "bandwidth_fraction" not in r:
-                continue  # another system's weights (llama.cpp's GGUF): our byte count does not apply
-            fractions[name] = r["bandwidth_fraction"]
-            r["roofline_fraction"] = fractions[name]
-        elif wl_limit:
-            fractions[name] = r["output_tok_s"] / wl_limit
-            r["roofline_fraction"] = fractions[name]
-    report["roofline_fraction"] = fractions
-
-    ratios: dict[str, float] = {}
-    ours = results.get("workbench")
-    for peer in ("hf_sequential", "hf_static", "llama_server", "vllm"):
-        if ours and peer in results and results[peer]["output_tok_s"] > 0:
-            ratios[f"workbench_vs_{peer}"] = ours["output_tok_s"] / results[peer]["output_tok_s"]
-    http, peer = results.get("workbench_http"), results.get("vllm")
-    if http and peer and peer["output_tok_s"] > 0:  # both servers, one client: the like-for-like ratio
-        ratios["workbench_http_vs_vllm"] = http["output_tok_s"] / peer["output_tok_s"]
-        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
-            if peer.get(key):
-                ratios[f"workbench_http_vs_vllm_{key}"] = http[key] / peer[key]
-    ss = results.get("workbench_single_stream")
-    for peer, key in (
-        ("hf_single_stream", "single_stream_vs_hf"),
-        ("llama_server_single_stream", "single_stream_vs_llama_server"),
-        ("vllm_single_stream", "single_stream_vs_vllm"),
-    ):
-        if ss and peer in results and results[peer]["decode_tok_s"] > 0:
-            ratios[key] = ss["decode_tok_s"] / results[peer]["decode_tok_s"]
-    report["ratios"] = ratios
-
-    agreement = {}
-    if "workbench" in records:
-        for peer in ("hf_sequential", "hf_static"):
-            if peer in records:
-                agreement[peer] = token_agreement(records["workbench"], records[peer])
-    if "workbench_single_stream" in records and "hf_single_stream" in records:
-        agreement["hf_single_stream"] = token_agreement(records["workbench_single_stream"], records["hf_single_stream"])
-    report["token_agreement"] = agreement
-
-    targets = []
-    if "workbench_vs_hf_sequential" in ratios:
-        v = ratios["workbench_vs_hf_sequential"]
-        targets.append(
-            {
-                "name": "throughput vs hf_sequential",
-                "value": v,
-                "target": TARGET_VS_HF_SEQUENTIAL,
-                "met": v >= TARGET_VS_HF_SEQUENTIAL,
-            }
-        )
-    if "workbench_vs_hf_static" in ratios:
-        v = ratios["workbench_vs_hf_static"]
-        targets.append(
-            {
-                "name": "throughput vs hf_static",
-                "value": v,
-                "target": TARGET_VS_HF_STATIC,
-                "met": v >= TARGET_VS_HF_STATIC,
-            }
-        )
-    if "workbench_vs_llama_server" in ratios:
-        v = ratios["workbench_vs_llama_server"]
-        targets.append(
-            {
-                "name": "throughput vs llama_server",
-                "value": v,
-                "target": TARGET_VS_LLAMA_SERVER,
-                "met": v >= TARGET_VS_LLAMA_SERVER,
-            }
-        )
-    if "workbench_http_vs_vllm" in ratios:
-        v = ratios["workbench_http_vs_vllm"]
-        targets.append(
-            {
-                "name": "throughput vs vllm (both served over HTTP)",
-                "value": v,
-                "target": TARGET_VS_VLLM,
-                "met": v >= TARGET_VS_VLLM,
-            }
-        )
-    if ss:
-        v = ss["bandwidth_fraction"]
-        targets.append(
-            {
-                "name": "single-stream decode, fraction of bandwidth roofline",
-                "value": v,
-                "target": TARGET_SINGLE_STREAM_BW_FRACTION,
-                "met": v >= TARGET_SINGLE_STREAM_BW_FRACTION,
-            }
-        )
-    report["targets"] = targets
