@@ -43,7 +43,9 @@ from typing import Any
 
 from ..runs import record_scenarios
 from .driver import run_workload
+from .stall import STALL_WORST_GAP_VS_ITL, described, stall_scenario
 from .stats import RequestRecord, percentile
+from .structured_scenario import STRUCTURED_VS_FREE, structured_scenario
 from .workload import BenchRequest, text_token_ids
 
 SCENARIOS = ("prefix", "quant", "spec", "stall", "long_prompt", "structured")
@@ -52,11 +54,11 @@ TARGETS = {
     "int4_vs_bf16": 2.0,
     "int8_vs_bf16": 1.5,
     "ngram_vs_off": 1.5,
-    "structured_vs_free": 0.95,
+    "structured_vs_free": STRUCTURED_VS_FREE,
     "workbench_http_structured_vs_vllm": 1.0,
 }
 TARGETS_AT_MOST = {  # lower is better
-    "stall_worst_gap_vs_itl": 6.0,
+    "stall_worst_gap_vs_itl": STALL_WORST_GAP_VS_ITL,
     "long_prompt_worst_gap_ms": 500.0,
     "long_prompt_ttft_on_vs_off": 1.1,
 }
@@ -325,128 +327,6 @@ def _hf_prompt_lookup(model, ids: list[int], output_len: int, k: int) -> dict:
     return res
 
 
-def stall_scenario(model=None, *, oversized: int = 30, near_bound: int = 3, output_len: int = 800, **settings) -> dict:
-    """The `stall` scenario on its own engine process and an HTTP front attached to it (both
-    started and stopped here): a stream through each, while the attacks of `STALL_ATTACKS` run one
-    after another."""
-    import json
-    import threading
-
-    import httpx
-
-    from ..ipc.client import EngineClient
-    from ..ipc.launch import start_engine
-    from ..sampling_params import SamplingParams
-
-    eng = start_engine(model, **settings)
-    front = None
-    try:
-        status = eng.status()
-        engine = {"model": status["model"], "settings": eng.settings(), "status": _described(status)}
-        context, most = status["max_model_len"], status.get("max_token_chars")
-        front, url = _attached_front(eng.name, model)
-        tokens = min(output_len, context - 8)
-        times: dict[str, list[float]] = {"python_stream": [], "http_stream": []}
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        body = {
-            "prompt": [1, 2, 3, 4],
-            "max_tokens": tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        streams = [
-            threading.Thread(
-                target=lambda: times["python_stream"].extend(
-                    time.monotonic() for _ in eng.stream(prompt_token_ids=[1, 2, 3, 4], params=params, timeout=600)
-                )
-            ),
-            threading.Thread(target=_sse_times, args=(url, body, times["http_stream"])),
-        ]
-        for t in streams:
-            t.start()
-        while min(len(v) for v in times.values()) < 20 and all(t.is_alive() for t in streams):
-            time.sleep(0.01)
-        huge = "word " * ((8 << 20) // 5)  # 8 MiB: refused from its length
-        near = "word " * (int(0.95 * (most or 16) * context) // 5)  # tokenized, then refused
-        # HTTP bodies encoded once, here: encoding 8 MiB per request would hold this process's GIL
-        # and delay the threads that time the streams
-        huge_body = json.dumps({"prompt": huge, "max_tokens": 1}).encode()
-        ids = b'{"max_tokens": 1, "prompt": [' + b"5," * (((15 << 20) - 64) // 2) + b"5]}"  # 15 MiB of ids
-        windows, errors = {}, {}
-        with EngineClient.connect(eng.name, timeout=30) as other, httpx.Client(timeout=600) as http:
-            attacks = {
-                "python_text": (oversized, lambda: other.generate(huge, SamplingParams(max_tokens=1), timeout=600)),
-                "http_text": (
-                    oversized,
-                    lambda: _refused(
-                        http.post(
-                            url + "/v1/completions", content=huge_body, headers={"content-type": "application/json"}
-                        )
-                    ),
-                ),
-                "http_token_ids": (
-                    oversized,
-                    lambda: _refused(
-                        http.post(url + "/v1/completions", content=ids, headers={"content-type": "application/json"})
-                    ),
-                ),
-                "near_bound": (near_bound, lambda: other.generate(near, SamplingParams(max_tokens=1), timeout=600)),
-            }
-            for name, (count, send) in attacks.items():
-                refusals, seen = [], set()
-                start = time.monotonic()
-                for _ in range(count):
-                    t0 = time.monotonic()
-                    try:
-                        send()
-                        seen.add("accepted")
-                    except ValueError as e:
-                        seen.add(str(e).split(";")[0][:80])
-                    refusals.append(time.monotonic() - t0)
-                windows[name] = (start, time.monotonic(), refusals)
-                errors[name] = sorted(seen)
-        for t in streams:
-            t.join(600)
-    finally:
-        if front is not None:
-            front.terminate()
-            front.wait(30)
-        eng.shutdown()
-    itl = {k: percentile([b - a for a, b in zip(v, v[1:])], 50) for k, v in times.items()}
-    attacks_out, worst_ratio = {}, 0.0
-    for name, (start, end, refusals) in windows.items():
-        worst = {
-            k: max((b - a for a, b in zip(v, v[1:]) if b >= start and a <= end), default=0.0) for k, v in times.items()
-        }
-        ratio = max((worst[k] / itl[k] for k in worst if itl[k]), default=0.0)
-        worst_ratio = max(worst_ratio, ratio)
-        attacks_out[name] = {
-            "prompts": len(refusals),
-            "errors": errors[name],
-            "refusal_ms": {"p50": percentile(refusals, 50) * 1e3, "max": max(refusals) * 1e3},
-            "worst_gap_ms": {k: v * 1e3 for k, v in worst.items()},
-            "worst_gap_vs_itl": ratio,
-        }
-    return {
-        "engine": engine,
-        "workload": {
-            "stream_tokens": {k: len(v) for k, v in times.items()},
-            "context": context,
-            "oversized_prompts": oversized,
-            "oversized_chars": len(huge),
-            "token_id_body_bytes": len(ids),
-            "near_bound_prompts": near_bound,
-            "near_bound_chars": len(near),
-        },
-        "itl_p50_ms": {k: v * 1e3 for k, v in itl.items()},
-        "attacks": attacks_out,
-        "worst_gap_vs_itl": worst_ratio,
-        "target_at_most": TARGETS_AT_MOST["stall_worst_gap_vs_itl"],
-    }
-
-
 def long_prompt_scenario(engine, *, prompt_len: int = 8000, streams: int = 8, rounds: int = 2) -> dict:
     """The `long_prompt` scenario on the in-process engine (its step loop driven here): per round
     and budget setting, `streams` requests decode, then a `prompt_len`-token prompt arrives; the
@@ -520,214 +400,6 @@ def _one_long_prompt(eng, rng, vocab: int, prompt_len: int, streams: int, Sampli
     }
 
 
-def _attached_front(name: str, model) -> tuple:
-    """`python -m workbench.http --attach NAME` on a free loopback port, as users run one: its
-    own process, so its event loop and the measuring threads here do not share a GIL."""
-    import socket
-    import subprocess
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "workbench.http",
-        "--attach",
-        name,
-        "--http",
-        f"127.0.0.1:{port}",
-        "--http-log-level",
-        "warning",
-    ] + ([] if model is None else ["--model", str(model)])
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the HTTP front for the stall scenario did not start ({' '.join(cmd)})")
-
-
-def _sse_times(url: str, body: dict, into: list[float]) -> None:
-    """The arrival time of every streamed token of one completion."""
-    import json
-
-    import httpx
-
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0].get("token_ids"):
-                    into.append(time.monotonic())
-
-
-def _refused(response) -> None:
-    """An HTTP answer as the Python client's outcome: a 4xx is the ValueError it would raise."""
-    if response.status_code >= 400:
-        raise ValueError(response.json()["error"]["message"])
-
-
-def _described(status: dict) -> dict:
-    """An engine's status as a report keeps it (without what changes from run to run)."""
-    return {k: v for k, v in status.items() if k not in ("pid", "uptime_s")}
-
-
-# People as JSON, more of them than max_tokens can hold: every constrained request runs to max_tokens.
-PEOPLE_SCHEMA = {
-    "type": "array",
-    "minItems": 40,
-    "items": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 24},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "city": {"type": "string", "maxLength": 24},
-            "email": {"type": "string", "maxLength": 40},
-        },
-        "required": ["name", "age", "city", "email"],
-    },
-}
-_CITIES = ("Lisbon", "Oslo", "Kyoto", "Lima", "Accra", "Perth", "Quito", "Tartu")
-
-
-def structured_requests(engine, num_requests: int, output_len: int) -> list[BenchRequest]:
-    """Chat prompts asking for a JSON list of people (each names another city and count)."""
-    tok = engine.tokenizer
-    out = []
-    for i in range(num_requests):
-        ask = (
-            f"List {10 + i % 30} people who live in {_CITIES[i % len(_CITIES)]} as a JSON array of objects "
-            "with their name, age, city and email."
-        )
-        text = tok.apply_chat_template(ask) if tok is not None else None
-        ids = tok.encode(text, add_special_tokens=False) if tok is not None else [1 + i, 2 + i, 3 + i]
-        out.append(BenchRequest(i, ids, output_len))
-    return out
-
-
-def structured_scenario(
-    engine,
-    *,
-    num_requests: int = 64,
-    output_len: int = 128,
-    rounds: int = 3,
-    vllm_python: str | None = None,
-    model=None,
-) -> dict:
-    from ..sampling_params import StructuredOutput
-
-    requests = structured_requests(engine, num_requests, output_len)
-    schema = StructuredOutput(json=PEOPLE_SCHEMA)
-    out: dict[str, Any] = {
-        "workload": {
-            "requests": num_requests,
-            "arrival": "all at once",
-            "prompt_tokens": sum(r.prompt_len for r in requests),
-            "max_tokens": output_len,
-            "schema": "a JSON array of >= 40 people (name, age, city, email): never closes within max_tokens",
-        }
-    }
-    modes = (("free", None, True), ("json", schema, True), ("json_no_jump", schema, False))
-    # the whole workload once first: its first run also pays for touching the KV cache's pages
-    run_workload(engine, requests, ignore_eos=True)
-    # W64, and one stream (where a step is memory-bound, forced tokens ride along almost free)
-    by_mode: dict[str, list[dict]] = {}
-    for _ in range(rounds):  # the modes take turns, so a drift of the host touches each alike
-        for name, constraint, jump in modes:
-            engine.configure(jump_forward=jump)
-            by_mode.setdefault(name, []).append(_structured_run(engine, requests, constraint))
-            by_mode.setdefault(f"{name}_single_stream", []).append(_structured_run(engine, requests[:1], constraint))
-    for name, runs in by_mode.items():  # each mode's median run
-        runs.sort(key=lambda r: r["output_tok_s"])
-        out[name] = {**runs[len(runs) // 2], "output_tok_s_runs": [r["output_tok_s"] for r in runs]}
-    engine.configure(jump_forward=True)
-    out["structured_vs_free"] = out["json"]["output_tok_s"] / out["free"]["output_tok_s"]
-    out["structured_no_jump_vs_free"] = out["json_no_jump"]["output_tok_s"] / out["free"]["output_tok_s"]
-    out["single_stream_structured_vs_free"] = (
-        out["json_single_stream"]["output_tok_s"] / out["free_single_stream"]["output_tok_s"]
-    )
-    out["single_stream_no_jump_vs_free"] = (
-        out["json_no_jump_single_stream"]["output_tok_s"] / out["free_single_stream"]["output_tok_s"]
-    )
-    out["target"] = TARGETS["structured_vs_free"]
-    if vllm_python is not None:
-        out.update(_structured_peers(engine, requests, schema, vllm_python, model))
-    return out
-
-
-def _structured_run(engine, requests: list[BenchRequest], constraint) -> dict:
-    """One run of the workload, free (EOS ignored) or under `constraint`, with its steps' story."""
-    from .stats import summarize
-
-    run_workload(engine, requests[:2], structured=constraint, ignore_eos=constraint is None)  # warm, compiled
-    before = engine.metrics()
-    since = engine.engine.timeline.next_seq()
-    records, start = run_workload(engine, requests, structured=constraint, ignore_eos=constraint is None)
-    after = engine.metrics()
-    steps = engine.engine.timeline.read(since).steps
-    busy = sum(s.end - s.start for s in steps)
-    summary = summarize(records, start)
-
-    def delta(key: str) -> int:
-        return after[key] - before[key]
-
-    return {
-        "output_tok_s": summary["output_tok_s"],
-        "itl_p50_ms": summary["itl_p50_ms"],
-        "tokens": sum(len(r.token_ids) for r in records),
-        "steps": len(steps),
-        "mask_share": sum(s.parts.get("mask", 0.0) for s in steps) / 1e3 / busy if busy else 0.0,
-        "jump_forward_tokens": delta("total_jump_forward_tokens"),
-        "jump_forward_proposed": delta("total_jump_forward_proposed"),
-    }
-
-
-def _structured_peers(engine, requests, schema, vllm_python: str, model) -> dict:
-    """The free and constrained workloads over HTTP on our server and on vLLM's (same client)."""
-    import os
-
-    import torch
-
-    from .server_peer import serve_workloads
-    from .vllm_peer import run_vllm_server, workbench_http_server
-    from .workload import Workload
-
-    runs = {
-        "free": Workload(requests, seed=0),
-        "json": Workload(requests, seed=0, extra={"structured": schema}),
-    }
-    out: dict[str, Any] = {}
-    peer = workbench_http_server(model, {}, name=f"bench-structured-{os.getpid()}")
-    ours, how = serve_workloads(peer, runs)
-    out["workbench_http"] = {k: _peer_numbers(v) for k, v in ours.items()} | {"how": how}
-    hf = engine.engine.model_config.path
-    try:
-        theirs, how = run_vllm_server(
-            vllm_python, hf, runs, threads=torch.get_num_threads(), max_num_seqs=len(requests)
-        )
-        out["vllm"] = {k: _peer_numbers(v) for k, v in theirs.items()} | {"how": how}
-        out["vllm_structured_vs_free"] = out["vllm"]["json"]["output_tok_s"] / out["vllm"]["free"]["output_tok_s"]
-        out["workbench_http_structured_vs_vllm"] = (
-            out["workbench_http"]["json"]["output_tok_s"] / out["vllm"]["json"]["output_tok_s"]
-        )
-    except RuntimeError as e:
-        out["vllm_error"] = str(e)
-    return out
-
-
-def _peer_numbers(summary: dict) -> dict:
-    keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_ms", "errors", "output_tokens")
-    return {k: summary[k] for k in keys if k in summary}
-
-
 def _ratios(out: dict) -> dict[str, float | None]:
     """The headline numbers of a run: ours on/off, the peers' own on/off, ours vs the peer."""
     r: dict[str, float | None] = {}
@@ -793,9 +465,7 @@ def run_scenarios(
     engine = LLM(model, **settings) if any(n != "stall" for n in names) else None
     out: dict[str, Any] = {"scenarios": names, "quick": quick, "with_peers": with_peers, "argv": sys.argv[1:]}
     if engine is not None:
-        out.update(
-            model=engine.engine.model_name, settings=engine.settings(), engine_status=_described(engine.status())
-        )
+        out.update(model=engine.engine.model_name, settings=engine.settings(), engine_status=described(engine.status()))
     hf_path = engine.engine.model_config.path if with_peers and engine is not None else None
     for name in names:
         size = QUICK[name] if quick else {}
