@@ -386,7 +386,7 @@ def test_another_process_attaches_to_a_shared_router_and_steers_it(members, tmp_
     from jupyter_helpers import private_runtime_dir
 
     from workbench import start_engine
-    from workbench.routing.engine import router_file
+    from workbench.routing.shared import router_file
 
     with private_runtime_dir(tmp_path / "rt") as rt:
         small = start_engine(str(members["dirs"][0]), name="shared-small", dtype="float32", num_kv_blocks=64)

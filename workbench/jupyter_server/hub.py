@@ -58,7 +58,7 @@ class EngineHub:
                     "replicas": [r["name"] for r in c["replicas"]],
                 }
             )
-        from ..routing.engine import list_routers
+        from ..routing.shared import list_routers
 
         for r in list_routers():  # models behind one router (workbench.routing, shared): "router:NAME"
             out.append(

@@ -46,6 +46,7 @@ from .policies import (
     level,
     output_confidence,
 )
+from .shared import RouterFile, connect_member, target_of
 
 log = logging.getLogger("workbench.routing")
 
@@ -104,7 +105,7 @@ class RoutedEngine(Engine):
             if not isinstance(key, str) or not key:
                 raise ValueError(f"member names must be non-empty strings, got {key!r}")
             if not isinstance(target, Engine):  # route() connects what connect() takes
-                target = _connect_member(target, timeout)
+                target = connect_member(target, timeout)
                 self._attached.add(key)
             self.members[key] = target
         self.names = list(self.members)
@@ -123,12 +124,10 @@ class RoutedEngine(Engine):
         self._cursors: dict[str, int | None] = {n: None for n in self.names}
         self._closed = False
         self._publisher: threading.Thread | None = None
-        self._shared = None  # the router file (share=True): another process attaches by name
-        self._stamp: int | None = None
+        self._shared: RouterFile | None = None  # the router file (share=True): another process attaches by name
         if share:
-            self._shared = router_file(name)
-            self._targets = {n: _target_of(e, n) for n, e in self.members.items()}
-            self._write_shared(owner=True)
+            self._shared = RouterFile(name, {n: target_of(e, n) for n, e in self.members.items()})
+            self._shared.write(self._routing(), owner=True)
         if policy == "classifier" and self.classifier is None:
             log.info("router %s: classifier policy without a classifier yet: fit() or load one", name)
 
@@ -175,6 +174,10 @@ class RoutedEngine(Engine):
         OVERRIDE.set((policy, threshold))
         return policy, threshold
 
+    def _routing(self) -> dict:
+        """What a shared router's file holds of the routing (every boundary's threshold)."""
+        return {**self.router_settings(), "router_threshold": list(self.thresholds)}
+
     def router_settings(self) -> dict:
         return {
             "router": self.policy,
@@ -207,7 +210,7 @@ class RoutedEngine(Engine):
         with self._lock:
             self.policy, self.thresholds, self.member, self.how = policy, thresholds, chosen, how
         if self._shared is not None and mine:
-            self._write_shared()
+            self._shared.write(self._routing())
         targets = [member] if member is not None else self.names
         out = {}
         for name in targets:
@@ -222,89 +225,15 @@ class RoutedEngine(Engine):
         self._follow_shared()
         return {**self.members[self.names[0]].settings(), **self.router_settings()}
 
-    # -- the router file: the routing is the router's, not one process's ---------------------------
-    def _write_shared(self, owner: bool = False) -> None:
-        import json
-        import os
-
-        from ..ipc.connection import write_private_json
-
-        data = {}
-        if not owner:
-            try:
-                data = json.loads(self._shared.read_text())
-            except (OSError, ValueError):
-                return  # the owner has gone (and removed it): nothing to share with
-        data.update(
-            name=self.name,
-            members=self._targets,
-            router=self.policy,
-            router_threshold=self.thresholds,
-            router_member=self.member,
-            router_confidence=self.how,
-        )
-        if owner:
-            data["owner_pid"] = os.getpid()
-        write_private_json(self._shared, data)
-        self._stamp = self._shared.stat().st_mtime_ns
-
-    def _write_counts(self) -> None:
-        """This process's answered requests per member, in a file of its own beside the router file
-        (routed-NAME.PID.json: no process rewrites another's, nor the policy), so every view of the
-        router counts them all."""
-        import os
-
-        from ..ipc.connection import write_private_json
-
-        if self._closed:  # an answer that came in as this router closed: its file is gone already
-            return
-        with self._lock:
-            mine = Counter()
-            for (name, _), n in self.routed.items():
-                mine[name] += n
-        write_private_json(self._counts_file(os.getpid()), {"served": dict(mine)})
-
-    def _counts_file(self, pid: int):
-        return self._shared.with_name(f"routed-{self.name}.{pid}.json")
-
-    def _others_served(self) -> Counter:
-        """What the other live processes sharing this router have answered, per member."""
-        import json
-        import os
-
-        from ..ipc import connection as conn
-
-        out: Counter = Counter()
-        if self._shared is None:
-            return out
-        for path in self._shared.parent.glob(f"routed-{self.name}.*.json"):
-            pid = path.stem.rpartition(".")[2]
-            if not pid.isdigit() or int(pid) == os.getpid() or not conn.pid_alive(int(pid)):
-                continue
-            try:
-                out.update({k: int(v) for k, v in json.loads(path.read_text())["served"].items()})
-            except (OSError, ValueError, KeyError, AttributeError):
-                continue
-        return out
-
     def _follow_shared(self) -> None:
-        """Take the policy a process attached to this router set (one stat a request)."""
-        import json
-
-        if self._shared is None:
+        """Take the routing another process sharing this router set (one stat a request)."""
+        data = self._shared.changed() if self._shared is not None else None
+        if data is None:
             return
         try:
-            stamp = self._shared.stat().st_mtime_ns
-        except OSError:
-            return
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
-        try:
-            data = json.loads(self._shared.read_text())
             policy, thresholds = check_policy(data["router"]), self._thresholds(data["router_threshold"])
             member, how = self._check_member(data["router_member"]), data["router_confidence"]
-        except (OSError, ValueError, KeyError):
+        except (ValueError, KeyError):
             return
         with self._lock:
             self.policy, self.thresholds, self.member, self.how = policy, thresholds, member, how
@@ -536,9 +465,13 @@ class RoutedEngine(Engine):
             self.routed[(name, flight.policy)] += 1
             self.recorder.add_request(time.monotonic(), rid, "finished", None, label=None).replica = name
         deliver(flight.sink, self._final(rid, flight, chunk))
-        if self._shared is not None:  # after the answer is out: a file problem never holds it
+        if self._shared is not None and not self._closed:  # after the answer is out: a file problem never holds it
             try:
-                self._write_counts()
+                with self._lock:
+                    served = Counter()
+                    for (member, _), n in self.routed.items():
+                        served[member] += n
+                self._shared.write_counts(served)
             except Exception as e:  # noqa: BLE001 - counts shown elsewhere, not the answer
                 log.debug("router %s: counts not shared: %s", self.name, e)
 
@@ -656,7 +589,7 @@ class RoutedEngine(Engine):
         """Requests answered per member (a shared router: by every process sharing it), each
         member's share, this process's answers per policy, escalations, and the members routed
         around."""
-        others = self._others_served()  # a shared router: every process's answers count
+        others = self._shared.others_served() if self._shared is not None else Counter()  # every process's
         with self._lock:
             per = Counter(others)
             for (name, _), n in self.routed.items():
@@ -767,7 +700,8 @@ class RoutedEngine(Engine):
         if self._closed:
             return
         self._closed = True
-        self._drop_shared()
+        if self._shared is not None:
+            self._shared.drop()
         for name in self._attached:
             try:
                 self.members[name].close()
@@ -781,25 +715,9 @@ class RoutedEngine(Engine):
                 engine.shutdown(drain=drain, timeout=timeout)
             except Exception as e:
                 log.warning("router %s: a member's shutdown failed: %s", self.name, e)
-        self._drop_shared()
+        if self._shared is not None:
+            self._shared.drop()
         self._closed = True
-
-    def _drop_shared(self) -> None:
-        """This process's counts file goes, and the owner's router file with it (an attached router
-        leaves that)."""
-        import json
-        import os
-
-        if self._shared is None:
-            return
-        self._counts_file(os.getpid()).unlink(missing_ok=True)
-        try:
-            if json.loads(self._shared.read_text()).get("owner_pid") == os.getpid():
-                self._shared.unlink()
-                for path in self._shared.parent.glob(f"routed-{self.name}.*.json"):  # the router is gone
-                    path.unlink(missing_ok=True)
-        except (OSError, ValueError):
-            pass
 
 
 def _member_error(name: str, e: BaseException) -> BaseException:
@@ -810,64 +728,10 @@ def _member_error(name: str, e: BaseException) -> BaseException:
         return RuntimeError(f"router member {name!r}: {type(e).__name__}: {e}")
 
 
-def router_file(name: str):
-    from ..ipc import connection as conn
-
-    return conn.runtime_dir() / f"router-{conn.check_name(name)}.json"
-
-
-def _target_of(engine: Engine, name: str) -> str:
-    """What another process passes to `connect()` for this member: an engine process's name, a
-    server's URL (a member in this process cannot be reached from another: share=False then)."""
-    from ..ipc.client import EngineClient
-    from ..remote import RemoteEngineClient
-
-    if isinstance(engine, EngineClient):
-        return engine.name
-    if isinstance(engine, RemoteEngineClient):
-        return engine.base
-    raise ValueError(
-        f"member {name!r} ({type(engine).__name__}) lives in this process, so another cannot attach to it: "
-        "give it as an engine process (start_engine) or a server URL to share the router"
-    )
-
-
-def list_routers() -> list[dict]:
-    """The shared routers of this machine whose owner still runs (their files, with `path`)."""
-    from ..ipc import connection as conn
-
-    return [
-        {**data, "path": str(path)}
-        for path, data in conn.runtime_json("router-*.json")
-        if conn.pid_alive(int(data.get("owner_pid") or 0))
-    ]
-
-
-def _connect_member(target: str, timeout: float) -> Engine:
-    """A shared router's member: an engine process by name, or a server by URL (what its file holds)."""
-    from ..ipc.client import EngineClient
-    from ..remote import RemoteEngineClient
-
-    if not isinstance(target, str):
-        raise TypeError(f"a member is an Engine, an engine name or a server URL, got {type(target).__name__}")
-    if target.startswith(("http://", "https://")):
-        return RemoteEngineClient.connect(url=target, timeout=timeout)
-    return EngineClient.connect(target, timeout=timeout)
-
-
 def attach(name: str, timeout: float = 10.0) -> RoutedEngine:
     """`workbench.connect("router:NAME")`: the router another process shares (its file names the
     members and the policy; a policy changed here is changed there too)."""
-    import json
-
-    path = router_file(name)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"no router named {name!r} is shared here ({path} is missing); start one with "
-            "workbench.routing.route(..., name=NAME, share=True) or workbench serve --route"
-        ) from None
+    shared, data = RouterFile.read(name)
     router = RoutedEngine(
         data["members"],
         data["router"],
@@ -877,6 +741,5 @@ def attach(name: str, timeout: float = 10.0) -> RoutedEngine:
         name=name,
         timeout=timeout,
     )
-    router._shared, router._targets = path, dict(data["members"])
-    router._stamp = path.stat().st_mtime_ns
+    router._shared = shared
     return router
