@@ -20,10 +20,11 @@ import time
 import warnings
 from typing import Any
 
-import msgspec
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from .cells import install_input_transform, show_message
+from .generate_magic import async_generate, finish_generate, prepare_generate, show_timeline
 from .parser import MagicArgumentParser
 from .session import DEFAULT_NAME, NoEngineError, _local_name, get_session
 
@@ -69,7 +70,7 @@ def load_ipython_extension(ipython) -> None:
         ipython.register_magics(cls)
     if ipython not in _LOADED_SHELLS:
         _LOADED_SHELLS.append(ipython)
-    _install_async_generate(ipython)
+    install_input_transform(ipython, async_generate)
     if not ipython.custom_exceptions:  # never replace a handler the user set
         from .generate import GenerateInterrupted, show_interrupted
 
@@ -78,8 +79,8 @@ def load_ipython_extension(ipython) -> None:
 
 def unload_ipython_extension(ipython) -> None:
     transforms = getattr(ipython, "input_transformers_cleanup", None)
-    if transforms is not None and _async_generate in transforms:
-        transforms.remove(_async_generate)
+    if transforms is not None and async_generate in transforms:
+        transforms.remove(async_generate)
     if ipython in _LOADED_SHELLS:
         _LOADED_SHELLS.remove(ipython)
     from .generate import GenerateInterrupted
@@ -89,284 +90,6 @@ def unload_ipython_extension(ipython) -> None:
 
 
 # -- %%generate as top-level await ----------------------------------------------------------------
-def _install_async_generate(ipython) -> None:
-    install_input_transform(ipython, _async_generate)
-
-
-def install_input_transform(shell, transform) -> None:
-    """Add `transform` to the shell's cleanup input transformers, once (shared with `%sweep`)."""
-    transforms = getattr(shell, "input_transformers_cleanup", None)
-    if transforms is not None and transform not in transforms:
-        transforms.append(transform)
-
-
-def runs_asyncio_await() -> bool:
-    """Whether the current shell runs top-level await on asyncio (a kernel, or a shell with
-    autoawait on): only then can a magic's cell become an `await`."""
-    try:
-        from IPython import get_ipython
-        from IPython.core.interactiveshell import _asyncio_runner
-    except ImportError:  # pragma: no cover
-        return False
-    ip = get_ipython()
-    return not (ip is None or not getattr(ip, "autoawait", False) or ip.loop_runner is not _asyncio_runner)
-
-
-def _async_generate(lines: list[str]) -> list[str]:
-    """`%%generate ARGS` + body -> `await` of the same magic, when the shell runs top-level await
-    on asyncio (a kernel, or a shell with autoawait on)."""
-    if not lines or not lines[0].startswith("%%generate"):
-        return lines
-    first = lines[0].rstrip("\r\n")
-    if first != "%%generate" and not first.startswith(("%%generate ", "%%generate\t")):
-        return lines
-    if not runs_asyncio_await():
-        return lines
-    args = first[len("%%generate") :].strip()
-    body = "".join(lines[1:])
-    return [f"await __import__('workbench.jupyter.magics', fromlist=['_']).generate_cell_async({args!r}, {body!r})\n"]
-
-
-async def generate_cell_async(line: str, cell: str) -> None:
-    """The body of a `%%generate` cell run as top-level await (see `_async_generate`)."""
-    from IPython import get_ipython
-
-    run, opts = _prepare_generate(get_ipython(), line, cell)
-    if run is None:
-        return
-    client, cursor = opts["client"], opts["cursor"]
-    try:
-        outputs = await run.arun(client)
-    except BaseException:
-        if not run.interrupted:
-            raise
-        from .generate import GenerateInterrupted
-
-        raise GenerateInterrupted(run.summary()) from None
-    _finish_generate(get_ipython(), run, outputs, opts, client, cursor)
-
-
-# -- argument parsing -----------------------------------------------------------------------------
-def _generate_parser() -> MagicArgumentParser:
-    p = MagicArgumentParser(
-        prog="%%generate",
-        add_help=True,
-        description="Generate from the prompts in the cell body (prompts separated by a line holding "
-        "only --- are submitted together, so they batch; `--- max_tokens=8` gives the next "
-        "prompt its own max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, a penalty or min_tokens).",
-    )
-    p.add_argument("--max-tokens", type=int, default=64, help="most tokens per completion (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="nucleus sampling: keep the smallest set of tokens whose probability reaches P (default 1.0: all)",
-    )
-    p.add_argument("--top-k", type=int, default=-1, help="sample among the K likeliest tokens (default -1: all)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens under P x the likeliest's probability")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same text")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's, over prompt and output (1: off)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0: off)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0: off)")
-    p.add_argument(
-        "--logit-bias",
-        action="append",
-        default=None,
-        metavar="ID:BIAS",
-        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
-    )
-    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence before this many tokens")
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    g = p.add_argument_group("structured output (one of)")
-    g.add_argument(
-        "--json-schema",
-        default=None,
-        metavar="SCHEMA",
-        help="the output is JSON valid under SCHEMA: a notebook variable (a dict), a .json file or JSON text",
-    )
-    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    g.add_argument("--regex", default=None, help="the output matches this regular expression")
-    g.add_argument(
-        "--grammar", default=None, metavar="EBNF", help="the output matches this EBNF grammar (a variable or text)"
-    )
-    g.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-    p.add_argument("--chat", dest="chat", action="store_true", default=False, help="apply the model's chat template")
-    p.add_argument("--no-chat", dest="chat", action="store_false")
-    p.add_argument("--n", type=int, default=1, help="completions per prompt (seeds seed, seed+1, … if --seed)")
-    p.add_argument(
-        "-o", "--output", dest="var", default=None, metavar="VAR", help="store the list of RequestOutputs in VAR"
-    )
-    p.add_argument("--timeline", action="store_true", help="show this cell's requests on a timeline")
-    p.add_argument(
-        "--no-start",
-        action="store_true",
-        help="do not start the embedded default engine when none runs (say what to run)",
-    )
-    p.add_argument("--hz", type=float, default=10.0, help="display refresh rate (default 10, at most 20)")
-    p.add_argument("--timeout", type=float, default=None, help="give up (and abort) after this many seconds")
-    return p
-
-
-def _prepare_generate(shell, line: str, cell: str):
-    from ..sampling_params import SamplingParams
-    from .generate import GenerateRun, parse_prompts
-
-    args = _generate_parser().parse_args(shlex.split(line))
-    if args is None:  # --help
-        return None, {}
-    if args.var is not None and not args.var.isidentifier():
-        raise UsageError(f"-o needs a Python variable name, got {args.var!r}")
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            logit_bias=_logit_bias(args.logit_bias),
-            min_tokens=args.min_tokens,
-            structured=_structured(args, shell.user_ns if shell is not None else {}),
-        )
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    try:
-        prompts = parse_prompts(cell or "")
-        for _, over in prompts:  # check per-prompt overrides before anything is submitted
-            if over:
-                msgspec.structs.replace(params, **over)  # runs the same checks as SamplingParams()
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"%%generate: {e}") from None
-    if not prompts:
-        raise UsageError(
-            "%%generate: the cell holds no prompt; write it under the %%generate line "
-            "(separate several prompts with a line holding only ---)"
-        )
-    notes: list[str] = []
-    session = get_session()
-    try:
-        client = session.require(start=not args.no_start, say=notes.append)
-    except NoEngineError as e:
-        _show_message(str(e), "error")
-        return None, {}
-    note = " ".join(notes) or None
-    cursor = client.timeline(since=1 << 62).cursor if args.timeline else None
-    run = GenerateRun(
-        prompts, params, n=args.n, chat=args.chat, hz=min(20.0, max(0.5, args.hz)), note=note, timeout=args.timeout
-    )
-    return run, {"client": client, "cursor": cursor, "args": args}
-
-
-def _structured(args, user_ns: dict) -> dict | None:
-    """--json-schema / --json-object / --regex / --grammar / --choice as SamplingParams.structured
-    (SamplingParams says so when more than one is given)."""
-    from pathlib import Path
-
-    spec: dict = {}
-    if args.json_schema is not None:
-        value = args.json_schema
-        if value.isidentifier() and value in user_ns:
-            value = user_ns[value]
-        elif value.endswith(".json") and Path(value).is_file():
-            value = Path(value).read_text()
-        spec["json"] = value
-    if args.json_object:
-        spec["json_object"] = True
-    if args.regex is not None:
-        spec["regex"] = args.regex
-    if args.grammar is not None:
-        spec["grammar"] = user_ns.get(args.grammar, args.grammar) if args.grammar.isidentifier() else args.grammar
-    if args.choice:
-        spec["choice"] = list(args.choice)
-    if spec.get("json") is not None and not isinstance(spec["json"], (dict, str)):
-        raise ValueError(f"--json-schema {args.json_schema} must name a dict or JSON text")
-    return spec or None
-
-
-def _logit_bias(pairs: list[str] | None) -> dict[int, float] | None:
-    """--logit-bias ID:BIAS options as SamplingParams.logit_bias."""
-    if not pairs:
-        return None
-    out = {}
-    for pair in pairs:
-        tok, _, bias = pair.partition(":")
-        try:  # no colon leaves bias "", which float() refuses too
-            out[int(tok)] = float(bias)
-        except ValueError:
-            raise ValueError(f"--logit-bias takes ID:BIAS (a token id and a number), got {pair!r}") from None
-    return out
-
-
-def _finish_generate(shell, run, outputs, opts, client, cursor) -> None:
-    args = opts["args"]
-    if args.var:
-        shell.user_ns[args.var] = outputs
-    if args.timeline:
-        ids = [s.request_id for s in run.sections if s.request_id]
-        show_timeline(client, since=cursor, only=ids, title="This cell's requests")
-
-
-def _show_message(text: str, level: str = "info") -> None:
-    from IPython.display import display
-
-    color = {"error": "#b00020", "ok": "#2a7a2a", "warning": "#a35a00"}.get(level, "inherit")
-    display({"text/plain": text, "text/html": f'<div style="color: {color};">{html.escape(text)}</div>'}, raw=True)
-
-
-def show_timeline(
-    client,
-    *,
-    since: int | None = None,
-    until: int | None = None,
-    only=None,
-    last_s: float | None = None,
-    title: str | None = None,
-):
-    """Render engine activity (the cursor range after `since`, up to `until` included, or the
-    last `last_s` seconds) as a static timeline; returns the view (None when there was nothing
-    to show)."""
-    from IPython.display import display
-
-    from .reducer import TimelineReducer
-    from .views import static_timeline, to_columns
-
-    tl = client.timeline(since=since)
-    if until is not None:
-        tl.steps = [s for s in tl.steps if s.seq <= until]
-        tl.requests = [r for r in tl.requests if r.seq <= until]
-        tl.changes = [c for c in tl.changes if c.seq <= until]
-    if last_s is not None:
-        cutoff = time.monotonic() - last_s
-        tl.steps = [s for s in tl.steps if s.end >= cutoff]
-        tl.requests = [r for r in tl.requests if r.time >= cutoff]
-        tl.changes = [c for c in tl.changes if c.end >= cutoff]
-    red = TimelineReducer(only=only)
-    red.add(tl)
-    red.tick(float("inf"), grace=0)
-    data = to_columns(red)
-    steps = len(data["steps"]["left"])
-    if not steps and not data["lanes"]["left"]:
-        _show_message("No engine activity to show yet: run a %%generate cell first.")
-        return None
-    requests = len({r for r in data["lanes"]["request"]})
-    wall = (max(data["steps"]["right"]) - min(data["steps"]["left"])) if steps else 0.0
-    tokens = sum(s.output_tokens for s in tl.steps if only is None or any(b.request_id in set(only) for b in s.batch))
-    summary = f"{steps} steps, {requests} requests, {tokens} output tokens over {wall:.2f} s"
-    view = static_timeline(
-        data, red.num_lanes, lane_labels=red.lane_labels, title=(title or "Engine timeline") + f" — {summary}"
-    )
-    display({"text/plain": f"[timeline: {summary}]"}, raw=True)
-    display(view.widget())
-    return view
-
-
 # -- the magics -----------------------------------------------------------------------------------
 _ENGINE_USAGE = """\
 %engine start [--model M] [--name N] [key=value | --key value ...]   start an engine (or attach to the running one)
@@ -431,7 +154,7 @@ class WorkbenchMagics(Magics):
             if live:
                 client.configure(**live)
                 msg += f" Applied {', '.join(f'{k}={v!r}' for k, v in live.items())}."
-            _show_message(msg, "warning" if differ else level)
+            show_message(msg, "warning" if differ else level)
             return None
         validate(settings)
         t0 = time.monotonic()
@@ -441,7 +164,7 @@ class WorkbenchMagics(Magics):
         except Exception as e:
             raise UsageError(f"%engine start: {e}") from None
         info = client.engine_info
-        _show_message(
+        show_message(
             f"Engine {name!r} ready: {info.get('model')} on {info.get('device')} (pid {client.pid}) in "
             f"{time.monotonic() - t0:.1f} s. It stops with this kernel or with `%engine stop`.",
             "ok",
@@ -450,7 +173,7 @@ class WorkbenchMagics(Magics):
 
     def _engine_stop(self, words: list[str]):
         name = get_session().stop()
-        _show_message(f"Engine {name!r} stopped." if name else "No engine is running.", "ok" if name else "info")
+        show_message(f"Engine {name!r} stopped." if name else "No engine is running.", "ok" if name else "info")
 
     def _engine_status(self, words: list[str]):
         client = engine_for_magics()
@@ -466,15 +189,13 @@ class WorkbenchMagics(Magics):
         except Exception as e:
             raise UsageError(f"%engine connect: {e}") from None
         if words[0].startswith(("http://", "https://")):
-            _show_message(
+            show_message(
                 f"Attached to the OpenAI-compatible server {words[0]} ({client.engine_info.get('model')}); "
                 f"{_share_remote(words[0], client)}",
                 "ok",
             )
             return
-        _show_message(
-            f"Attached to engine {client.name!r} (pid {client.pid}, {client.engine_info.get('model')}).", "ok"
-        )
+        show_message(f"Attached to engine {client.name!r} (pid {client.pid}, {client.engine_info.get('model')}).", "ok")
 
     def _engine_set(self, words: list[str]):
         from ..settings import parse_value, schema, validate
@@ -503,7 +224,7 @@ class WorkbenchMagics(Magics):
             if before.get(k) != v and (kinds.get(k) in ("relayout", "reload") or (k == "speculative" and v == "draft"))
         ]
         if slow:  # said first: a re-layout or loading a draft model takes seconds
-            _show_message(
+            show_message(
                 "Applying " + ", ".join(f"{k}={changes[k]!r}" for k in slow) + ": the engine rebuilds "
                 "or loads what it needs, pausing its steps meanwhile…",
                 "info",
@@ -519,9 +240,9 @@ class WorkbenchMagics(Magics):
         parts = [f"{k}: {before.get(k)!r} → {after.get(k)!r}" for k in changed]
         unchanged = f"already {', '.join(f'{k}={after.get(k)!r}' for k in same)} (no change)" if same else ""
         if not changed:
-            _show_message(f"Nothing to apply: {unchanged}.", "info")
+            show_message(f"Nothing to apply: {unchanged}.", "info")
             return
-        _show_message(f"Applied in {took * 1e3:.0f} ms: " + "; ".join(parts) + (f"; {unchanged}" if same else ""), "ok")
+        show_message(f"Applied in {took * 1e3:.0f} ms: " + "; ".join(parts) + (f"; {unchanged}" if same else ""), "ok")
 
     def _engine_settings(self, words: list[str]):
         from IPython.display import display
@@ -543,7 +264,7 @@ class WorkbenchMagics(Magics):
 
         rows = [(c.name, c.pid, c.model or "(default)", c.transport) for c in conn.list_engines()]
         if not rows:
-            _show_message("No engine is running on this machine.")
+            show_message("No engine is running on this machine.")
             return
         display(_table(["name", "pid", "model", "transport"], rows), raw=True)
 
@@ -554,12 +275,12 @@ class WorkbenchMagics(Magics):
     @cell_magic
     def generate(self, line: str = "", cell: str = ""):
         """Generate from the cell's prompts (separate them with a line `---`). `%%generate --help`."""
-        run, opts = _prepare_generate(self.shell, line, cell)
+        run, opts = prepare_generate(self.shell, line, cell)
         if run is None:
             return None
         client, cursor = opts["client"], opts["cursor"]
         outputs = run.run(client)
-        _finish_generate(self.shell, run, outputs, opts, client, cursor)
+        finish_generate(self.shell, run, outputs, opts, client, cursor)
         return None
 
     # %timeline
@@ -599,7 +320,7 @@ class WorkbenchMagics(Magics):
         notes: list[str] = []
         client = engine_for_magics(start=not args.no_start, say=notes.append)
         for n in notes:
-            _show_message(n)
+            show_message(n)
         dash = Dashboard(get_session(), client=client, hz=min(20.0, max(1.0, args.hz)), window_s=args.window)
         display(dash)
         self.shell.user_ns["_dashboard"] = dash

@@ -253,7 +253,7 @@ def register(ipython) -> None:
 
 # -- %sweep as top-level await -------------------------------------------------------------------
 def _install_async_sweep(shell) -> None:
-    from .magics import install_input_transform
+    from .cells import install_input_transform
 
     install_input_transform(shell, _async_sweep)
 
@@ -270,7 +270,7 @@ def _async_sweep(lines: list[str]) -> list[str]:
         args, body = first[len("%sweep") :].strip(), None
     else:
         return lines
-    from .magics import runs_asyncio_await
+    from .cells import runs_asyncio_await
 
     if not runs_asyncio_await():
         return lines
