@@ -369,7 +369,9 @@ def test_accepts_dicts_and_is_pure():
 
 # -- expert routing ---------------------------------------------------------------------------------
 def test_expert_load_over_a_window_and_each_layers_imbalance():
-    from workbench.jupyter.reducer import ExpertLoad, imbalance, routing_text
+    from workbench.jupyter.expert_load import ExpertLoad
+    from workbench.jupyter.tooltips import routing_text
+    from workbench.timeline import imbalance
 
     steps = [
         {"seq": i + 1, "start": i, "end": i + 0.5, "phase": "decode", "expert_counts": [[4, 0, 0, 0], [1, 1, 1, 1]]}
@@ -389,7 +391,8 @@ def test_expert_load_over_a_window_and_each_layers_imbalance():
 
 
 def test_the_step_tooltip_and_the_heatmap_show_the_routing():
-    from workbench.jupyter.reducer import ExpertLoad, TimelineReducer
+    from workbench.jupyter.expert_load import ExpertLoad
+    from workbench.jupyter.reducer import TimelineReducer
     from workbench.jupyter.views import ExpertHeatmap
 
     red = TimelineReducer()

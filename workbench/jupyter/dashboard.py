@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..events import EVENT_KINDS
-from .reducer import ExpertLoad, TimelineReducer
+from .expert_load import ExpertLoad
+from .reducer import TimelineReducer
 from .session import EngineSession, _local_name, get_session
 from .views import TimelineView
 

@@ -41,7 +41,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
-from ..timeline import STEP_PARTS, change_label, expert_totals, imbalance
+from ..timeline import change_label
+from .tooltips import bound_text, parts_text, routing_text, spec_text
 
 PHASE_COLORS = {
     "prefill": "#4C72B0",
@@ -59,21 +60,6 @@ STATE_COLORS = {
 }
 OTHER_COLOR = "#999999"
 _COMPILED = re.compile(r"^\w+ compiled in ([\d.]+) ms")  # not "cached (compiled in ...)"
-
-
-def _spec_text(accepted: int, proposed: int, jumped: int) -> str:
-    """A step's speculation (accepted/proposed drafts) and the tokens jump-forward kept (steps saved)."""
-    parts = [f"{accepted}/{proposed}"] if proposed else []
-    if jumped:
-        parts.append(f"jump-forward {jumped} tok")
-    return " · ".join(parts) or "-"
-
-
-def bound_text(target_ms: float, predicted_ms: float) -> str:
-    """What held a step's prefill back: "cut to the 400 ms step target (predicted 392 ms)"."""
-    if not target_ms:
-        return "-"
-    return f"cut to the {target_ms:g} ms step target (predicted {predicted_ms:.0f} ms)"
 
 
 COLUMNS: dict[str, tuple[str, ...]] = {
@@ -162,7 +148,7 @@ class _Bin:
         self.steps = 0
 
 
-def _field(obj: Any, name: str, default: Any = None) -> Any:
+def value_of(obj: Any, name: str, default: Any = None) -> Any:
     if isinstance(obj, dict):
         return obj.get(name, default)
     return getattr(obj, name, default)
@@ -228,9 +214,9 @@ class TimelineReducer:
     def add(self, timeline: Any) -> None:
         handlers = {"requests": self._request, "steps": self._step, "changes": self._change}
         events = [
-            (int(_field(ev, "seq", 0)), order, ev, handler)
+            (int(value_of(ev, "seq", 0)), order, ev, handler)
             for order, (field, handler) in enumerate(handlers.items())
-            for ev in _field(timeline, field, None) or []
+            for ev in value_of(timeline, field, None) or []
         ]
         events.sort(key=lambda e: (e[0], e[1]))
         for seq, _, ev, handler in events:
@@ -367,19 +353,19 @@ class TimelineReducer:
         )
 
     def _request(self, ev: Any) -> None:
-        rid = _field(ev, "request_id")
-        kind = _field(ev, "kind")
-        t = float(_field(ev, "time"))
+        rid = value_of(ev, "request_id")
+        kind = value_of(ev, "kind")
+        t = float(value_of(ev, "time"))
         if not self._wanted(rid):
             return
         rel = self._rel(t)
-        replica = _field(ev, "replica", "") or ""
+        replica = value_of(ev, "replica", "") or ""
         if replica:
             self._replica_of.setdefault(rid, replica)
         if kind == "routed":
-            self._routed[rid] = f"{replica}: {_field(ev, 'detail', '') or ''}"
+            self._routed[rid] = f"{replica}: {value_of(ev, 'detail', '') or ''}"
         elif kind == "arrived":
-            label = _field(ev, "label", None) or short_id(rid)
+            label = value_of(ev, "label", None) or short_id(rid)
             self._label[rid] = label
             lane = self._lane(rid)
             base, size = self._band(self._replica_of.get(rid, ""))
@@ -400,7 +386,7 @@ class TimelineReducer:
             if arrived is not None:
                 self._emit("ttft", t=rel, ttft_ms=(t - arrived) * 1e3, request=short_id(rid), lane=self._lane(rid))
         elif kind == "grammar":
-            m = _COMPILED.match(_field(ev, "detail", "") or "")
+            m = _COMPILED.match(value_of(ev, "detail", "") or "")
             if m is not None:  # compiled for this request (a cached grammar costs nothing)
                 self._lane_rect(rid, rel - float(m.group(1)) / 1e3, rel, "grammar", 0)
         elif kind == "finished":
@@ -410,47 +396,47 @@ class TimelineReducer:
             self._release(rid)
 
     def _change(self, c: Any) -> None:
-        start, end = float(_field(c, "start")), float(_field(c, "end"))
-        label = change_label(_field(c, "changes", None) or {})
+        start, end = float(value_of(c, "start")), float(value_of(c, "end"))
+        label = change_label(value_of(c, "changes", None) or {})
         self._emit(
             "changes",
             t=self._rel(start),
             end=self._rel(end),
             label=label,
-            by=_field(c, "by", "") or "?",
+            by=value_of(c, "by", "") or "?",
             apply_ms=(end - start) * 1e3,
-            relayout=bool(_field(c, "relayout", False)),
+            relayout=bool(value_of(c, "relayout", False)),
             color=CHANGE_COLOR,
         )
 
     def _step(self, s: Any) -> None:
-        batch = list(_field(s, "batch", None) or [])
+        batch = list(value_of(s, "batch", None) or [])
         entries = [
             (
-                _field(b, "request_id") if not isinstance(b, (list, tuple)) else b[0],
-                int(_field(b, "num_tokens") if not isinstance(b, (list, tuple)) else b[1]),
-                _field(b, "kind") if not isinstance(b, (list, tuple)) else b[2],
+                value_of(b, "request_id") if not isinstance(b, (list, tuple)) else b[0],
+                int(value_of(b, "num_tokens") if not isinstance(b, (list, tuple)) else b[1]),
+                value_of(b, "kind") if not isinstance(b, (list, tuple)) else b[2],
             )
             for b in batch
         ]
         if self.only is not None:
             if not any(rid in self.only for rid, _, _ in entries):
                 return
-        start, end = float(_field(s, "start")), float(_field(s, "end"))
+        start, end = float(value_of(s, "start")), float(value_of(s, "end"))
         left, right = self._rel(start), self._rel(end)
-        phase = _field(s, "phase", "mixed")
-        replica = _field(s, "replica", "") or ""
+        phase = value_of(s, "phase", "mixed")
+        replica = value_of(s, "replica", "") or ""
         row, _ = self._band(replica)
         for rid, _, _ in entries:
             if replica:
                 self._replica_of.setdefault(rid, replica)
-        prefill_tok = int(_field(s, "num_prefill_tokens", 0) or 0)
-        decode_tok = int(_field(s, "num_decode_tokens", 0) or 0)
-        hits = int(_field(s, "prefix_hit_tokens", 0) or 0)
-        proposed = int(_field(s, "spec_proposed", 0) or 0)
-        accepted = int(_field(s, "spec_accepted", 0) or 0)
-        kv_used = int(_field(s, "kv_blocks_used", 0) or 0)
-        kv_total = int(_field(s, "kv_blocks_total", 0) or 0)
+        prefill_tok = int(value_of(s, "num_prefill_tokens", 0) or 0)
+        decode_tok = int(value_of(s, "num_decode_tokens", 0) or 0)
+        hits = int(value_of(s, "prefix_hit_tokens", 0) or 0)
+        proposed = int(value_of(s, "spec_proposed", 0) or 0)
+        accepted = int(value_of(s, "spec_accepted", 0) or 0)
+        kv_used = int(value_of(s, "kv_blocks_used", 0) or 0)
+        kv_total = int(value_of(s, "kv_blocks_total", 0) or 0)
         self.num_lanes = max(self.num_lanes, row)
         self._emit(
             "steps",
@@ -458,7 +444,7 @@ class TimelineReducer:
             right=right,
             bottom=row - ROW_HALF,
             top=row + ROW_HALF,
-            seq=int(_field(s, "seq", 0)),
+            seq=int(value_of(s, "seq", 0)),
             phase=phase,
             color=PHASE_COLORS.get(phase, OTHER_COLOR),
             duration_ms=(end - start) * 1e3,
@@ -466,13 +452,13 @@ class TimelineReducer:
             prefill_tokens=prefill_tok,
             decode_tokens=decode_tok,
             prefix_hit_tokens=hits,
-            spec=_spec_text(accepted, proposed, int(_field(s, "jump_forward_tokens", 0) or 0)),
+            spec=spec_text(accepted, proposed, int(value_of(s, "jump_forward_tokens", 0) or 0)),
             kv=f"{kv_used}/{kv_total}",
             composition=self._composition(entries),
             requests=self._listing(entries),
-            routing=routing_text(_field(s, "expert_counts", None) or []),
-            parts=parts_text(_field(s, "parts", None) or {}),
-            bound=bound_text(float(_field(s, "target_ms", 0) or 0), float(_field(s, "predicted_ms", 0) or 0)),
+            routing=routing_text(value_of(s, "expert_counts", None) or []),
+            parts=parts_text(value_of(s, "parts", None) or {}),
+            bound=bound_text(float(value_of(s, "target_ms", 0) or 0), float(value_of(s, "predicted_ms", 0) or 0)),
             replica=replica,
         )
         for rid, ntok, kind in entries:
@@ -487,15 +473,15 @@ class TimelineReducer:
                 self._last_token[rid] = end
         b = self._bin_for(right)
         b.steps += 1
-        b.out_tokens += int(_field(s, "output_tokens", 0) or 0)
+        b.out_tokens += int(value_of(s, "output_tokens", 0) or 0)
         b.kv_used = max(b.kv_used, kv_used)
         b.kv_total = kv_total
         b.hits += hits
         b.prefill += prefill_tok
         b.proposed += proposed
         b.accepted += accepted
-        b.waiting = int(_field(s, "num_waiting", 0) or 0)
-        b.running = int(_field(s, "num_running", 0) or 0)
+        b.waiting = int(value_of(s, "num_waiting", 0) or 0)
+        b.running = int(value_of(s, "num_running", 0) or 0)
 
     def _composition(self, entries: list[tuple[str, int, str]]) -> str:
         parts = []
@@ -581,69 +567,3 @@ class TimelineReducer:
 
 
 # -- expert routing (mixture-of-experts models) -----------------------------------------------------
-def parts_text(parts: dict[str, float]) -> str:
-    """Where a step's time went, biggest share first: "layers 5.2 ms (71%), lm_head 1.1 ms (15%), ..."."""
-    known = [(name, parts[name]) for name in STEP_PARTS if parts.get(name)]
-    total = sum(v for _, v in known)
-    if not total:
-        return "-"
-    return ", ".join(f"{name} {v:.1f} ms ({100 * v / total:.0f}%)" for name, v in sorted(known, key=lambda x: -x[1]))
-
-
-def routing_text(expert_counts: list[list[int]], shown: int = 4) -> str:
-    """A step's routing for its tooltip: per MoE layer, the busiest expert and the imbalance."""
-    if not expert_counts:
-        return "-"
-    parts = []
-    for i, counts in enumerate(expert_counts[:shown]):
-        if sum(counts):
-            top = max(range(len(counts)), key=counts.__getitem__)
-            parts.append(f"L{i} e{top}:{counts[top]} ({imbalance(counts):.1f}x)")
-    more = len(expert_counts) - shown
-    return " · ".join(parts) + (f" +{more} layers" if more > 0 else "")
-
-
-class ExpertLoad:
-    """Tokens per (MoE layer, expert) over the newest `window` steps, for the routing heatmap, and
-    each layer's imbalance. Pure: fed timelines (or steps) like `TimelineReducer`."""
-
-    COLUMNS = ("layer", "expert", "tokens", "share")
-
-    def __init__(self, window: int = 200):
-        from collections import deque
-
-        self.window = int(window)
-        self._steps: deque = deque(maxlen=self.window)
-        self.cursor = 0
-
-    def add(self, timeline: Any) -> bool:
-        """Take the steps newer than the cursor; True when any carried expert counts."""
-        changed = False
-        for s in _field(timeline, "steps", None) or []:
-            seq = int(_field(s, "seq", 0))
-            if seq and seq <= self.cursor:
-                continue
-            self.cursor = max(self.cursor, seq)
-            counts = _field(s, "expert_counts", None)
-            if counts:
-                self._steps.append(counts)
-                changed = True
-        return changed
-
-    def totals(self) -> list[list[int]]:
-        return expert_totals(self._steps)
-
-    def columns(self) -> dict[str, list]:
-        """One row per (layer, expert): tokens routed to it in the window and its share of the layer's."""
-        cols: dict[str, list] = {c: [] for c in self.COLUMNS}
-        for layer, row in enumerate(self.totals()):
-            total = sum(row) or 1
-            for e, n in enumerate(row):
-                cols["layer"].append(layer)
-                cols["expert"].append(e)
-                cols["tokens"].append(n)
-                cols["share"].append(n / total)
-        return cols
-
-    def imbalance_by_layer(self) -> list[float]:
-        return [imbalance(row) for row in self.totals()]

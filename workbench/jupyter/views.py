@@ -426,7 +426,7 @@ def to_columns(reducer: Any) -> dict[str, dict[str, list]]:
 
 class ExpertHeatmap:
     """The routing heatmap of a mixture-of-experts model: tokens per (layer, expert) over the recent
-    steps (`reducer.ExpertLoad`), shaded by each expert's share of its layer; the title gives the
+    steps (`expert_load.ExpertLoad`), shaded by each expert's share of its layer; the title gives the
     worst layer's imbalance (max / mean tokens per expert)."""
 
     ROW_PX = 36  # per MoE layer: a row a person can hover
@@ -442,7 +442,7 @@ class ExpertHeatmap:
         )
         from bokeh.plotting import figure
 
-        from .reducer import ExpertLoad
+        from .expert_load import ExpertLoad
 
         self.source = ColumnDataSource({c: [] for c in ExpertLoad.COLUMNS})
         self.mapper = LinearColorMapper(palette="Viridis256", low=0.0, high=0.5)
