@@ -38,20 +38,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from .facts import machine_facts, package_versions
-from .log import (
-    HEADLINE,
-    KINDS,
-    STATUSES,
-    RunLog,
-    default_path,
-    export_row,
-    flatten,
-    headline,
-    open_log,
-    ratios_text,
-    recording_enabled,
-)
+from .log import KINDS, STATUSES, RunLog, default_path, open_log, recording_enabled
 from .record import bench_fields, record_bench, record_scenarios, safe_finish, safe_start, scenario_fields
+from .rows import HEADLINE, export_row, flatten, headline, ratios_text
 
 __all__ = [
     "HEADLINE",

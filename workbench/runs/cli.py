@@ -126,7 +126,7 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def _list(args, log) -> int:
-    from .log import headline, ratios_text
+    from .rows import headline, ratios_text
 
     runs = log.list(kind=args.kind, status=args.status, limit=args.limit, children=args.all)
     if args.json:
@@ -179,7 +179,7 @@ def _list(args, log) -> int:
 
 
 def _show(args, log) -> int:
-    from .log import flatten, ratios_text
+    from .rows import flatten, ratios_text
 
     run = log.get(args.id)
     if args.json:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .facts import machine_facts, package_versions
+from .rows import HEADLINE, export_row, flatten, ordered_union, predictions
 
 ENV_VAR = "WORKBENCH_RUNS_DB"
 SCHEMA_VERSION = 1
@@ -71,17 +72,6 @@ CREATE INDEX IF NOT EXISTS runs_key ON runs(kind, key);
 CREATE INDEX IF NOT EXISTS runs_parent ON runs(parent_id);
 CREATE INDEX IF NOT EXISTS runs_started ON runs(started_at);
 """
-
-# Headline metrics shown by `list` and put first by `compare`.
-HEADLINE = (
-    "output_tok_s",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "cost_per_mtok",
-    "joules_per_token",
-)
 
 
 _OFF = ("off", "none", "0", "false", "no")
@@ -445,14 +435,14 @@ class RunLog:
                 except KeyError:
                     pass  # the measured run is gone from this log
         flat = [flatten(r.get("metrics") or {}) for r in runs]
-        names = _ordered_union(flat, HEADLINE)
+        names = ordered_union(flat, HEADLINE)
         metrics = {
             n: [f.get(n) for f in flat]
             for n in names
             if any(isinstance(f.get(n), (int, float)) and not isinstance(f.get(n), bool) for f in flat)
         }
         sets = [r.get("settings") or {} for r in runs]
-        keys = _ordered_union(sets, ())
+        keys = ordered_union(sets, ())
         differ = {
             k: [s.get(k) for s in sets] for k in keys if len({json.dumps(s.get(k), default=str) for s in sets}) > 1
         }
@@ -483,7 +473,7 @@ class RunLog:
             "settings": differ,
             "same_weights": len(checksums) == 1 and None not in checksums,
             "same_workload": len({json.dumps(r.get("workload"), sort_keys=True, default=str) for r in runs}) == 1,
-            "predictions": _predictions(runs),
+            "predictions": predictions(runs),
         }
 
     def export(
@@ -516,7 +506,7 @@ class RunLog:
             text = json.dumps(runs, indent=1, default=json_default)
         else:
             rows = [export_row(r) for r in runs]
-            cols = _ordered_union(rows, ())
+            cols = ordered_union(rows, ())
             buf = io.StringIO()
             w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
             w.writeheader()
@@ -526,106 +516,6 @@ class RunLog:
         if path is not None:
             Path(path).write_text(text)
         return text
-
-
-def _ordered_union(dicts: Iterable[dict], first: Iterable[str]) -> list[str]:
-    seen: dict[str, None] = {}
-    dicts = list(dicts)
-    for k in first:
-        if any(k in d for d in dicts):
-            seen[k] = None
-    for d in dicts:
-        for k in d:
-            seen.setdefault(k, None)
-    return list(seen)
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts to dotted keys; lists are kept only when short lists of scalars (as JSON)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        elif isinstance(v, list):
-            if len(v) <= 8 and all(isinstance(x, (int, float, str, bool)) or x is None for x in v):
-                out[key] = json.dumps(v)
-        else:
-            out[key] = v
-    return out
-
-
-def export_row(run: dict) -> dict[str, Any]:
-    row = {
-        k: run.get(k)
-        for k in (
-            "id",
-            "kind",
-            "parent_id",
-            "status",
-            "started_at",
-            "finished_at",
-            "label",
-            "model",
-            "weights_checksum",
-            "device",
-            "host",
-            "error",
-        )
-    }
-    for col in ("settings", "metrics", "workload", "versions"):
-        v = run.get(col)
-        if isinstance(v, dict):
-            for k, x in flatten({k: x for k, x in v.items() if k != "runs"}).items():
-                row[f"{col}.{k}"] = x
-    return row
-
-
-def _predictions(runs: list[dict]) -> list[dict[str, Any]]:
-    by_id = {r["id"]: r for r in runs}
-    out = []
-    for r in runs:
-        target = by_id.get((r.get("extra") or {}).get("predicts")) if r.get("kind") == "simulation" else None
-        if target is None:
-            continue
-        pred, meas = headline(r), headline(target)
-        out.append(
-            {
-                "simulation": r["id"],
-                "measured": target["id"],
-                "error": {k: pred[k] / meas[k] - 1 for k in pred if k in meas and meas[k]},
-            }
-        )
-    return out
-
-
-def headline(run: dict) -> dict[str, Any]:
-    """The metrics `list` shows: a sweep point's own, a bench's `workbench` system, a sweep's best,
-    a scenario run's ratios (on/off, the peer's, ours vs the peer)."""
-    m = run.get("metrics") or {}
-    if run.get("kind") == "scenario":
-        return {k: v for k, v in (m.get("ratios") or {}).items() if v is not None}
-    if run.get("kind") == "bench":
-        m = (m.get("results") or {}).get("workbench") or next(iter((m.get("results") or {}).values()), {})
-    elif run.get("kind") == "sweep":
-        m = m.get("best") or {}
-    return {k: m.get(k) for k in HEADLINE if m.get(k) is not None}
-
-
-def ratios_text(run: dict) -> str:
-    """The headline numbers without a column of their own in `list` (a scenario run's ratios), each
-    with its target where it has one: `int4_vs_bf16=1.93 (>= 2: no) int4_vs_hf=2.1`."""
-    targets = {t.get("name"): t for t in (run.get("metrics") or {}).get("targets") or [] if isinstance(t, dict)}
-    parts = []
-    for k, v in headline(run).items():
-        if k in HEADLINE or not isinstance(v, (int, float)) or isinstance(v, bool):
-            continue
-        text = f"{k}={v:.3g}"
-        t = targets.get(k)
-        if t is not None and isinstance(t.get("target"), (int, float)):
-            text += f" (>= {t['target']:g}: {'met' if t.get('met') else 'no'})"
-        parts.append(text)
-    return " ".join(parts)
 
 
 def open_log(db: str | os.PathLike | RunLog | None) -> RunLog:

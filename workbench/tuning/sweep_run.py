@@ -20,7 +20,7 @@ from typing import Any
 from ..bench.stats import NoProgress
 from ..bench.workload import BenchRequest
 from ..runs import RunLog, recording_enabled, safe_finish, safe_start
-from ..runs.log import HEADLINE
+from ..runs.rows import HEADLINE
 from .costs import resolve
 from .grid import QUANT_DEFAULTS, grid_points, point_label, stable_hash
 from .measure import SweepTarget, aggregate, is_quantised, measure_run, perplexity
