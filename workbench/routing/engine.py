@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,18 +32,16 @@ from ..interface import Engine, deliver, request_ids
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk
 from ..reports import combine_metrics
 from ..timeline import Timeline, TimelineRecorder
+from .decisions import Decisions
 from .policies import (
     DEFAULT_THRESHOLDS,
     POLICIES,
     Classifier,
     Draws,
-    calibrate_threshold,
     check_confidence,
     check_policy,
     check_threshold,
     escalates,
-    features,
-    level,
     output_confidence,
 )
 from .shared import RouterFile, connect_member, target_of
@@ -79,7 +77,7 @@ class _Flight:
     arrival: float = 0.0  # when the router took it (time.monotonic): a client's TTFT starts here
 
 
-class RoutedEngine(Engine):
+class RoutedEngine(Decisions, Engine):
     def __init__(
         self,
         members: dict[str, Any],
@@ -118,6 +116,7 @@ class RoutedEngine(Engine):
         self._down: dict[str, str] = {}  # member -> why it is routed around
         self._flights: dict[str, _Flight] = {}
         self._alias: dict[str, str] = {}  # a member's request id -> the router's (its timeline's lanes)
+        self._answered: OrderedDict[str, str] = OrderedDict()  # a finished request -> its member (newest last)
         self.routed: Counter = Counter()  # (member, policy) -> requests answered there
         self.escalations = 0
         self.recorder = TimelineRecorder()
@@ -242,46 +241,6 @@ class RoutedEngine(Engine):
         return self.members[self.names[0]].schema()
 
     # -- routing --------------------------------------------------------------------------------
-    def _prompt_ids(self, item) -> list[int]:
-        """The prompt's token ids in the cheapest member's vocabulary (its tokenizer here, or its
-        engine's: one token generated returns them)."""
-        prompt, ids, params = item
-        if ids is not None:
-            return list(ids)
-        cheap = self.members[self.names[0]]
-        tok = getattr(cheap, "tokenizer", None)
-        if tok is not None:
-            return tok.encode(prompt)
-        from ..sampling_params import SamplingParams
-
-        [out] = cheap.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
-        return list(out.prompt_token_ids)
-
-    def prompt_features(self, item) -> list[float]:
-        """The classifier's features of one request, from the cheapest member's own prefill."""
-        ids = self._prompt_ids(item)
-        lps = self.members[self.names[0]].score(ids) if len(ids) > 1 else []
-        return features(ids, [x for x in lps if x is not None])
-
-    def scores(self, item, policy: str | None = None) -> list[float]:
-        """The policy's score at each boundary for one request (cascade: none before it runs)."""
-        policy = policy or self.policy
-        n = len(self.names) - 1
-        if policy == "length":
-            return [float(len(self._prompt_ids(item)))] * n
-        if policy == "classifier":
-            if self.classifier is None:
-                raise ValueError("the classifier policy needs a classifier: call fit(prompts, labels) first")
-            return self.classifier.probabilities(self.prompt_features(item))
-        if policy == "random":
-            return [self._draw()] * n
-        return []
-
-    def _level(self, policy: str, scores: list[float], thresholds: list[float]) -> int:
-        if policy == "fixed":
-            return self.names.index(self.member)
-        return level(policy, scores, thresholds)
-
     def _live_level(self, level: int) -> tuple[int, str | None]:
         """`level`, or the nearest live member (dearer first) when it is down, with the reason."""
         if self.names[level] not in self._down:
@@ -292,60 +251,6 @@ class RoutedEngine(Engine):
                 name = self.names[level]
                 return other, f"{name} is down ({self._down[name]})"
         raise EngineDeadError(f"router {self.name!r}: every member is down ({self._down})")
-
-    # -- calibration and training ---------------------------------------------------------------
-    def items(self, prompts, params=None) -> list[tuple]:
-        """Prompts (texts or token-id lists) as requests: (prompt, ids, params)."""
-        from ..sampling_params import normalize_batch
-
-        if isinstance(prompts, str) or not prompts:
-            raise TypeError("give a non-empty list of prompts (texts or token-id lists)")
-        if all(isinstance(p, str) for p in prompts):
-            return normalize_batch(list(prompts), params, None)
-        return normalize_batch(None, params, [list(p) for p in prompts])
-
-    def calibrate(self, prompts, large_share: float = 0.3, *, params=None) -> float:
-        """Set and return the threshold that sends `large_share` of `prompts` past the cheapest
-        member (RouteLLM's quantile method) under the current policy; every boundary gets it. A
-        cascade runs the cheapest member on each prompt for its confidence (`params`: greedy, 32
-        tokens by default)."""
-        from ..sampling_params import SamplingParams
-
-        policy = self.policy
-        if policy == "cascade":
-            sp = SamplingParams.coerce(params or SamplingParams(max_tokens=32, temperature=0.0))
-            sp = msgspec.structs.replace(sp, logprobs=max(sp.logprobs or 0, 0))
-            items = self.items(prompts, sp)
-            cheap = self.members[self.names[0]]
-            if items[0][1] is not None:
-                outs = cheap.generate(prompt_token_ids=[ids for _, ids, _ in items], params=sp)
-            else:
-                outs = cheap.generate([p for p, _, _ in items], sp)
-            scores = [output_confidence(o, self.how) for o in outs]
-        else:
-            scores = [s[0] for s in (self.scores(item, policy) for item in self.items(prompts)) if s] or []
-        threshold = calibrate_threshold(policy, scores, large_share)
-        with self._lock:
-            self.thresholds = [threshold] * (len(self.names) - 1)
-        return threshold
-
-    def fit(self, prompts, labels: list[str]) -> Classifier:
-        """Train the classifier policy: `labels[i]` names the cheapest member good enough for
-        `prompts[i]`. Features come from the cheapest member's own prefill of each prompt."""
-        rows = [self.prompt_features(item) for item in self.items(prompts)]
-        self.classifier = Classifier.fit(rows, list(labels), self.names)
-        return self.classifier
-
-    def save_classifier(self, path) -> None:
-        if self.classifier is None:
-            raise ValueError("no classifier to save: fit(prompts, labels) first")
-        self.classifier.save(path)
-
-    def load_classifier(self, path) -> None:
-        clf = Classifier.load(path)
-        if clf.members != self.names:
-            raise ValueError(f"{path} was trained for members {clf.members}, this router has {self.names}")
-        self.classifier = clf
 
     # -- requests -------------------------------------------------------------------------------
     def submit(
@@ -462,6 +367,9 @@ class RoutedEngine(Engine):
                 return self._send(rid, flight, f"cascade: {name}'s confidence {conf:.3g} < {t:g} -> {nxt}")
         with self._lock:
             self._flights.pop(rid, None)
+            self._answered[rid] = name
+            if len(self._answered) > ALIASES:
+                self._answered.popitem(last=False)
             self.routed[(name, flight.policy)] += 1
             self.recorder.add_request(time.monotonic(), rid, "finished", None, label=None).replica = name
         deliver(flight.sink, self._final(rid, flight, chunk))
@@ -511,10 +419,11 @@ class RoutedEngine(Engine):
         return msgspec.structs.replace(m, arrival=flight.arrival)
 
     def member_of(self, request_id: str) -> str | None:
-        """The member a request in flight runs on now (the HTTP front's header, before its output)."""
+        """The member a request runs on now, or answered on (the HTTP front's header, read after the
+        stream's first chunk: a short request may have finished by then)."""
         with self._lock:
             flight = self._flights.get(request_id)
-        return self.names[flight.level] if flight is not None else None
+            return self.names[flight.level] if flight is not None else self._answered.get(request_id)
 
     def _member_failed(self, name: str, e: BaseException) -> bool:
         """Mark the member down when `e` means its engine is gone (True); a refusal of one

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -27,6 +28,9 @@ class RouterFile:
         self.targets = targets  # member -> what another process passes to connect()
         self.path = path or router_file(name)
         self.stamp: int | None = None  # the file's mtime as this process last wrote or read it
+        # a counts write racing `drop` (an answer arriving as the router closes) must not leave a file
+        self._lock = threading.Lock()
+        self._dropped = False
 
     @classmethod
     def read(cls, name: str) -> tuple[RouterFile, dict]:
@@ -74,7 +78,9 @@ class RouterFile:
 
     def write_counts(self, served: Counter) -> None:
         """This process's answered requests per member."""
-        conn.write_private_json(self._counts_file(os.getpid()), {"served": dict(served)})
+        with self._lock:
+            if not self._dropped:
+                conn.write_private_json(self._counts_file(os.getpid()), {"served": dict(served)})
 
     def others_served(self) -> Counter:
         """What the other live processes sharing this router have answered, per member."""
@@ -92,6 +98,8 @@ class RouterFile:
     def drop(self) -> None:
         """This process's counts file goes, and the owner's router file with it (an attached
         process leaves that)."""
+        with self._lock:
+            self._dropped = True
         self._counts_file(os.getpid()).unlink(missing_ok=True)
         try:
             if json.loads(self.path.read_text()).get("owner_pid") == os.getpid():
