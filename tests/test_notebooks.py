@@ -135,7 +135,8 @@ assert {s.replica for s in tl.steps} >= set(members)
 assert all(not e.alive for e in started)
 # the prediction routes as the live cascade did; its error is printed (a loose bound here: a shared
 # 2-core host's run-to-run spread is ~10%; docs/benchmarks.md keeps the measured figures)
-assert predicted["routes"][dear_name]["answered"] == sum(o.route == dear_name for o in live)
+# (the prediction plays the sweep's decisions: a tie may escalate one more or less live, as above)
+assert abs(predicted["routes"][dear_name]["answered"] - sum(o.route == dear_name for o in live)) <= 1
 assert predicted["requests"] == len(PROMPTS) and all(abs(e) < 0.5 for e in errors.values()), errors
 """,
     "09-mixture-of-experts.ipynb": """
