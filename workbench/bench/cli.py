@@ -142,8 +142,6 @@ class _PlainProgress:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    import json
-
     if getattr(args, "endpoint", None):
         return _run_bench_endpoints(args)
     if getattr(args, "scenario", None):
@@ -157,10 +155,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         if bad or not systems:
             raise ValueError(f"unknown system(s) {bad or systems}; choose from {', '.join(SYSTEMS)}")
         settings = settings_from_flags(args)
-        if args.requests is not None and args.requests < 1:
-            raise ValueError(f"--requests must be >= 1, got {args.requests}")
-        if args.arrival in ("poisson", "bursty") and args.rate <= 0:
-            raise ValueError(f"--rate must be > 0, got {args.rate}")
+        _check_workload(args)
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         if args.llama_server is not None:
@@ -179,9 +174,6 @@ def _run_bench(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
 
-    def log(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
     report = run_bench(
         args.model,
         systems=systems,
@@ -196,24 +188,19 @@ def _run_bench(args: argparse.Namespace) -> int:
         llama_server=args.llama_server,
         vllm_python=args.vllm_python,
         progress=_progress_factory(),
-        log=log,
+        log=_log,
     )
-    text = json.dumps(report, indent=2)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    text = _write_json(report, args.output)
     # gpt-fast style: every run prints tok/s, GB/s and % of the limit (stderr when stdout is JSON).
     for name, r in report["results"].items():
         if name.endswith("single_stream"):
-            log(single_stream_line(name, r))
+            _log(single_stream_line(name, r))
     print(text if args.json else format_report(report))
     return 0
 
 
 def _run_bench_scenarios(args: argparse.Namespace) -> int:
     """`workbench bench --scenario NAME`: one optimisation on and off, ratios against the targets."""
-    import json
-
     from .scenarios import run_scenarios
 
     try:
@@ -226,33 +213,22 @@ def _run_bench_scenarios(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     report = run_scenarios(args.scenario, args.model, quick=args.quick, vllm_python=args.vllm_python, **settings)
-    text = json.dumps(report, indent=2)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    text = _write_json(report, args.output)
     print(text)
     return 0
 
 
 def _run_bench_endpoints(args: argparse.Namespace) -> int:
     """`workbench bench --endpoint URL ...`: the seeded workload against OpenAI-compatible servers."""
-    import json
-
     from .endpoint import format_endpoint_report, run_endpoint_bench
 
     try:
-        if args.requests is not None and args.requests < 1:
-            raise ValueError(f"--requests must be >= 1, got {args.requests}")
-        if args.arrival in ("poisson", "bursty") and args.rate <= 0:
-            raise ValueError(f"--rate must be > 0, got {args.rate}")
+        _check_workload(args)
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     except ValueError as e:
         print(f"workbench bench: {e}", file=sys.stderr)
         return 2
-
-    def log(msg: str) -> None:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     kw = dict(prompt_len=(32, 128), output_len=(16, 64)) if args.quick else {}
     report = run_endpoint_bench(
@@ -268,12 +244,32 @@ def _run_bench_endpoints(args: argparse.Namespace) -> int:
         model=args.served_model,
         max_concurrency=args.max_concurrency,
         progress=_progress_factory(),
-        log=log,
+        log=_log,
         **kw,
     )
-    text = json.dumps(report, indent=2)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    text = _write_json(report, args.output)
     print(text if args.json else format_endpoint_report(report))
     return 0
+
+
+def _check_workload(args: argparse.Namespace) -> None:
+    """The workload flags every run takes (ValueError naming the flag)."""
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    if args.arrival in ("poisson", "bursty") and args.rate <= 0:
+        raise ValueError(f"--rate must be > 0, got {args.rate}")
+
+
+def _write_json(report: dict, output: str | None) -> str:
+    """The report as JSON; also written to `output` (--output) when given."""
+    import json
+
+    text = json.dumps(report, indent=2)
+    if output:
+        with open(output, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)

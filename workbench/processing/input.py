@@ -83,10 +83,10 @@ class InputProcessor:
                 self.tokenizer.check_fits(prompt, self.max_model_len)
                 prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             ids = self.tokenizer.encode_within(prompt, self.max_model_len, add_special_tokens=not chat)
+            if len(ids) >= self.max_model_len:  # a text whose prefix fit, tokenized whole
+                raise ValueError(self.too_long(len(ids)))
         if not ids:
             raise ValueError("prompt is empty: it must have at least one token")
-        if len(ids) >= self.max_model_len:  # a text whose prefix fit, tokenized whole
-            raise ValueError(self.too_long(len(ids)))
         return ids
 
     def too_long(self, num_tokens: int) -> str:
