@@ -141,7 +141,7 @@ def test_interrupt_aborts_the_cells_requests(kernel, engine):
     # one line saying so, not a traceback through the magic's machinery
     [line] = err["content"]["traceback"]
     assert "2 request(s) aborted" in line and "__import__" not in line and "File " not in line
-    wait_for(lambda: engine.status()["num_requests"] == 0, 10, "the engine to drop the aborted requests")
+    wait_for(lambda: engine.status()["num_requests"] == 0, 30, "the engine to drop the aborted requests")
     assert engine.metrics()["total_finished"] >= before + 2
     assert "finish: abort" in texts(msgs)
     # the kernel is fine afterwards

@@ -876,8 +876,19 @@ def test_panel_start_confirms_stop_follows_the_engine_and_the_timeline_is_in_vie
         assert stop.is_enabled()
         stop.click()
         page.locator(".jp-Dialog button", has_text="Stop engine").click()
-        _wait_for(lambda: panel.get_attribute("data-engine") != "started-e2e" or stop.is_disabled(), 60, "the stop")
-        if panel.get_attribute("data-engine") == "started-e2e":  # still selected: nothing to stop
+        # the button goes off at once and stays off until the panel follows a live engine (it was
+        # re-enabled for a moment before the panel moved on)
+        _wait_for(lambda: stop.is_disabled(), 30, "the stop button to go off")
+        _wait_for(
+            lambda: panel.get_attribute("data-engine") != "started-e2e", 60, "the panel to leave the stopped engine"
+        )
+        from workbench.ipc import connection as conn
+
+        _wait_for(lambda: conn.live_engine("started-e2e") is None, 60, "the engine process to end")
+        if panel.get_attribute("data-engine"):  # it followed the other running engine: Stop is for that one
+            page.wait_for_selector('#serving-workbench-panel[data-live="1"]', timeout=60_000)
+            _wait_for(lambda: stop.is_enabled(), 30, "Stop to come back for the live engine")
+        else:
             assert stop.is_disabled()
         page.screenshot(path=str(ARTIFACTS / "lab-panel-start-stop.png"))
         assert not problems, problems

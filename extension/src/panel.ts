@@ -683,8 +683,9 @@ export class WorkbenchPanel extends Widget {
       this._say(`stopped ${name}`);
     } catch (err: any) {
       this._say(`could not stop ${name}: ${err.message ?? err}`, true);
+      this._stopButton.disabled = false; // still running: it may be stopped again
     } finally {
-      this._stopButton.disabled = false;
+      // a stopped engine leaves the button off until the panel follows a live engine
       await this.refresh(true);
       if (this._engine === name) {
         this.selectEngine(null);
