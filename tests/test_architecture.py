@@ -155,9 +155,7 @@ def test_only_the_scheduler_changes_a_sequences_state():
         checked.append(rel)
         writes = _state_writes(ast.parse(text))
         assert not writes, f"{rel} changes sequence state itself: {writes}"
-    assert {"engine/output_processor.py", "engine/speculative.py", "engine/llm_engine.py", "sim/replica.py"} <= set(
-        checked
-    )
+    assert {"engine/emitter.py", "engine/speculative.py", "engine/llm_engine.py", "sim/replica.py"} <= set(checked)
     # the checker sees what it looks for
     assert _state_writes(
         ast.parse(

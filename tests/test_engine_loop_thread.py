@@ -59,4 +59,4 @@ def test_only_the_loop_thread_touches_the_engine(tmp_path):
     # the proxy sees the engine touched from other threads, where the server does that (declared);
     # the tokenizer thread processed the long prompt through `inputs`, read on the loop (issue 48.2)
     assert {name for name, _ in off_loop} == {"weights_checksum"}, off_loop
-    assert {"step", "add_processed", "inputs"} <= {name for name, thread in engine.seen if thread == LOOP}
+    assert {"core_step", "core_add", "inputs"} <= {name for name, thread in engine.seen if thread == LOOP}

@@ -72,6 +72,29 @@ class RequestOutput(msgspec.Struct, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class CoreFinal(msgspec.Struct, array_like=True, omit_defaults=True):
+    """With a request's last `CoreOutput`: what only the engine core knows of the whole request."""
+
+    metrics: RequestMetrics
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output id kept (a stop string's wasted step dropped)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    structured_complete: bool | None = None
+    from_cache: bool = False
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the engine core hands back for one request after a step: its new token ids (EOS, stop
+    ids, max_tokens and the context already applied: they free KV) and their logprobs; text and
+    stop strings are the output processor's (`workbench.processing.output`)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    final: CoreFinal | None = None  # set exactly when finish_reason is
+
+
 class StreamChunk(msgspec.Struct, omit_defaults=True):
     request_id: str
     text_delta: str = ""

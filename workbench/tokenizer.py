@@ -11,6 +11,7 @@ holds text back while the window's decoded tail is an incomplete UTF-8 character
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -20,9 +21,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import tokenizers
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "ChatTemplateError"]
+__all__ = ["Tokenizer", "TokenizerSpec", "IncrementalDetokenizer", "ChatTemplateError"]
 
 _REPLACEMENT = "\ufffd"
 _UNKNOWN = object()
@@ -135,6 +137,22 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return str(value)
+
+
+class TokenizerSpec(msgspec.Struct, array_like=True):
+    """A tokenizer as data: tokenizer.json's text and what `Tokenizer` adds to it."""
+
+    tokenizer_json: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+
+    @property
+    def digest(self) -> str:
+        """Names the tokenizer: two specs with one digest build the same tokenizer."""
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
 
 
 class Tokenizer:
@@ -313,6 +331,18 @@ class Tokenizer:
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+
+    def to_spec(self) -> TokenizerSpec:
+        """Everything another process needs to rebuild this tokenizer (an engine client's output
+        processor, maybe on another host)."""
+        return TokenizerSpec(
+            self._tk.to_str(), self.chat_template, self.bos_token, self.eos_token, self.eos_token_ids, self.bos_token_id
+        )
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
+        tk = tokenizers.Tokenizer.from_str(spec.tokenizer_json)
+        return cls(tk, spec.chat_template, spec.bos_token, spec.eos_token, spec.eos_token_ids, spec.bos_token_id)
 
     # ------------------------------------------------------------------ chat
     def _compiled_template(self):

@@ -1,14 +1,19 @@
-"""The engine: requests in, a step at a time, stream chunks out.
+"""The engine: requests in, a step at a time, new token ids out.
 
     sched = scheduler.schedule()          # who runs, how many tokens each
     result = runner.forward(sched)        # one flat forward over the paged cache
-    chunks = self._postprocess(sched, result, parts)   # sample; the scheduler advances each sequence
-                                                # and its KV; the output processor detokenizes,
-                                                # stops and finishes
+    outs = self._postprocess(sched, result, parts)   # sample; the scheduler advances each sequence
+                                                # and its KV; the emitter stops (EOS, stop ids,
+                                                # lengths) and finishes
+
+That is the core (`core_add`, `core_step`, `core_abort`, `core_stop`): token ids in, `CoreOutput`s
+(new ids) out. Text is the output processor's (`workbench.processing.output`), run by whoever
+consumes the outputs: the engine client for an engine process (`workbench.ipc`), and this class's
+`step` for in-process callers (`LLM`, tests), which processes each core step's outputs here.
 
 The scheduler owns sequence and KV-block state (admit, preempt, advance, free); the engine
-never edits blocks. `LLM` (in-process) and the engine process (`workbench.ipc`) both drive this
-class from one thread; `configure` must be called between steps.
+never edits blocks. `LLM` (in-process) and the engine process both drive this class from one
+thread; `configure` must be called between steps.
 """
 
 from __future__ import annotations
@@ -25,17 +30,18 @@ from workbench_kernels import hostmem
 
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
-from ..outputs import RequestMetrics, RequestOutput, StreamChunk
+from ..outputs import CoreOutput, RequestMetrics, StreamChunk
 from ..processing.input import InputProcessor, ProcessedRequest
+from ..processing.output import OutputProcessor
 from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
 from . import live_settings, sampler, structured
 from .attention import KVCache
+from .emitter import Emitter, RequestState
 from .hostload import HostSampler
 from .model_runner import ModelRunner
-from .output_processor import OutputProcessor
 from .response_cache import ResponseCache
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, attention_context_of, time_context_of
 from .sequence import Sequence
@@ -112,17 +118,17 @@ class LLMEngine:
         self.started = time.monotonic()
         self._seed_rng = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         self.totals = dict.fromkeys(TOTALS, 0)
-        self.outputs = OutputProcessor(
-            self.tokenizer, c.eos_token_ids, self.max_model_len, self.scheduler, self.timeline, self.totals
-        )
-        self.requests = self.outputs.requests  # request_id -> RequestState, while unfinished
+        self.emitter = Emitter(c.eos_token_ids, self.max_model_len, self.scheduler, self.timeline, self.totals)
+        self.requests = self.emitter.requests  # request_id -> RequestState, while unfinished
+        self.outputs = OutputProcessor(self.tokenizer)  # in-process callers' text (`step`)
         self.spec = SpeculativeDecoder(s, self.scheduler, self.max_model_len, self.load_draft, self.totals)
         self._weights_checksum = loaded.checksum  # the loader hashed these very tensors
         self.grammars = structured.Grammars(self.tokenizer, c.vocab_size, c.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, c.vocab_size, self.grammars)
         self.response_cache = ResponseCache()
-        self._cache_keys: dict[str, tuple] = {}  # request_id -> its response-cache key, while it runs
-        self._ready: list[StreamChunk] = []  # answers from the response cache, handed out at the next step
+        # request_id -> its response-cache key and state, while it runs
+        self._cache_keys: dict[str, tuple[tuple, RequestState]] = {}
+        self._ready: list[CoreOutput] = []  # answers from the response cache, handed out at the next step
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -142,6 +148,12 @@ class LLMEngine:
     def add_processed(
         self, req: ProcessedRequest, *, request_id: str | None = None, arrival: float | None = None
     ) -> str:
+        """In-process: add to the core, and expect its outputs here (`step`)."""
+        request_id = self.core_add(req, request_id=request_id, arrival=arrival)
+        self.outputs.add(request_id, req.prompt, req.params)
+        return request_id
+
+    def core_add(self, req: ProcessedRequest, *, request_id: str | None = None, arrival: float | None = None) -> str:
         """Add a request the input processor checked whole; its ids are not read again here, only
         what the step loop's own state decides (the id is free, the KV cache can ever hold it)."""
         ids, params, prompt, grammar = req.prompt_token_ids, req.params, req.prompt, req.grammar
@@ -163,7 +175,6 @@ class LLMEngine:
             hit = self.response_cache.get(key)
             if hit is not None:
                 return self._answer_from_cache(request_id, prompt, ids, hit, arrival)
-            self._cache_keys[request_id] = key
         seq = Sequence(request_id, ids, params, arrival if arrival is not None else time.monotonic())
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         # on the CPU whatever the device: the sampler draws one uniform a row from it on the host (a CUDA
@@ -171,7 +182,9 @@ class LLMEngine:
         seq.generator = torch.Generator().manual_seed(seed)
         if grammar is not None:
             seq.grammar = structured.GrammarState(grammar, self.tokenizer)
-        self.outputs.add(seq, prompt)
+        state = self.emitter.add(seq, keep_logprobs=key is not None)
+        if key is not None:
+            self._cache_keys[request_id] = (key, state)
         self.scheduler.add(seq)
         self.totals["prompt_tokens"] += len(ids)
         self.timeline.add_request(
@@ -190,33 +203,35 @@ class LLMEngine:
             self.timeline.add_request(seq.metrics.arrival, request_id, "grammar", f"{grammar.kind} {detail}")
         return request_id
 
-    def _answer_from_cache(self, request_id: str, prompt, ids: list[int], hit: RequestOutput, arrival) -> str:
-        """An exact repeat: the earlier answer under this request's id, at the next step, no step run."""
+    def _answer_from_cache(self, request_id: str, prompt, ids: list[int], hit: CoreOutput, arrival) -> str:
+        """An exact repeat: the earlier answer's ids under this request's id, at the next step, no
+        step run (the output processor turns them into text again, stop strings and all)."""
+        assert hit.final is not None
         now = time.monotonic()
         start = arrival if arrival is not None else now
-        out = msgspec.structs.replace(
-            hit,
-            request_id=request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
+        final = msgspec.structs.replace(
+            hit.final,
             metrics=RequestMetrics(arrival=start, first_scheduled=now, first_token=now, finished=now,
-                                   token_times=[now] * len(hit.token_ids), prefix_hit_tokens=len(ids)),
+                                   token_times=[now] * len(hit.new_token_ids), prefix_hit_tokens=len(ids)),
             from_cache=True,
         )  # fmt: skip
         self.totals["response_cache_hits"] += 1
         self.timeline.add_request(start, request_id, "arrived", f"prompt_tokens={len(ids)}",
                                   label=self._prompt_label(prompt, ids))  # fmt: skip
-        self.timeline.add_request(now, request_id, "finished", f"{out.finish_reason} (response cache hit)")
-        self.outputs.recent.append(out)
-        self._ready.append(StreamChunk(request_id, out.text, list(out.token_ids), out.finish_reason, out.logprobs, out))
+        self.timeline.add_request(now, request_id, "finished", f"{hit.finish_reason} (response cache hit)")
+        self.emitter.recent.append(final.metrics)
+        self._ready.append(msgspec.structs.replace(hit, request_id=request_id, final=final))
         return request_id
 
-    def _cache_answers(self, chunks: list[StreamChunk]) -> None:
-        """Keep the finished answers of deterministic requests for their repeats."""
-        for c in chunks:
-            if c.finish_reason is not None:
-                key = self._cache_keys.pop(c.request_id, None)
-                if key is not None and c.output is not None and self.settings.response_cache:
-                    self.response_cache.put(key, c.output)
+    def _cache_answers(self, outs: list[CoreOutput]) -> None:
+        """Keep the finished answers (their ids) of deterministic requests for their repeats."""
+        for c in outs:
+            if c.final is not None:
+                entry = self._cache_keys.pop(c.request_id, None)
+                if entry is not None and self.settings.response_cache:
+                    key, state = entry
+                    whole = CoreOutput(c.request_id, c.final.token_ids, c.finish_reason, state.logprobs, c.final)
+                    self.response_cache.put(key, whole)
 
     def _prompt_label(self, prompt, ids: list[int]) -> str | None:
         if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):  # chat: the last message
@@ -226,11 +241,27 @@ class LLMEngine:
         return prompt_label(prompt if isinstance(prompt, str) else None)
 
     def abort_request(self, request_id: str) -> StreamChunk | None:
+        """In-process: abort, and the request's last chunk (None for one not running)."""
+        out = self.core_abort(request_id)
+        return self._processed([out])[0] if out is not None else None
+
+    def core_abort(self, request_id: str) -> CoreOutput | None:
         req = self.requests.get(request_id)
         if req is None:
             return None
         self._cache_keys.pop(request_id, None)
-        return self.outputs.finish(req, "abort")
+        return self.emitter.finish(req, "abort")
+
+    def core_stop(self, request_id: str, keep: int) -> CoreOutput | None:
+        """An output processor found a stop string in the first `keep` output tokens: finish the
+        request there (tokens the core ran past it are dropped). None if it already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        out = self.emitter.finish(req, "stop", keep=keep)
+        if self._cache_keys:
+            self._cache_answers([out])
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._ready)
@@ -241,6 +272,19 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
+        """In-process: a core step and its outputs processed here; a stop string ends its request
+        in the same step (no step wasted)."""
+        return self._processed(self.core_step())
+
+    def _processed(self, outs: list[CoreOutput]) -> list[StreamChunk]:
+        chunks, stops = self.outputs.process(outs)
+        for rid, keep in stops:
+            out = self.core_stop(rid, keep)
+            if out is not None:
+                chunks += self.outputs.process([out])[0]
+        return chunks
+
+    def core_step(self) -> list[CoreOutput]:
         ready, self._ready = self._ready, []
         if not self.requests:
             return ready
@@ -255,13 +299,13 @@ class LLMEngine:
         scheduled = time.monotonic()
         result = self.runner.forward(sched.scheduled)
         parts = {"draft": (drafted - start) * 1e3, "schedule": (scheduled - drafted) * 1e3, **result.parts}
-        chunks = self._postprocess(sched, result, parts)
-        self._record_step(sched, start, time.monotonic(), chunks, parts)
+        outs = self._postprocess(sched, result, parts)
+        self._record_step(sched, start, time.monotonic(), outs, parts)
         if self._cache_keys:
-            self._cache_answers(chunks)
-        return ready + chunks
+            self._cache_answers(outs)
+        return ready + outs
 
-    def _postprocess(self, sched: SchedulerOutput, result, parts: dict[str, float]) -> list[StreamChunk]:
+    def _postprocess(self, sched: SchedulerOutput, result, parts: dict[str, float]) -> list[CoreOutput]:
         """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs."""
         now = time.monotonic()
         rows = result.rows
@@ -279,19 +323,19 @@ class LLMEngine:
         sampled_at = time.monotonic()
         parts["sample"] = (sampled_at - now) * 1e3 - parts.get("mask", 0.0)
         self.scheduler.update_from_output(sched, dict(zip(sampled, tokens)), set(verified))
-        chunks: list[StreamChunk] = []
+        outs: list[CoreOutput] = []
         for i in verified:
             first, count = rows[i]
-            chunks.append(self._verify(sched.scheduled[i].seq, result.logits[first : first + count], sched, now))
+            outs.append(self._verify(sched.scheduled[i].seq, result.logits[first : first + count], sched, now))
         for j, (i, tok) in enumerate(zip(sampled, tokens)):
             req = self.requests[sched.scheduled[i].seq.request_id]
-            chunks.append(self.outputs.emit(req, [tok], None if lps is None else [lps[j]], now))
+            outs.append(self.emitter.emit(req, [tok], None if lps is None else [lps[j]], now))
         # verify rows: their sampling counts here, their grammar masks as "mask"
         verify_masks, self.spec.mask_ms = self.spec.mask_ms, 0.0
         if verify_masks:
             parts["mask"] = parts.get("mask", 0.0) + verify_masks
         parts["outputs"] = (time.monotonic() - sampled_at) * 1e3 - verify_masks
-        return [c for c in chunks if c is not None]
+        return outs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], parts: dict[str, float]):
         """Each row's next token, and its logprobs where asked; the time grammar masks took is
@@ -303,7 +347,7 @@ class LLMEngine:
             nonlocal drawing
             start = time.monotonic()
             # before the tokens are appended: penalties read them
-            out = sampler.sample(rows, row_seqs, self.outputs.eos_ids)
+            out = sampler.sample(rows, row_seqs, self.emitter.eos_ids)
             drawing += time.monotonic() - start
             return out
 
@@ -325,7 +369,7 @@ class LLMEngine:
         if n > 0:
             targets = seq.prompt_token_ids[start + 1 : start + 1 + n]
             lps = sampler.logprobs_of(logits[:n], targets, [seq.params.prompt_logprobs] * n)
-            self.outputs.add_prompt_logprobs(self.requests[seq.request_id], start, lps)
+            self.emitter.add_prompt_logprobs(self.requests[seq.request_id], start, lps)
 
     # -- speculative decoding ------------------------------------------------------------------
     def load_draft(self, draft_model: str | None) -> DraftProposer:
@@ -360,20 +404,20 @@ class LLMEngine:
         self.scheduler.reset_draft_caches()
         return DraftProposer(runner, source)
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput, now: float) -> StreamChunk | None:
+    def _verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput, now: float) -> CoreOutput:
         tokens = self.spec.verify(seq, logits, sched)
         lps = None
         if seq.params.logprobs is not None:
             lps = sampler.logprobs_of(logits[: len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
-        return self.outputs.emit(self.requests[seq.request_id], tokens, lps, now)
+        return self.emitter.emit(self.requests[seq.request_id], tokens, lps, now)
 
-    def _record_step(self, sched: SchedulerOutput, start: float, end: float, chunks, parts: dict[str, float]) -> None:
+    def _record_step(self, sched: SchedulerOutput, start: float, end: float, outs, parts: dict[str, float]) -> None:
         self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
         self.scheduler.record_step(
             sched,
             start,
             end,
-            sum(len(c.token_ids_delta) for c in chunks),
+            sum(len(c.new_token_ids) for c in outs),
             expert_counts=self.runner.model.expert_counts(),
             parts=parts,
         )
@@ -453,8 +497,8 @@ class LLMEngine:
         recent_steps = [s for s in self.timeline.steps if s.end >= now - window_s]
         out_tokens = sum(s.output_tokens for s in recent_steps)
         span = (now - recent_steps[0].start) if recent_steps else 0.0
-        ttft = [o.metrics.ttft for o in self.outputs.recent if o.metrics.ttft is not None]
-        itl = [x for o in self.outputs.recent for x in o.metrics.itl]
+        ttft = [m.ttft for m in self.emitter.recent if m.ttft is not None]
+        itl = [x for m in self.emitter.recent for x in m.itl]
         t = self.totals
         used, total = self.scheduler.kv_blocks
         load = expert_totals(st.expert_counts for st in recent_steps)
@@ -473,7 +517,7 @@ class LLMEngine:
                 spec_acceptance_rate=t["spec_accepted"] / t["spec_proposed"] if t["spec_proposed"] else 0.0,
                 spec_mean_accepted=t["spec_accepted"] / t["spec_verifies"] if t["spec_verifies"] else 0.0,
                 window_s=window_s,
-                recent_requests=len(self.outputs.recent),
+                recent_requests=len(self.emitter.recent),
                 ttft_p50_ms=percentile(ttft, 50) * 1e3,
                 ttft_p99_ms=percentile(ttft, 99) * 1e3,
                 itl_p50_ms=percentile(itl, 50) * 1e3,

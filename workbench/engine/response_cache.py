@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from ..outputs import RequestOutput
+from ..outputs import CoreOutput
 from ..sampling_params import SamplingParams
 
 MAX_ENTRIES = 1024
@@ -29,7 +29,7 @@ def deterministic(params: SamplingParams) -> bool:
 class ResponseCache:
     def __init__(self, max_entries: int = MAX_ENTRIES, ttl_s: float = TTL_S):
         self.max_entries, self.ttl_s = max_entries, ttl_s
-        self._entries: OrderedDict[tuple, tuple[float, RequestOutput]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[float, CoreOutput]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -43,7 +43,7 @@ class ResponseCache:
             return None
         return tuple(ids), msgspec.json.encode(params), salt
 
-    def get(self, key: tuple, now: float | None = None) -> RequestOutput | None:
+    def get(self, key: tuple, now: float | None = None) -> CoreOutput | None:
         now = time.monotonic() if now is None else now
         entry = self._entries.get(key)
         if entry is None or now - entry[0] > self.ttl_s:
@@ -55,7 +55,7 @@ class ResponseCache:
         self.hits += 1
         return entry[1]
 
-    def put(self, key: tuple, out: RequestOutput, now: float | None = None) -> None:
+    def put(self, key: tuple, out: CoreOutput, now: float | None = None) -> None:
         if out.finish_reason not in ("stop", "length"):
             return  # an aborted answer is not the answer
         self._entries[key] = (time.monotonic() if now is None else now, out)

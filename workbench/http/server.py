@@ -98,8 +98,8 @@ def make_serving(
         served_model_name = [n.strip() for n in served_model_name.split(",") if n.strip()]
     names = list(served_model_name or [engine_model])
     aliases = [engine_model] + ([os.fspath(model)] if model is not None else [])
-    if tokenizer == "auto":
-        tokenizer = load_front_tokenizer(model, engine_model)
+    if tokenizer == "auto":  # the engine's own (an engine client has it from the handshake), else found here
+        tokenizer = getattr(engine, "tokenizer", None) or load_front_tokenizer(model, engine_model)
         if tokenizer is None:
             log.warning(
                 "no tokenizer for %s in the HTTP front: chats are limited to one user message and logprob "

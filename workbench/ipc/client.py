@@ -30,16 +30,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from ..events import Event, EventSubscription
-from ..interface import Engine, closed_at_exit, deliver, request_ids
+from ..interface import Engine, closed_at_exit, request_ids
+from ..processing.output import Stop as StopFound
 from ..timeline import Timeline
+from ..tokenizer import Tokenizer, TokenizerSpec
 from . import connection as conn
 from .event_feed import EventFeed
+from .pending import PendingRequests, shipped_tokenizer
 from .protocol import (
     HEADER,
     PROTOCOL_VERSION,
@@ -57,6 +61,7 @@ from .protocol import (
     ProtocolError,
     Rejected,
     Result,
+    Stop,
     Submit,
     WorkbenchIPCError,
     check_header,
@@ -94,7 +99,7 @@ class EngineClient(Engine):
         self._lock = threading.Lock()
         self._outq: deque[list[bytes]] = deque()
         self._calls: dict[int, concurrent.futures.Future] = {}
-        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._pending = PendingRequests()  # sinks, and the output processor that makes their chunks
         self._ids = itertools.count(1)
         self._dead: BaseException | None = None
         self.draining = False  # the engine said it is shutting down (heartbeats, refusals)
@@ -134,6 +139,8 @@ class EngineClient(Engine):
             answered = time.monotonic()
             there = self.engine_info.get("monotonic")
             self.clock_offset = 0.0 if there is None or info.same_host() else there - (asked + answered) / 2
+            fetch = partial(self.call, "tokenizer", _timeout=timeout, _type=TokenizerSpec)
+            self._pending.use_tokenizer(shipped_tokenizer(self.engine_info.get("tokenizer_digest"), fetch))
         except TimeoutError:
             hint = (
                 " For tcp, check that this connection file carries the engine's CURVE keys."
@@ -143,6 +150,11 @@ class EngineClient(Engine):
             raise EngineConnectError(
                 f"engine {info.name!r} at {info.request_address} did not answer the handshake within {timeout}s.{hint}"
             ) from None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The engine's own tokenizer (shipped at the handshake: it works for an engine on any host)."""
+        return self._pending.outputs.tokenizer
 
     def _revive(self) -> bool:
         """With `reconnect`, attach to a new engine holding this name once the old one is dead.
@@ -308,13 +320,7 @@ class EngineClient(Engine):
             log.warning("dropping an undecodable message from the engine: %s", e)
             return
         if isinstance(msg, Outputs):
-            for chunk in msg.chunks:
-                with self._lock:
-                    sink = self._sinks.get(chunk.request_id)
-                    if sink is not None and chunk.finish_reason is not None:
-                        del self._sinks[chunk.request_id]
-                if sink is not None:
-                    deliver(sink, chunk)
+            self._pending.on_outputs(msg.outputs, self._send_stop)
         elif isinstance(msg, (Result, Failure)):
             with self._lock:
                 fut = self._calls.pop(msg.call_id, None)
@@ -326,15 +332,18 @@ class EngineClient(Engine):
         elif isinstance(msg, Rejected):
             if msg.error.type == EngineDrainingError.__name__:
                 self.draining = True
-            for rid in msg.request_ids:
-                with self._lock:
-                    sink = self._sinks.pop(rid, None)
-                if sink is not None:
-                    deliver(sink, error_from_wire(msg.error))
+            self._pending.fail(msg.request_ids, partial(error_from_wire, msg.error))
         elif isinstance(msg, ProtocolError):
             log.error("the engine could not understand a message from this client: %s", msg.message)
         elif isinstance(msg, Pong):
             self.draining = msg.draining
+
+    def _send_stop(self, stop: StopFound) -> None:
+        """A stop string this client's output processor found: the engine ends the request there."""
+        try:
+            self._post(Stop(*stop))
+        except Exception:
+            pass  # the engine is gone: its requests end with that error
 
     def _set_dead(self, exc: BaseException, quiet: bool = False) -> None:
         with self._lock:
@@ -342,15 +351,13 @@ class EngineClient(Engine):
                 return
             self._dead = exc
             calls, self._calls = self._calls, {}
-            sinks, self._sinks = self._sinks, {}
             subs = list(self._subs)
         if not quiet:
             log.warning("%s", exc)
         for fut in calls.values():
             if not fut.done():
                 fut.set_exception(_copy_exc(exc))
-        for sink in set(sinks.values()):
-            deliver(sink, _copy_exc(exc))
+        self._pending.fail_all(partial(_copy_exc, exc))
         for sub in subs:
             sub._deliver(_copy_exc(exc))
 
@@ -486,11 +493,9 @@ class EngineClient(Engine):
         if into is not None:
             into.extend(rids)
         self._revive()
-        with self._lock:
-            if self._dead is not None:
-                raise _copy_exc(self._dead)
-            for rid in rids:
-                self._sinks[rid] = sink
+        if self._dead is not None:
+            raise _copy_exc(self._dead)
+        self._pending.add(reqs, sink, stream)  # (if the engine dies now, the post below raises)
         try:
             self._post(Submit(reqs))
         except BaseException:
@@ -499,13 +504,8 @@ class EngineClient(Engine):
             raise
         return rids
 
-    def _drop_sinks(self, rids: Iterable[str]) -> None:
-        with self._lock:
-            for rid in rids:
-                self._sinks.pop(rid, None)
-
     def abandon(self, rids: list[str]) -> None:
-        self._drop_sinks(rids)
+        self._pending.drop(rids)
         if self._dead is None and not self._closed:
             try:
                 self._post(Abort(rids))

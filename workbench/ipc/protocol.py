@@ -10,10 +10,12 @@ Sockets (addresses in the connection file, see `connection.py`):
   ``[kind, HEADER, body]`` (``kind`` first so SUB prefix filters work), body an `EventMsg`.
 
 Client -> engine: `Call` (an RPC: ``configure``, ``metrics``, ``timeline`` ...), `Submit`
-(new requests, validated as a batch), `Abort`, `Ping` (heartbeat) and `Bye`.
-Engine -> client: `Result` / `Failure` (answer a `Call` by ``call_id``), `Outputs` (stream
-chunks, sent only to the requester), `Rejected` (a `Submit` that failed validation),
-`Pong` and `ProtocolError` (a message that could not be understood).
+(new requests, validated as a batch), `Abort`, `Stop` (a stop string the client's output
+processor found), `Ping` (heartbeat) and `Bye`.
+Engine -> client: `Result` / `Failure` (answer a `Call` by ``call_id``), `Outputs` (each step's
+new token ids per request, sent only to the requester: the client turns them into text),
+`Rejected` (a `Submit` that failed validation), `Pong` and `ProtocolError` (a message that could
+not be understood).
 
 Errors keep their type: a ValueError raised in the engine travels as ``("ValueError", message)``
 and is raised again as ValueError with the same message by the client (`error_from_wire`).
@@ -36,11 +38,11 @@ from ..errors import (  # carried over the wire by name (error_to_wire / error_f
     WorkbenchIPCError,
 )
 from ..events import EVENT_KINDS, METRICS_EVERY_S, Event
-from ..outputs import StreamChunk
+from ..outputs import CoreOutput
 from ..sampling_params import SamplingParams
 from ..settings import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUED_CHARS, DEFAULT_MAX_QUEUED_TOKENS
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: outputs are token ids, detokenized by the client
 MAGIC = b"WB"
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
 # Decoding a message holds the GIL (a 16 MiB list of token ids takes ~70 ms, every thread of the
@@ -56,7 +58,9 @@ class NewRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_ids: list[int] | None = None
     params: SamplingParams | None = None
     chat: bool = False
-    stream: bool = True  # False: only the final chunk (with the whole output) is sent
+    # False: the client wants only the final output (which carries every id); the engine still
+    # sends each step's ids where the client's output processor needs them (stop strings, logprobs)
+    stream: bool = True
 
 
 class Call(msgspec.Struct, tag="call", array_like=True, omit_defaults=True):
@@ -73,6 +77,14 @@ class Abort(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+class Stop(msgspec.Struct, tag="stop", array_like=True):
+    """A stop string ended `request_id` within its first `keep` output tokens (the client found it;
+    the engine may have run one step past it, whose tokens it drops)."""
+
+    request_id: str
+    keep: int
+
+
 class Ping(msgspec.Struct, tag="ping", array_like=True):
     pass
 
@@ -81,7 +93,7 @@ class Bye(msgspec.Struct, tag="bye", array_like=True):
     pass
 
 
-ClientMessage = Call | Submit | Abort | Ping | Bye
+ClientMessage = Call | Submit | Abort | Stop | Ping | Bye
 
 
 # -- engine -> client ---------------------------------------------------------------------------
@@ -101,7 +113,7 @@ class Failure(msgspec.Struct, tag="failure", array_like=True):
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):
-    chunks: list[StreamChunk]
+    outputs: list[CoreOutput]
 
 
 class Rejected(msgspec.Struct, tag="rejected", array_like=True):
@@ -225,7 +237,7 @@ def client_decoder(max_prompt_tokens: int) -> msgspec.msgpack.Decoder:
     fuzzer's 500k-id prompt then costs 0.02 ms instead of 19 ms and ~14 MB of Python ints whose
     heap stayed behind. Its messages are still `Submit` and `NewRequest` instances."""
     ids = Annotated[list[int], msgspec.Meta(max_length=max_prompt_tokens)]
-    return msgspec.msgpack.Decoder(Call | _submit_with_ids(ids | None, None) | Abort | Ping | Bye)
+    return msgspec.msgpack.Decoder(Call | _submit_with_ids(ids | None, None) | Abort | Stop | Ping | Bye)
 
 
 def decode_engine_message(body: bytes) -> EngineMessage:

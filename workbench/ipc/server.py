@@ -8,8 +8,10 @@ Threads:
 
 - main: the step loop, the only thread that touches the engine (apart from what
   `LLMEngine.THREAD_SAFE` declares; tests/test_engine_loop_thread.py checks it). It drains the
-  transport's inbox (requests, aborts, RPCs, "client gone" notices), then runs one
-  `engine.step()`, routes the chunks to their requesters, and publishes timeline increments.
+  transport's inbox (requests, aborts, stops, RPCs, "client gone" notices), then runs one
+  `engine.core_step()`, routes its outputs (new token ids) to their requesters, and publishes
+  timeline increments. Text is the client's to make (`workbench.processing.output` in the engine
+  client): no detokenizing or stop-string search on this loop.
   Adding, aborting, configuring, reading metrics all run here, between steps, so a setting never
   changes under a running step (vLLM v1's busy loop reads the same: poll inputs, then step).
 - tokenizer: processes submitted requests (`engine.inputs`, an `InputProcessor`, handed over by
@@ -37,12 +39,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from workbench_kernels import hostmem
-
 from ..reports import ProcessStatus, as_dict
 from ..settings import schema
 from . import connection as conn
+from .heap import HeapTrim
 from .logs import MAX_LOG_BYTES, QuietLog, rotate_log, short
 from .protocol import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -60,6 +60,7 @@ from .protocol import (
     Outputs,
     Rejected,
     Result,
+    Stop,
     Submit,
     encode_raw,
     encode_raw_in_pieces,
@@ -117,15 +118,15 @@ class EngineServer:
         self.drain_timeout_s = float(drain_timeout_s)
         self.started = time.monotonic()
 
-        self._handled_bytes = 0  # of counted messages since the heap was last trimmed
-        self._owners: dict[str, tuple[bytes, bool]] = {}  # request_id -> (identity, stream)
+        self._heap = HeapTrim()
+        # request_id -> its client's identity, and whether the client reads every step's ids
+        self._owners: dict[str, tuple[bytes, bool]] = {}
         self._owned: dict[bytes, set[str]] = defaultdict(set)
         self._client_names: dict[bytes, str] = {}
         self._stop_mode: str | None = None  # None | "abort" | "drain"
         self._drain_deadline: float | None = None  # a signal's drain ends here
         self._tokenize_q: queue.SimpleQueue = queue.SimpleQueue()
         self._rejections = QuietLog(log)  # refused configure calls: a fuzzer's flood stays a few lines
-        self._last_trim = 0.0
         self._tokenizing: dict[str, bytes] = {}  # request_id -> owner, while its prompt is tokenized
         self._tokenizing_chars = 0
         self._cancelled: dict[str, str] = {}  # request_id being tokenized -> "abort" | "gone"
@@ -133,6 +134,7 @@ class EngineServer:
         self._last_tl_flush = 0.0
         self._last_metrics = 0.0
         self._stalled = False
+        self._tok_spec = None
         self.connection_file: Path | None = None
         self.info: conn.ConnectionInfo | None = None
         # Every method takes the caller's identity first (hello names it, configure records it).
@@ -146,6 +148,7 @@ class EngineServer:
             "reset_prefix_cache": lambda _who: self.engine.reset_prefix_cache(),
             "weights_checksum": lambda _who: lambda: encode_raw(self.engine.weights_checksum()),
             "schema": lambda _who: schema(),
+            "tokenizer": lambda _who: self._tokenizer_spec(),
             "shutdown": lambda _who, **kw: self._shutdown_rpc(**kw),
             "sync_events": lambda _who, **kw: self._sync_events(**kw),
         }
@@ -218,9 +221,8 @@ class EngineServer:
                     if self.log_file:
                         rotate_log(self.log_file, MAX_LOG_BYTES)
                     self.io.publish("metrics", self.engine.metrics())
-                    if self._handled_bytes >= TRIM_AFTER_HANDLED and not self.engine.has_unfinished_requests():
-                        self._handled_bytes = 0  # a burst of messages is over: its heap goes back to the OS
-                        hostmem.trim_heap()
+                    if not self.engine.has_unfinished_requests():
+                        self._heap.when_idle()
                 if self.parent_pid and t - last_parent_check > 0.5:
                     last_parent_check = t
                     if os.getppid() != self.parent_pid:
@@ -248,19 +250,24 @@ class EngineServer:
             payload, size = payload
             if size is not None:  # a counted submit or call
                 self.io.taken(ident, size)
-                self._handled_bytes += size
+                self._heap.handled(size)
             if isinstance(payload, Submit):
                 self._on_submit(ident, payload)
             elif isinstance(payload, Abort):
                 for rid in payload.request_ids:
                     self._abort(rid)
+            elif isinstance(payload, Stop):
+                if self._owners.get(payload.request_id, (None,))[0] == ident:  # only its client reads its text
+                    out = self.engine.core_stop(payload.request_id, payload.keep)
+                    if out is not None:
+                        self._route([out])
             elif isinstance(payload, Call):
                 self._on_call(ident, payload)
         elif kind == "encoded":
             self._on_encoded(ident, *payload)
         elif kind == "answer":
             self.io.send(ident, payload)
-            self._trim_after(payload)
+            self._heap.after_answer(payload)
         elif kind == "gone":
             rids = self._owned.pop(ident, set())
             self._client_names.pop(ident, None)
@@ -358,16 +365,17 @@ class EngineServer:
                 raise EngineDrainingError(f"engine {self.name!r} is shutting down and accepts no new requests")
             try:
                 for r, req in zip(reqs, processed):
-                    added.append(self.engine.add_processed(req, request_id=r.request_id))
+                    added.append(self.engine.core_add(req, request_id=r.request_id))
             except BaseException:
                 for rid in added:
-                    self.engine.abort_request(rid)
+                    self.engine.core_abort(rid)
                 raise
         except Exception as e:
             self.io.send(ident, Rejected(ids, error_to_wire(e)))
             return
-        for r in reqs:
-            self._owners[r.request_id] = (ident, r.stream)
+        for r, req in zip(reqs, processed):
+            steps = r.stream or bool(req.params.stop) or req.params.logprobs is not None
+            self._owners[r.request_id] = (ident, steps)
             self._owned[ident].add(r.request_id)
         for rid in cancelled:  # aborted while tokenized: it ends like any aborted request
             self._abort(rid)
@@ -376,9 +384,9 @@ class EngineServer:
         if rid in self._tokenizing:
             self._cancelled[rid] = "abort"
             return
-        chunk = self.engine.abort_request(rid)
-        if chunk is not None:
-            self._route([chunk])
+        out = self.engine.core_abort(rid)
+        if out is not None:
+            self._route([out])
 
     def _on_call(self, ident: bytes, call: Call) -> None:
         fn = self._methods.get(call.method)
@@ -397,16 +405,6 @@ class EngineServer:
             return
         self.io.send(ident, Result(call.call_id, raw))
 
-    def _trim_after(self, answer) -> None:
-        """After a large answer (a whole timeline: megabytes) is sent, give the C heap's free pages
-        back to the OS, at most once a second (RSS otherwise stays at its high-water mark)."""
-        value = getattr(answer, "value", None)
-        size = memoryview(value).nbytes if isinstance(value, (msgspec.Raw, bytes)) else 0
-        now = time.monotonic()
-        if size >= TRIM_AFTER_BYTES and now - self._last_trim >= 1.0:
-            self._last_trim = now
-            hostmem.trim_heap()
-
     def _background_loop(self) -> None:
         """Worker thread: build the answers of background calls, hand them to the main thread."""
         while True:
@@ -424,16 +422,16 @@ class EngineServer:
         timeline = self.engine.timeline
         cursor = timeline.cursor
         try:
-            chunks = self.engine.step()
+            outs = self.engine.core_step()
         except Exception as e:
             log.exception("engine step failed; aborting the requests in flight")
             self._fail_all(e)
             return
         sending = time.monotonic()
-        self._route(chunks)
+        self._route(outs)
         if timeline.steps and timeline.steps[-1].seq > cursor:  # the step's event, not yet published
             timeline.steps[-1].parts["send"] = (time.monotonic() - sending) * 1e3
-        self._stalled = not chunks and timeline.cursor == cursor
+        self._stalled = not outs and timeline.cursor == cursor
 
     def _fail_all(self, exc: BaseException) -> None:
         err = ErrorInfo("EngineError", f"engine step failed: {type(exc).__name__}: {exc}")
@@ -442,7 +440,7 @@ class EngineServer:
             by_owner[ident].append(rid)
         for rid in list(self.engine.requests):
             try:
-                self.engine.abort_request(rid)
+                self.engine.core_abort(rid)
             except Exception:
                 log.exception("abort of %s failed", rid)
         self._owners.clear()
@@ -450,19 +448,21 @@ class EngineServer:
         for ident, rids in by_owner.items():
             self.io.send(ident, Rejected(rids, err))
 
-    def _route(self, chunks) -> None:
+    def _route(self, outs) -> None:
+        """Outputs to their requesters: each step's where the client reads them (a stream, stop
+        strings to find, logprobs to gather), else only the last (it carries every id)."""
         by_owner: dict[bytes, list] = defaultdict(list)
-        for c in chunks:
+        for c in outs:
             owner = self._owners.get(c.request_id)
             if owner is None:
                 continue
-            ident, stream = owner
+            ident, steps = owner
             if c.finish_reason is not None:
                 del self._owners[c.request_id]
                 owned = self._owned.get(ident)
                 if owned is not None:
                     owned.discard(c.request_id)
-            elif not stream:
+            elif not steps:
                 continue
             by_owner[ident].append(c)
         for ident, cs in by_owner.items():
@@ -497,7 +497,14 @@ class EngineServer:
             "heartbeat_s": self.io.heartbeat_s,
             "client_timeout_s": self.io.client_timeout_s,
             "monotonic": time.monotonic(),
+            "tokenizer_digest": None if self._tokenizer_spec() is None else self._tokenizer_spec().digest,
         }
+
+    def _tokenizer_spec(self):
+        """The model's tokenizer as data, for clients' output processors (built once: ~30 ms)."""
+        if self._tok_spec is None and self.engine.tokenizer is not None:
+            self._tok_spec = self.engine.tokenizer.to_spec()
+        return self._tok_spec
 
     def _configure(self, ident: bytes, **changes) -> dict:
         return self.engine.apply_settings(changes, by=self._client_names.get(ident, "client"))
@@ -583,9 +590,3 @@ def _process(inputs, msg: Submit) -> list | BaseException:
         ]
     except Exception as e:
         return e
-
-
-TRIM_AFTER_BYTES = 1 << 20  # answers at least this large are followed by a heap trim
-# Messages handled since the last trim past which an idle engine trims its heap (decoding a burst of
-# large submits: 555k fuzzed messages left 550 MB more resident than before them, the engine idle).
-TRIM_AFTER_HANDLED = 64 << 20

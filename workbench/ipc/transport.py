@@ -44,6 +44,7 @@ from .protocol import (
     Pong,
     ProtocolError,
     Rejected,
+    Stop,
     Submit,
     check_header,
     client_decoder,
@@ -285,7 +286,7 @@ class Transport:
         elif isinstance(msg, Bye):
             self._clients.pop(ident, None)
             self.inbox.put(("gone", ident, "said bye"))
-        elif isinstance(msg, Abort):  # always taken, not counted: dropping one would leave requests running
+        elif isinstance(msg, (Abort, Stop)):  # always taken, not counted: dropping one would leave requests running
             self.inbox.put(("msg", ident, (msg, None)))
         elif self._take(ident, len(body)):
             self.inbox.put(("msg", ident, (msg, len(body))))
