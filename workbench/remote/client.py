@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import os
 import secrets
@@ -25,21 +24,19 @@ import httpx
 from ..errors import EngineConnectError, EngineDeadError, WorkbenchIPCError
 from ..events import METRICS_EVERY_S, Event, EventSubscription
 from ..interface import Engine, closed_at_exit, deliver, request_ids
-from ..outputs import RequestMetrics, RequestOutput, StreamChunk, TokenLogprobs
+from ..outputs import RequestOutput, StreamChunk
 from ..sampling_params import SamplingParams
 from ..timeline import Timeline, TimelineRecorder, prompt_label
+from .answer import DONE, StreamedAnswer, sse_object
 from .prometheus import parse_prometheus
 from .reports import metrics_of, server_settings
 from .wire import (
     EXTRA_FIELDS,
     TOKEN_ID_KINDS,
-    RemoteError,
     RemoteSettingsError,
     detect_kind,
-    error_from_object,
     error_message,
     http_error,
-    parse_logprobs,
     request_body,
     split_url,
     transport_error,
@@ -365,13 +362,7 @@ class RemoteEngineClient(Engine):
             f"prompt_tokens={len(ids)}" if ids is not None else None,
             prompt_label(prompt if isinstance(prompt, str) else None),
         )
-        text_parts: list[str] = []
-        token_ids: list[int] = []
-        token_times: list[float] = []
-        lps: list[TokenLogprobs] | None = [] if sp.logprobs is not None else None
-        prompt_ids = list(ids) if ids is not None else []
-        finish: str | None = None
-        usage: dict | None = None
+        answer = StreamedAnswer(list(ids) if ids is not None else [], sp.logprobs is not None)
         error: BaseException | None = None
         try:
             path, body = self._body(prompt, ids, sp, chat)
@@ -379,74 +370,37 @@ class RemoteEngineClient(Engine):
                 if resp.status_code >= 400:
                     raise http_error(resp.status_code, await resp.aread(), self.base)
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    obj = sse_object(line, self.base)
+                    if obj is DONE:
                         break
-                    try:
-                        obj = json.loads(data)
-                    except ValueError:
-                        raise RemoteError(f"{self.base} sent a stream line that is not JSON: {data[:200]!r}") from None
-                    if isinstance(obj.get("error"), (dict, str)):
-                        raise error_from_object(obj["error"], self.base)
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-                    if obj.get("prompt_token_ids"):
-                        prompt_ids = list(obj["prompt_token_ids"])
-                    for choice in obj.get("choices") or []:
-                        now = time.monotonic()
-                        text = choice.get("text")
-                        if text is None:
-                            text = (choice.get("delta") or {}).get("content") or ""
-                        tids = [int(t) for t in choice.get("token_ids") or []]
-                        if choice.get("prompt_token_ids"):
-                            prompt_ids = list(choice["prompt_token_ids"])
-                        new_lps = parse_logprobs(choice.get("logprobs"), tids) if lps is not None else []
-                        n = len(tids) or len(new_lps) or (1 if text else 0)
-                        if choice.get("finish_reason"):
-                            finish = choice["finish_reason"]
-                        if n == 0 and not text:
-                            continue
+                    if obj is None:
+                        continue
+                    now = time.monotonic()
+                    for text, tids, new_lps in answer.add(obj, now):
                         if pend.first is None:
                             pend.first = now
                             self._record(now, rid, "first_token")
-                        token_times.extend([now] * n)
-                        text_parts.append(text)
-                        token_ids.extend(tids)
-                        if lps is not None:
-                            lps.extend(new_lps)
                         if stream and sink is not None:
                             deliver(sink, StreamChunk(rid, text, tids, None, new_lps or None))
-            if finish is None:
-                finish = "abort"  # the stream ended without saying why
+            if answer.finish is None:
+                answer.finish = "abort"  # the stream ended without saying why
         except asyncio.CancelledError:
-            finish = "abort"  # aborted here: leaving the `async with` closed the connection
+            answer.finish = "abort"  # aborted here: leaving the `async with` closed the connection
         except httpx.HTTPError as e:
             error = transport_error(self.base, e)
         except BaseException as e:
             error = e
         end = time.monotonic()
-        out = RequestOutput(
-            request_id=rid,
-            prompt_token_ids=prompt_ids,
-            token_ids=token_ids,
-            text="".join(text_parts),
-            finish_reason=finish if error is None else "abort",
-            metrics=RequestMetrics(arrival=arrival, first_token=pend.first, finished=end, token_times=token_times),
-            prompt=prompt,
-            logprobs=lps,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-            usage=usage,
-        )
+        out = answer.output(rid, prompt, arrival, pend.first, end, error)
         self._record(end, rid, "finished", out.finish_reason if error is None else "error")
         with self._lock:
             self._pending.pop(rid, None)
             self._recent.append(out)
             self._totals["finished"] += 1
-            told = usage or {}  # what the server counted, else what came back
-            self._totals["output_tokens"] += told.get("completion_tokens") or len(token_ids) or len(token_times)
-            self._totals["prompt_tokens"] += told.get("prompt_tokens") or len(prompt_ids)
+            told = answer.usage or {}  # what the server counted, else what came back
+            n = len(answer.token_ids) or len(answer.token_times)
+            self._totals["output_tokens"] += told.get("completion_tokens") or n
+            self._totals["prompt_tokens"] += told.get("prompt_tokens") or len(answer.prompt_ids)
         if sink is not None:
             deliver(sink, error if error is not None else StreamChunk(rid, "", [], out.finish_reason, output=out))
 

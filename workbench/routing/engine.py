@@ -30,8 +30,7 @@ import msgspec
 from ..errors import EngineDeadError
 from ..interface import Engine, deliver, request_ids
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk
-from ..reports import combine_metrics
-from ..timeline import Timeline, TimelineRecorder
+from ..timeline import TimelineRecorder
 from .decisions import Decisions
 from .policies import (
     DEFAULT_THRESHOLDS,
@@ -45,12 +44,12 @@ from .policies import (
     output_confidence,
 )
 from .shared import RouterFile, connect_member, target_of
+from .views import RouterViews
 
 log = logging.getLogger("workbench.routing")
 
 ROUTER_SETTINGS = ("router", "router_threshold", "router_member", "router_confidence")
 ALIASES = 100_000  # member request ids remembered for the timeline's lanes
-PUBLISH_S = 0.25  # how often subscribed views get the router's new timeline events
 
 # A caller's policy and threshold for the requests it submits (the HTTP front's RouteLLM model
 # names, "router-<policy>-<threshold>"): (policy, threshold) or None for the router's own.
@@ -77,7 +76,7 @@ class _Flight:
     arrival: float = 0.0  # when the router took it (time.monotonic): a client's TTFT starts here
 
 
-class RoutedEngine(Decisions, Engine):
+class RoutedEngine(Decisions, RouterViews, Engine):
     def __init__(
         self,
         members: dict[str, Any],
@@ -492,102 +491,6 @@ class RoutedEngine(Decisions, Engine):
                     continue
             await asyncio.sleep(0)
         return aq.get_nowait()
-
-    # -- views ----------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """Requests answered per member (a shared router: by every process sharing it), each
-        member's share, this process's answers per policy, escalations, and the members routed
-        around."""
-        others = self._shared.others_served() if self._shared is not None else Counter()  # every process's
-        with self._lock:
-            per = Counter(others)
-            for (name, _), n in self.routed.items():
-                per[name] += n
-            total = sum(per.values())
-            return {
-                "policy": self.policy,
-                "threshold": self.threshold,
-                "served": {n: per.get(n, 0) for n in self.names},
-                "share": {n: (per.get(n, 0) / total if total else 0.0) for n in self.names},
-                "by_policy": {f"{m}/{p}": n for (m, p), n in self.routed.items()},
-                "escalations": self.escalations,
-                "in_flight": len(self._flights),
-                "down": dict(self._down),
-            }
-
-    def metrics(self) -> dict:
-        per = {}
-        for name, engine in self.members.items():
-            if name in self._down:
-                continue
-            try:
-                per[name] = engine.metrics()
-            except Exception as e:
-                self._member_failed(name, e)
-        return {**combine_metrics(per), "per_member": per, "router": self.stats()}
-
-    def status(self) -> dict:
-        first = self.members[self.names[0]].status()
-        rows = []
-        for name, engine in self.members.items():
-            try:
-                model = engine.status().get("model")
-            except Exception:
-                model = None
-            rows.append({"name": name, "model": model, "alive": engine.alive and name not in self._down})
-        return {**first, "router": self.policy, "router_name": self.name, "members": rows, "routers": list(POLICIES)}
-
-    def timeline(self, since: int | None = None) -> Timeline:
-        """The router's decisions (routed, escalated, finished) with every member's steps and
-        request events, each tagged with its member (`replica`)."""
-        for name, engine in self.members.items():
-            try:
-                tl = engine.timeline(since=self._cursors[name])
-            except Exception:
-                continue
-            with self._lock:
-                self._cursors[name] = tl.cursor
-                self.recorder.merge(tl, name, getattr(engine, "clock_offset", 0.0), rename=self._rename)
-        with self._lock:
-            return self.recorder.read(since)
-
-    def _rename(self, member_rid: str) -> str:
-        return self._alias.get(member_rid, member_rid)
-
-    def _subscribe(self, sub, timeout: float):
-        with self._lock:
-            self._subs.append(sub)
-            if self._publisher is None:  # views attached (a dashboard, the lab panel): feed them
-                self._publisher = threading.Thread(target=self._publish_loop, name="wb-router", daemon=True)
-                self._publisher.start()
-        return sub
-
-    def _publish_loop(self) -> None:
-        """The router's timeline (its decisions and the members' steps) and metrics, as events: what
-        an engine process publishes, so the same views follow a router."""
-        from ..events import Event
-
-        cursor, last_metrics = self.recorder.cursor, 0.0
-        while not self._closed:
-            time.sleep(PUBLISH_S)
-            with self._lock:
-                subs = list(self._subs)
-            if not subs:
-                continue
-            events = []
-            try:
-                tl = self.timeline(since=cursor)
-                if tl.steps or tl.requests or tl.changes:
-                    cursor = tl.cursor
-                    events.append(Event("timeline", time.monotonic(), tl))
-                if time.monotonic() - last_metrics >= 1.0:
-                    last_metrics = time.monotonic()
-                    events.append(Event("metrics", last_metrics, self.metrics()))
-            except Exception as e:  # a member gone mid-read: the next round sees it down
-                log.debug("router %s: publishing failed: %s", self.name, e)
-            for ev in events:
-                for sub in subs:
-                    sub._deliver(ev)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-probabilities of the tokens under the dearest member (the reference answer's)."""
