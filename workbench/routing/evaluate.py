@@ -160,112 +160,20 @@ def evaluate(
     None: those sending 0%, 10%, ..., 100% past the cheapest member (the fixed policy: each member
     alone). `params`: SamplingParams (default greedy, 32 tokens). `concurrency`: requests a member
     runs at once (None: all of them; 1: one at a time, a lone stream's cost)."""
-    from ..sampling_params import SamplingParams
-    from ..tuning.costs import machine_defaults
-
-    params = params or SamplingParams(max_tokens=32, temperature=0.0)
-    params = SamplingParams.coerce(params)
     import msgspec
 
+    from ..sampling_params import SamplingParams
+
+    params = SamplingParams.coerce(params or SamplingParams(max_tokens=32, temperature=0.0))
     params = msgspec.structs.replace(params, logprobs=max(params.logprobs or 0, 0))
     items = router.items(prompts, params)
-    names = router.names
-    policy = router.policy
-
-    # every member on every prompt, once
-    runs: dict[str, list] = {}
-    seconds: dict[str, float] = {}
-    for name in names:
-        engine = router.members[name]
-        t0 = time.monotonic()
-        runs[name] = []
-        step = concurrency or len(items)
-        for k in range(0, len(items), step):
-            part = items[k : k + step]
-            if part[0][1] is not None:
-                runs[name] += engine.generate(prompt_token_ids=[ids for _, ids, _ in part], params=params)
-            else:
-                runs[name] += engine.generate([p for p, _, _ in part], params)
-        seconds[name] = time.monotonic() - t0
-    price = machine_defaults(router.members[names[0]].status().get("device"))["price_per_hour"]
-
-    def cost(name: str, out) -> float:
-        n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
-        given = (prices or {}).get(name)
-        if given is not None:
-            p_in, p_out = given if isinstance(given, (tuple, list)) else (given, given)
-            return (n_in * p_in + n_out * p_out) / 1e6
-        tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in runs[name]) or 1
-        return price / 3600 * seconds[name] * (n_in + n_out) / tokens
-
-    # quality of every answer
-    ref = runs[names[-1]]
-    quality: dict[str, list[float]] = {}
-    f1: dict[str, list[float]] = {}
-    exact: dict[str, list[float]] = {}
-    loglik: dict[str, list[float | None]] = {}
-    dearest = router.members[names[-1]]
-    for name in names:
-        f1[name] = [_f1(o.token_ids, r.token_ids) for o, r in zip(runs[name], ref)]
-        exact[name] = [float(list(o.token_ids) == list(r.token_ids)) for o, r in zip(runs[name], ref)]
-        loglik[name] = [_loglik(dearest, o) for o in runs[name]]
-        if scorer is None:
-            quality[name] = f1[name]
-        else:
-            asked = [item[0] if item[0] is not None else item[1] for item in items]
-            quality[name] = [float(scorer(prompt, o)) for prompt, o in zip(asked, runs[name])]
-    conf = {n: [output_confidence(o, router.how) for o in runs[n]] for n in names}
-
-    # each request's score at each boundary (cascade: each member's own confidence)
-    if policy in ("length", "classifier"):
-        scores = [router.scores(item, policy) for item in items]
-    elif policy == "random":
-        draws = Draws(0)
-        scores = [[draws()] * (len(names) - 1) for _ in items]
-    else:
-        scores = [[conf[n][i] for n in names[:-1]] for i in range(len(items))]
-
-    if policy == "fixed":
-        levels_per = [[names.index(n)] * len(items) for n in names]
-        ts: list[float] = [float(i) for i in range(len(names))]
-    else:
-        if thresholds is None:
-            first = [s[0] for s in scores]
-            ts = sorted({calibrate_threshold(policy, first, share) for share in SHARES})
-        else:
-            ts = [check_threshold(t) for t in thresholds]
-        levels_per = [[level(policy, s, [t] * (len(names) - 1)) for s in scores] for t in ts]
-
-    records = Evaluation()
-    for t, levels in zip(ts, levels_per):
-        costs, quals, ttfts, share = [], [], [], Counter()
-        fs, ems, lls = [], [], []
-        for i, at in enumerate(levels):
-            name = names[at]
-            ran = names[: at + 1] if policy == "cascade" else [name]
-            costs.append(sum(cost(n, runs[n][i]) for n in ran))
-            waited = sum(_latency(runs[n][i]) for n in ran[:-1])
-            ttft = runs[name][i].metrics.ttft
-            ttfts.append(None if ttft is None else (waited + ttft) * 1e3)
-            quals.append(quality[name][i])
-            fs.append(f1[name][i])
-            ems.append(exact[name][i])
-            lls.append(loglik[name][i])
-            share[name] += 1
-        n = len(levels)
-        records.append(
-            {
-                "threshold": t,
-                "cost_per_request": sum(costs) / n,
-                "quality": sum(quals) / n,
-                "share": {m: share[m] / n for m in names},
-                "large_share": 1 - share[names[0]] / n,
-                "ttft_p50_ms": statistics.median([x for x in ttfts if x is not None]) if any(ttfts) else None,
-                "f1": sum(fs) / n,
-                "exact_match": sum(ems) / n,
-                "loglik": _mean(lls),
-            }
-        )
+    names, policy = router.names, router.policy
+    runs, seconds = _run_members(router, items, params, concurrency)  # every member on every prompt, once
+    cost = _costs(router, runs, seconds, prices)
+    measures = _measures(router, items, runs, scorer)
+    scores = _scores(router, items, runs)
+    ts, levels_per = _levels(policy, names, scores, thresholds)
+    records = Evaluation(_record(t, levels, names, policy, runs, cost, measures) for t, levels in zip(ts, levels_per))
     records.sort(key=lambda r: (r["large_share"], r["cost_per_request"]))  # cheapest first, whatever the policy
     from ..tuning.pareto import pareto_front
 
@@ -276,7 +184,7 @@ def evaluate(
         outs = runs[name]
         solo[name] = {
             "cost_per_request": sum(cost(name, o) for o in outs) / len(outs),
-            "quality": sum(quality[name]) / len(outs),
+            "quality": sum(measures["quality"][name]) / len(outs),
             "ttft_p50_ms": statistics.median(o.metrics.ttft * 1e3 for o in outs if o.metrics.ttft is not None),
             "seconds": seconds[name],
         }
@@ -292,6 +200,116 @@ def evaluate(
         for goal in (0.5, 0.8)
     }
     return records
+
+
+def _run_members(router, items, params, concurrency: int | None) -> tuple[dict[str, list], dict[str, float]]:
+    """Each member's answers to every item, in order, and the seconds each member took."""
+    runs: dict[str, list] = {}
+    seconds: dict[str, float] = {}
+    for name in router.names:
+        engine = router.members[name]
+        t0 = time.monotonic()
+        runs[name] = []
+        step = concurrency or len(items)
+        for k in range(0, len(items), step):
+            part = items[k : k + step]
+            if part[0][1] is not None:
+                runs[name] += engine.generate(prompt_token_ids=[ids for _, ids, _ in part], params=params)
+            else:
+                runs[name] += engine.generate([p for p, _, _ in part], params)
+        seconds[name] = time.monotonic() - t0
+    return runs, seconds
+
+
+def _costs(router, runs: dict[str, list], seconds: dict[str, float], prices) -> Callable[[str, Any], float]:
+    """An answer's cost in USD: its tokens at the member's given prices, else its share of the
+    member's machine time (tokens over all the member's tokens) at the machine's price per hour."""
+    from ..tuning.costs import machine_defaults
+
+    price = machine_defaults(router.members[router.names[0]].status().get("device"))["price_per_hour"]
+
+    def cost(name: str, out) -> float:
+        n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        given = (prices or {}).get(name)
+        if given is not None:
+            p_in, p_out = given if isinstance(given, (tuple, list)) else (given, given)
+            return (n_in * p_in + n_out * p_out) / 1e6
+        tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in runs[name]) or 1
+        return price / 3600 * seconds[name] * (n_in + n_out) / tokens
+
+    return cost
+
+
+def _measures(router, items, runs: dict[str, list], scorer) -> dict[str, dict[str, list]]:
+    """Every answer's quality (the scorer's, else its token F1 against the dearest member's
+    answer), F1, exact match and log-likelihood under the dearest member: measure -> member -> list."""
+    names = router.names
+    ref = runs[names[-1]]
+    dearest = router.members[names[-1]]
+    out: dict[str, dict[str, list]] = {"quality": {}, "f1": {}, "exact": {}, "loglik": {}}
+    for name in names:
+        out["f1"][name] = [_f1(o.token_ids, r.token_ids) for o, r in zip(runs[name], ref)]
+        out["exact"][name] = [float(list(o.token_ids) == list(r.token_ids)) for o, r in zip(runs[name], ref)]
+        out["loglik"][name] = [_loglik(dearest, o) for o in runs[name]]
+        if scorer is None:
+            out["quality"][name] = out["f1"][name]
+        else:
+            asked = [item[0] if item[0] is not None else item[1] for item in items]
+            out["quality"][name] = [float(scorer(prompt, o)) for prompt, o in zip(asked, runs[name])]
+    return out
+
+
+def _scores(router, items, runs: dict[str, list]) -> list[list[float]]:
+    """Each request's score at each boundary (a cascade: each member's own confidence)."""
+    names, policy = router.names, router.policy
+    if policy in ("length", "classifier"):
+        return [router.scores(item, policy) for item in items]
+    if policy == "random":
+        draws = Draws(0)
+        return [[draws()] * (len(names) - 1) for _ in items]
+    conf = {n: [output_confidence(o, router.how) for o in runs[n]] for n in names}
+    return [[conf[n][i] for n in names[:-1]] for i in range(len(items))]
+
+
+def _levels(policy: str, names: list[str], scores, thresholds) -> tuple[list[float], list[list[int]]]:
+    """The thresholds evaluated, and at each the member (its index) every request goes to."""
+    if policy == "fixed":
+        return [float(i) for i in range(len(names))], [[names.index(n)] * len(scores) for n in names]
+    if thresholds is None:
+        first = [s[0] for s in scores]
+        ts = sorted({calibrate_threshold(policy, first, share) for share in SHARES})
+    else:
+        ts = [check_threshold(t) for t in thresholds]
+    return ts, [[level(policy, s, [t] * (len(names) - 1)) for s in scores] for t in ts]
+
+
+def _record(t: float, levels: list[int], names, policy: str, runs, cost, measures) -> dict:
+    """One threshold's row: its mean cost, quality and measures, its members' shares, its TTFT
+    (a cascade's request waits for every member it ran before the one that answered)."""
+    costs, ttfts, share = [], [], Counter()
+    picked: dict[str, list] = {m: [] for m in measures}
+    for i, at in enumerate(levels):
+        name = names[at]
+        ran = names[: at + 1] if policy == "cascade" else [name]
+        costs.append(sum(cost(n, runs[n][i]) for n in ran))
+        waited = sum(_latency(runs[n][i]) for n in ran[:-1])
+        ttft = runs[name][i].metrics.ttft
+        ttfts.append(None if ttft is None else (waited + ttft) * 1e3)
+        for m in measures:
+            picked[m].append(measures[m][name][i])
+        share[name] += 1
+    n = len(levels)
+    return {
+        "threshold": t,
+        "cost_per_request": sum(costs) / n,
+        "quality": sum(picked["quality"]) / n,
+        "share": {m: share[m] / n for m in names},
+        "large_share": 1 - share[names[0]] / n,
+        "ttft_p50_ms": statistics.median([x for x in ttfts if x is not None]) if any(ttfts) else None,
+        "f1": sum(picked["f1"]) / n,
+        "exact_match": sum(picked["exact"]) / n,
+        "loglik": _mean(picked["loglik"]),
+    }
 
 
 def _latency(out) -> float:
