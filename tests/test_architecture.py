@@ -223,8 +223,8 @@ def test_shared_types_are_not_the_transports():
 
 # The layers, bottom up. The core serves requests (engine, models, transports, HTTP front, the
 # shared structs); the tools measure and model it (bench, sweeps, run log, simulator); the fronts
-# put both in front of a person. Imports point down only; `cluster`, `llm`, `engines` and
-# `gpucheck` compose the core and are imported by fronts and tools, never by the core.
+# put both in front of a person. Imports point down only; `cluster`, `llm` and `engines` compose
+# the core and are imported by fronts and tools, never by the core.
 CORE = {
     "engine",
     "models",

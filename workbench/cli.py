@@ -313,7 +313,7 @@ def _add_gpucheck(sub: argparse._SubParsersAction) -> None:
         description="Check every Triton kernel against its torch reference and the device's copy bandwidth, "
         "the engine against transformers on the GPU (64 requests and a single stream, Triton kernels "
         "and torch's ops) and CUDA graphs on and off; write one JSON and a markdown summary "
-        "(workbench/gpucheck.py). --dry-run: the same pipeline on this CPU (Triton interpreter, "
+        "(workbench/bench/gpucheck.py). --dry-run: the same pipeline on this CPU (Triton interpreter, "
         "tiny shapes, no speed targets).",
     )
     p.add_argument("--dry-run", action="store_true", help="run the pipeline on the CPU under the Triton interpreter")
@@ -353,7 +353,7 @@ def _run_gpucheck(args: argparse.Namespace) -> int:
     import time
 
     from .bench.gpu_report import write_report
-    from .gpucheck import run_gpucheck
+    from .bench.gpucheck import run_gpucheck
 
     started = time.monotonic()
 

@@ -1,4 +1,4 @@
-"""The report of `workbench gpucheck` (`workbench/gpucheck.py`): its targets, the markdown summary
+"""The report of `workbench gpucheck` (`workbench/bench/gpucheck.py`): its targets, the markdown summary
 written beside the JSON, and the writing of both (after every section, so a run cut off keeps
 its part)."""
 

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .bench.gpu_report import decode_tok_s, targets
+from .gpu_report import decode_tok_s, targets
 
 # The sections, in the order they run (the most needed first: a run out of budget skips the last).
 # `--only` picks some; the device's limits are always measured (the kernels' fractions need them).
@@ -111,7 +111,7 @@ def run_gpucheck(
     peers hold the same weights) instead of SmolLM2."""
     import torch
 
-    from .models import shapes
+    from ..models import shapes
 
     if shape is not None:
         shapes.shape_config(shape)  # an unknown shape is refused before anything runs
@@ -299,7 +299,7 @@ def _model_folder(dry_run: bool, root: Path) -> tuple[str | None, str]:
         try:
             import gguf  # noqa: F401 - reads the embedded model's file
 
-            from .models.loader import default_gguf_path
+            from ..models.loader import default_gguf_path
 
             default_gguf_path()
             return None, "the embedded SmolLM2-135M (bf16)"
@@ -362,7 +362,7 @@ def _engine_run(
 ) -> dict:
     """One `run_bench` on this device: its results, ratios, token agreement and the engine's status
     fields that say what ran (backend, kernels, CUDA graphs)."""
-    from .bench.runner import run_bench
+    from .runner import run_bench
 
     settings = {"device": str(device), "attention_backend": attention_backend}
     if cuda_graphs:
@@ -394,8 +394,8 @@ def _launches(model: str | None, device, log) -> dict:
     layer ops and without (`bench/launches.py`)."""
     import torch
 
-    from .bench.launches import launches_per_layer
-    from .llm import LLM
+    from ..llm import LLM
+    from .launches import launches_per_layer
 
     log("engine: kernel launches per layer (eager decode, torch profiler)")
     dtype = "float32" if device.type == "cpu" else "auto"  # the dry run's: its C kernels would take a bf16 step
@@ -449,8 +449,8 @@ def _exactness(device, dry_run: bool, root: Path, log) -> dict:
     import torch
     import transformers
 
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
 
     log("engine: exactness against transformers (fp32 greedy)")
     torch.manual_seed(1)
