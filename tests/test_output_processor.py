@@ -12,6 +12,7 @@ from jupyter_helpers import private_runtime_dir
 
 from workbench.engine.llm_engine import LLMEngine
 from workbench.http.server import load_front_tokenizer
+from workbench.ipc import pending
 from workbench.ipc.client import EngineClient
 from workbench.ipc.server import EngineServer
 from workbench.outputs import CoreFinal, CoreOutput, RequestMetrics
@@ -109,10 +110,16 @@ def test_stop_strings_end_requests_alike_in_process_and_over_the_socket(tmp_path
     for out, s, p in zip(expected, stops, plain):
         assert out.finish_reason == "stop" and s not in out.text and p.text.startswith(out.text + s)
 
+    pending._tokenizers.clear()  # as in a fresh process (an earlier test's client may have fetched it)
     served = _Served(LLMEngine(None, num_kv_blocks=256), tmp_path)
     try:
         client = served.client
+        client.status()
+        assert served.shipped == 0  # a client that only watches never fetches the tokenizer
         got = client.generate(prompts, with_stop, timeout=120)
+        with EngineClient.connect("outputs", timeout=30) as other:  # this process has it now
+            assert other.generate(prompts[:1], with_stop[:1], timeout=60)[0].text == expected[0].text
+            assert other.tokenizer is client.tokenizer and served.shipped == 1
         streamed = [
             "".join(c.text_delta for c in client.stream(p, sp, timeout=120)) for p, sp in zip(prompts, with_stop)
         ]
@@ -125,8 +132,8 @@ def test_stop_strings_end_requests_alike_in_process_and_over_the_socket(tmp_path
     ]
     assert streamed == [o.text for o in expected]  # no delta ever showed a stop string
     finished = [e.detail for e in timeline.requests if e.kind == "finished"]
-    assert finished == ["stop"] * 6
-    assert metrics["total_output_tokens"] == 2 * sum(len(o.token_ids) for o in expected)
+    assert finished == ["stop"] * 7
+    assert metrics["total_output_tokens"] == 2 * sum(len(o.token_ids) for o in expected) + len(expected[0].token_ids)
     touched = {name for name, _ in served.seen}
     assert {"core_step", "core_stop"} <= touched
     assert not touched & {"step", "add_processed", "abort_request", "outputs"}, touched  # text is the client's
@@ -158,6 +165,14 @@ class _Served:
         self._dir = private_runtime_dir(tmp_path)
         self._dir.__enter__()
         self.server = EngineServer(Recorded(), name="outputs")
+        self.shipped = 0  # times a client asked for the tokenizer
+        ship = self.server._methods["tokenizer"]
+
+        def counted(who):
+            self.shipped += 1
+            return ship(who)
+
+        self.server._methods["tokenizer"] = counted
         self.server.start()
         self._loop = threading.Thread(target=self.server.serve_forever, name="engine-loop", daemon=True)
         self._loop.start()

@@ -43,7 +43,7 @@ from ..timeline import Timeline
 from ..tokenizer import Tokenizer, TokenizerSpec
 from . import connection as conn
 from .event_feed import EventFeed
-from .pending import PendingRequests, shipped_tokenizer
+from .pending import PendingRequests
 from .protocol import (
     HEADER,
     PROTOCOL_VERSION,
@@ -140,7 +140,7 @@ class EngineClient(Engine):
             there = self.engine_info.get("monotonic")
             self.clock_offset = 0.0 if there is None or info.same_host() else there - (asked + answered) / 2
             fetch = partial(self.call, "tokenizer", _timeout=timeout, _type=TokenizerSpec)
-            self._pending.use_tokenizer(shipped_tokenizer(self.engine_info.get("tokenizer_digest"), fetch))
+            self._pending.expect_tokenizer(self.engine_info.get("tokenizer_digest"), fetch)
         except TimeoutError:
             hint = (
                 " For tcp, check that this connection file carries the engine's CURVE keys."
@@ -153,8 +153,8 @@ class EngineClient(Engine):
 
     @property
     def tokenizer(self) -> Tokenizer | None:
-        """The engine's own tokenizer (shipped at the handshake: it works for an engine on any host)."""
-        return self._pending.outputs.tokenizer
+        """The engine's own tokenizer (it comes over the socket: an engine on any host)."""
+        return self._pending.tokenizer()
 
     def _revive(self) -> bool:
         """With `reconnect`, attach to a new engine holding this name once the old one is dead.

@@ -2,7 +2,8 @@
 and the output processor that turns the engine's token ids into their chunks (text, stop
 strings: `workbench.processing.output`, run here in the client, off the engine's step loop).
 Callers add and drop requests; the client's IO thread hands in outputs, refusals and the engine's
-death. The engine's tokenizer comes over the socket once per model and process (`shipped_tokenizer`).
+death. The engine's tokenizer comes over the socket when a request first needs it, once per model
+and process (`shipped_tokenizer`): a client that only watches never fetches it.
 """
 
 from __future__ import annotations
@@ -40,12 +41,25 @@ class PendingRequests:
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._quiet: set[str] = set()  # requests whose caller wants only the final chunk
         self.outputs = OutputProcessor(None)
+        self._digest: str | None = None
+        self._fetch: Callable[[], TokenizerSpec] | None = None
+        self._have_tokenizer = True
 
-    def use_tokenizer(self, tokenizer: Tokenizer | None) -> None:
+    def expect_tokenizer(self, digest: str | None, fetch: Callable[[], TokenizerSpec]) -> None:
+        """A (re)connected engine's tokenizer, by its digest; fetched when first needed."""
         with self._lock:
-            self.outputs = OutputProcessor(tokenizer)
+            self.outputs = OutputProcessor(None)
+            self._digest, self._fetch, self._have_tokenizer = digest, fetch, digest is None
+
+    def tokenizer(self) -> Tokenizer | None:
+        if not self._have_tokenizer:
+            tok = shipped_tokenizer(self._digest, self._fetch)  # an RPC: not under the lock the IO thread takes
+            with self._lock:
+                self.outputs.tokenizer, self._have_tokenizer = tok, True
+        return self.outputs.tokenizer
 
     def add(self, reqs: list[NewRequest], sink: Callable[[Any], None], stream: bool) -> None:
+        self.tokenizer()  # before the first request's outputs can arrive
         with self._lock:
             for r in reqs:
                 self._sinks[r.request_id] = sink
