@@ -242,8 +242,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> StreamChunk | None:
         """In-process: abort, and the request's last chunk (None for one not running)."""
-        out = self.core_abort(request_id)
-        return self._processed([out])[0] if out is not None else None
+        chunks = self._processed([out]) if (out := self.core_abort(request_id)) is not None else []
+        return chunks[0] if chunks else None  # none: a request added to the core alone
 
     def core_abort(self, request_id: str) -> CoreOutput | None:
         req = self.requests.get(request_id)
