@@ -42,3 +42,12 @@ class EngineConnectError(WorkbenchError, ConnectionError):
 
 class EngineStartError(WorkbenchError):
     """The engine process exited, or never became ready, while starting."""
+
+
+def fresh_copy(exc: BaseException) -> BaseException:
+    """A fresh copy to raise in one caller's thread (one exception object raised in several
+    threads would collect all their tracebacks)."""
+    try:
+        return type(exc)(*exc.args)
+    except Exception:
+        return exc

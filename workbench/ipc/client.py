@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from ..errors import fresh_copy
 from ..events import Event, EventSubscription
 from ..interface import Engine, closed_at_exit, request_ids
 from ..processing.output import Stop as StopFound
@@ -356,14 +357,14 @@ class EngineClient(Engine):
             log.warning("%s", exc)
         for fut in calls.values():
             if not fut.done():
-                fut.set_exception(_copy_exc(exc))
-        self._pending.fail_all(partial(_copy_exc, exc))
+                fut.set_exception(fresh_copy(exc))
+        self._pending.fail_all(partial(fresh_copy, exc))
         for sub in subs:
-            sub._deliver(_copy_exc(exc))
+            sub._deliver(fresh_copy(exc))
 
     def _post(self, msg: Any) -> None:
         if self._dead is not None:
-            raise _copy_exc(self._dead)
+            raise fresh_copy(self._dead)
         frames = [HEADER, encode_strict(msg)]
         if len(frames[1]) > self.info.max_message_bytes:
             raise ValueError(
@@ -383,7 +384,7 @@ class EngineClient(Engine):
         call_id = next(self._ids)
         with self._lock:
             if self._dead is not None:
-                raise _copy_exc(self._dead)
+                raise fresh_copy(self._dead)
             self._calls[call_id] = fut
         try:
             self._post(Call(call_id, method, kwargs))
@@ -494,7 +495,7 @@ class EngineClient(Engine):
             into.extend(rids)
         self._revive()
         if self._dead is not None:
-            raise _copy_exc(self._dead)
+            raise fresh_copy(self._dead)
         self._pending.add(reqs, sink, stream)  # (if the engine dies now, the post below raises)
         try:
             self._post(Submit(reqs))
@@ -521,7 +522,7 @@ class EngineClient(Engine):
         self._revive()
         with self._ev_lock:
             if self._dead is not None:
-                raise _copy_exc(self._dead)
+                raise fresh_copy(self._dead)
             self._events.start(self.info, lambda: not self._closing and self._dead is None, timeout)
         self._sync_events(timeout)
         with self._lock:
@@ -586,25 +587,7 @@ class EngineClient(Engine):
             self.close()
 
     def _wait_gone(self, deadline: float) -> None:
-        if self.process is not None:
-            try:
-                self.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-                raise TimeoutError(f"engine {self.name!r} did not exit in time; killed it") from None
-            return
-        while time.monotonic() < deadline:
-            if self._dead is not None or (self._check_pid and not conn.pid_alive(self.pid)):
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"engine {self.name!r} (pid {self.pid}) did not exit in time")
+        def gone() -> bool:
+            return self._dead is not None or (self._check_pid and not conn.pid_alive(self.pid))
 
-
-def _copy_exc(exc: BaseException) -> BaseException:
-    """A fresh copy to raise in this caller's thread (one exception object raised in several
-    threads would collect all their tracebacks)."""
-    try:
-        return type(exc)(*exc.args)
-    except Exception:
-        return exc
+        conn.wait_gone(self.name, self.pid, self.process, gone, deadline)

@@ -24,9 +24,12 @@ import re
 import secrets
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,3 +352,21 @@ def default_client_name() -> str:
     if script == "__main__.py":  # python -m package: the package's name
         script = os.path.basename(os.path.dirname(sys.argv[0]))
     return script
+
+
+def wait_gone(name: str, pid: int, process: subprocess.Popen | None, gone: Callable[[], bool], deadline: float) -> None:
+    """Wait until an engine process has exited: our child (`process`, killed at the deadline), else
+    until `gone()` says so (its pid no longer alive, its client dead)."""
+    if process is not None:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+            raise TimeoutError(f"engine {name!r} did not exit in time; killed it") from None
+        return
+    while time.monotonic() < deadline:
+        if gone():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"engine {name!r} (pid {pid}) did not exit in time")
