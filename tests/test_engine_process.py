@@ -40,6 +40,7 @@ from workbench.ipc.protocol import (
     NewRequest,
     ProtocolError,
     Rejected,
+    Stop,
     Submit,
     decode_engine_message,
     encode,
@@ -512,6 +513,9 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
             m = _recv(s)
             assert isinstance(m, Rejected) and m.request_ids == ["fz3"] and field in m.error.message, m
         s.send_multipart([HEADER, encode(Abort(["no-such-request"]))])  # ignored
+        s.send_multipart([HEADER, encode(Stop("no-such-request", 3))])  # ignored
+        s.send_multipart([HEADER, encode(Stop("no-such-request", -1))])  # a count below 0: undecodable
+        assert isinstance(_recv(s), ProtocolError)
         s.send_multipart([b"only one frame"])
         assert isinstance(_recv(s), ProtocolError)
         # Random garbage: bytes, truncated valid messages, random frame counts, random msgpack.
@@ -529,7 +533,7 @@ def test_fuzz_bad_messages_engine_keeps_serving(engine, reference, runtime_dir):
                     HEADER,
                     msgspec.msgpack.encode(
                         [
-                            rng.choice(["call", "submit", "abort", "ping", "bye", "x", 3]),
+                            rng.choice(["call", "submit", "abort", "stop", "ping", "bye", "x", 3]),
                             rng.choice([None, -1, 2**63, "s", [], [[1]], {"a": 1}, 1.5]),
                         ]
                     ),

@@ -14,6 +14,7 @@ from workbench.engine.llm_engine import LLMEngine
 from workbench.http.server import load_front_tokenizer
 from workbench.ipc import pending
 from workbench.ipc.client import EngineClient
+from workbench.ipc.protocol import Stop
 from workbench.ipc.server import EngineServer
 from workbench.outputs import CoreFinal, CoreOutput, RequestMetrics
 from workbench.processing.output import OutputProcessor
@@ -92,13 +93,14 @@ def test_without_a_tokenizer_outputs_are_ids():
 
 
 def test_stop_strings_end_requests_alike_in_process_and_over_the_socket(tmp_path):
-    """Greedy, the embedded model: a stop string ends a request with the same text and token ids
-    whether the engine's own `step` found it or the client of an engine process did (which drops
-    the step the engine ran past it); the engine process's timeline says why, its token count
-    holds no dropped token, and its loop never read text."""
+    """Greedy, the embedded model in float32 (a request alone and in a batch agree): a stop string
+    ends a request with the same text and token ids whether the engine's own `step` found it or the
+    client of an engine process did (which drops the step the engine ran past it); the engine
+    process's timeline says why, its token count holds no dropped token, and its loop never read
+    text."""
     prompts = ["The capital of France is", "Write a list of three colours:", "Once upon a time"]
     greedy = SamplingParams(max_tokens=40, temperature=0)
-    local = LLMEngine(None, num_kv_blocks=256)
+    local = LLMEngine(None, dtype="float32", num_kv_blocks=256)
     plain = _run(local, prompts, greedy)
     stops = []
     for out in plain:  # a stop string out of each answer's middle, where it first occurs
@@ -111,7 +113,7 @@ def test_stop_strings_end_requests_alike_in_process_and_over_the_socket(tmp_path
         assert out.finish_reason == "stop" and s not in out.text and p.text.startswith(out.text + s)
 
     pending._tokenizers.clear()  # as in a fresh process (an earlier test's client may have fetched it)
-    served = _Served(LLMEngine(None, num_kv_blocks=256), tmp_path)
+    served = _Served(LLMEngine(None, dtype="float32", num_kv_blocks=256), tmp_path)
     try:
         client = served.client
         client.status()
@@ -120,6 +122,12 @@ def test_stop_strings_end_requests_alike_in_process_and_over_the_socket(tmp_path
         with EngineClient.connect("outputs", timeout=30) as other:  # this process has it now
             assert other.generate(prompts[:1], with_stop[:1], timeout=60)[0].text == expected[0].text
             assert other.tokenizer is client.tokenizer and served.shipped == 1
+            # a Stop for another client's request is not taken: only its own client reads its text
+            told, long = [], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            for chunk in client.stream(prompts[0], long, timeout=120):
+                if not told:
+                    told.append(other._post(Stop(chunk.request_id, 0)))
+            assert chunk.finish_reason == "length" and len(chunk.output.token_ids) == long.max_tokens
         streamed = [
             "".join(c.text_delta for c in client.stream(p, sp, timeout=120)) for p, sp in zip(prompts, with_stop)
         ]
@@ -132,8 +140,9 @@ def test_stop_strings_end_requests_alike_in_process_and_over_the_socket(tmp_path
     ]
     assert streamed == [o.text for o in expected]  # no delta ever showed a stop string
     finished = [e.detail for e in timeline.requests if e.kind == "finished"]
-    assert finished == ["stop"] * 7
-    assert metrics["total_output_tokens"] == 2 * sum(len(o.token_ids) for o in expected) + len(expected[0].token_ids)
+    assert sorted(finished) == ["length"] + ["stop"] * 7
+    stopped = 2 * sum(len(o.token_ids) for o in expected) + len(expected[0].token_ids)
+    assert metrics["total_output_tokens"] == stopped + 40
     touched = {name for name, _ in served.seen}
     assert {"core_step", "core_stop"} <= touched
     assert not touched & {"step", "add_processed", "abort_request", "outputs"}, touched  # text is the client's

@@ -82,7 +82,7 @@ class Stop(msgspec.Struct, tag="stop", array_like=True):
     the engine may have run one step past it, whose tokens it drops)."""
 
     request_id: str
-    keep: int
+    keep: Annotated[int, msgspec.Meta(ge=0)]  # a negative count is refused as undecodable (ProtocolError)
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):
