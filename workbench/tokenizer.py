@@ -11,7 +11,6 @@ holds text back while the window's decoded tail is an incomplete UTF-8 character
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -148,11 +147,6 @@ class TokenizerSpec(msgspec.Struct, array_like=True):
     eos_token: str | None
     eos_token_ids: list[int]
     bos_token_id: int | None
-
-    @property
-    def digest(self) -> str:
-        """Names the tokenizer: two specs with one digest build the same tokenizer."""
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
 
 
 class Tokenizer:

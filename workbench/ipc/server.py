@@ -29,6 +29,7 @@ removing the connection file and sockets first.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -38,6 +39,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from ..reports import ProcessStatus, as_dict
 from ..settings import schema
@@ -134,7 +137,7 @@ class EngineServer:
         self._last_tl_flush = 0.0
         self._last_metrics = 0.0
         self._stalled = False
-        self._tok_spec = None
+        self._tok: tuple[msgspec.Raw | None, str | None] | None = None
         self.connection_file: Path | None = None
         self.info: conn.ConnectionInfo | None = None
         # Every method takes the caller's identity first (hello names it, configure records it).
@@ -148,7 +151,7 @@ class EngineServer:
             "reset_prefix_cache": lambda _who: self.engine.reset_prefix_cache(),
             "weights_checksum": lambda _who: lambda: encode_raw(self.engine.weights_checksum()),
             "schema": lambda _who: schema(),
-            "tokenizer": lambda _who: self._tokenizer_spec(),
+            "tokenizer": lambda _who: self._tokenizer()[0],
             "shutdown": lambda _who, **kw: self._shutdown_rpc(**kw),
             "sync_events": lambda _who, **kw: self._sync_events(**kw),
         }
@@ -497,14 +500,17 @@ class EngineServer:
             "heartbeat_s": self.io.heartbeat_s,
             "client_timeout_s": self.io.client_timeout_s,
             "monotonic": time.monotonic(),
-            "tokenizer_digest": None if self._tokenizer_spec() is None else self._tokenizer_spec().digest,
+            "tokenizer_digest": self._tokenizer()[1],
         }
 
-    def _tokenizer_spec(self):
-        """The model's tokenizer as data, for clients' output processors (built once: ~30 ms)."""
-        if self._tok_spec is None and self.engine.tokenizer is not None:
-            self._tok_spec = self.engine.tokenizer.to_spec()
-        return self._tok_spec
+    def _tokenizer(self) -> tuple[msgspec.Raw | None, str | None]:
+        """The model's tokenizer as a `TokenizerSpec`'s msgpack, and the digest that names it, for
+        clients' output processors: built, encoded and hashed once (~30 ms), then only sent."""
+        if self._tok is None:
+            tok = self.engine.tokenizer
+            raw = None if tok is None else encode_raw(tok.to_spec())
+            self._tok = (raw, None if raw is None else hashlib.sha256(raw).hexdigest()[:16])
+        return self._tok
 
     def _configure(self, ident: bytes, **changes) -> dict:
         return self.engine.apply_settings(changes, by=self._client_names.get(ident, "client"))
