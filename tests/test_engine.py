@@ -37,6 +37,7 @@ CASES = {
     "no-kv-cache": dict(kv_cache=False, max_num_batched_tokens=64),
     "preemption": dict(num_kv_blocks=16, block_size=8, max_num_batched_tokens=32),
     "no-prefix-cache": dict(prefix_caching=False, block_size=32),
+    "async-preemption": dict(async_scheduling=True, num_kv_blocks=16, block_size=8, max_num_batched_tokens=32),
 }
 
 

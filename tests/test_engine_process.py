@@ -278,6 +278,7 @@ def test_outputs_go_only_to_the_requester(engine):
         ("prefix_caching", False, True),
         ("attention_backend", "torch", "auto"),
         ("kv_cache_dtype", "int8", "auto"),
+        ("async_scheduling", True, False),
     ],
 )
 def test_configure_mid_stream(engine, reference, name, value, default):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 # gpucheck's sections, in the order they run (the most needed first: a spent budget skips the last)
-EVERY_SECTION = ["kernels", "exactness", "launches", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep"]
+EVERY_SECTION = "kernels exactness launches triton cuda_graphs async_scheduling hf_sequential torch_ops sweep".split()
 
 
 def _gpucheck(cwd, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -51,7 +51,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
         assert k["max_abs_err"] < (0.05 if k["name"].startswith("write_kv int8") else 1e-3), k  # fp32, small shapes
         assert k["gb_s"] > 0 and k["fraction"] > 0
     eng = rep["engine"]
-    for run in ("triton", "torch_ops", "triton_cuda_graphs"):
+    for run in ("triton", "torch_ops", "triton_cuda_graphs", "triton_async"):
         assert "error" not in eng[run], eng[run]
         assert eng[run]["results"]["workbench"]["output_tok_s"] > 0
     assert "hf_static" in eng["triton"]["results"]
@@ -65,9 +65,11 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     assert eng["triton"]["engine_status"]["attention_backend"] == "triton"
     assert eng["torch_ops"]["engine_status"]["attention_backend"] == "torch"
     # the engine on this device's Triton kernels gives transformers' fp32 greedy tokens, every request
+    assert list(eng["exactness"]) == ["triton", "triton_cuda_graphs", "triton_async"]
     for check in eng["exactness"].values():
         assert check["identical_requests"] == check["requests"] == 5, check
-        assert check["sampled_repeatable"] is True, check
+        assert check["sampled_repeatable"] is True and check["sampled_as_first"] is True, check
+    assert eng["exactness"]["triton_async"]["overlapped_steps"] > 0
     # issue 50.2: the eager decode step's launches per layer, counted; the fused layer ops serve
     launches = rep["launches"]
     assert launches["fused_layers"] is True and launches["layers"] == 2
@@ -79,6 +81,9 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     assert graphs["buckets"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert graphs["steps"]["replayed"] == 0 and graphs["steps"]["eager"] > 0
     assert graphs["last_eager_reason"] == "CUDA graphs need a CUDA device; this engine runs on cpu"
+    overlap = rep["async_scheduling"]  # issue 50.4: the same runs with async scheduling, side by side
+    assert overlap["w64_tok_s_on"] > 0 and overlap["w64_tok_s_off"] > 0 and overlap["single_stream_tok_s_on"] > 0
+    assert overlap["w64_device_busy_on"] is None  # a CPU has no device to idle: no share to claim
     assert rep["targets"] == []  # no speed targets on a dry run
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# workbench gpucheck (dry run)") and "Dry run: no speed targets." in md

@@ -39,6 +39,7 @@ TOTALS = (
     "jump_forward_proposed",  # tokens structured requests' grammars forced (jump-forward)
     "jump_forward_tokens",  # of those, kept by their verify steps: model steps saved
     "grammar_compiles",  # grammars compiled (a schema seen before is served from the cache)
+    "overlapped_steps",  # steps launched before the last one's tokens were read (async_scheduling)
 )
 
 
@@ -75,6 +76,9 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     # the part that took most (what limits the engine now; None when idle)
     step_parts_share: dict[str, float] = msgspec.field(default_factory=dict)
     step_limit: str | None = None
+    # On CUDA, the window's share of device time spent on steps, not waiting for the host between
+    # them (async_scheduling closes those gaps); None on a CPU (the host is the device)
+    device_busy_share: float | None = None
     total_prompt_tokens: int = 0
     total_prefix_hit_tokens: int = 0
     total_output_tokens: int = 0
@@ -87,6 +91,7 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     total_jump_forward_proposed: int = 0
     total_jump_forward_tokens: int = 0
     total_grammar_compiles: int = 0
+    total_overlapped_steps: int = 0
     response_cache_entries: int = 0
 
 
@@ -163,6 +168,8 @@ ADDITIVE = (
     "process_rss_mb",
 )
 
+LOWER_IS_WORSE = ("device_busy_share",)
+
 
 def combine_metrics(per: dict[str, dict]) -> dict[str, Any]:
     """Several engines' metrics as one (a cluster's replicas, a router's members): counts and
@@ -174,6 +181,8 @@ def combine_metrics(per: dict[str, dict]) -> dict[str, Any]:
                 continue
             if k in ADDITIVE or k.startswith("total_"):
                 out[k] = out.get(k, 0) + v
+            elif k in LOWER_IS_WORSE:
+                out[k] = min(out.get(k, v), v)
             else:
                 out[k] = max(out.get(k, v), v)
     total = out.get("kv_blocks_total")

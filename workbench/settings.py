@@ -146,6 +146,13 @@ class EngineSettings(HasTraits):
         doc="on a CUDA device, replay decode steps as CUDA graphs captured per batch-size bucket (steps that "
         "do not fit run eagerly; status() says why); no effect elsewhere",
     )
+    async_scheduling = Bool(False).tag(
+        label="Async scheduling",
+        kind=LIVE,
+        doc="schedule and launch the next step before reading the last one's tokens, so the host's work "
+        "overlaps the device's (a GPU stops idling between steps); outputs are unchanged. Steps with "
+        "penalties, grammars, logprobs or speculation run synchronously",
+    )
     dtype = Enum(["auto", "bfloat16", "float16", "float32"], default_value="auto").tag(
         label="Compute dtype",
         kind=RESTART,

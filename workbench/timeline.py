@@ -22,6 +22,9 @@ PHASES = ("prefill", "decode", "mixed", "verify", "relayout")
 # stop strings checked) and, in an engine process, handing the chunks to their clients.
 # The grammar masks of structured requests ("mask") are their own part, before sampling.
 STEP_PARTS = ("draft", "schedule", "prepare", "layers", "lm_head", "mask", "sample", "outputs", "send")
+# On CUDA these are the device's times (events), the others the host's; a step on CUDA also
+# records "device_idle", the device's wait for it since the step before ended (not a STEP_PART).
+DEVICE_PARTS = ("layers", "lm_head", "sample")
 REQUEST_EVENTS = (
     "arrived",
     "scheduled",
@@ -134,6 +137,11 @@ def step_breakdown(steps: Iterable[StepEvent]) -> dict:
         "between_steps_share": 1 - busy / span if span > 0 else 0.0,
     }
     out["limit"] = max(totals, key=totals.get) if measured else None
+    # on CUDA: the device's share of time busy with steps rather than waiting for the host between them
+    idle = [st.parts["device_idle"] for st in steps if "device_idle" in st.parts]
+    if idle:
+        on_device = sum(totals[k] for k in DEVICE_PARTS)
+        out["device_busy_share"] = on_device / (on_device + sum(idle)) if on_device else 0.0
     return out
 
 

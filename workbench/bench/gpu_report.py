@@ -15,6 +15,7 @@ TARGETS = {
     "engine_vs_transformers_w64_cuda_graphs": 5.0,
     "engine_single_stream_vs_transformers": 5.0,
     "cuda_graphs_single_stream": 3.0,
+    "device_busy_w64_async": 0.95,
 }
 # at most (the others: at least)
 CEILINGS = {"launches_per_layer": 12}
@@ -49,6 +50,7 @@ def targets(rep: dict) -> list[dict]:
     theirs = decode_tok_s(eng, "hf_sequential", "hf_single_stream")
     add("engine_single_stream_vs_transformers", ours / theirs if ours and theirs else None)
     add("cuda_graphs_single_stream", rep["cuda_graphs"].get("speedup"))
+    add("device_busy_w64_async", (rep.get("async_scheduling") or {}).get("w64_device_busy_on"))
     launches = rep.get("launches_per_layer")
     if isinstance(launches, (int, float)):
         cap = CEILINGS["launches_per_layer"]
@@ -82,7 +84,7 @@ def summary_markdown(rep: dict) -> str:
         lines.append(f"| {k['name']} | {k['max_abs_err']:.3g} | {k['gb_s']:.3g} | {k['fraction']:.3g}{of} |")
     eng = rep["engine"]
     lines += ["", f"Engine ({eng.get('model', 'not run')}):", ""]
-    for name in ("triton", "triton_cuda_graphs", "hf_sequential", "torch_ops"):
+    for name in ("triton", "triton_cuda_graphs", "triton_async", "hf_sequential", "torch_ops"):
         for sysname, s in ((eng.get(name) or {}).get("results") or {}).items():
             extra = f", decode {s['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in s else ""
             lines.append(
@@ -112,6 +114,18 @@ def summary_markdown(rep: dict) -> str:
         )
     else:
         lines.append(f"- CUDA graphs: not measured ({g.get('last_eager_reason')})")
+    a = rep.get("async_scheduling") or {}
+    if a.get("w64_tok_s_on"):
+
+        def busy(x):
+            return "n/a" if x is None else f"{x:.1%}"
+
+        lines.append(
+            f"- async scheduling (with graphs), W64: {a['w64_tok_s_on']:.1f} vs {a.get('w64_tok_s_off') or 0:.1f} "
+            f"tok/s off; device busy {busy(a.get('w64_device_busy_on'))} vs {busy(a.get('w64_device_busy_off'))}; "
+            f"single stream {a.get('single_stream_tok_s_on') or 0:.1f} vs "
+            f"{a.get('single_stream_tok_s_off') or 0:.1f} tok/s"
+        )
     if rep.get("sweep"):
         lines += ["", "| sweep | default us | fastest us | fastest config | configs |", "|---|---|---|---|---|"]
         for key, r in rep["sweep"].items():

@@ -22,6 +22,9 @@ markdown summary beside it, both rewritten after every section so a run cut off 
   kernel launches of a decoder layer in an eager decode step, counted with the torch profiler
   (`bench/launches.py`; target <= 12);
 - `cuda_graphs`: the single stream with CUDA graphs on and off, and how many steps replayed;
+- `async_scheduling`: the W64 and single-stream runs again with async scheduling (and graphs), and
+  the share of device time busy with steps in each (`device_busy_share`: the GPU's idle gaps
+  between steps, from CUDA events);
 - `sweep`: launch configurations of decode and prefill attention timed against the defaults in
   whatever budget is left (what to tune next);
 - `sections_s`, `skipped`, `errors`: what each section took, what the budget left out, what failed;
@@ -52,7 +55,17 @@ from .gpu_report import decode_tok_s, targets
 
 # The sections, in the order they run (the most needed first: a run out of budget skips the last).
 # `--only` picks some; the device's limits are always measured (the kernels' fractions need them).
-SECTIONS = ("kernels", "exactness", "launches", "triton", "cuda_graphs", "hf_sequential", "torch_ops", "sweep")
+SECTIONS = (
+    "kernels",
+    "exactness",
+    "launches",
+    "triton",
+    "cuda_graphs",
+    "async_scheduling",
+    "hf_sequential",
+    "torch_ops",
+    "sweep",
+)
 
 # Sizes: a realistic GPU run, and the dry run's (the interpreter runs a kernel in Python).
 GPU = {
@@ -146,6 +159,7 @@ def run_gpucheck(
         "engine": {},
         "launches_per_layer": None,  # kernel launches of a decoder layer in an eager decode step
         "cuda_graphs": {},
+        "async_scheduling": {},
         "targets": [],
         "sections_s": {},
         "skipped": [],
@@ -206,11 +220,16 @@ def run_gpucheck(
         section("triton", lambda: run("triton", systems=["workbench", "hf_static"]))
         section("cuda_graphs", lambda: run("triton_cuda_graphs", systems=["workbench"], cuda_graphs=True))
         section(
+            "async_scheduling",
+            lambda: run("triton_async", systems=["workbench"], cuda_graphs=True, async_scheduling=True),
+        )
+        section(
             "hf_sequential",
             lambda: run("hf_sequential", systems=["hf_sequential"], num_requests=sizes["hf_sequential_requests"]),
         )
         section("torch_ops", lambda: run("torch_ops", systems=["workbench"], attention_backend="torch"))
         report["cuda_graphs"] = _graphs(engine)
+        report["async_scheduling"] = _overlap(engine)
 
         def sweep():
             report["sweep"] = _sweep(bench, triton_ops, timer, device, dtype, sizes, deadline, log)
@@ -359,6 +378,7 @@ def _engine_run(
     num_requests: int | None = None,
     attention_backend: str = "triton",
     cuda_graphs: bool = False,
+    async_scheduling: bool = False,
 ) -> dict:
     """One `run_bench` on this device: its results, ratios, token agreement and the engine's status
     fields that say what ran (backend, kernels, CUDA graphs)."""
@@ -367,6 +387,8 @@ def _engine_run(
     settings = {"device": str(device), "attention_backend": attention_backend}
     if cuda_graphs:
         settings["cuda_graphs"] = True
+    if async_scheduling:
+        settings["async_scheduling"] = True
     rep = run_bench(
         model,
         systems=systems,
@@ -425,6 +447,22 @@ def _graphs(engine: dict) -> dict:
     }
 
 
+def _overlap(engine: dict) -> dict:
+    """Async scheduling against the same run without it (both with CUDA graphs): W64 and single-stream
+    tok/s, and the share of device time busy with steps (on CUDA; None on a CPU: no device to idle)."""
+
+    def result(run: str, system: str) -> dict:
+        return ((engine.get(run) or {}).get("results") or {}).get(system) or {}
+
+    out = {}
+    for label, run in (("off", "triton_cuda_graphs"), ("on", "triton_async")):
+        w64, single = result(run, "workbench"), result(run, "workbench_single_stream")
+        out[f"w64_tok_s_{label}"] = w64.get("output_tok_s")
+        out[f"single_stream_tok_s_{label}"] = single.get("decode_tok_s")
+        out[f"w64_device_busy_{label}"] = (w64.get("step_breakdown") or {}).get("device_busy_share")
+    return out
+
+
 def _sweep(bench, ops, timer, device, dtype, sizes: dict, deadline: float | None, log) -> dict:
     """Launch configurations of decode and prefill attention timed against the defaults, until the
     budget runs out (kernels/bench.py's sweep): what to tune next."""
@@ -445,7 +483,7 @@ def _sweep(bench, ops, timer, device, dtype, sizes: dict, deadline: float | None
 
 def _exactness(device, dry_run: bool, root: Path, log) -> dict:
     """fp32 greedy tokens of the engine on this device (Triton kernels; CUDA graphs on, where they
-    replay) against transformers on the same random weights."""
+    replay; and async scheduling) against transformers on the same random weights."""
     import torch
     import transformers
 
@@ -485,8 +523,12 @@ def _exactness(device, dry_run: bool, root: Path, log) -> dict:
                 nxt = hf(ids).logits[0, -1].argmax()
                 ids = torch.cat([ids, nxt.view(1, 1)], 1)
             expected.append(ids[0, len(p) :].tolist())
-    out = {}
-    for name, extra in (("triton", {}), ("triton_cuda_graphs", {"cuda_graphs": True})):
+    out, first_draws = {}, None
+    for name, extra in (
+        ("triton", {}),
+        ("triton_cuda_graphs", {"cuda_graphs": True}),
+        ("triton_async", {"cuda_graphs": True, "async_scheduling": True}),
+    ):
         llm = LLM(
             str(folder), dtype="float32", device=str(device), attention_backend="triton", num_kv_blocks=64, **extra
         )
@@ -507,5 +549,9 @@ def _exactness(device, dry_run: bool, root: Path, log) -> dict:
             and all(len(row) == new for row in draws[0]),
             "cuda_graph_steps": st["cuda_graph_steps"],
             "cuda_graph_reason": st["cuda_graph_reason"],
+            # the same seeded tokens as the first (synchronous, eager) engine's
+            "sampled_as_first": first_draws is None or draws[0] == first_draws,
+            "overlapped_steps": llm.metrics()["total_overlapped_steps"],
         }
+        first_draws = first_draws or draws[0]
     return out

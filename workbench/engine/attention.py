@@ -17,6 +17,7 @@ import torch
 from workbench_kernels import hostmem, reference
 
 from ..models.cpu_forward import CpuKernelForward, TokenQueries
+from .device import to_device
 
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -164,7 +165,7 @@ class TritonAttention(AttentionBackend):
 
 def pad_tables(tables: list[list[int]], device) -> torch.Tensor:
     width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    return to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, torch.device(device))
 
 
 _TORCH_OPS = SimpleNamespace(

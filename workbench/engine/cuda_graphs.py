@@ -140,9 +140,12 @@ class GraphRunner:
             pool = graph.pool()
             self.graphs[b] = (graph, inputs, logits)
 
-    def run(self, step: DecodeInputs, bucket: int) -> torch.Tensor:
+    def run(self, step: DecodeInputs, bucket: int, fill=None) -> torch.Tensor:
+        """`fill(input_ids)`: puts tokens still on the device into the step's inputs (async scheduling)."""
         graph, inputs, logits = self.graphs[bucket]
         for name, t in inputs.items():
-            t.copy_(getattr(step, name), non_blocking=True)
+            t.copy_(getattr(step, name).pin_memory(), non_blocking=True)  # pinned: the copy does not wait
+        if fill is not None:
+            fill(inputs["input_ids"])
         graph.replay()
         return logits[: step.n]

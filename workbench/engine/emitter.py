@@ -67,7 +67,7 @@ class Emitter:
                 reason = "stop"
             elif (
                 seq.num_output_tokens - (len(new_tokens) - 1 - k) >= params.max_tokens
-                or len(seq) - (len(new_tokens) - 1 - k) >= self.max_model_len
+                or len(seq) - seq.pending - (len(new_tokens) - 1 - k) >= self.max_model_len
             ):
                 reason = "length"
             if reason:
@@ -99,6 +99,7 @@ class Emitter:
         processor found it; what the core ran past it, at most one step, is dropped)."""
         seq = req.seq
         now = time.monotonic()
+        self.scheduler.drop_pending(seq)  # a launched step's token for it (async scheduling) is not output
         if keep is not None and keep < seq.num_output_tokens:
             self.totals["output_tokens"] -= seq.num_output_tokens - keep
             self.scheduler.drop_tokens(seq, seq.num_output_tokens - keep)

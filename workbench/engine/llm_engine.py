@@ -37,14 +37,15 @@ from ..reports import TOTALS, EngineMetrics, EngineStatus, as_dict, percentile
 from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
-from . import live_settings, sampler, structured
+from . import inflight, live_settings, sampler, structured
 from .attention import KVCache
+from .device import Marks
 from .emitter import Emitter, RequestState
 from .hostload import HostSampler
 from .model_runner import ModelRunner
 from .response_cache import ResponseCache
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, attention_context_of, time_context_of
-from .sequence import Sequence
+from .sequence import SeqState, Sequence
 from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabulary
 
 
@@ -129,6 +130,8 @@ class LLMEngine:
         # request_id -> its response-cache key and state, while it runs
         self._cache_keys: dict[str, tuple[tuple, RequestState]] = {}
         self._ready: list[CoreOutput] = []  # answers from the response cache, handed out at the next step
+        self._inflight: inflight.InFlight | None = None  # a launched step's tokens on their way (async_scheduling)
+        self._device_end = None  # where the device finished the last step (CUDA: an event; its idle gap)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -264,7 +267,7 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._ready)
+        return bool(self.requests) or bool(self._ready) or self._inflight is not None
 
     def num_queued_tokens(self) -> int:
         """Prompt tokens of the requests waiting to start (what admission control bounds)."""
@@ -285,43 +288,95 @@ class LLMEngine:
         return chunks
 
     def core_step(self) -> list[CoreOutput]:
-        ready, self._ready = self._ready, []
-        if not self.requests:
-            return ready
-        start = time.monotonic()
+        try:
+            return self._core_step()
+        except BaseException:
+            self._inflight = None  # a failed step's tokens are not waited for (its requests end with it)
+            raise
+
+    def _core_step(self) -> list[CoreOutput]:
+        outs, self._ready = self._ready, []
         s = self.settings
+        if self._inflight is not None and not (self.requests and inflight.allowed(s)):
+            outs += self._land()  # nothing to overlap it with, or settings that read its tokens on the host
+        if not self.requests:
+            return outs
+        start = time.monotonic()
+        marks = Marks(self.device, after=self._device_end)
+        self._device_end = None
         proposed = self.spec.propose() if (s.speculative != "off" or s.jump_forward) and s.kv_cache else 0
-        drafted = time.monotonic()
+        marks.host("draft")
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return ready
+            return outs + self._land()
         sched.spec_proposed = proposed
-        scheduled = time.monotonic()
-        result = self.runner.forward(sched.scheduled)
-        parts = {"draft": (drafted - start) * 1e3, "schedule": (scheduled - drafted) * 1e3, **result.parts}
-        outs = self._postprocess(sched, result, parts)
-        self._record_step(sched, start, time.monotonic(), outs, parts)
+        marks.host("schedule")
+        result = self.runner.forward(sched.scheduled, marks=marks, fill=self._inflight)
+        if inflight.allowed(s) and inflight.overlappable(sched):
+            launched = inflight.launch(sched, result, marks, start, self.scheduler)
+            self.totals["overlapped_steps"] += 1
+            self._device_end = marks.end_event
+            outs += self._land()  # the step before, while the device runs this one
+            self._inflight = launched
+            if not self.requests:  # all finished as that step landed: this one's rows are dropped now
+                outs += self._land()
+            return outs
+        if self._inflight is not None:
+            outs += self._land()  # first: this step's sampling and outputs read its tokens
+            marks.skip()
+        step_outs, parts = self._postprocess(sched, result, marks)
+        self._device_end = marks.end_event
+        self._record_step(sched, start, time.monotonic(), step_outs, parts)
+        if self._cache_keys:
+            self._cache_answers(step_outs)
+        return outs + step_outs
+
+    def _land(self) -> list[CoreOutput]:
+        """The step in flight's tokens, read (waiting for them) and emitted; its blocks registered.
+        A request that finished meanwhile (its token before was EOS, an abort) drops its row."""
+        f, self._inflight = self._inflight, None
+        if f is None:
+            return []
+        tokens = f.landing.values()
+        landed = time.monotonic()
+        for s in f.sched.scheduled:
+            if s.seq not in f.holes:
+                self.scheduler.settle(s.seq)
+        outs: list[CoreOutput] = []
+        for row, i in enumerate(f.sampled):
+            seq = f.sched.scheduled[i].seq
+            req = self.requests.get(seq.request_id)
+            if req is None or req.seq is not seq:
+                continue
+            self.scheduler.settle(seq, f.holes[seq], tokens[row])
+            outs.append(self.emitter.emit(req, [tokens[row]], None, landed))
+        parts = f.marks.parts()
+        parts["outputs"] = (time.monotonic() - landed) * 1e3
+        self._record_step(f.sched, f.start, time.monotonic(), outs, parts)
         if self._cache_keys:
             self._cache_answers(outs)
-        return ready + outs
+        return outs
 
-    def _postprocess(self, sched: SchedulerOutput, result, parts: dict[str, float]) -> list[CoreOutput]:
-        """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs."""
+    def _postprocess(self, sched: SchedulerOutput, result, marks: Marks) -> tuple[list[CoreOutput], dict]:
+        """Sample, let the scheduler advance every sequence (tokens, KV), then emit outputs; and
+        the step's parts. A request that finished as the step before landed drops its row."""
         now = time.monotonic()
         rows = result.rows
-        verified = [i for i, s in enumerate(sched.scheduled) if s.kind == "verify" and i in rows]
-        sampled = [i for i, s in enumerate(sched.scheduled) if s.kind != "verify" and i in rows]
+        alive = [s.seq.state is not SeqState.FINISHED for s in sched.scheduled]
+        verified = [i for i, s in enumerate(sched.scheduled) if s.kind == "verify" and i in rows and alive[i]]
+        sampled = [i for i, s in enumerate(sched.scheduled) if s.kind != "verify" and i in rows and alive[i]]
         tokens: list[int] = []
         lps = None
+        mask = {"mask": 0.0}
         if sampled:
             sampled_rows = [rows[i][0] for i in sampled]
             in_order = sampled_rows == list(range(result.logits.shape[0]))
             logits = result.logits if in_order else result.logits[sampled_rows]
-            tokens, lps = self._sample(logits, [sched.scheduled[i].seq for i in sampled], parts)
+            tokens, lps = self._sample(logits, [sched.scheduled[i].seq for i in sampled], mask)
         for i, (first, count) in result.prompt_rows.items():
-            self._score_prompt(sched.scheduled[i].seq, result.logits[first : first + count])
-        sampled_at = time.monotonic()
-        parts["sample"] = (sampled_at - now) * 1e3 - parts.get("mask", 0.0)
+            if alive[i]:
+                self._score_prompt(sched.scheduled[i].seq, result.logits[first : first + count])
+        marks.device("sample")  # after the tokens reached the host: from the LM head's end to here
         self.scheduler.update_from_output(sched, dict(zip(sampled, tokens)), set(verified))
         outs: list[CoreOutput] = []
         for i in verified:
@@ -330,12 +385,15 @@ class LLMEngine:
         for j, (i, tok) in enumerate(zip(sampled, tokens)):
             req = self.requests[sched.scheduled[i].seq.request_id]
             outs.append(self.emitter.emit(req, [tok], None if lps is None else [lps[j]], now))
+        marks.host("outputs")
+        parts = marks.parts()
         # verify rows: their sampling counts here, their grammar masks as "mask"
         verify_masks, self.spec.mask_ms = self.spec.mask_ms, 0.0
-        if verify_masks:
-            parts["mask"] = parts.get("mask", 0.0) + verify_masks
-        parts["outputs"] = (time.monotonic() - sampled_at) * 1e3 - verify_masks
-        return outs
+        parts["sample"] -= mask["mask"]
+        parts["outputs"] -= verify_masks
+        if mask["mask"] or verify_masks:
+            parts["mask"] = mask["mask"] + verify_masks
+        return outs, parts
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], parts: dict[str, float]):
         """Each row's next token, and its logprobs where asked; the time grammar masks took is
@@ -356,7 +414,7 @@ class LLMEngine:
             # logprobs are the model's own (vLLM's default): masks go on a copy where any are asked for
             masked = logits.clone() if any(n is not None for n in want_lp) else logits
             tokens = structured.sample(masked, seqs, choose)
-            parts["mask"] = (time.monotonic() - start - drawing) * 1e3
+            parts["mask"] += (time.monotonic() - start - drawing) * 1e3
         else:
             tokens = choose(logits, seqs)
         lps = sampler.logprobs_of(logits, tokens, want_lp) if any(n is not None for n in want_lp) else None
@@ -528,6 +586,7 @@ class LLMEngine:
                 **self.host.sample(),
                 step_parts_share=breakdown.get("parts_share", {}),
                 step_limit=breakdown.get("limit"),
+                device_busy_share=breakdown.get("device_busy_share"),
                 **{f"total_{k}": v for k, v in t.items()},
                 response_cache_entries=len(self.response_cache),
             )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +9,8 @@ import torch
 from ..models.llama import Transformer
 from . import cuda_graphs
 from .attention import AttnMetadata, KVCache, make_backend, pad_tables
+from .device import Marks, to_device
+from .inflight import InFlight, fill_inputs
 from .scheduler import ScheduledSeq
 
 
@@ -17,7 +18,7 @@ from .scheduler import ScheduledSeq
 class ForwardResult:
     logits: torch.Tensor  # [rows, vocab] float32: one row per sampled position
     rows: dict[int, tuple[int, int]]  # index into the scheduled list -> (first row, count)
-    parts: dict[str, float] = field(default_factory=dict)  # ms in "prepare", "layers", "lm_head"
+    marks: Marks  # the step's parts so far ("prepare", "layers", "lm_head"), read when its work is done
     # prefill chunks of requests asking for prompt log-probabilities: index -> (first row, count),
     # one row per position of the chunk (after the sampled rows)
     prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -111,12 +112,6 @@ class ModelRunner:
         self.kv = self._new_cache(kv_cache_dtype)
         self.backend.kv = self.kv
 
-    def _clock(self) -> float:
-        """Now, with the device's queued work done (so a part's time is its own, not a launch's)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.monotonic()
-
     def _graph_plan(self, scheduled: list[ScheduledSeq], all_logits: bool) -> cuda_graphs.Plan:
         if not self.graph_buckets:
             return cuda_graphs.Plan(None, "cuda_graphs is off")
@@ -128,37 +123,43 @@ class ModelRunner:
         width = max(len(s.seq.block_table) for s in scheduled)
         return cuda_graphs.plan([s.kind for s in scheduled], width, self.graph_buckets, self.max_blocks)
 
-    def _replay(self, scheduled: list[ScheduledSeq], bucket: int, started: float) -> ForwardResult:
+    def _replay(self, scheduled: list[ScheduledSeq], bucket: int, marks: Marks, fill: InFlight | None):
         bs = self.block_size
-        ids, pos, slots, tables = [], [], [], []
-        for s in scheduled:
+        ids, pos, slots, tables, fills = [], [], [], [], []
+        for i, s in enumerate(scheduled):
             seq = s.seq
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
+            if fill is not None and (row := fill.fills(seq, p, 1)) is not None:
+                fills.append((i, row))
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             tables.append(seq.block_table)
         step = cuda_graphs.pad_decode(ids, pos, slots, tables, bucket, self.max_blocks)
         if self._graphs is None:
             self._graphs = cuda_graphs.GraphRunner(self, self.graph_buckets, self.max_blocks)
-        prepared = self._clock()
-        logits = self._graphs.run(step, bucket)
-        done = self._clock()
+        marks.host("prepare")
+        source = fill.tokens if fill is not None else None
+        logits = self._graphs.run(step, bucket, lambda input_ids: fill_inputs(input_ids, fills, source))
+        marks.device("layers")  # one replay runs the layers and the LM head: its time is the layers' part
         self.graph_steps["replayed"] += 1
-        # one replay runs the layers and the LM head: its time is the layers' part
-        return ForwardResult(
-            logits,
-            {i: (i, 1) for i in range(len(scheduled))},
-            {"prepare": (prepared - started) * 1e3, "layers": (done - prepared) * 1e3},
-        )
+        return ForwardResult(logits, {i: (i, 1) for i in range(len(scheduled))}, marks)
 
     @torch.inference_mode()
-    def forward(self, scheduled: list[ScheduledSeq], all_logits: bool = False) -> ForwardResult:
-        started = time.monotonic()
+    def forward(
+        self,
+        scheduled: list[ScheduledSeq],
+        all_logits: bool = False,
+        marks: Marks | None = None,
+        fill: InFlight | None = None,
+    ) -> ForwardResult:
+        """`marks`: the step's, to time its parts on (a fresh one: from here); `fill`: the step in
+        flight, whose tokens on the device some of these sequences read (async scheduling)."""
+        marks = marks or Marks(self.device)
         plan = self._graph_plan(scheduled, all_logits)
         if plan.bucket is not None:
             self.graph_reason = None
-            return self._replay(scheduled, plan.bucket, started)
+            return self._replay(scheduled, plan.bucket, marks, fill)
         if self.graph_buckets:
             self.graph_steps["eager"] += 1
             self.graph_reason = plan.reason
@@ -170,6 +171,7 @@ class ModelRunner:
         tables: list[tuple[list[int], int]] = []  # (block table, tokens) in token order
         sample_at: list[tuple[int, int, int]] = []  # (scheduled index, first flat index, count)
         scored_at: list[tuple[int, int, int]] = []  # the same, for prompt log-probabilities
+        fills: list[tuple[int, int]] = []  # (flat index, row of the step in flight's tokens)
         num_decode = 0
         for i in order:
             s = scheduled[i]
@@ -177,6 +179,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             tokens = (seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids)[start : start + n]
             flat = len(ids)
+            if fill is not None and (row := fill.fills(seq, start, n)) is not None:
+                fills.append((flat + fill.holes[seq] - start, row))
             ids.extend(tokens)
             positions = range(start, start + n)
             pos.extend(positions)
@@ -200,21 +204,23 @@ class ModelRunner:
                 count = 1 + len(seq.spec_tokens) if s.kind == "verify" else 1
                 sample_at.append((i, flat + n - count, count))
         dev = self.device
+        i32 = torch.int32
         meta = AttnMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
             num_decode=num_decode,
             decode_block_tables=pad_tables(dec_tables, dev) if dec_tables else None,
-            decode_seq_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev) if dec_lens else None,
-            ext_cu_seqlens_q=torch.tensor(ext_cu, dtype=torch.int32, device=dev) if ext_tables else None,
-            ext_seq_lens=torch.tensor(ext_lens, dtype=torch.int32, device=dev) if ext_tables else None,
+            decode_seq_lens=to_device(dec_lens, i32, dev) if dec_lens else None,
+            ext_cu_seqlens_q=to_device(ext_cu, i32, dev) if ext_tables else None,
+            ext_seq_lens=to_device(ext_lens, i32, dev) if ext_tables else None,
             ext_block_tables=pad_tables(ext_tables, dev) if ext_tables else None,
         )
         self.backend.prepare(meta, tables, pos)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        prepared = self._clock()
+        input_ids = to_device(ids, torch.int64, dev)
+        positions = to_device(pos, torch.int64, dev)
+        fill_inputs(input_ids, fills, fill.tokens if fill is not None else None)
+        marks.host("prepare")
         hidden = self.model.hidden_states(input_ids, positions, self.backend, meta)
-        layers = self._clock()
+        marks.device("layers")
         index, rows, r = [], {}, 0
         prompt_rows: dict[int, tuple[int, int]] = {}
         for at, into in ((sample_at, rows), (scored_at, prompt_rows)):
@@ -222,9 +228,8 @@ class ModelRunner:
                 index.extend(range(flat, flat + count))
                 into[i] = (r, count)
                 r += count
-        parts = {"prepare": (prepared - started) * 1e3, "layers": (layers - prepared) * 1e3}
         if not index:
-            return ForwardResult(torch.empty(0, self.config.vocab_size), rows, parts)
-        logits = self.model.logits(hidden[torch.tensor(index, device=dev)])
-        parts["lm_head"] = (self._clock() - layers) * 1e3
-        return ForwardResult(logits, rows, parts, prompt_rows)
+            return ForwardResult(torch.empty(0, self.config.vocab_size), rows, marks)
+        logits = self.model.logits(hidden[to_device(index, torch.int64, dev)])
+        marks.device("lm_head")
+        return ForwardResult(logits, rows, marks, prompt_rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..outputs import TokenLogprobs
+from .device import to_device
 from .sequence import Sequence
 
 
@@ -43,28 +44,29 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_ids=()) -> t
 
 def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The distribution each (non-greedy) request samples from, after all its filters."""
+    dev = logits.device
     temps = [max(s.params.temperature, 1e-5) for s in seqs]
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, device=logits.device).unsqueeze(1)
+        logits = logits / to_device(temps, torch.float32, dev).unsqueeze(1)
     top_k = [s.params.top_k for s in seqs]
     top_p = [s.params.top_p for s in seqs]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        k = to_device([k if k > 0 else vocab for k in top_k], torch.int64, dev)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         drop = ranks >= k.unsqueeze(1)
         probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         before = probs_sorted.cumsum(-1) - probs_sorted  # mass strictly ahead of each token
-        p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+        p = to_device(top_p, torch.float32, dev).unsqueeze(1)
         drop |= before >= p
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     probs = logits.softmax(-1)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)
-    if bool((min_p > 0).any()):
-        cutoff = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+    min_p = [s.params.min_p for s in seqs]
+    if any(m > 0 for m in min_p):  # decided on the host: a device tensor's .any() would wait for the GPU
+        cutoff = probs.amax(-1, keepdim=True) * to_device(min_p, torch.float32, dev).unsqueeze(1)
         probs = probs.masked_fill(probs < cutoff, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
@@ -74,16 +76,22 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[in
     """One sample from each row of `probs` [n, V] (non-negative, any positive total), row i with only
     `generators[i]`: zero-probability tokens never come up. Consumes `probs` (an fp32 one becomes
     the cumulative sums in place: a fresh 12 MB tensor a step cost 4-5 ms in page faults)."""
+    return draw_tensor(probs, generators).tolist()
+
+
+def draw_tensor(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """`draw_rows`, its tokens left on the device (nothing waits for it)."""
     cdf = probs if probs.dtype == torch.float32 and probs.is_contiguous() else probs.float().contiguous()
     torch.cumsum(cdf, -1, out=cdf)
     total = cdf[:, -1:]
     # drawn from each request's (CPU) generator, then beside the rows: a seed gives the same tokens on any device
-    u = torch.tensor([[float(torch.rand((), generator=g, dtype=torch.float64))] for g in generators], device=cdf.device)
+    draws = [[float(torch.rand((), generator=g, dtype=torch.float64))] for g in generators]
+    u = to_device(draws, torch.float32, cdf.device)
     # u < 1, but u x total can round up to total: the largest float below it keeps the search
     # inside the row (and on a token of positive mass: the first cdf entry above the target)
     target = torch.minimum((u * total.double()).float(), torch.nextafter(total, torch.zeros_like(total)))
     # clamped: a row with no finite mass (NaN logits) must still name a token of the vocabulary
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1).tolist()
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -95,20 +103,25 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids=()) -> list[int]:
     """One next token per row (`eos_ids`: what min_tokens bars)."""
     if any(s.params.processes_logits for s in seqs):
         logits = apply_penalties(logits.clone(), seqs, eos_ids)  # the caller's raw logits serve logprobs
-    out = [0] * len(seqs)
-    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-    if greedy:
+    return next_tokens(logits, seqs).tolist()
+
+
+def next_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One next token per row, chosen from these logits as they are, left where they are: on a GPU
+    nothing here waits for it (async scheduling reads them a step later)."""
+    greedy = [s.params.greedy for s in seqs]
+    if all(greedy):
         # max(-1) gives argmax's first-maximum index 2.7-4.7x faster on a CPU (torch 2.13: 2.8 vs
         # 0.6 ms for 32 x 49,152 bf16 logits, a few % of a decode step)
-        tokens = (logits if len(greedy) == len(seqs) else logits[greedy]).max(-1).indices.tolist()
-        for i, t in zip(greedy, tokens):
-            out[i] = t
-    rest = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if rest:
-        sub = [seqs[i] for i in rest]
-        rows = logits if len(rest) == len(seqs) else logits[rest]  # a list index copies every row
-        for i, t in zip(rest, draw_rows(probabilities(rows, sub), [s.generator for s in sub])):
-            out[i] = t
+        return logits.max(-1).indices
+    rest = [i for i, g in enumerate(greedy) if not g]
+    sub = [seqs[i] for i in rest]
+    rows = logits if len(rest) == len(seqs) else logits[rest]  # a list index copies every row
+    drawn = draw_tensor(probabilities(rows, sub), [s.generator for s in sub])
+    if len(rest) == len(seqs):
+        return drawn
+    out = logits.max(-1).indices
+    out[to_device(rest, torch.int64, logits.device)] = drawn
     return out
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from ..settings import EngineSettings
 from ..timeline import BatchEntry, TimelineRecorder
 from .block_manager import BlockManager
-from .sequence import SeqState, Sequence
+from .sequence import PLACEHOLDER, SeqState, Sequence
 
 
 @dataclass
@@ -344,6 +344,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending and seq.num_output_tokens + seq.pending >= seq.params.max_tokens:
+                i += 1  # its last token is on the device: it finishes when that lands
+                continue
             todo = len(seq) + len(seq.spec_tokens) - seq.num_computed_tokens
             n, cost = min(todo, max(1, int(budget))), None
             if todo > 1 and not seq.spec_tokens:  # a prefill chunk: its attention may count
@@ -413,6 +416,37 @@ class Scheduler:
                     continue
             if kv:
                 self.bm.register_computed(seq)
+
+    def advance(self, sched: SchedulerOutput, sampled: list[int]) -> dict[Sequence, int]:
+        """Async scheduling: a step was launched and its tokens are still on the device. Advance
+        what it computed and give each sampling sequence (positions in `sampled`, in row order) a
+        placeholder for its token; returns each one's position. Its blocks are registered when
+        the tokens land (`settle`): a placeholder must not go into a prefix hash."""
+        holes = {}
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+        for i in sampled:
+            seq = sched.scheduled[i].seq
+            holes[seq] = len(seq.token_ids)
+            seq.token_ids.append(PLACEHOLDER)
+            seq.pending += 1
+        return holes
+
+    def settle(self, seq: Sequence, position: int | None = None, token: int | None = None) -> None:
+        """A launched step's token landed (`position`: its placeholder's), or a sequence of it that
+        sampled nothing: register the blocks the step completed."""
+        if position is not None:
+            assert seq.token_ids[position] == PLACEHOLDER, (seq, position)
+            seq.token_ids[position] = token
+            seq.pending -= 1
+        if seq.state is SeqState.RUNNING:
+            self.bm.register_computed(seq)
+
+    def drop_pending(self, seq: Sequence) -> None:
+        """A finishing sequence's tokens still on the device are not its output."""
+        if seq.pending:
+            del seq.token_ids[-seq.pending :]
+            seq.pending = 0
 
     def update_after_verify(self, seq: Sequence, base: int, accepted: list[int]) -> None:
         """A verify step accepted `accepted` (the kept draft tokens and one more) after the first

@@ -7,6 +7,10 @@ import enum
 from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 
+# A token sampled on the device that the host has not read yet (async scheduling): it counts as a
+# token for scheduling and KV, and the model reads its value on the device (`inflight.py`)
+PLACEHOLDER = -1
+
 
 class SeqState(enum.Enum):
     WAITING = "waiting"
@@ -34,17 +38,19 @@ class Sequence:
         self.draft_computed = 0  # tokens whose KV is in the draft model's cache
         self.generator = None  # per-request torch.Generator for seeded sampling
         self.grammar = None  # a structured request's GrammarState (engine/structured.py), fed each kept token
+        self.pending = 0  # trailing PLACEHOLDER tokens: sampled, still on the device (at most two)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        """The generated tokens the host knows (placeholders still on the device are not output)."""
+        return self.token_ids[len(self.prompt_token_ids) : len(self.token_ids) - self.pending]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - len(self.prompt_token_ids) - self.pending
 
     def __repr__(self) -> str:
         return (

@@ -423,7 +423,7 @@ class EngineServer:
 
     def _step(self) -> None:
         timeline = self.engine.timeline
-        cursor = timeline.cursor
+        cursor, launched = timeline.cursor, self.engine.totals["overlapped_steps"]
         try:
             outs = self.engine.core_step()
         except Exception as e:
@@ -434,7 +434,8 @@ class EngineServer:
         self._route(outs)
         if timeline.steps and timeline.steps[-1].seq > cursor:  # the step's event, not yet published
             timeline.steps[-1].parts["send"] = (time.monotonic() - sending) * 1e3
-        self._stalled = not outs and timeline.cursor == cursor
+        # no output, no step recorded and none launched (async scheduling's first step records none)
+        self._stalled = not outs and timeline.cursor == cursor and self.engine.totals["overlapped_steps"] == launched
 
     def _fail_all(self, exc: BaseException) -> None:
         err = ErrorInfo("EngineError", f"engine step failed: {type(exc).__name__}: {exc}")
