@@ -531,6 +531,30 @@ def test_where_each_step_spent_its_time():
     assert step_breakdown([]) == {}
     text = step_time_text({"step_parts_share": b["parts_share"]})
     assert text.startswith(" · step time: layers 72%, lm_head 14%") and step_time_text({}) == ""
+    assert "device" not in text and "device_busy_share" not in b  # no CUDA step: no device gap measured
+
+
+def test_the_devices_idle_gaps_between_steps():
+    """Issue 50.4: on CUDA each step records the device's idle time before it ("device_idle", CUDA
+    events; not a part of the step): its tooltip says it, and a run's breakdown gives the device's
+    busy share, which the dashboard shows."""
+    from workbench.jupyter.dashboard import step_time_text
+    from workbench.timeline import step_breakdown
+
+    f = Fake()
+    f.step(0.0, 0.010, "decode", [("a", 1, "decode")], parts={"prepare": 1.0, "layers": 6.0, "sample": 1.0})
+    f.step(0.010, 0.020, "decode", [("a", 1, "decode")],
+           parts={"prepare": 1.0, "layers": 6.0, "lm_head": 1.0, "sample": 1.0, "device_idle": 2.0})  # fmt: skip
+    r = TimelineReducer(t0=0.0)
+    r.add(f.timeline())
+    parts = r.drain()["steps"]["parts"]
+    assert parts[1].startswith("layers 6.0 ms (67%)") and parts[1].endswith("; the device idled 2.00 ms before it")
+    b = step_breakdown(f.steps)
+    assert "device_idle" not in b["parts_ms"]
+    assert b["device_busy_share"] == pytest.approx(15 / 17)  # layers, lm_head, sample: 15 ms; idle 2 ms
+    assert step_time_text({"step_parts_share": b["parts_share"], "device_busy_share": 0.88}).endswith(
+        " · device busy 88%"
+    )
 
 
 def test_a_clusters_replicas_get_a_band_each_with_the_routers_decisions():

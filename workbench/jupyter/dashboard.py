@@ -572,7 +572,14 @@ def metrics_text(m: dict[str, Any], settings: dict[str, Any]) -> str:
 def step_time_text(m: dict[str, Any]) -> str:
     """ " · step time: layers 71%, lm_head 12%, outputs 6%" from metrics() (empty when idle)."""
     shares = sorted(((k, v) for k, v in (m.get("step_parts_share") or {}).items() if v >= 0.01), key=lambda kv: -kv[1])
-    return " · step time: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares) if shares else ""
+    if not shares:
+        return ""
+    busy = m.get("device_busy_share")  # CUDA only: the GPU's time on steps, not waiting between them
+    return (
+        " · step time: "
+        + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares)
+        + (f" · device busy {100 * busy:.0f}%" if busy is not None else "")
+    )
 
 
 def kernels_line(status: dict) -> str:

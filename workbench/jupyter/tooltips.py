@@ -28,7 +28,10 @@ def parts_text(parts: dict[str, float]) -> str:
     total = sum(v for _, v in known)
     if not total:
         return "-"
-    return ", ".join(f"{name} {v:.1f} ms ({100 * v / total:.0f}%)" for name, v in sorted(known, key=lambda x: -x[1]))
+    text = ", ".join(f"{name} {v:.1f} ms ({100 * v / total:.0f}%)" for name, v in sorted(known, key=lambda x: -x[1]))
+    if "device_idle" in parts:  # CUDA: the GPU's wait for this step (async scheduling closes it)
+        text += f"; the device idled {parts['device_idle']:.2f} ms before it"
+    return text
 
 
 def routing_text(expert_counts: list[list[int]], shown: int = 4) -> str:
