@@ -20,6 +20,7 @@ CASES = {
     "ngram-speculation": {"speculative": "ngram", "num_speculative_tokens": 3},
     "draft-speculation": {"speculative": "draft", "num_speculative_tokens": 2},
     "off": {"batching": "off"},
+    "async": {"async_scheduling": True, "max_num_batched_tokens": 24},
 }
 
 
@@ -37,9 +38,11 @@ def test_moe_greedy_matches_transformers(moe_model, case):
     assert_greedy_case(path, prompts, expected, GREEDY, CASES[case], preempts=case == "preemption")
 
 
-def test_expert_counts_sum_to_tokens_times_top_k(moe_model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_expert_counts_sum_to_tokens_times_top_k(moe_model, overlap):
+    """Each step's counts are its own (with async scheduling too: read at its launch, not when it lands)."""
     arch, path, prompts, _ = moe_model
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24, async_scheduling=overlap)
     llm.generate(prompt_token_ids=prompts, params=GREEDY)
     cfg = llm.engine.model_config
     steps = llm.timeline().steps

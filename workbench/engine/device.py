@@ -89,8 +89,9 @@ class Marks:
 
     @property
     def end_event(self):
-        """The last device mark's event (None on a CPU): where the device finished this step."""
-        return self.last_event if self.cuda else None
+        """The last device part's end (None on a CPU, or none marked): where the device finished
+        this step's work."""
+        return self.device_parts[-1][2] if self.device_parts else None
 
     def parts(self) -> dict[str, float]:
         """Each part's milliseconds; on CUDA after the step's work is done (it waits for it)."""

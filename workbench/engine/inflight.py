@@ -59,6 +59,7 @@ class InFlight:
     holes: dict[Sequence, int]  # each sampling sequence's placeholder position
     marks: Marks
     start: float  # when the step began (host clock)
+    experts: list[list[int]] | None = None  # a MoE model's expert counts of this step, per layer
 
     def fills(self, seq: Sequence, start: int, n: int) -> int | None:
         """The row of `tokens` a forward reading positions [start, start + n) of `seq` must put at

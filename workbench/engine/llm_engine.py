@@ -314,6 +314,7 @@ class LLMEngine:
         result = self.runner.forward(sched.scheduled, marks=marks, fill=self._inflight)
         if inflight.allowed(s) and inflight.overlappable(sched):
             launched = inflight.launch(sched, result, marks, start, self.scheduler)
+            launched.experts = self.runner.model.expert_counts()  # MoE routing read them on the host already
             self.totals["overlapped_steps"] += 1
             self._device_end = marks.end_event
             outs += self._land()  # the step before, while the device runs this one
@@ -352,7 +353,7 @@ class LLMEngine:
             outs.append(self.emitter.emit(req, [tokens[row]], None, landed))
         parts = f.marks.parts()
         parts["outputs"] = (time.monotonic() - landed) * 1e3
-        self._record_step(f.sched, f.start, time.monotonic(), outs, parts)
+        self._record_step(f.sched, f.start, time.monotonic(), outs, parts, f.experts)
         if self._cache_keys:
             self._cache_answers(outs)
         return outs
@@ -469,14 +470,15 @@ class LLMEngine:
             lps = sampler.logprobs_of(logits[: len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
         return self.emitter.emit(self.requests[seq.request_id], tokens, lps, now)
 
-    def _record_step(self, sched: SchedulerOutput, start: float, end: float, outs, parts: dict[str, float]) -> None:
+    def _record_step(self, sched: SchedulerOutput, start: float, end: float, outs, parts, experts=None) -> None:
+        """`experts`: the step's expert counts, read at its launch (default: the last forward's)."""
         self.totals["prefix_hit_tokens"] += sched.prefix_hit_tokens
         self.scheduler.record_step(
             sched,
             start,
             end,
             sum(len(c.new_token_ids) for c in outs),
-            expert_counts=self.runner.model.expert_counts(),
+            expert_counts=self.runner.model.expert_counts() if experts is None else experts,
             parts=parts,
         )
 
