@@ -65,6 +65,26 @@ def test_padded_rows_change_nothing_on_the_reference_ops():
     torch.testing.assert_close(padded[:2], eager)
 
 
+def test_a_graph_splits_the_kv_for_its_longest_context_and_any_shorter_one_is_exact():
+    """Issue 50.3: a bucket's graph takes the kernel's split count for the longest context it serves
+    (one sequence of 32k on 8 KV heads: many splits, not 8 programs on the GPU), and that fixed count
+    is exact at every shorter length, its later splits empty (Triton interpreter, fp32)."""
+    from workbench_kernels import reference, triton_ops
+
+    bn = triton_ops.decode_config(128, torch.bfloat16, torch.bfloat16)["block_n"]
+    one = cg.graph_splits(triton_ops, 1, 8, 128, 32768, torch.bfloat16, num_sms=132)
+    assert one == triton_ops.pick_num_splits(1, 8, 32768, bn, 132) > 8
+    assert cg.graph_splits(triton_ops, 256, 8, 128, 32768, torch.bfloat16, num_sms=132) == 1  # a full GPU already
+    g = torch.Generator().manual_seed(1)
+    lens = [1, 7, 16, 17, 90]  # blocks of 16: one sequence's keys in at most 6 blocks, 8 splits asked
+    kc, vc = torch.randn(40, 16, 2, 32, generator=g), torch.randn(40, 16, 2, 32, generator=g)
+    tables = torch.randperm(40, generator=g)[: 6 * len(lens)].view(len(lens), 6).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 4, 32, generator=g)
+    out = triton_ops.decode_attention(q, kc, vc, tables, seq_lens, 32**-0.5, num_splits=8)
+    torch.testing.assert_close(out, reference.decode_attention_ref(q, kc, vc, tables, seq_lens, 32**-0.5))
+
+
 def test_the_setting_on_a_cpu_runs_eagerly_and_says_why(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(str(path), dtype="float32", num_kv_blocks=32, cuda_graphs=True, max_num_seqs=8)
@@ -75,6 +95,7 @@ def test_the_setting_on_a_cpu_runs_eagerly_and_says_why(tiny_llama):
     st = llm.status()
     assert st["cuda_graph_steps"] == {"replayed": 0, "eager": 4}
     assert st["cuda_graph_reason"] == "CUDA graphs need a CUDA device; this engine runs on cpu"
+    assert st["cuda_graph_splits"] == {}  # nothing captured
     llm.configure(max_num_seqs=24)
     assert llm.status()["cuda_graph_buckets"] == [1, 2, 4, 8, 16, 24]
     llm.configure(cuda_graphs=False)

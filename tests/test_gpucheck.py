@@ -40,11 +40,15 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
         "decode_attention gqa8:1",
         "extend_attention smollm2",
         "extend_attention gqa8:1",
+        "decode_attention llama3-8b 32q/8kv d128",
+        "extend_attention llama3-8b",
         "write_kv smollm2",
         "write_kv int8",
         "fused_moe",
     ):
         assert any(n.startswith(kernel) for n in names), (kernel, names)
+    # issue 50.3: each shape's decode at a long context too (split-KV's case; the dry run's 1 x 256)
+    assert sum(n.startswith("decode_attention") and n.endswith(" 1x256") for n in names) == 3
     for k in rep["kernels"]:
         assert "error" not in k, k
         assert {"name", "max_abs_err", "gb_s", "fraction"} <= set(k)
@@ -59,7 +63,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     assert list(rep["sections_s"]) == EVERY_SECTION
     assert rep["skipped"] == [] and "errors" not in rep
     # the sweep timed the default and the grid's configuration for each shape and kind
-    assert len(rep["sweep"]) == 4
+    assert len(rep["sweep"]) == 6  # three attention shapes, decode and prefill
     for r in rep["sweep"].values():
         assert r["configs_timed"] == 2 and r["complete"] and r["default"]["time_us"] > 0, r
     assert eng["triton"]["engine_status"]["attention_backend"] == "triton"

@@ -120,6 +120,8 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     cuda_graph_buckets: list[int] = msgspec.field(default_factory=list)
     cuda_graph_steps: dict[str, int] = msgspec.field(default_factory=dict)
     cuda_graph_reason: str | None = None
+    # each captured bucket's split-KV count (cuda_graphs.graph_splits), bucket as a string; {} before capture
+    cuda_graph_splits: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ProcessStatus(EngineStatus, kw_only=True):

@@ -560,7 +560,10 @@ function stepTime(metrics: Dict): { limit: string; stepParts: string } {
     return { limit: '–', stepParts: '' };
   }
   const pct = ([name, v]: [string, number]): string => `${name} ${(v * 100).toFixed(0)}%`;
-  return { limit: pct(shares[0]), stepParts: shares.map(pct).join(', ') };
+  // CUDA only: the GPU's time on steps rather than waiting for the host between them
+  const busy = metrics.device_busy_share;
+  const device = typeof busy === 'number' && isFinite(busy) ? ` · device busy ${(busy * 100).toFixed(0)}%` : '';
+  return { limit: pct(shares[0]), stepParts: shares.map(pct).join(', ') + device };
 }
 
 /** The host plot's rows (the reducer's "host" source), nulls (not measured) as NaN: gaps. */

@@ -304,6 +304,13 @@ describe('formatting', () => {
     expect(n.acceptance).toBe('0.0%');
     expect(liveNumbers({}).tokS).toBe('–');
   });
+  it('adds the device busy share to the step parts where CUDA measured it', () => {
+    const shares = { step_parts_share: { layers: 0.7, sample: 0.3 } };
+    expect(liveNumbers(shares).stepParts).toBe('layers 70%, sample 30%');
+    expect(liveNumbers({ ...shares, device_busy_share: 0.954 }).stepParts).toBe(
+      'layers 70%, sample 30% · device busy 95%'
+    );
+  });
   it('formats uptime', () => {
     expect(formatUptime(5)).toBe('5s');
     expect(formatUptime(65)).toBe('1m 05s');

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 TARGETS = {
-    "decode_attention_fraction": 0.70,
+    "decode_attention_fraction": 0.75,  # issue 50.3: every shape, 64 x 4k and 1 x 32k alike
     "prefill_vs_sdpa": 1.0,
     "engine_vs_transformers_w64": 5.0,
     "engine_vs_transformers_w64_cuda_graphs": 5.0,

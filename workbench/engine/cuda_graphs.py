@@ -64,6 +64,17 @@ def plan(kinds: list[str], table_width: int, buckets: list[int], max_blocks: int
     return Plan(bucket)
 
 
+def graph_splits(ops, bucket: int, num_kv_heads: int, head_dim: int, max_context: int, dtype, num_sms: int) -> int:
+    """The split-KV count a bucket's graph is captured with (a graph cannot choose per step): the
+    Triton kernel's own choice for the longest context the graph serves. Each sequence's actual
+    length is cut into that many chunks on the device, so a short context leaves later splits
+    empty (they weigh nothing in the merge); a long one at a small batch keeps the GPU's SMs busy,
+    where one program per KV head (no split) used a few of them (1 x 32k on 8 KV heads: 8 programs
+    on an H100's 132 SMs)."""
+    block_n = ops.decode_config(head_dim, dtype, dtype)["block_n"]
+    return ops.pick_num_splits(bucket, num_kv_heads, max_context, block_n, num_sms)
+
+
 @dataclass
 class DecodeInputs:
     """A decode step's inputs, padded to a bucket (rows past `n` are padding)."""
@@ -109,9 +120,14 @@ class GraphRunner:
 
         self.runner, self.buckets, self.max_blocks = runner, buckets, max_blocks
         self.graphs: dict[int, tuple] = {}
+        self.splits: dict[int, int] = {}  # each bucket's split-KV count (graph_splits)
         dev = runner.device
+        cfg, ops = runner.config, runner.backend.ops
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
         pool = None
         for b in sorted(buckets, reverse=True):  # the largest first: the smaller ones fit in its pool
+            context = max_blocks * runner.block_size
+            self.splits[b] = graph_splits(ops, b, cfg.num_key_value_heads, cfg.head_dim, context, runner.dtype, sms)
             static = pad_decode([0] * b, [0] * b, [-1] * b, [[0]] * b, b, max_blocks)
             inputs = {
                 k: getattr(static, k).to(dev)
@@ -125,7 +141,7 @@ class GraphRunner:
                 ext_cu_seqlens_q=None,
                 ext_seq_lens=None,
                 ext_block_tables=None,
-                decode_num_splits=1,
+                decode_num_splits=self.splits[b],
             )
             model, backend = runner.model, runner.backend
             stream = torch.cuda.Stream(dev)

@@ -98,6 +98,7 @@ class ModelRunner:
             "cuda_graph_buckets": list(self.graph_buckets),
             "cuda_graph_steps": dict(self.graph_steps),
             "cuda_graph_reason": self.graph_reason,
+            "cuda_graph_splits": {str(b): n for b, n in self._graphs.splits.items()} if self._graphs else {},
         }
 
     def set_cpu_kernels(self, on: bool) -> None:
