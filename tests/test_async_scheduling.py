@@ -14,6 +14,7 @@ import pytest
 from workbench import LLM, SamplingParams
 from workbench.engine.llm_engine import LLMEngine
 from workbench.engine.sequence import PLACEHOLDER
+from workbench.timeline import step_breakdown
 
 
 def _prompts(n=14, seed=5):
@@ -50,7 +51,10 @@ def _run(path, prompts, params, **settings):
     eng = llm.engine
     assert eng._inflight is None and not eng.requests
     eng.scheduler.block_manager.check_idle()
-    return got, dict(eng.totals), len(eng.timeline.steps)
+    steps = eng.timeline.steps
+    assert [s.start for s in steps] == sorted(s.start for s in steps)  # recorded in launch order
+    assert 0 <= step_breakdown(steps)["between_steps_share"] < 1  # overlapping steps leave no negative gap
+    return got, dict(eng.totals), len(steps)
 
 
 @pytest.mark.parametrize(

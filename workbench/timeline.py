@@ -134,7 +134,8 @@ def step_breakdown(steps: Iterable[StepEvent]) -> dict:
         "step_ms": busy,
         "parts_ms": totals,
         "parts_share": {k: v / measured if measured else 0.0 for k, v in totals.items()},
-        "between_steps_share": 1 - busy / span if span > 0 else 0.0,
+        # async scheduling overlaps a step (launch to outputs) with the next one: no time between
+        "between_steps_share": max(0.0, 1 - busy / span) if span > 0 else 0.0,
     }
     out["limit"] = max(totals, key=totals.get) if measured else None
     # on CUDA: the device's share of time busy with steps rather than waiting for the host between them
