@@ -8,7 +8,9 @@ import sys
 import pytest
 
 # gpucheck's sections, in the order they run (the most needed first: a spent budget skips the last)
-EVERY_SECTION = "kernels exactness launches triton cuda_graphs async_scheduling hf_sequential torch_ops sweep".split()
+EVERY_SECTION = (
+    "kernels exactness launches triton cuda_graphs async_scheduling ttft hf_sequential torch_ops sweep".split()
+)
 
 
 def _gpucheck(cwd, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -88,6 +90,9 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     overlap = rep["async_scheduling"]  # issue 50.4: the same runs with async scheduling, side by side
     assert overlap["w64_tok_s_on"] > 0 and overlap["w64_tok_s_off"] > 0 and overlap["single_stream_tok_s_on"] > 0
     assert overlap["w64_device_busy_on"] is None  # a CPU has no device to idle: no share to claim
+    ttft = rep["ttft"]  # issue 50.5: one prompt's TTFT over its compute limit (the dry run's 48 tokens)
+    assert ttft["prompt_tokens"] == 48 and ttft["ttft_ms"] > 0 and ttft["limit_ms"] > 0
+    assert ttft["over_limit"] == pytest.approx(ttft["ttft_ms"] / ttft["limit_ms"]) and len(ttft["ttfts_ms"]) == 4
     assert rep["targets"] == []  # no speed targets on a dry run
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# workbench gpucheck (dry run)") and "Dry run: no speed targets." in md

@@ -18,7 +18,7 @@ TARGETS = {
     "device_busy_w64_async": 0.95,
 }
 # at most (the others: at least)
-CEILINGS = {"launches_per_layer": 12}
+CEILINGS = {"launches_per_layer": 12, "ttft_over_compute_limit": 1.5}
 DEFAULT_OUTPUT = Path("docs") / "gpu" / "gpucheck.json"
 
 
@@ -51,12 +51,13 @@ def targets(rep: dict) -> list[dict]:
     add("engine_single_stream_vs_transformers", ours / theirs if ours and theirs else None)
     add("cuda_graphs_single_stream", rep["cuda_graphs"].get("speedup"))
     add("device_busy_w64_async", (rep.get("async_scheduling") or {}).get("w64_device_busy_on"))
-    launches = rep.get("launches_per_layer")
-    if isinstance(launches, (int, float)):
-        cap = CEILINGS["launches_per_layer"]
-        out.append(
-            {"name": "launches_per_layer", "value": launches, "target": cap, "met": launches <= cap, "at_most": True}
-        )
+    for name, value in (
+        ("launches_per_layer", rep.get("launches_per_layer")),
+        ("ttft_over_compute_limit", (rep.get("ttft") or {}).get("over_limit")),
+    ):
+        if isinstance(value, (int, float)):
+            cap = CEILINGS[name]
+            out.append({"name": name, "value": value, "target": cap, "met": value <= cap, "at_most": True})
     return out
 
 
@@ -114,6 +115,13 @@ def summary_markdown(rep: dict) -> str:
         )
     else:
         lines.append(f"- CUDA graphs: not measured ({g.get('last_eager_reason')})")
+    t = rep.get("ttft")
+    if t:
+        lines.append(
+            f"- TTFT of a {t['prompt_tokens']}-token prompt: {t['ttft_ms']:.1f} ms, {t['over_limit']:.2f}x its "
+            f"compute limit ({t['limit_ms']:.1f} ms: {t['prefill_TFLOPs']:.2f} TFLOP at the measured rate; "
+            f"{t['achieved_TFLOPs']:.1f} TFLOP/s achieved)"
+        )
     a = rep.get("async_scheduling") or {}
     if a.get("w64_tok_s_on"):
 

@@ -27,6 +27,8 @@ markdown summary beside it, both rewritten after every section so a run cut off 
 - `async_scheduling`: the W64 and single-stream runs again with async scheduling (and graphs), and
   the share of device time busy with steps in each (`device_busy_share`: the GPU's idle gaps
   between steps, from CUDA events);
+- `ttft`: the time to first token of one 2,048-token prompt prefilled in one step, over its
+  compute limit (its FLOPs at the measured matmul rate; target <= 1.5x);
 - `sweep`: launch configurations of decode and prefill attention timed against the defaults in
   whatever budget is left (what to tune next);
 - `sections_s`, `skipped`, `errors`: what each section took, what the budget left out, what failed;
@@ -65,6 +67,7 @@ SECTIONS = (
     "triton",
     "cuda_graphs",
     "async_scheduling",
+    "ttft",
     "hf_sequential",
     "torch_ops",
     "sweep",
@@ -79,6 +82,7 @@ GPU = {
     "moe": dict(tokens=256, hidden=2048, inter=768, experts=64, top_k=8),
     "iters": 20,
     "requests": 64,
+    "ttft_prompt": 2048,
     # transformers one request at a time: ~10k tokens at batch 1 would take minutes; a few
     # requests and the single stream say the same
     "hf_sequential_requests": 8,
@@ -97,6 +101,7 @@ DRY = {
     "moe": dict(tokens=8, hidden=64, inter=32, experts=4, top_k=2),
     "iters": 2,
     "requests": 4,
+    "ttft_prompt": 48,
     "hf_sequential_requests": 2,
     "copy_bytes": 1 << 20,
     "matmul_n": 128,
@@ -166,6 +171,7 @@ def run_gpucheck(
         "launches_per_layer": None,  # kernel launches of a decoder layer in an eager decode step
         "cuda_graphs": {},
         "async_scheduling": {},
+        "ttft": None,  # one long prompt's time to first token against its compute limit
         "targets": [],
         "sections_s": {},
         "skipped": [],
@@ -229,6 +235,7 @@ def run_gpucheck(
             "async_scheduling",
             lambda: run("triton_async", systems=["workbench"], cuda_graphs=True, async_scheduling=True),
         )
+        section("ttft", lambda: report.update(ttft=_ttft(bench_model(), device, dry_run, sizes, limits, log)))
         section(
             "hf_sequential",
             lambda: run("hf_sequential", systems=["hf_sequential"], num_requests=sizes["hf_sequential_requests"]),
@@ -458,6 +465,48 @@ def _graphs(engine: dict) -> dict:
         "steps": status.get("cuda_graph_steps"),
         "last_eager_reason": status.get("cuda_graph_reason") if "triton_cuda_graphs" in engine else "not run",
     }
+
+
+def _ttft(model: str | None, device, dry_run: bool, sizes: dict, limits: dict, log) -> dict:
+    """Time to first token of one prompt of `ttft_prompt` random token ids, prefilled in one step (no
+    prefix cache, nothing else running), against its compute limit: the prompt's FLOPs
+    (`scheduler.prefill_flops`) at the bf16 matmul rate measured first. Median of three, after a
+    warm-up."""
+    import torch
+
+    from ..engine.scheduler import prefill_flops
+    from ..llm import LLM
+    from ..sampling_params import SamplingParams
+
+    n = sizes["ttft_prompt"]
+    log(f"engine: TTFT of a {n}-token prompt against the compute limit")
+    dtype = "float32" if dry_run else "auto"
+    llm = LLM(model, device=str(device), dtype=dtype, attention_backend="triton", max_num_batched_tokens=n,
+              prefix_caching=False, num_kv_blocks=-(-n // 16) + 8)  # fmt: skip
+    try:
+        vocab = llm.engine.model_config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        times = []
+        for _ in range(4):
+            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+            out = llm.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=1, temperature=0))[0]
+            times.append(out.metrics.ttft)
+        ttft_s = sorted(times[1:])[1]  # the warm-up's left out
+        flops = prefill_flops(llm.engine.model_config, n)
+        limit_s = flops / (limits["matmul_TFLOPs"] * 1e12)
+        return {
+            "prompt_tokens": n,
+            "ttft_ms": ttft_s * 1e3,
+            "ttfts_ms": [t * 1e3 for t in times],
+            "prefill_TFLOPs": flops / 1e12,
+            "limit_ms": limit_s * 1e3,
+            "over_limit": ttft_s / limit_s,  # target <= 1.5 (issue 50.5)
+            "achieved_TFLOPs": flops / ttft_s / 1e12,
+        }
+    finally:
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _overlap(engine: dict) -> dict:

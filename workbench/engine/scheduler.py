@@ -159,6 +159,13 @@ def _flops_per_token(config) -> tuple[float, float, float]:
     return 2 * matmul, 2 * config.vocab_size * H, 4 * layers * q  # QK^T and PV per earlier position
 
 
+def prefill_flops(config, n: int) -> float:
+    """FLOPs of prefilling an `n`-token prompt in one step: every token's matmuls, causal attention
+    (token i over i earlier positions and itself), the LM head on the last token."""
+    matmul, head, attention = _flops_per_token(config)
+    return n * matmul + head + attention * n * (n + 1) / 2
+
+
 def attention_context_of(config, attention_slower: float = 2.8) -> float:
     """The context length at which one token's attention (QK and PV over every earlier position, in
     every layer) costs as much as its matmuls (the LM head's included), counting attention
