@@ -8,6 +8,33 @@ from pathlib import Path
 
 from .gpu_report import decode_tok_s
 
+# the dry run's model and the exactness check's: a tiny Llama
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+
+
+def _random_llama(folder: Path, seed: int, **config):
+    """A random Llama of `config` (tied embeddings, BOS 1, EOS 2), its 2-D weights scaled x4 for
+    decisive logits, not near-ties (as the tests' models), saved to `folder`; returns it (CPU)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**config, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
 
 def model_folder(dry_run: bool, root: Path) -> tuple[str | None, str]:
     """(model for LLM / run_bench, what it is): the embedded model when installed; else random
@@ -22,19 +49,8 @@ def model_folder(dry_run: bool, root: Path) -> tuple[str | None, str]:
             return None, "the embedded SmolLM2-135M (bf16)"
         except (ImportError, FileNotFoundError):
             pass
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
     shape = (
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-        )
+        TINY
         if dry_run
         else dict(
             hidden_size=576,
@@ -45,22 +61,8 @@ def model_folder(dry_run: bool, root: Path) -> tuple[str | None, str]:
             vocab_size=49152,
         )
     )
-    cfg = transformers.LlamaConfig(
-        **shape,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)  # decisive logits, not near-ties (as the tests' models)
     folder = root / ("tiny" if dry_run else "smollm2-shape")
-    model.save_pretrained(folder, safe_serialization=True)
+    _random_llama(folder, 0, **shape, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0)
     what = "a tiny random Llama (2 layers)" if dry_run else "random weights of SmolLM2-135M's shape"
     return str(folder), what
 
@@ -208,33 +210,13 @@ def exactness(device, dry_run: bool, root: Path, log) -> dict:
     """fp32 greedy tokens of the engine on this device (Triton kernels; CUDA graphs on, where they
     replay; and async scheduling) against transformers on the same random weights."""
     import torch
-    import transformers
 
     from ..llm import LLM
     from ..sampling_params import SamplingParams
 
     log("engine: exactness against transformers (fp32 greedy)")
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
     folder = root / "exact"
-    hf.save_pretrained(folder, safe_serialization=True)
+    hf = _random_llama(folder, 1, **TINY, max_position_embeddings=512, rms_norm_eps=1e-6)
     hf = hf.to(device)
     prompts = [[3 + (i * 7 + j * 11) % 250 for j in range(n)] for i, n in enumerate((1, 5, 17, 33, 64))]
     new = 12
@@ -268,7 +250,7 @@ def exactness(device, dry_run: bool, root: Path, log) -> dict:
             "identical_requests": sum(a == b for a, b in zip(got, expected)),
             "requests": len(prompts),
             "sampled_repeatable": draws[0] == draws[1]
-            and all(0 <= t < cfg.vocab_size for row in draws[0] for t in row)
+            and all(0 <= t < TINY["vocab_size"] for row in draws[0] for t in row)
             and all(len(row) == new for row in draws[0]),
             "cuda_graph_steps": st["cuda_graph_steps"],
             "cuda_graph_reason": st["cuda_graph_reason"],

@@ -53,24 +53,20 @@ class InFlight:
     """A launched step whose tokens are on their way to the host."""
 
     sched: SchedulerOutput
-    sampled: list[int]  # positions in sched.scheduled that sampled, in the order of `tokens`
-    tokens: torch.Tensor  # [len(sampled)] int64, on the device
+    tokens: torch.Tensor  # one per sampling sequence, int64, on the device
     landing: Landing
-    holes: dict[Sequence, int]  # each sampling sequence's placeholder position
+    holes: dict[Sequence, tuple[int, int]]  # each sampling sequence's placeholder: (position, row of `tokens`)
     marks: Marks
     start: float  # when the step began (host clock)
-    experts: list[list[int]] | None = None  # a MoE model's expert counts of this step, per layer
+    experts: list[list[int]]  # a MoE model's expert counts of this step, per layer ([]: dense)
 
-    def fills(self, seq: Sequence, start: int, n: int) -> int | None:
-        """The row of `tokens` a forward reading positions [start, start + n) of `seq` must put at
-        its placeholder (None: it reads none of this step's placeholders)."""
-        pos = self.holes.get(seq)
-        if pos is None or not start <= pos < start + n or seq.token_ids[pos] >= 0:
+    def fills(self, seq: Sequence, start: int, n: int) -> tuple[int, int] | None:
+        """Where a forward reading positions [start, start + n) of `seq` reads this step's token
+        for it: (offset from start, row of `tokens`); None: it reads none of its placeholders."""
+        hole = self.holes.get(seq)
+        if hole is None or not start <= hole[0] < start + n or seq.token_ids[hole[0]] >= 0:
             return None
-        return self.sampled_rows[seq]
-
-    def __post_init__(self):
-        self.sampled_rows = {self.sched.scheduled[i].seq: row for row, i in enumerate(self.sampled)}
+        return hole[0] - start, hole[1]
 
 
 def fill_inputs(input_ids: torch.Tensor, fills: list[tuple[int, int]], source: torch.Tensor) -> None:
@@ -82,7 +78,7 @@ def fill_inputs(input_ids: torch.Tensor, fills: list[tuple[int, int]], source: t
         input_ids[to_device(list(at), torch.int64, dev)] = source[to_device(list(rows), torch.int64, dev)]
 
 
-def launch(sched: SchedulerOutput, result, marks: Marks, start: float, scheduler: Scheduler) -> InFlight:
+def launch(sched: SchedulerOutput, result, marks: Marks, start: float, scheduler: Scheduler, experts) -> InFlight:
     """Sample a forward's logits on the device, start the tokens' copy to the host, and advance
     the sequences with placeholders for them."""
     sampled = [i for i in range(len(sched.scheduled)) if i in result.rows]
@@ -94,4 +90,6 @@ def launch(sched: SchedulerOutput, result, marks: Marks, start: float, scheduler
     tokens = sampler.next_tokens(logits, seqs) if seqs else torch.empty(0, dtype=torch.int64, device=logits.device)
     landing = Landing(tokens)
     marks.device("sample")
-    return InFlight(sched, sampled, tokens, landing, scheduler.advance(sched, sampled), marks, start)
+    positions = scheduler.advance(sched, sampled)
+    holes = {seq: (pos, row) for row, (seq, pos) in enumerate(zip(seqs, positions))}
+    return InFlight(sched, tokens, landing, holes, marks, start, experts)

@@ -313,8 +313,9 @@ class LLMEngine:
         marks.host("schedule")
         result = self.runner.forward(sched.scheduled, marks=marks, fill=self._inflight)
         if inflight.allowed(s) and inflight.overlappable(sched):
-            launched = inflight.launch(sched, result, marks, start, self.scheduler)
-            launched.experts = self.runner.model.expert_counts()  # MoE routing read them on the host already
+            # a MoE step's expert counts now: routing read them on the host already
+            experts = self.runner.model.expert_counts()
+            launched = inflight.launch(sched, result, marks, start, self.scheduler, experts)
             self.totals["overlapped_steps"] += 1
             self._device_end = marks.end_event
             outs += self._land()  # the step before, while the device runs this one
@@ -344,16 +345,16 @@ class LLMEngine:
             if s.seq not in f.holes:
                 self.scheduler.settle(s.seq)
         outs: list[CoreOutput] = []
-        for row, i in enumerate(f.sampled):
-            seq = f.sched.scheduled[i].seq
+        for seq, (position, row) in f.holes.items():
             req = self.requests.get(seq.request_id)
             if req is None or req.seq is not seq:
                 continue
-            self.scheduler.settle(seq, f.holes[seq], tokens[row])
+            self.scheduler.settle(seq, position, tokens[row])
             outs.append(self.emitter.emit(req, [tokens[row]], None, landed))
         parts = f.marks.parts()
-        parts["outputs"] = (time.monotonic() - landed) * 1e3
-        self._record_step(f.sched, f.start, time.monotonic(), outs, parts, f.experts)
+        end = time.monotonic()
+        parts["outputs"] = (end - landed) * 1e3
+        self._record_step(f.sched, f.start, end, outs, parts, f.experts)
         if self._cache_keys:
             self._cache_answers(outs)
         return outs
@@ -368,12 +369,12 @@ class LLMEngine:
         sampled = [i for i, s in enumerate(sched.scheduled) if s.kind != "verify" and i in rows and alive[i]]
         tokens: list[int] = []
         lps = None
-        mask = {"mask": 0.0}
+        mask = 0.0  # ms the grammar masks took
         if sampled:
             sampled_rows = [rows[i][0] for i in sampled]
             in_order = sampled_rows == list(range(result.logits.shape[0]))
             logits = result.logits if in_order else result.logits[sampled_rows]
-            tokens, lps = self._sample(logits, [sched.scheduled[i].seq for i in sampled], mask)
+            tokens, lps, mask = self._sample(logits, [sched.scheduled[i].seq for i in sampled])
         for i, (first, count) in result.prompt_rows.items():
             if alive[i]:
                 self._score_prompt(sched.scheduled[i].seq, result.logits[first : first + count])
@@ -390,17 +391,17 @@ class LLMEngine:
         parts = marks.parts()
         # verify rows: their sampling counts here, their grammar masks as "mask"
         verify_masks, self.spec.mask_ms = self.spec.mask_ms, 0.0
-        parts["sample"] -= mask["mask"]
+        parts["sample"] -= mask
         parts["outputs"] -= verify_masks
-        if mask["mask"] or verify_masks:
-            parts["mask"] = mask["mask"] + verify_masks
+        if mask or verify_masks:
+            parts["mask"] = mask + verify_masks
         return outs, parts
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], parts: dict[str, float]):
-        """Each row's next token, and its logprobs where asked; the time grammar masks took is
-        the step's "mask" part."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Each row's next token, its logprobs where asked, and the ms grammar masks took (the
+        step's "mask" part)."""
         want_lp = [seq.params.logprobs for seq in seqs]
-        drawing = 0.0
+        drawing = mask = 0.0
 
         def choose(rows: torch.Tensor, row_seqs: list[Sequence]) -> list[int]:
             nonlocal drawing
@@ -415,11 +416,11 @@ class LLMEngine:
             # logprobs are the model's own (vLLM's default): masks go on a copy where any are asked for
             masked = logits.clone() if any(n is not None for n in want_lp) else logits
             tokens = structured.sample(masked, seqs, choose)
-            parts["mask"] += (time.monotonic() - start - drawing) * 1e3
+            mask = (time.monotonic() - start - drawing) * 1e3
         else:
             tokens = choose(logits, seqs)
         lps = sampler.logprobs_of(logits, tokens, want_lp) if any(n is not None for n in want_lp) else None
-        return tokens, lps
+        return tokens, lps, mask
 
     def _score_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
         """A prefill chunk's prompt log-probabilities: position p's logits score prompt token p+1."""

@@ -131,8 +131,8 @@ class ModelRunner:
             seq = s.seq
             p = seq.num_computed_tokens
             ids.append(seq.token_ids[p])
-            if fill is not None and (row := fill.fills(seq, p, 1)) is not None:
-                fills.append((i, row))
+            if fill is not None and (hit := fill.fills(seq, p, 1)) is not None:
+                fills.append((i, hit[1]))
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             tables.append(seq.block_table)
@@ -180,8 +180,8 @@ class ModelRunner:
             start = seq.num_computed_tokens
             tokens = (seq.token_ids + seq.spec_tokens if seq.spec_tokens else seq.token_ids)[start : start + n]
             flat = len(ids)
-            if fill is not None and (row := fill.fills(seq, start, n)) is not None:
-                fills.append((flat + fill.holes[seq] - start, row))
+            if fill is not None and (hit := fill.fills(seq, start, n)) is not None:
+                fills.append((flat + hit[0], hit[1]))
             ids.extend(tokens)
             positions = range(start, start + n)
             pos.extend(positions)

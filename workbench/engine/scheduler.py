@@ -424,20 +424,20 @@ class Scheduler:
             if kv:
                 self.bm.register_computed(seq)
 
-    def advance(self, sched: SchedulerOutput, sampled: list[int]) -> dict[Sequence, int]:
+    def advance(self, sched: SchedulerOutput, sampled: list[int]) -> list[int]:
         """Async scheduling: a step was launched and its tokens are still on the device. Advance
         what it computed and give each sampling sequence (positions in `sampled`, in row order) a
-        placeholder for its token; returns each one's position. Its blocks are registered when
+        placeholder for its token; returns their positions, in that order. Its blocks are registered when
         the tokens land (`settle`): a placeholder must not go into a prefix hash."""
-        holes = {}
+        positions = []
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_tokens
         for i in sampled:
             seq = sched.scheduled[i].seq
-            holes[seq] = len(seq.token_ids)
+            positions.append(len(seq.token_ids))
             seq.token_ids.append(PLACEHOLDER)
             seq.pending += 1
-        return holes
+        return positions
 
     def settle(self, seq: Sequence, position: int | None = None, token: int | None = None) -> None:
         """A launched step's token landed (`position`: its placeholder's), or a sequence of it that
