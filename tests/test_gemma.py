@@ -61,13 +61,18 @@ def _reference_logprobs(model, ids):
     return lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-sdpa"])
 def test_gemma3_logprobs_match_and_the_window_matters(gemma, backend):
     """Per-token log-probabilities over 40 tokens (past the window) equal transformers'; the same
-    engine with its windows switched off does not, so the window is what the test checks."""
+    engine with its windows switched off does not, so the window is what the test checks. With
+    SDPA's prefill, the global layer takes SDPA and the sliding-window ones our kernel."""
     path, model, _, _ = gemma
     ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, attention_backend=backend)
+    backend, _, prefill = backend.partition("-")
+    llm = LLM(
+        str(path), dtype="float32", num_kv_blocks=64, block_size=4, attention_backend=backend,
+        prefill_attention=prefill or "auto",
+    )  # fmt: skip
     assert llm.engine.runner.backend.name == backend and llm.engine.runner.backend.windows == [6, 0, 6]
     if backend == "triton":  # its (1 + w) and sandwich norms stay torch ops: the fused layer ops say why
         assert llm.engine.runner.model.fused_ops is None

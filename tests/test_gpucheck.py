@@ -71,7 +71,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     assert eng["triton"]["engine_status"]["attention_backend"] == "triton"
     assert eng["torch_ops"]["engine_status"]["attention_backend"] == "torch"
     # the engine on this device's Triton kernels gives transformers' fp32 greedy tokens, every request
-    assert list(eng["exactness"]) == ["triton", "triton_cuda_graphs", "triton_async"]
+    assert list(eng["exactness"]) == ["triton", "triton_cuda_graphs", "triton_async", "triton_sdpa_prefill"]
     for check in eng["exactness"].values():
         assert check["identical_requests"] == check["requests"] == 5, check
         assert check["sampled_repeatable"] is True and check["sampled_as_first"] is True, check
@@ -93,6 +93,9 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     ttft = rep["ttft"]  # issue 50.5: one prompt's TTFT over its compute limit (the dry run's 48 tokens)
     assert ttft["prompt_tokens"] == 48 and ttft["ttft_ms"] > 0 and ttft["limit_ms"] > 0
     assert ttft["over_limit"] == pytest.approx(ttft["ttft_ms"] / ttft["limit_ms"]) and len(ttft["ttfts_ms"]) == 4
+    # issue 50.3: the prefill path auto picks (off CUDA: our kernel, unmeasured), and each path's TTFT
+    assert ttft["prefill_attention"] == "triton" and "off CUDA" in ttft["prefill_attention_reason"]
+    assert set(ttft["ttft_ms_by_path"]) == {"triton", "sdpa"} and min(ttft["ttft_ms_by_path"].values()) > 0
     assert rep["targets"] == []  # no speed targets on a dry run
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# workbench gpucheck (dry run)") and "Dry run: no speed targets." in md

@@ -107,6 +107,10 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     max_model_len: int
     attention_backend: str  # the backend in use ("torch", "triton", "cpu"), not the setting
     attention_backend_reason: str  # why it serves, and its cost where not obvious (Triton on a CPU)
+    # the Triton backend's path for prompts with no cached context ("triton" or "sdpa"), and why
+    # (auto: both measured at this model's heads); None on other backends
+    prefill_attention: str | None = None
+    prefill_attention_reason: str | None = None
     cpu_kernels: bool  # whether the C kernels serve (the setting may ask for them where they cannot)
     kernel_variant: str  # "avx512_bf16", "avx2", "neon", "portable", "torch", "cuda", ...
     kernel_variant_reason: str | None

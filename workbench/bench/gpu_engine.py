@@ -152,7 +152,8 @@ def ttft(model: str | None, device, dry_run: bool, sizes: dict, limits: dict, lo
     """Time to first token of one prompt of `ttft_prompt` random token ids, prefilled in one step (no
     prefix cache, nothing else running), against its compute limit: the prompt's FLOPs
     (`scheduler.prefill_flops`) at the bf16 matmul rate measured first. Median of three, after a
-    warm-up."""
+    warm-up, on the prefill path `prefill_attention=auto` picks (status says which, from what
+    times), then on each path forced."""
     import torch
 
     from ..engine.scheduler import prefill_flops
@@ -167,12 +168,21 @@ def ttft(model: str | None, device, dry_run: bool, sizes: dict, limits: dict, lo
     try:
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(0)
-        times = []
-        for _ in range(4):
-            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-            out = llm.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=1, temperature=0))[0]
-            times.append(out.metrics.ttft)
-        ttft_s = sorted(times[1:])[1]  # the warm-up's left out
+
+        def median_ttft(llm) -> tuple[float, list[float]]:
+            times = []
+            for _ in range(4):
+                ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+                out = llm.generate(prompt_token_ids=[ids], params=SamplingParams(max_tokens=1, temperature=0))[0]
+                times.append(out.metrics.ttft)
+            return sorted(times[1:])[1], times  # the warm-up's left out
+
+        ttft_s, times = median_ttft(llm)
+        status = llm.status()
+        by_path = {}
+        for path in ("triton", "sdpa"):
+            llm.configure(prefill_attention=path)
+            by_path[path] = median_ttft(llm)[0] * 1e3
         flops = prefill_flops(llm.engine.model_config, n)
         limit_s = flops / (limits["matmul_TFLOPs"] * 1e12)
         return {
@@ -183,6 +193,10 @@ def ttft(model: str | None, device, dry_run: bool, sizes: dict, limits: dict, lo
             "limit_ms": limit_s * 1e3,
             "over_limit": ttft_s / limit_s,  # target <= 1.5 (issue 50.5)
             "achieved_TFLOPs": flops / ttft_s / 1e12,
+            # issue 50.3: the path auto picked for this shape, from its measurement of both
+            "prefill_attention": status["prefill_attention"],
+            "prefill_attention_reason": status["prefill_attention_reason"],
+            "ttft_ms_by_path": by_path,
         }
     finally:
         del llm
@@ -233,6 +247,7 @@ def exactness(device, dry_run: bool, root: Path, log) -> dict:
         ("triton", {}),
         ("triton_cuda_graphs", {"cuda_graphs": True}),
         ("triton_async", {"cuda_graphs": True, "async_scheduling": True}),
+        ("triton_sdpa_prefill", {"prefill_attention": "sdpa"}),
     ):
         llm = LLM(
             str(folder), dtype="float32", device=str(device), attention_backend="triton", num_kv_blocks=64, **extra

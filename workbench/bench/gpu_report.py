@@ -120,7 +120,9 @@ def summary_markdown(rep: dict) -> str:
         lines.append(
             f"- TTFT of a {t['prompt_tokens']}-token prompt: {t['ttft_ms']:.1f} ms, {t['over_limit']:.2f}x its "
             f"compute limit ({t['limit_ms']:.1f} ms: {t['prefill_TFLOPs']:.2f} TFLOP at the measured rate; "
-            f"{t['achieved_TFLOPs']:.1f} TFLOP/s achieved)"
+            f"{t['achieved_TFLOPs']:.1f} TFLOP/s achieved); prefill attention {t.get('prefill_attention')} "
+            f"({t.get('prefill_attention_reason')}); TTFT by path (ms): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in (t.get("ttft_ms_by_path") or {}).items())
         )
     a = rep.get("async_scheduling") or {}
     if a.get("w64_tok_s_on"):

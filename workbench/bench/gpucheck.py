@@ -15,10 +15,11 @@ markdown summary beside it, both rewritten after every section so a run cut off 
   the fused MoE MLP, each with `max_abs_err`, `gb_s` and `fraction` (of the copy bandwidth; for
   prefill, SDPA's time over ours);
 - `engine`: `exactness` (fp32 greedy tokens against transformers on a small random model, token
-  for token, CUDA graphs off and on, and async scheduling); the bench workload (64 requests at once, and a single
-  stream) with our Triton kernels against transformers' padded static batches (`triton`), with
-  CUDA graphs (`triton_cuda_graphs`), transformers one request at a time and its single stream
-  (`hf_sequential`, a few requests), and torch's ops in place of ours (`torch_ops`);
+  for token, CUDA graphs off and on, async scheduling, and SDPA's prefill); the bench workload (64
+  requests at once, and a single stream) with our Triton kernels against transformers' padded
+  static batches (`triton`), with CUDA graphs (`triton_cuda_graphs`), transformers one request at
+  a time and its single stream (`hf_sequential`, a few requests), and torch's ops in place of ours
+  (`torch_ops`);
 - `launches_per_layer` (and `launches`: with the fused layer ops and without, outside the layers):
   kernel launches of a decoder layer in an eager decode step, counted with the torch profiler
   (`bench/launches.py`; target <= 12);
@@ -28,7 +29,8 @@ markdown summary beside it, both rewritten after every section so a run cut off 
   the share of device time busy with steps in each (`device_busy_share`: the GPU's idle gaps
   between steps, from CUDA events);
 - `ttft`: the time to first token of one 2,048-token prompt prefilled in one step, over its
-  compute limit (its FLOPs at the measured matmul rate; target <= 1.5x);
+  compute limit (its FLOPs at the measured matmul rate; target <= 1.5x), on the prefill path
+  `prefill_attention=auto` measured and picked (our kernel or SDPA), then on each path forced;
 - `sweep`: launch configurations of decode and prefill attention timed against the defaults in
   whatever budget is left (what to tune next);
 - `sections_s`, `skipped`, `errors`: what each section took, what the budget left out, what failed;

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from workbench_kernels import hostmem, reference
 
 from ..models.cpu_forward import CpuKernelForward, TokenQueries
-from .device import to_device
+from .device import median_time, to_device
 
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -70,6 +71,9 @@ class AttnMetadata:
     # The longest decode context, known on the host (the Triton backend's): the kernel picks its
     # split count from it instead of reading seq_lens.max() back from the device in every layer
     decode_max_seq_len: int | None = None
+    # The Triton backend's SDPA prefill: each extend sequence's token count when all are prompts
+    # with no cached context that SDPA serves (TritonAttention.prepare); None: our extend kernel
+    fresh_prompts: list[int] | None = None
 
 
 class AttentionBackend:
@@ -97,44 +101,45 @@ class AttentionBackend:
 
     def attend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
         """Attention of q over the cache, whose new keys/values are already written."""
-        k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
-        window = {"window": self.windows[layer]} if self.windows[layer] else {}
+        nd = meta.num_decode
+        if nd == q.shape[0]:
+            return self._decode(q, layer, meta)
+        if not nd:
+            return self._extend(q, layer, meta)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], layer, meta)
+        out[nd:] = self._extend(q[nd:], layer, meta)
+        return out
+
+    def _window(self, layer: int) -> dict:
+        return {"window": self.windows[layer]} if self.windows[layer] else {}
+
+    def _decode(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
         if meta.decode_num_splits:
             splits = {"num_splits": meta.decode_num_splits}
         elif meta.decode_max_seq_len:
             splits = {"max_seq_len": meta.decode_max_seq_len}
         else:
             splits = {}
-        nd = meta.num_decode
-        if nd == q.shape[0]:
-            return self.ops.decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                self.scale,
-                k_scale,
-                v_scale,
-                **window,
-                **splits,
-            )
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self.ops.decode_attention(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                self.scale,
-                k_scale,
-                v_scale,
-                **window,
-                **splits,
-            )
-        out[nd:] = self.ops.extend_attention(
-            q[nd:],
+        k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
+        return self.ops.decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            self.scale,
+            k_scale,
+            v_scale,
+            **self._window(layer),
+            **splits,
+        )
+
+    def _extend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
+        k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
+        return self.ops.extend_attention(
+            q,
             k_cache,
             v_cache,
             meta.ext_block_tables,
@@ -143,9 +148,20 @@ class AttentionBackend:
             self.scale,
             k_scale,
             v_scale,
-            **window,
+            **self._window(layer),
         )
-        return out
+
+    def choose_prefill(self, setting: str, num_heads: int, probe_tokens: int) -> None:
+        """The `prefill_attention` setting: only the Triton backend has two paths."""
+
+    def report(self) -> dict:
+        """status()'s attention fields."""
+        return {
+            "attention_backend": self.name,
+            "attention_backend_reason": self.reason,
+            "prefill_attention": None,
+            "prefill_attention_reason": None,
+        }
 
 
 class CpuKernelAttention(AttentionBackend):
@@ -156,11 +172,129 @@ class CpuKernelAttention(AttentionBackend):
 
 
 class TritonAttention(AttentionBackend):
-    """Our Triton kernels (the GPU's backend)."""
+    """Our Triton kernels (the GPU's backend). A step's prompts with no cached context may take
+    torch's SDPA (FlashAttention or cuDNN on CUDA) instead of our extend kernel: `choose_prefill`
+    (the `prefill_attention` setting) decides, by measurement at `auto`."""
+
+    prefill = "triton"  # the path of prompts with no cached context: "triton" (our kernel) or "sdpa"
+    prefill_reason = ""
+    sdpa_min_tokens = 1  # the shortest prompt SDPA serves (a step's prompts take it all together, or none do)
 
     def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
-        if meta.num_decode:  # the first num_decode tokens are decodes: each one's context ends at it
-            meta.decode_max_seq_len = max(positions[: meta.num_decode]) + 1
+        nd = meta.num_decode
+        if nd:  # the first num_decode tokens are decodes: each one's context ends at it
+            meta.decode_max_seq_len = max(positions[:nd]) + 1
+        if self.prefill == "sdpa" and self.kv.k_scale is None:
+            meta.fresh_prompts = fresh_prompts(tables[nd:], positions, nd, self.sdpa_min_tokens)
+
+    def _extend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
+        if meta.fresh_prompts is None or self.windows[layer]:  # SDPA's mask would be a dense tensor
+            return super()._extend(q, layer, meta)
+        slots = meta.slot_mapping[meta.num_decode :]
+        return sdpa_prompts(q, self.kv.k[layer], self.kv.v[layer], slots, meta.fresh_prompts, self.scale)
+
+    def choose_prefill(self, setting: str, num_heads: int, probe_tokens: int) -> None:
+        device = self.kv.k[0].device
+        self.sdpa_min_tokens = 1
+        if setting != "auto":
+            what = "torch's SDPA" if setting == "sdpa" else "our Triton kernel"
+            self.prefill, self.prefill_reason = setting, f"asked for: {what} for prompts with no cached context"
+        elif self.kv.k_scale is not None:
+            self.prefill = "triton"
+            self.prefill_reason = "auto with a quantised KV cache: our Triton kernel (SDPA reads 16-bit keys)"
+        elif device.type != "cuda":
+            self.prefill = "triton"
+            self.prefill_reason = "auto off CUDA: our Triton kernel, unmeasured (interpreted here, to check it)"
+        else:
+            try:
+                t = measure_prefill(self, num_heads, probe_tokens)
+            except Exception as e:  # a path that cannot run here must not stop the engine: the kernel serves
+                self.prefill = "triton"
+                self.prefill_reason = f"auto: our Triton kernel (measuring both paths failed: {type(e).__name__}: {e})"
+                return
+            self.prefill = "sdpa" if t["sdpa"] < t["triton"] else "triton"
+            self.sdpa_min_tokens = SDPA_MIN_TOKENS
+            hkv, d = self.kv.k[0].shape[2:]
+            self.prefill_reason = (
+                f"auto, measured on one {probe_tokens}-token prompt at {num_heads}/{hkv} heads, d{d}: our Triton "
+                f"kernel {t['triton'] * 1e3:.3f} ms, SDPA {t['sdpa'] * 1e3:.3f} ms"
+            )
+            if self.prefill == "sdpa":
+                self.prefill_reason += (
+                    f"; SDPA serves steps whose new tokens are all prompts of >= {SDPA_MIN_TOKENS} tokens "
+                    "with no cached context"
+                )
+
+    def report(self) -> dict:
+        quantised = self.kv.k_scale is not None
+        return {
+            **super().report(),
+            "prefill_attention": "triton" if quantised else self.prefill,
+            "prefill_attention_reason": "a quantised KV cache: our Triton kernel" if quantised else self.prefill_reason,
+        }
+
+
+# auto's SDPA takes prompts from this length: shorter ones are launch-bound on either path, and our
+# kernel takes all of a step's prompts in one launch where SDPA takes one call per prompt
+SDPA_MIN_TOKENS = 512
+PREFILL_PROBE_TOKENS = 2048  # the prompt auto measures both paths on (capped at max_model_len)
+_PREFILL_TIMES: dict[tuple, dict[str, float]] = {}  # measured once per process and shape
+
+
+def fresh_prompts(tables: list[tuple[list[int], int]], positions: list[int], first: int, min_tokens: int):
+    """The token counts of a step's extend sequences (`tables`, their tokens from flat index `first`)
+    when every one is a prompt with no cached context of at least `min_tokens` tokens; else None."""
+    lens, i = [], first
+    for _, n in tables:
+        if positions[i] != 0 or n < min_tokens:
+            return None
+        lens.append(n)
+        i += n
+    return lens or None
+
+
+def sdpa_prompts(q, k_cache, v_cache, slots, lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of prompts with no cached context (q [T, Hq, D], `lens` tokens each), one
+    SDPA call per prompt over its keys and values read back from the cache's `slots`, where RoPE
+    wrote them."""
+    hkv, d = k_cache.shape[2:]
+    k = k_cache.view(-1, hkv, d).index_select(0, slots)
+    v = v_cache.view(-1, hkv, d).index_select(0, slots)
+    gqa = q.shape[1] != hkv
+    out = torch.empty_like(q)
+    start = 0
+    for n in lens:
+        s = slice(start, start + n)
+        # [1, H, n, D] views: the fused (flash, cuDNN) kernels take 4-D inputs only, 3-D ones fall to the math path
+        qs, ks, vs = (t[s].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[s] = o[0].transpose(0, 1)
+        start += n
+    return out
+
+
+def measure_prefill(backend: TritonAttention, num_heads: int, n: int) -> dict[str, float]:
+    """Seconds per call of our extend kernel and of `sdpa_prompts` on one causal `n`-token prompt at
+    the backend's cache shape (random values on a scratch cache), the median of a few runs."""
+    k0 = backend.kv.k[0]
+    _, block_size, hkv, d = k0.shape
+    key = (str(k0.device), k0.dtype, num_heads, hkv, d, block_size, n)
+    if key not in _PREFILL_TIMES:
+        dev, dt = k0.device, k0.dtype
+        gen = torch.Generator(device=dev).manual_seed(0)
+        blocks = -(-n // block_size)
+        kc, vc = (torch.randn(blocks, block_size, hkv, d, generator=gen, device=dev, dtype=dt) for _ in "kv")
+        q = torch.randn(n, num_heads, d, generator=gen, device=dev, dtype=dt)
+        table = torch.arange(blocks, dtype=torch.int32, device=dev).view(1, blocks)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        lens = torch.tensor([n], dtype=torch.int32, device=dev)
+        slots = torch.arange(n, device=dev)
+        paths = {
+            "triton": lambda: backend.ops.extend_attention(q, kc, vc, table, cu, lens, backend.scale),
+            "sdpa": lambda: sdpa_prompts(q, kc, vc, slots, [n], backend.scale),
+        }
+        _PREFILL_TIMES[key] = {name: median_time(fn, dev) for name, fn in paths.items()}
+    return _PREFILL_TIMES[key]
 
 
 def pad_tables(tables: list[list[int]], device) -> torch.Tensor:

@@ -55,6 +55,8 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
             r.set_backend(applied["attention_backend"])
         if "cpu_kernels" in applied:
             r.set_cpu_kernels(applied["cpu_kernels"])
+        if "prefill_attention" in applied:
+            r.set_prefill_attention(applied["prefill_attention"])
     if "kv_cache_dtype" in applied:
         engine.scheduler.preempt_all()  # the cache is rebuilt: every running sequence recomputes
         runner.set_kv_cache_dtype(applied["kv_cache_dtype"])

@@ -100,6 +100,7 @@ class LLMEngine:
             attention_backend=s.attention_backend,
             max_model_len=self.max_model_len,
             cpu_kernels=s.cpu_kernels,
+            prefill_attention=s.prefill_attention,
         )
         self._weights = weights
         self.runner.set_cuda_graphs(s.cuda_graphs, s.max_num_seqs)
@@ -458,6 +459,7 @@ class LLMEngine:
             attention_backend=s.attention_backend,
             max_model_len=self.max_model_len,
             cpu_kernels=s.cpu_kernels,
+            prefill_attention=s.prefill_attention,
         )
         if draft_model is None:
             runner.model.quantize("int4", "auto")
@@ -543,8 +545,7 @@ class LLMEngine:
             num_kv_blocks=self.scheduler.kv_blocks[1],
             block_size=self.settings.block_size,
             max_model_len=self.max_model_len,
-            attention_backend=self.runner.backend.name,
-            attention_backend_reason=self.runner.backend.reason,
+            **self.runner.backend.report(),
             cpu_kernels=self.runner.model.cpu_kernels,
             **self.runner.model.kernel_report(),
             max_token_chars=self.tokenizer.max_token_chars if self.tokenizer is not None else None,

@@ -8,7 +8,7 @@ import torch
 
 from ..models.llama import Transformer
 from . import cuda_graphs
-from .attention import AttnMetadata, KVCache, make_backend, pad_tables
+from .attention import PREFILL_PROBE_TOKENS, AttnMetadata, KVCache, make_backend, pad_tables
 from .device import Marks, to_device
 from .inflight import InFlight, fill_inputs
 from .scheduler import ScheduledSeq
@@ -38,6 +38,7 @@ class ModelRunner:
         attention_backend,
         max_model_len,
         cpu_kernels=True,
+        prefill_attention="auto",
     ):
         self.config = config
         self.device, self.dtype = device, dtype
@@ -47,6 +48,8 @@ class ModelRunner:
         self.kv = self._new_cache(kv_cache_dtype)
         self.backend_name = attention_backend
         self.max_blocks = -(-max_model_len // block_size)  # a sequence's longest block table
+        self.max_model_len = max_model_len
+        self.prefill_attention = prefill_attention
         self.graph_buckets: list[int] = []  # CUDA graphs' batch sizes; empty: off
         self._graphs = None  # their GraphRunner, captured at the first decode step that fits
         self.graph_steps = {"replayed": 0, "eager": 0}
@@ -79,6 +82,13 @@ class ModelRunner:
         self.backend_name = name
         self.model.set_triton_kernels(self.backend.name == "triton")
         self.drop_graphs()
+        self.set_prefill_attention(self.prefill_attention)
+
+    def set_prefill_attention(self, setting: str) -> None:
+        """Which path serves prompts with no cached context on the Triton backend (measured at auto)."""
+        self.prefill_attention = setting
+        probe = min(PREFILL_PROBE_TOKENS, self.max_model_len)
+        self.backend.choose_prefill(setting, self.config.num_attention_heads, probe)
 
     def set_cuda_graphs(self, on: bool, max_num_seqs: int) -> None:
         """Replay decode steps as CUDA graphs, one per batch-size bucket up to `max_num_seqs`."""
@@ -112,6 +122,7 @@ class ModelRunner:
         self.backend.kv = None
         self.kv = self._new_cache(kv_cache_dtype)
         self.backend.kv = self.kv
+        self.set_prefill_attention(self.prefill_attention)  # SDPA reads 16-bit caches only
 
     def _graph_plan(self, scheduled: list[ScheduledSeq], all_logits: bool) -> cuda_graphs.Plan:
         if not self.graph_buckets:

@@ -400,6 +400,8 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
         ("dtype", "dtype"),
         ("attention_backend", "attention"),
         ("attention_backend_reason", "attention: why"),
+        ("prefill_attention", "prefill attention"),
+        ("prefill_attention_reason", "prefill attention: why"),
         ("kernel_variant", "kernels"),
         ("kernel_variant_reason", "kernels: why"),
         ("compute_path", "large steps in"),
@@ -410,7 +412,7 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
         ("num_clients", "clients"),
         ("num_requests", "requests in flight"),
     ):
-        if key in status:
+        if status.get(key) is not None:  # None: nothing to say (no reason needed, no such path here)
             rows.append(("engine", label, status[key]))
     rows.append(("engine", "uptime", f"{up:.0f} s"))
     for name, value in settings.items():

@@ -1,0 +1,176 @@
+"""The Triton backend's second prefill path (`prefill_attention`): prompts with no cached context
+attended by torch's SDPA over the keys RoPE wrote into the cache, instead of our extend kernel
+(issue 50.3: the engine may pick the faster per shape, by measurement). On a CPU the kernel runs in
+Triton's interpreter and SDPA in torch's math backend, both fp32: the tokens are transformers'."""
+
+import random
+
+import pytest
+import torch
+
+from workbench import LLM, SamplingParams
+from workbench.engine import attention
+from workbench.settings import kv_shaping_settings
+
+from .conftest import hf_greedy
+
+pytest.importorskip("triton")
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def _prompts(lengths=(1, 9, 16, 17, 30), seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Each call of the SDPA path: its prompts' token counts (the real function runs)."""
+    calls = []
+    real = attention.sdpa_prompts
+
+    def spy(q, k_cache, v_cache, slots, lens, scale):
+        calls.append(list(lens))
+        return real(q, k_cache, v_cache, slots, lens, scale)
+
+    monkeypatch.setattr(attention, "sdpa_prompts", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(max_num_batched_tokens=24), dict(async_scheduling=True), dict(block_size=4)],
+    ids=["one-step", "chunked", "async", "block4"],
+)
+def test_sdpa_prefill_gives_transformers_tokens(tiny_qwen2, sdpa_calls, settings):
+    path, model = tiny_qwen2
+    prompts = _prompts()
+    llm = LLM(
+        str(path), dtype="float32", num_kv_blocks=160 // settings.get("block_size", 16) * 4,
+        attention_backend="triton", prefill_attention="sdpa", **settings,
+    )  # fmt: skip
+    assert llm.status()["prefill_attention"] == "sdpa"
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=GREEDY)]
+    assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    layers = llm.engine.model_config.num_hidden_layers
+    if "max_num_batched_tokens" in settings:  # the first chunk is fresh; the later ones read the cache
+        assert sdpa_calls == [[1, 9, 14]] * layers
+    else:
+        assert sdpa_calls == [[1, 9, 16, 17, 30]] * layers
+
+
+def test_sdpa_serves_fresh_prompts_beside_decodes_and_not_prefix_hits(tiny_qwen2, sdpa_calls):
+    """A prompt arriving while another decodes shares its step (decodes first, then SDPA's part);
+    a prompt whose prefix is cached reads cached keys: our kernel serves it."""
+    path, model = tiny_qwen2
+    first, second = _prompts((20, 12), seed=1)
+    hit = first[:16] + [7, 8, 9]  # one 16-token block of `first` cached
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton", prefill_attention="sdpa")
+    eng = llm.engine
+    rids = [eng.add_request(prompt_token_ids=first, params=GREEDY)]
+    done = {}
+
+    def step():
+        for c in eng.step():
+            if c.output and c.output.finished:
+                done[c.request_id] = c.output.token_ids
+
+    step()
+    step()  # `first` prefilled and decoding
+    assert len(sdpa_calls) == eng.model_config.num_hidden_layers
+    rids.append(eng.add_request(prompt_token_ids=second, params=GREEDY))
+    step()
+    assert eng.timeline.steps[-1].num_decode_tokens == 1 and sdpa_calls[-1] == [12]
+    calls = len(sdpa_calls)
+    rids.append(eng.add_request(prompt_token_ids=hit, params=GREEDY))
+    while eng.has_unfinished_requests():
+        step()
+    assert len(sdpa_calls) == calls  # the prefix hit's step read the cache through our kernel
+    assert eng.metrics()["total_prefix_hit_tokens"] >= 16
+    assert [done[r] for r in rids] == [hf_greedy(model, p, GREEDY.max_tokens) for p in (first, second, hit)]
+
+
+def test_prefill_attention_switches_live(tiny_qwen2):
+    path, model = tiny_qwen2
+    prompts = _prompts()
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton", max_num_batched_tokens=24)
+    eng = llm.engine
+    rids = [eng.add_request(prompt_token_ids=p, params=GREEDY) for p in prompts]
+    done, i = {}, 0
+    while eng.has_unfinished_requests():
+        eng.configure(prefill_attention=["sdpa", "triton", "auto"][i % 3])
+        for c in eng.step():
+            if c.output and c.output.finished:
+                done[c.request_id] = c.output.token_ids
+        i += 1
+    assert [done[r] for r in rids] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_status_says_which_prefill_path_serves_and_why(tiny_qwen2):
+    path, _ = tiny_qwen2
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton")
+    st = llm.status()
+    assert st["prefill_attention"] == "triton" and "auto off CUDA" in st["prefill_attention_reason"]
+    llm.configure(prefill_attention="sdpa")
+    assert llm.status()["prefill_attention"] == "sdpa"
+    assert "prefill_attention" in kv_shaping_settings()  # the prefix cache keys its blocks by it
+    llm.configure(kv_cache_dtype="int8")  # SDPA reads 16-bit keys: the kernel serves a quantised cache
+    st = llm.status()
+    assert st["prefill_attention"] == "triton" and "quantised" in st["prefill_attention_reason"]
+    llm.configure(kv_cache_dtype="auto")
+    assert llm.status()["prefill_attention"] == "sdpa"
+    llm.configure(attention_backend="torch")
+    st = llm.status()
+    assert st["prefill_attention"] is None and st["prefill_attention_reason"] is None
+    with pytest.raises(ValueError, match="prefill_attention.*'auto', 'triton', 'sdpa'"):
+        llm.configure(prefill_attention="flash")
+    assert llm.settings()["prefill_attention"] == "sdpa"  # the refused change changed nothing
+    llm.configure(attention_backend="triton")
+    assert llm.status()["prefill_attention"] == "sdpa"
+
+
+def test_fresh_prompts_only_when_every_sequence_starts_at_zero():
+    tables = [([0], 3), ([1], 2)]
+    assert attention.fresh_prompts(tables, [0, 1, 2, 0, 1], 0, 1) == [3, 2]
+    assert attention.fresh_prompts(tables, [9, 0, 1, 2, 0, 1], 1, 1) == [3, 2]  # after one decode
+    assert attention.fresh_prompts(tables, [0, 1, 2, 5, 6], 0, 1) is None  # the second reads cached keys
+    assert attention.fresh_prompts(tables, [0, 1, 2, 0, 1], 0, 3) is None  # auto's length floor
+    assert attention.fresh_prompts([], [4], 1, 1) is None  # decodes only
+
+
+def test_sdpa_prompts_equal_the_reference_over_a_paged_cache():
+    """Three prompts at GQA 4:2, their keys scattered over permuted blocks of 4 slots."""
+    from workbench_kernels import reference
+
+    gen = torch.Generator().manual_seed(0)
+    lens, hq, hkv, d, bs = [5, 12, 1], 4, 2, 16, 4
+    total = sum(lens)
+    blocks = torch.randperm(16, generator=gen)
+    k_cache, v_cache = torch.zeros(16, bs, hkv, d), torch.zeros(16, bs, hkv, d)
+    tables, slots, cu = [], [], [0]
+    used = 0
+    for n in lens:
+        table = blocks[used : used + -(-n // bs)].tolist()
+        used += len(table)
+        tables.append(table + [0] * (3 - len(table)))
+        slots += [table[p // bs] * bs + p % bs for p in range(n)]
+        cu.append(cu[-1] + n)
+    q, k, v = (torch.randn(total, h, d, generator=gen) for h in (hq, hkv, hkv))
+    slots = torch.tensor(slots)
+    reference.write_kv_ref(k, v, k_cache, v_cache, slots)
+    got = attention.sdpa_prompts(q, k_cache, v_cache, slots, lens, 0.3)
+    want = reference.extend_attention_ref(
+        q, k_cache, v_cache, torch.tensor(tables), torch.tensor(cu), torch.tensor(lens), 0.3
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_auto_measures_both_paths_once_per_shape(tiny_qwen2):
+    """auto's measurement (run on CUDA; here under the interpreter, to keep it working): both paths'
+    times on the backend's cache shape, cached for the process."""
+    path, _ = tiny_qwen2
+    backend = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton").engine.runner.backend
+    times = attention.measure_prefill(backend, 4, 40)
+    assert set(times) == {"triton", "sdpa"} and all(t > 0 for t in times.values())
+    assert attention.measure_prefill(backend, 4, 40) is times
