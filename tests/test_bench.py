@@ -476,6 +476,45 @@ def test_our_server_as_a_bench_system_serves_the_same_tokens(tiny_bench_model):
     assert b["steps"] > 0 and b["limit"] in ("layers", "lm_head", "prepare", "sample", "outputs", "schedule")
 
 
+def test_transformers_static_cache_peer_serves_the_same_tokens(tiny_bench_model):
+    """Issue 50.5's baseline: transformers in one padded batch of every request, its KV in the
+    preallocated static cache; greedy fp32 tokens equal the engine's. Compiling is asked for: off
+    CUDA transformers compiles nothing, and the report says so (0 frames)."""
+    from workbench.bench import run_bench
+
+    rep = run_bench(
+        str(tiny_bench_model),
+        systems=["workbench", "hf_static"],
+        num_requests=5,
+        quick=True,
+        settings={"dtype": "float32"},
+        single_stream=False,
+        record=False,
+        hf_batch_size=5,
+        hf_cache="static",
+        hf_compile=True,
+        hf_dtype="float32",
+    )
+    assert rep["hf_static"] == {"batch_size": 5, "cache": "static", "compile_asked": True, "frames_compiled": 0}
+    agree = rep["token_agreement"]["hf_static"]
+    assert agree["identical_requests"] == agree["requests"] == 5
+    assert rep["results"]["hf_static"]["output_tokens"] == rep["results"]["workbench"]["output_tokens"]
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(hf_cache="paged"), "invalid hf cache 'paged'; allowed: 'dynamic', 'static'"),
+        (dict(hf_compile=True), "compiles generate with a static cache only"),
+    ],
+)
+def test_bad_transformers_cache_settings_are_refused_before_anything_loads(kw, message):
+    from workbench.bench import run_bench
+
+    with pytest.raises(ValueError, match=message):
+        run_bench("/no/such/model", systems=["hf_static"], record=False, **kw)
+
+
 @pytest.mark.slow
 def test_llama_server_peer_serves_the_same_requests():
     """Runs only where a llama-server binary is found (see llama_cpp.HOW_TO_GET)."""

@@ -9,7 +9,8 @@ import pytest
 
 # gpucheck's sections, in the order they run (the most needed first: a spent budget skips the last)
 EVERY_SECTION = (
-    "kernels exactness launches triton cuda_graphs async_scheduling ttft hf_sequential torch_ops sweep".split()
+    "kernels exactness launches triton cuda_graphs async_scheduling ttft batch256 hf_sequential hf_compiled torch_ops "
+    "sweep".split()
 )
 
 
@@ -61,6 +62,22 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
         assert "error" not in eng[run], eng[run]
         assert eng[run]["results"]["workbench"]["output_tok_s"] > 0
     assert "hf_static" in eng["triton"]["results"]
+    # issue 50.5's baselines: transformers in one batch of every request, its static KV cache; the
+    # engine's cache holds every request at once; 256-style batches; compiling asked (not on a CPU)
+    for run, n in (("triton", 4), ("batch256", 8)):
+        assert eng[run]["hf_static"] == {
+            "batch_size": n,
+            "cache": "static",
+            "compile_asked": False,
+            "frames_compiled": 0,
+        }
+        assert eng[run]["token_agreement"]["hf_static"]["requests"] == n  # bf16 here: agreement is test_bench's
+        assert eng[run]["engine_status"]["num_kv_blocks"] == n * 9 + 64
+    assert (
+        eng["batch256"]["results"]["workbench"]["requests"] == 8
+        and "workbench_single_stream" not in eng["batch256"]["results"]
+    )
+    assert set(eng["hf_compiled"]["results"]) == {"hf_static"}
     assert {"hf_sequential", "hf_single_stream"} <= set(eng["hf_sequential"]["results"])
     assert list(rep["sections_s"]) == EVERY_SECTION
     assert rep["skipped"] == [] and "errors" not in rep
@@ -84,7 +101,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     assert "kernel launches per layer, eager decode of 4: " in out.with_suffix(".md").read_text()
     assert "USDT" not in done.stderr and "profiler_start" not in done.stderr
     graphs = rep["cuda_graphs"]
-    assert graphs["buckets"] == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert graphs["buckets"] == [1, 2, 4]  # max_num_seqs: the run's requests, 4 here
     assert graphs["steps"]["replayed"] == 0 and graphs["steps"]["eager"] > 0
     assert graphs["last_eager_reason"] == "CUDA graphs need a CUDA device; this engine runs on cpu"
     overlap = rep["async_scheduling"]  # issue 50.4: the same runs with async scheduling, side by side
@@ -100,6 +117,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert md.startswith("# workbench gpucheck (dry run)") and "Dry run: no speed targets." in md
     assert "| fused_moe |" in md
+    assert "- batch256 / hf_static: transformers in padded batches of 8, static KV cache, compile off" in md
 
 
 def test_gpucheck_without_cuda_says_how_to_dry_run(tmp_path):

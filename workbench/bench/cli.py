@@ -38,6 +38,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="dtype of the transformers peers (auto: bf16 or fp32, whichever matmul measures faster here)",
     )
     p.add_argument(
+        "--hf-batch-size", type=int, default=None, help="requests per padded batch of hf_static (default 16)"
+    )
+    p.add_argument(
+        "--hf-cache",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="hf_static's KV cache: transformers' growing dynamic cache (default) or its preallocated static one",
+    )
+    p.add_argument(
+        "--hf-compile",
+        action="store_true",
+        help="with --hf-cache static: let generate compile its forward (torch.compile; transformers does on "
+        "CUDA); the workload is run once untimed first",
+    )
+    p.add_argument(
         "--llama-server",
         default=None,
         metavar="PATH",
@@ -185,6 +200,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         settings=settings,
         single_stream=args.single_stream,
         hf_dtype=args.hf_dtype,
+        **({"hf_batch_size": args.hf_batch_size} if args.hf_batch_size else {}),
+        hf_cache=args.hf_cache,
+        hf_compile=args.hf_compile,
         llama_server=args.llama_server,
         vllm_python=args.vllm_python,
         progress=_progress_factory(),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .gpu_report import decode_tok_s
+from .workload import DEFAULT_OUTPUT_LEN, DEFAULT_PROMPT_LEN
 
 # the dry run's model and the exactness check's: a tiny Llama
 TINY = dict(
@@ -79,12 +80,25 @@ def engine_run(
     attention_backend: str = "triton",
     cuda_graphs: bool = False,
     async_scheduling: bool = False,
+    single_stream: bool = True,
+    hf_compile: bool = False,
 ) -> dict:
     """One `run_bench` on this device: its results, ratios, token agreement and the engine's status
-    fields that say what ran (backend, kernels, CUDA graphs)."""
+    fields that say what ran (backend, kernels, CUDA graphs). Every request runs at once: the engine
+    takes them all in one batch, its KV cache sized to hold them at their longest (an 8B model's
+    128 KiB a token would fill the default 512 MB with 4,096 tokens), and transformers' `hf_static`
+    pads them into one batch too, its KV in the static cache (compiled where `hf_compile`)."""
     from .runner import run_bench
 
-    settings = {"device": str(device), "attention_backend": attention_backend}
+    n = num_requests or sizes["requests"]
+    prompt_len, output_len = ((32, 128), (8, 16)) if dry_run else (DEFAULT_PROMPT_LEN, DEFAULT_OUTPUT_LEN)
+    longest = prompt_len[1] + output_len[1]
+    settings = {
+        "device": str(device),
+        "attention_backend": attention_backend,
+        "max_num_seqs": n,
+        "num_kv_blocks": n * -(-longest // 16) + 64,  # + the single stream's 320 tokens, and spare
+    }
     if cuda_graphs:
         settings["cuda_graphs"] = True
     if async_scheduling:
@@ -93,20 +107,27 @@ def engine_run(
         model,
         systems=systems,
         settings=settings,
-        num_requests=num_requests or sizes["requests"],
+        num_requests=n,
         quick=dry_run,
         record=False,
         log=log,
-        **(dict(output_len=(8, 16), single_stream_tokens=16) if dry_run else {}),
+        single_stream=single_stream,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        hf_batch_size=n,
+        hf_cache="static",
+        hf_compile=hf_compile and device.type == "cuda",
+        **(dict(single_stream_tokens=16) if dry_run else {}),
     )
     return {
         "results": rep["results"],
         "ratios": rep.get("ratios", {}),
         "token_agreement": rep.get("token_agreement", {}),
+        "hf_static": rep.get("hf_static"),
         "engine_status": {
             k: v
             for k, v in (rep.get("engine_status") or {}).items()
-            if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype"))
+            if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype", "num_kv_blocks", "prefill"))
         },
     }
 

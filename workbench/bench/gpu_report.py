@@ -13,6 +13,8 @@ TARGETS = {
     "prefill_vs_sdpa": 1.0,
     "engine_vs_transformers_w64": 5.0,
     "engine_vs_transformers_w64_cuda_graphs": 5.0,
+    "engine_vs_transformers_batch256": 5.0,  # issue 50.5: 256 requests in one batch each, graphs on
+    "engine_vs_transformers_w64_compiled": 5.0,  # transformers' forward compiled (where it compiled)
     "engine_single_stream_vs_transformers": 5.0,
     "cuda_graphs_single_stream": 3.0,
     "device_busy_w64_async": 0.95,
@@ -44,6 +46,11 @@ def targets(rep: dict) -> list[dict]:
     graphs_w64 = ((eng.get("triton_cuda_graphs") or {}).get("results", {}).get("workbench") or {}).get("output_tok_s")
     hf_w64 = ((eng.get("triton") or {}).get("results", {}).get("hf_static") or {}).get("output_tok_s")
     add("engine_vs_transformers_w64_cuda_graphs", graphs_w64 / hf_w64 if graphs_w64 and hf_w64 else None)
+    add("engine_vs_transformers_batch256", (eng.get("batch256") or {}).get("ratios", {}).get("workbench_vs_hf_static"))
+    compiled = eng.get("hf_compiled") or {}
+    hf_compiled = ((compiled.get("results") or {}).get("hf_static") or {}).get("output_tok_s")
+    if (compiled.get("hf_static") or {}).get("frames_compiled"):  # else nothing compiled: no such baseline
+        add("engine_vs_transformers_w64_compiled", graphs_w64 / hf_compiled if graphs_w64 and hf_compiled else None)
     ours = decode_tok_s(eng, "triton_cuda_graphs", "workbench_single_stream") or decode_tok_s(
         eng, "triton", "workbench_single_stream"
     )
@@ -85,12 +92,27 @@ def summary_markdown(rep: dict) -> str:
         lines.append(f"| {k['name']} | {k['max_abs_err']:.3g} | {k['gb_s']:.3g} | {k['fraction']:.3g}{of} |")
     eng = rep["engine"]
     lines += ["", f"Engine ({eng.get('model', 'not run')}):", ""]
-    for name in ("triton", "triton_cuda_graphs", "triton_async", "hf_sequential", "torch_ops"):
+    for name in (
+        "triton",
+        "triton_cuda_graphs",
+        "triton_async",
+        "hf_sequential",
+        "batch256",
+        "hf_compiled",
+        "torch_ops",
+    ):
         for sysname, s in ((eng.get(name) or {}).get("results") or {}).items():
             extra = f", decode {s['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in s else ""
             lines.append(
                 f"- {name} / {sysname}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
                 f"ITL p50 {s['itl_p50_ms']:.1f} ms{extra}"
+            )
+    for name, run in eng.items():
+        hf = isinstance(run, dict) and run.get("hf_static")
+        if hf:
+            lines.append(
+                f"- {name} / hf_static: transformers in padded batches of {hf['batch_size']}, {hf['cache']} KV "
+                f"cache, compile {'asked' if hf['compile_asked'] else 'off'}, {hf['frames_compiled']} frames compiled"
             )
     for name, x in (eng.get("exactness") or {}).items():
         lines.append(

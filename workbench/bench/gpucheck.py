@@ -17,9 +17,11 @@ markdown summary beside it, both rewritten after every section so a run cut off 
 - `engine`: `exactness` (fp32 greedy tokens against transformers on a small random model, token
   for token, CUDA graphs off and on, async scheduling, and SDPA's prefill); the bench workload (64
   requests at once, and a single stream) with our Triton kernels against transformers' padded
-  static batches (`triton`), with CUDA graphs (`triton_cuda_graphs`), transformers one request at
-  a time and its single stream (`hf_sequential`, a few requests), and torch's ops in place of ours
-  (`torch_ops`);
+  batch of all 64 in its static KV cache (`triton`), with CUDA graphs (`triton_cuda_graphs`),
+  transformers one request at a time and its single stream (`hf_sequential`, a few requests), 256
+  requests at once against transformers' batch of 256 (`batch256`), transformers' batch of 64 with
+  its forward compiled by `generate` (`hf_compiled`, after an untimed pass that compiles it), and
+  torch's ops in place of ours (`torch_ops`); each run's engine holds every request's KV at once;
 - `launches_per_layer` (and `launches`: with the fused layer ops and without, outside the layers):
   kernel launches of a decoder layer in an eager decode step, counted with the torch profiler
   (`bench/launches.py`; target <= 12);
@@ -35,9 +37,10 @@ markdown summary beside it, both rewritten after every section so a run cut off 
   whatever budget is left (what to tune next);
 - `sections_s`, `skipped`, `errors`: what each section took, what the budget left out, what failed;
 - `targets` (`bench/gpu_report.py`, which also writes the report): decode attention >= 75% of
-  copy bandwidth in every case, prefill >= 1.0x SDPA, engine >= 5x transformers at 64 requests and
-  on a single stream, CUDA graphs >= 3x on a single stream, at most 12 launches per layer, the
-  device >= 95% busy at W64 with async scheduling.
+  copy bandwidth in every case, prefill >= 1.0x SDPA, engine >= 5x transformers at 64 requests
+  (static cache; compiled, where it compiled), at 256, and on a single stream, CUDA graphs >= 3x
+  on a single stream, at most 12 launches per layer, the device >= 95% busy at W64 with async
+  scheduling.
 
 `--dry-run` runs the same pipeline on the CPU (the Triton interpreter, fp32, tiny shapes and a
 tiny model, no speed targets; `dry_run: true`): the test suite runs it, so the script cannot rot
@@ -71,7 +74,9 @@ SECTIONS = (
     "cuda_graphs",
     "async_scheduling",
     "ttft",
+    "batch256",
     "hf_sequential",
+    "hf_compiled",
     "torch_ops",
     "sweep",
 )
@@ -85,6 +90,7 @@ GPU = {
     "moe": dict(tokens=256, hidden=2048, inter=768, experts=64, top_k=8),
     "iters": 20,
     "requests": 64,
+    "batch_requests": 256,
     "ttft_prompt": 2048,
     # transformers one request at a time: ~10k tokens at batch 1 would take minutes; a few
     # requests and the single stream say the same
@@ -104,6 +110,7 @@ DRY = {
     "moe": dict(tokens=8, hidden=64, inter=32, experts=4, top_k=2),
     "iters": 2,
     "requests": 4,
+    "batch_requests": 8,
     "ttft_prompt": 48,
     "hf_sequential_requests": 2,
     "copy_bytes": 1 << 20,
@@ -240,9 +247,15 @@ def run_gpucheck(
         )
         section("ttft", lambda: report.update(ttft=gpu_engine.ttft(bench_model(), device, dry_run, sizes, limits, log)))
         section(
+            "batch256",
+            lambda: run("batch256", systems=["workbench", "hf_static"], num_requests=sizes["batch_requests"],
+                        cuda_graphs=True, single_stream=False),
+        )  # fmt: skip
+        section(
             "hf_sequential",
             lambda: run("hf_sequential", systems=["hf_sequential"], num_requests=sizes["hf_sequential_requests"]),
         )
+        section("hf_compiled", lambda: run("hf_compiled", systems=["hf_static"], hf_compile=True, single_stream=False))
         section("torch_ops", lambda: run("torch_ops", systems=["workbench"], attention_backend="torch"))
         report["cuda_graphs"] = gpu_engine.graphs(engine)
         report["async_scheduling"] = gpu_engine.overlap(engine)

@@ -5,6 +5,10 @@
   previous one is done and takes the requests that have arrived by then, runs until its longest
   request is done, and each request keeps only its own number of tokens.
 
+Either may keep its KV in transformers' preallocated static cache (`cache="static"`, instead of
+the growing dynamic one), and with it let `generate` compile the decoding forward with
+torch.compile (`compile=True`; transformers does so on CUDA only).
+
 Greedy, EOS ignored (the model's generation config is replaced so nothing stops early). Per-token
 times come from a streamer, which `generate` calls right after each step's tokens are chosen.
 """
@@ -123,8 +127,26 @@ class _TokenClock:
         pass
 
 
-def generate_batch(model, batch: list[BenchRequest], arrivals: list[float]) -> list[RequestRecord]:
-    """One padded `generate` call for `batch`; records each request's tokens and token times."""
+def cache_kwargs(cache: str, compile: bool) -> dict:
+    """`generate`'s arguments for a KV cache kind ("dynamic", "static") and whether it may compile."""
+    if cache not in ("dynamic", "static"):
+        raise ValueError(f"invalid hf cache {cache!r}; allowed: 'dynamic', 'static'")
+    if compile and cache != "static":
+        raise ValueError("transformers compiles generate with a static cache only: pass cache='static'")
+    if cache == "dynamic":
+        return {}
+    from transformers import GenerationConfig
+
+    # with a static cache, transformers compiles on its own where it can; older versions cannot be told not to
+    off = {"disable_compile": not compile} if hasattr(GenerationConfig(), "disable_compile") else {}
+    return {"cache_implementation": "static", **off}
+
+
+def generate_batch(
+    model, batch: list[BenchRequest], arrivals: list[float], generate_kw: dict | None = None
+) -> list[RequestRecord]:
+    """One padded `generate` call for `batch` (`generate_kw`: `cache_kwargs`); records each
+    request's tokens and token times."""
     pad = model.generation_config.pad_token_id
     width = max(r.prompt_len for r in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -141,6 +163,7 @@ def generate_batch(model, batch: list[BenchRequest], arrivals: list[float]) -> l
             max_new_tokens=max_new,
             do_sample=False,
             streamer=clock,
+            **(generate_kw or {}),
         )
     gen = out[:, width:]
     records = []
@@ -156,7 +179,12 @@ def generate_batch(model, batch: list[BenchRequest], arrivals: list[float]) -> l
 
 
 def run_hf(
-    model, workload: Workload, *, batch_size: int = 1, progress: Callable[[int], None] | None = None
+    model,
+    workload: Workload,
+    *,
+    batch_size: int = 1,
+    progress: Callable[[int], None] | None = None,
+    generate_kw: dict | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Serve the workload with `generate`, honouring arrival times. Returns (records, start)."""
     pending = sorted(workload.requests, key=lambda r: (r.arrival_s, r.index))
@@ -174,7 +202,7 @@ def run_hf(
         while i < len(pending) and len(batch) < batch_size and start + pending[i].arrival_s <= now:
             batch.append(pending[i])
             i += 1
-        records += generate_batch(model, batch, [start + r.arrival_s for r in batch])
+        records += generate_batch(model, batch, [start + r.arrival_s for r in batch], generate_kw)
         if progress is not None:
             progress(len(batch))
     records.sort(key=lambda r: r.index)

@@ -14,6 +14,9 @@ Systems:
   bandwidth (a shared host's rate swings within seconds, so a fraction pairs close-by readings);
 - `hf_sequential`, `hf_static`: transformers `generate` (see `peers.py`), in the dtype that is
   faster on this host (`hf_dtype="auto"`: bf16 where the measured bf16 matmul beats fp32, else fp32);
+  `hf_static` in batches of `hf_batch_size`, its KV in transformers' dynamic or static cache
+  (`hf_cache`), compiled by `generate` where `hf_compile` (a static cache on CUDA; the whole
+  workload is run once untimed first, so the timed run finds its graphs compiled);
 - `llama_server`: llama.cpp's server on the model's GGUF, same requests (see `llama_cpp.py`); with
   a single stream, `llama_server_single_stream` too. Skipped, with a note saying how to get it,
   when no binary is found.
@@ -41,6 +44,7 @@ import torch
 from ..runs import machine_facts, record_bench
 from .compare import add_comparisons
 from .driver import run_workload
+from .peers import cache_kwargs
 from .roofline import measure_bandwidth, measure_roofline, model_costs
 from .server_peer import serve_workloads
 from .stats import NoProgress, RequestRecord, summarize
@@ -200,6 +204,8 @@ def run_bench(
     single_stream_tokens: int | None = None,
     hf_batch_size: int = HF_STATIC_BATCH,
     hf_dtype: str = "auto",
+    hf_cache: str = "dynamic",
+    hf_compile: bool = False,
     llama_server: str | None = None,
     vllm_python: str | None = None,
     progress: Progress | None = None,
@@ -218,6 +224,7 @@ def run_bench(
         raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
     if hf_dtype not in HF_DTYPES:
         raise ValueError(f"invalid hf_dtype {hf_dtype!r}; allowed: {', '.join(HF_DTYPES)}")
+    hf_generate_kw = cache_kwargs(hf_cache, hf_compile)  # refuses a bad pair before anything loads
     notes: list[str] = []
     peers = _find_peers(model, systems, llama_server, vllm_python, notes)
     settings = validate(dict(settings or {}))
@@ -270,7 +277,7 @@ def run_bench(
         run.workbench()
         gc.collect()  # its engine, before the next system loads its model
     if "hf_static" in systems or "hf_sequential" in systems:
-        run.transformers(hf_dtype, dtype, hf_batch_size)
+        run.transformers(hf_dtype, dtype, hf_batch_size, hf_generate_kw if "hf_static" in systems else {})
         gc.collect()
     if "llama_server" in systems:
         run.llama_server(*peers["llama_server"])
@@ -421,7 +428,7 @@ class _Run:
             }
             self.records["workbench_single_stream"] = segment_records(segments)
 
-    def transformers(self, hf_dtype: str, dtype: torch.dtype, hf_batch_size: int) -> None:
+    def transformers(self, hf_dtype: str, dtype: torch.dtype, hf_batch_size: int, static_kw: dict) -> None:
         from .peers import load_hf_model, run_hf, warm_up
 
         hf_torch_dtype, self.report["hf_dtype_reason"] = _hf_dtype(hf_dtype, dtype, self.device, self.roof)
@@ -431,11 +438,14 @@ class _Run:
         warm_up(hf, self.config.vocab_size)
         for name in [s for s in ("hf_static", "hf_sequential") if s in self.systems]:
             batch = hf_batch_size if name == "hf_static" else 1
-            recs, start = self._bar(
-                name,
-                len(self.workload),
-                lambda bar, batch=batch: run_hf(hf, self.workload, batch_size=batch, progress=bar.update),
-            )
+            kw = static_kw if name == "hf_static" else {}
+            if name == "hf_static":
+                self.report["hf_static"] = self._hf_static_warm(hf, batch, kw)
+
+            def serve(bar, batch=batch, kw=kw):
+                return run_hf(hf, self.workload, batch_size=batch, progress=bar.update, generate_kw=kw)
+
+            recs, start = self._bar(name, len(self.workload), serve)
             self.results[name] = summarize(recs, start)
             self.records[name] = recs
         if self.single_stream and "hf_sequential" in self.systems:
@@ -448,6 +458,24 @@ class _Run:
             )
             self.results["hf_single_stream"] = single_stream_summary(segments, self.roof)
             self.records["hf_single_stream"] = segment_records(segments)
+
+    def _hf_static_warm(self, hf, batch: int, kw: dict) -> dict:
+        """How `hf_static` runs (batch, cache, compiled?); compiling, it serves the workload once
+        untimed first: each batch shape compiles once, and the timed run must find it compiled."""
+        from torch._dynamo.utils import counters
+
+        from .peers import run_hf
+
+        before = counters["frames"]["ok"]
+        if not kw.get("disable_compile", True):
+            self.log("hf_static: the workload once untimed, compiling generate's forward")
+            run_hf(hf, self.workload, batch_size=batch, generate_kw=kw)
+        return {
+            "batch_size": batch,
+            "cache": kw.get("cache_implementation", "dynamic"),
+            "compile_asked": kw.get("disable_compile") is False,
+            "frames_compiled": counters["frames"]["ok"] - before,  # torch.compile's: 0 where nothing compiled
+        }
 
     def _runs(self, name: str) -> dict:
         return {name: self.workload, **({f"{name}_single_stream": self.ss_workload} if self.single_stream else {})}
