@@ -4,6 +4,7 @@ script a lent GPU runs once cannot rot between the sessions that have one."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,48 @@ def test_gpucheck_parses_without_the_serving_stack(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--budget-s" in done.stdout and "--only" in done.stdout
+
+
+def test_targets_of_the_h200_report_and_of_the_sections_added_since():
+    """`targets` and the summary run only after a GPU run: here on the H200 run's report (sections
+    of its day) and on it with the sections added since, values made up."""
+    import copy
+
+    from workbench.bench.gpu_report import summary_markdown, targets
+
+    rep = json.loads((Path(__file__).parent.parent / "docs" / "gpu" / "gpucheck.json").read_text())
+    got = {t["name"]: round(t["value"], 3) for t in targets(rep)}
+    assert got == {
+        "decode_attention_fraction": 0.439,
+        "prefill_vs_sdpa": 0.612,
+        "engine_vs_transformers_w64": 3.282,
+        "engine_vs_transformers_w64_cuda_graphs": 25.402,
+        "cuda_graphs_single_stream": 7.388,
+    }
+    now = copy.deepcopy(rep)
+    eng = now["engine"]
+    eng["triton"]["engine_status"]["num_layers"] = 30  # its eager single stream: 51.67 tok/s, the baseline
+    eng["batch256"] = {"ratios": {"workbench_vs_hf_static": 6.5}, "results": {}}
+    w64_graphs = eng["triton_cuda_graphs"]["results"]["workbench"]["output_tok_s"]
+    hf = {"batch_size": 64, "cache": "static", "compile_asked": True, "frames_compiled": 0}
+    compiled = {**eng["triton"]["results"]["hf_static"], "output_tok_s": w64_graphs / 4}
+    eng["hf_compiled"] = {"results": {"hf_static": compiled}, "hf_static": hf}
+    now["async_scheduling"] = {"w64_device_busy_on": 0.97}
+    now["ttft"] = {
+        "prompt_tokens": 2048, "ttft_ms": 60.0, "limit_ms": 50.0, "over_limit": 1.2, "prefill_TFLOPs": 29.7,
+        "achieved_TFLOPs": 495.0, "prefill_attention": "sdpa", "prefill_attention_reason": "auto, measured",
+        "ttft_ms_by_path": {"triton": 66.0, "sdpa": 60.0},
+    }  # fmt: skip
+    now["launches_per_layer"] = 9
+    got = {t["name"]: (round(t["value"], 3), t["met"]) for t in targets(now)}
+    assert got["engine_vs_transformers_batch256"] == (6.5, True)
+    assert got["eager_layer_cost_vs_first_run"] == (1.0, False)
+    assert got["device_busy_w64_async"] == (0.97, True)
+    assert got["ttft_over_compute_limit"] == (1.2, True) and got["launches_per_layer"] == (9, True)
+    assert "engine_vs_transformers_w64_compiled" not in got  # nothing compiled: no such baseline
+    hf["frames_compiled"] = 3
+    got = {t["name"]: (round(t["value"], 3), t["met"]) for t in targets(now)}
+    assert got["engine_vs_transformers_w64_compiled"] == (4.0, False)
+    md = summary_markdown({**now, "targets": targets(now)})
+    assert "- hf_compiled / hf_static: transformers in padded batches of 64, static KV cache, compile asked, 3" in md
+    assert "prefill attention sdpa (auto, measured); TTFT by path (ms): triton 66.0, sdpa 60.0" in md

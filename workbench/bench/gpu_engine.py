@@ -127,7 +127,7 @@ def engine_run(
         "engine_status": {
             k: v
             for k, v in (rep.get("engine_status") or {}).items()
-            if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype", "num_kv_blocks", "prefill"))
+            if k.startswith(("attention", "kernel", "cuda_graph", "device", "dtype", "num_", "prefill"))
         },
     }
 

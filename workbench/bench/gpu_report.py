@@ -17,11 +17,15 @@ TARGETS = {
     "engine_vs_transformers_w64_compiled": 5.0,  # transformers' forward compiled (where it compiled)
     "engine_single_stream_vs_transformers": 5.0,
     "cuda_graphs_single_stream": 3.0,
+    "eager_layer_cost_vs_first_run": 3.0,  # issue 50.5: an eager single-stream step's time per layer, 3x less
     "device_busy_w64_async": 0.95,
 }
 # at most (the others: at least)
 CEILINGS = {"launches_per_layer": 12, "ttft_over_compute_limit": 1.5}
 DEFAULT_OUTPUT = Path("docs") / "gpu" / "gpucheck.json"
+# the first GPU run's eager single stream (H200, 2026-12-04, SmolLM2's shape, ~38 launches a layer):
+# 51.67 tok/s over 30 layers, 0.645 ms a layer (docs/gpu/gpucheck.json)
+FIRST_RUN_EAGER_LAYER_MS = 1e3 / 51.67 / 30
 
 
 def decode_tok_s(engine: dict, run: str, system: str) -> float | None:
@@ -57,6 +61,9 @@ def targets(rep: dict) -> list[dict]:
     theirs = decode_tok_s(eng, "hf_sequential", "hf_single_stream")
     add("engine_single_stream_vs_transformers", ours / theirs if ours and theirs else None)
     add("cuda_graphs_single_stream", rep["cuda_graphs"].get("speedup"))
+    eager = decode_tok_s(eng, "triton", "workbench_single_stream")
+    layers = ((eng.get("triton") or {}).get("engine_status") or {}).get("num_layers")
+    add("eager_layer_cost_vs_first_run", FIRST_RUN_EAGER_LAYER_MS * eager * layers / 1e3 if eager and layers else None)
     add("device_busy_w64_async", (rep.get("async_scheduling") or {}).get("w64_device_busy_on"))
     for name, value in (
         ("launches_per_layer", rep.get("launches_per_layer")),

@@ -275,10 +275,10 @@ def run_bench(
     )
     if "workbench" in systems:
         run.workbench()
-        gc.collect()  # its engine, before the next system loads its model
+        _release(device)  # its engine, before the next system loads its model
     if "hf_static" in systems or "hf_sequential" in systems:
         run.transformers(hf_dtype, dtype, hf_batch_size, hf_generate_kw if "hf_static" in systems else {})
-        gc.collect()
+        _release(device)
     if "llama_server" in systems:
         run.llama_server(*peers["llama_server"])
     for name in ("workbench_http", "vllm"):
@@ -305,6 +305,14 @@ RESULT_ORDER = (
     "vllm",
     "vllm_single_stream",
 )
+
+
+def _release(device: torch.device) -> None:
+    """Give a finished system's memory back: on CUDA to the device too, so the next system's large
+    tensors (an 8B model's KV caches) do not have to fit the cached blocks' sizes."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _find_peers(model, systems: list[str], llama_server, vllm_python, notes: list[str]) -> dict:
