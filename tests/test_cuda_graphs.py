@@ -37,10 +37,35 @@ def test_padding_writes_nothing_and_reads_one_position():
     assert step.input_ids.tolist() == [5, 6, 0, 0] and step.positions.tolist() == [10, 3, 0, 0]
     assert step.slot_mapping.tolist() == [170, 35, -1, -1]  # padding rows write no KV
     assert step.seq_lens.tolist() == [11, 4, 1, 1]
-    assert step.block_tables.tolist() == [[10, 11, 0], [2, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert step.block_tables.tolist() == [[10, 11], [2, 0], [0, 0], [0, 0]]  # as wide as the widest table
     assert step.block_tables.dtype == torch.int32 and step.slot_mapping.dtype == torch.int64
     with pytest.raises(ValueError, match="do not fit bucket 1"):
         cg.pad_decode([5, 6], [1, 1], [1, 2], [[0], [0]], bucket=1, max_blocks=3)
+    with pytest.raises(ValueError, match=r"widest table 4\) do not fit bucket 4 x 3"):
+        cg.pad_decode([5], [1], [1], [[0, 1, 2, 3]], bucket=4, max_blocks=3)
+
+
+def test_a_graphs_table_past_the_widest_keeps_stale_columns_that_no_kernel_reads():
+    """A replay copies only the step's columns into the graph's max_blocks-wide table; the stale
+    block ids past them change nothing: Triton decode attention (interpreted, fp32) reads a
+    sequence's own blocks only."""
+    from workbench_kernels import triton_ops
+
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(12, 4, 2, 16, generator=g), torch.randn(12, 4, 2, 16, generator=g)
+    q = torch.randn(4, 4, 16, generator=g)
+    step = cg.pad_decode([1, 2, 3], [9, 2, 6], [0, 0, 0], [[4, 5, 6], [3], [7, 8]], bucket=4, max_blocks=6)
+    static = cg.pad_decode([0] * 4, [0] * 4, [-1] * 4, [[11] * 6] * 4, bucket=4, max_blocks=6)  # stale ids
+    inputs = {
+        k: getattr(static, k).clone() for k in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens")
+    }
+    cg.load_inputs(inputs, step, pin=False)
+    assert inputs["block_tables"].tolist() == [[4, 5, 6, 11, 11, 11], [3, 0, 0, 11, 11, 11], [7, 8, 0, 11, 11, 11],
+                                               [0, 0, 0, 11, 11, 11]]  # fmt: skip
+    assert inputs["seq_lens"].tolist() == [10, 3, 7, 1] and inputs["slot_mapping"].tolist() == [0, 0, 0, -1]
+    wide = triton_ops.decode_attention(q, kc, vc, inputs["block_tables"], inputs["seq_lens"], 0.25)
+    narrow = triton_ops.decode_attention(q, kc, vc, step.block_tables, step.seq_lens, 0.25)
+    assert torch.equal(wide, narrow)
 
 
 def test_padded_rows_change_nothing_on_the_reference_ops():
