@@ -119,6 +119,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     assert md.startswith("# workbench gpucheck (dry run)") and "Dry run: no speed targets." in md
     assert "| fused_moe |" in md
     assert "- batch256 / hf_static: transformers in padded batches of 8, static KV cache, compile off" in md
+    assert "- step breakdown, triton / workbench: " in md and "kernel launches a layer (eager decode" in md
 
 
 def test_gpucheck_without_cuda_says_how_to_dry_run(tmp_path):
@@ -206,3 +207,6 @@ def test_targets_of_the_h200_report_and_of_the_sections_added_since():
     md = summary_markdown({**now, "targets": targets(now)})
     assert "- hf_compiled / hf_static: transformers in padded batches of 64, static KV cache, compile asked, 3" in md
     assert "prefill attention sdpa (auto, measured); TTFT by path (ms): triton 66.0, sdpa 60.0" in md
+    # issue 50.2: the eager run's step breakdown beside the launches a layer counted
+    assert "- step breakdown, triton / workbench: 266 steps, 11.4 s; layers 97%, prepare 1%" in md
+    assert "between steps; 9 kernel launches a layer (eager decode, `launches`)" in md

@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from .report import breakdown_line
+
 TARGETS = {
     "decode_attention_fraction": 0.75,  # issue 50.3: every shape, 64 x 4k and 1 x 32k alike
     "prefill_vs_sdpa": 1.0,
@@ -75,6 +77,24 @@ def targets(rep: dict) -> list[dict]:
     return out
 
 
+def _breakdown_lines(rep: dict) -> list[str]:
+    """Each engine run's step breakdown (where its steps' time went), the eager run's with the
+    kernel launches a layer that `launches` counted (issue 50.2: a launch-bound step shows both)."""
+    out = []
+    for name, run in rep["engine"].items():
+        for sysname, r in ((run.get("results") or {}) if isinstance(run, dict) else {}).items():
+            b = r.get("step_breakdown")
+            if not b:
+                continue
+            line = "- step breakdown, " + breakdown_line(f"{name} / {sysname}", b)
+            if b.get("device_busy_share") is not None:
+                line += f"; device busy {b['device_busy_share']:.1%}"
+            if name == "triton" and rep.get("launches_per_layer") is not None:
+                line += f"; {rep['launches_per_layer']:g} kernel launches a layer (eager decode, `launches`)"
+            out.append(line)
+    return out
+
+
 def summary_markdown(rep: dict) -> str:
     """The short summary written beside the JSON (of a whole run or of one cut off part way)."""
     dev = rep["device"]
@@ -114,6 +134,7 @@ def summary_markdown(rep: dict) -> str:
                 f"- {name} / {sysname}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
                 f"ITL p50 {s['itl_p50_ms']:.1f} ms{extra}"
             )
+    lines += _breakdown_lines(rep)
     for name, run in eng.items():
         hf = isinstance(run, dict) and run.get("hf_static")
         if hf:
