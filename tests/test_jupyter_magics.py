@@ -288,6 +288,12 @@ def test_dashboard_controls_bound_to_engine(shell, client):
     wait_for(lambda: (d2.pump(), f"<b>{flipped}</b>" in d2.kernels.value)[1], 20, "the kernels line to follow")
     client.configure(cpu_kernels=st["cpu_kernels"])
     wait_for(lambda: (d2.pump(), f"<b>{st['kernel_variant']}</b>" in d2.kernels.value)[1], 20, "the kernels line back")
+    assert "prefill attention" not in d2.kernels.value  # only the Triton backend has two prefill paths
+    d1.controls["attention_backend"].value = "triton"
+    wait_for(lambda: (d2.pump(), "prefill attention: <b>triton</b> (auto off CUDA" in d2.kernels.value)[1], 20,
+             "the kernels line to give the prefill path")  # fmt: skip
+    client.configure(attention_backend="auto")
+    wait_for(lambda: (d2.pump(), "prefill attention" not in d2.kernels.value)[1], 20, "the prefill path gone")
 
     # a widget change reaches the engine, and every dashboard shows it
     d1.controls["batching"].value = "static"

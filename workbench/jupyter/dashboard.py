@@ -386,7 +386,7 @@ class Dashboard:
                         c.value = v
         finally:
             self._syncing = False
-        if source and {"cpu_kernels", "attention_backend"} & source.keys():
+        if source and {"cpu_kernels", "attention_backend", "prefill_attention", "kv_cache_dtype"} & source.keys():
             self._refresh_kernels()
         if source:
             # The event can come after the call's answer: what this dashboard asked for is
@@ -587,9 +587,11 @@ def kernels_line(status: dict) -> str:
     (empty for a remote server, whose status has no such keys)."""
     if "kernel_variant" not in status:
         return ""
-    return '<span style="font-size: 12px;">kernels: <b>{}</b> ({}) · large steps in <b>{}</b> ({})</span>'.format(
-        *(
-            html.escape(str(status.get(k)))
-            for k in ("kernel_variant", "kernel_variant_reason", "compute_path", "compute_path_reason")
-        )
+    parts = [("kernels:", "kernel_variant"), ("large steps in", "compute_path")]
+    if status.get("prefill_attention"):  # the Triton backend: its prefill path (measured at auto)
+        parts.append(("prefill attention:", "prefill_attention"))
+    text = " · ".join(
+        f"{label} <b>{html.escape(str(status[key]))}</b> ({html.escape(str(status.get(key + '_reason')))})"
+        for label, key in parts
     )
+    return f'<span style="font-size: 12px;">{text}</span>'
