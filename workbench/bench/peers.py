@@ -5,9 +5,9 @@
   previous one is done and takes the requests that have arrived by then, runs until its longest
   request is done, and each request keeps only its own number of tokens.
 
-Either may keep its KV in transformers' preallocated static cache (`cache="static"`, instead of
-the growing dynamic one), and with it let `generate` compile the decoding forward with
-torch.compile (`compile=True`; transformers does so on CUDA only).
+`generate` may keep the KV in transformers' preallocated static cache (`cache_kwargs("static")`,
+instead of the growing dynamic one) and with it compile the decoding forward with torch.compile
+(`compile=True`; transformers does so on CUDA only); the bench gives these to `hf_static`.
 
 Greedy, EOS ignored (the model's generation config is replaced so nothing stops early). Per-token
 times come from a streamer, which `generate` calls right after each step's tokens are chosen.

@@ -436,7 +436,7 @@ class _Run:
             }
             self.records["workbench_single_stream"] = segment_records(segments)
 
-    def transformers(self, hf_dtype: str, dtype: torch.dtype, hf_batch_size: int, static_kw: dict) -> None:
+    def transformers(self, hf_dtype: str, dtype: torch.dtype, hf_batch_size: int, hf_static_kw: dict) -> None:
         from .peers import load_hf_model, run_hf, warm_up
 
         hf_torch_dtype, self.report["hf_dtype_reason"] = _hf_dtype(hf_dtype, dtype, self.device, self.roof)
@@ -446,7 +446,7 @@ class _Run:
         warm_up(hf, self.config.vocab_size)
         for name in [s for s in ("hf_static", "hf_sequential") if s in self.systems]:
             batch = hf_batch_size if name == "hf_static" else 1
-            kw = static_kw if name == "hf_static" else {}
+            kw = hf_static_kw if name == "hf_static" else {}
             if name == "hf_static":
                 self.report["hf_static"] = self._hf_static_warm(hf, batch, kw)
 
