@@ -174,3 +174,27 @@ def test_auto_measures_both_paths_once_per_shape(tiny_qwen2):
     times = attention.measure_prefill(backend, 4, 40)
     assert set(times) == {"triton", "sdpa"} and all(t > 0 for t in times.values())
     assert attention.measure_prefill(backend, 4, 40) is times
+
+
+def test_auto_picks_the_faster_path_and_says_both_times(tiny_qwen2, sdpa_calls):
+    """auto's choice from measured times (on CUDA; the times given here): SDPA where faster, for
+    steps whose prompts are all of 512+ tokens; the kernel where SDPA is slower."""
+    path, model = tiny_qwen2
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton", max_num_batched_tokens=512)
+    backend = llm.engine.runner.backend
+    backend.pick_prefill({"triton": 2.5e-3, "sdpa": 1.25e-3}, 4, 2048)
+    st = llm.status()
+    assert st["prefill_attention"] == "sdpa"
+    assert st["prefill_attention_reason"] == (
+        "auto, measured on one 2048-token prompt at 4/1 heads, d16: our Triton kernel 2.500 ms, SDPA 1.250 ms; "
+        "SDPA serves steps whose new tokens are all prompts of >= 512 tokens with no cached context"
+    )
+    assert backend.sdpa_min_tokens == 512
+    backend.sdpa_min_tokens = 100  # this model's context is 512 tokens: the floor scaled to it
+    prompts = _prompts((300, 40), seed=2)
+    for p in prompts:  # one at a time: the long prompt's step takes SDPA, the short one's our kernel
+        assert llm.generate(prompt_token_ids=[p], params=GREEDY)[0].token_ids == hf_greedy(model, p, 6)
+    assert sdpa_calls == [[300]] * llm.engine.model_config.num_hidden_layers
+    backend.pick_prefill({"triton": 1e-3, "sdpa": 1.5e-3}, 4, 2048)
+    assert llm.status()["prefill_attention"] == "triton"
+    assert "SDPA 1.500 ms" in llm.status()["prefill_attention_reason"]

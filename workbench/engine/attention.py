@@ -212,18 +212,22 @@ class TritonAttention(AttentionBackend):
                 self.prefill = "triton"
                 self.prefill_reason = f"auto: our Triton kernel (measuring both paths failed: {type(e).__name__}: {e})"
                 return
-            self.prefill = "sdpa" if t["sdpa"] < t["triton"] else "triton"
-            self.sdpa_min_tokens = SDPA_MIN_TOKENS
-            hkv, d = self.kv.k[0].shape[2:]
-            self.prefill_reason = (
-                f"auto, measured on one {probe_tokens}-token prompt at {num_heads}/{hkv} heads, d{d}: our Triton "
-                f"kernel {t['triton'] * 1e3:.3f} ms, SDPA {t['sdpa'] * 1e3:.3f} ms"
+            self.pick_prefill(t, num_heads, probe_tokens)
+
+    def pick_prefill(self, times: dict[str, float], num_heads: int, probe_tokens: int) -> None:
+        """auto's choice from `measure_prefill`'s seconds per call of each path."""
+        self.prefill = "sdpa" if times["sdpa"] < times["triton"] else "triton"
+        self.sdpa_min_tokens = SDPA_MIN_TOKENS
+        hkv, d = self.kv.k[0].shape[2:]
+        self.prefill_reason = (
+            f"auto, measured on one {probe_tokens}-token prompt at {num_heads}/{hkv} heads, d{d}: our Triton "
+            f"kernel {times['triton'] * 1e3:.3f} ms, SDPA {times['sdpa'] * 1e3:.3f} ms"
+        )
+        if self.prefill == "sdpa":
+            self.prefill_reason += (
+                f"; SDPA serves steps whose new tokens are all prompts of >= {SDPA_MIN_TOKENS} tokens "
+                "with no cached context"
             )
-            if self.prefill == "sdpa":
-                self.prefill_reason += (
-                    f"; SDPA serves steps whose new tokens are all prompts of >= {SDPA_MIN_TOKENS} tokens "
-                    "with no cached context"
-                )
 
     def report(self) -> dict:
         quantised = self.kv.k_scale is not None
