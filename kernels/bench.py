@@ -51,12 +51,13 @@ def _import_ops():
 
 
 class Timer:
-    """Median wall time of fn on the device: CUDA events with L2 flushed before every run on a GPU;
-    on a CPU (`workbench gpucheck --dry-run`, the Triton interpreter) the wall clock."""
+    """Median wall time of fn on the device: CUDA events, with L2 flushed before every run unless
+    `flush_l2` is off (the flush buffer is 256 MB), on a GPU; on a CPU (`workbench gpucheck
+    --dry-run`, the Triton interpreter) the wall clock."""
 
-    def __init__(self, device):
+    def __init__(self, device, flush_l2: bool = True):
         self.cuda = torch.device(device).type == "cuda"
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda and flush_l2 else None
 
     def __call__(self, fn, iters: int = 20, warmup: int = 3) -> float:
         for _ in range(warmup):
@@ -72,7 +73,8 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         for s, e in zip(starts, ends):
-            self.flush.zero_()
+            if self.flush is not None:
+                self.flush.zero_()
             s.record()
             fn()
             e.record()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from workbench_kernels import hostmem, reference
 
 from ..models.cpu_forward import CpuKernelForward, TokenQueries
-from .device import median_time, to_device
+from .device import to_device
 
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -107,8 +107,7 @@ class AttentionBackend:
         if not nd:
             return self._extend(q, layer, meta)
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decode(q[:nd], layer, meta)
+        out[:nd] = self._decode(q[:nd], layer, meta)
         out[nd:] = self._extend(q[nd:], layer, meta)
         return out
 
@@ -184,7 +183,7 @@ class TritonAttention(AttentionBackend):
         nd = meta.num_decode
         if nd:  # the first num_decode tokens are decodes: each one's context ends at it
             meta.decode_max_seq_len = max(positions[:nd]) + 1
-        if self.prefill == "sdpa" and self.kv.k_scale is None:
+        if self.prefill == "sdpa":
             meta.fresh_prompts = fresh_prompts(tables[nd:], positions, nd, self.sdpa_min_tokens)
 
     def _extend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
@@ -196,12 +195,12 @@ class TritonAttention(AttentionBackend):
     def choose_prefill(self, setting: str, num_heads: int, probe_tokens: int) -> None:
         device = self.kv.k[0].device
         self.sdpa_min_tokens = 1
-        if setting != "auto":
+        if self.kv.k_scale is not None:  # the runner chooses again whenever the cache is re-laid out
+            self.prefill = "triton"
+            self.prefill_reason = "a quantised KV cache: our Triton kernel (SDPA reads 16-bit keys)"
+        elif setting != "auto":
             what = "torch's SDPA" if setting == "sdpa" else "our Triton kernel"
             self.prefill, self.prefill_reason = setting, f"asked for: {what} for prompts with no cached context"
-        elif self.kv.k_scale is not None:
-            self.prefill = "triton"
-            self.prefill_reason = "auto with a quantised KV cache: our Triton kernel (SDPA reads 16-bit keys)"
         elif device.type != "cuda":
             self.prefill = "triton"
             self.prefill_reason = "auto off CUDA: our Triton kernel, unmeasured (interpreted here, to check it)"
@@ -230,12 +229,7 @@ class TritonAttention(AttentionBackend):
             )
 
     def report(self) -> dict:
-        quantised = self.kv.k_scale is not None
-        return {
-            **super().report(),
-            "prefill_attention": "triton" if quantised else self.prefill,
-            "prefill_attention_reason": "a quantised KV cache: our Triton kernel" if quantised else self.prefill_reason,
-        }
+        return {**super().report(), "prefill_attention": self.prefill, "prefill_attention_reason": self.prefill_reason}
 
 
 # auto's SDPA takes prompts from this length: shorter ones are launch-bound on either path, and our
@@ -297,7 +291,10 @@ def measure_prefill(backend: TritonAttention, num_heads: int, n: int) -> dict[st
             "triton": lambda: backend.ops.extend_attention(q, kc, vc, table, cu, lens, backend.scale),
             "sdpa": lambda: sdpa_prompts(q, kc, vc, slots, [n], backend.scale),
         }
-        _PREFILL_TIMES[key] = {name: median_time(fn, dev) for name, fn in paths.items()}
+        from workbench_kernels.bench import Timer
+
+        timer = Timer(dev, flush_l2=False)  # no 256 MB flush buffer at an engine's start
+        _PREFILL_TIMES[key] = {name: timer(fn, iters=5, warmup=2) for name, fn in paths.items()}
     return _PREFILL_TIMES[key]
 
 

@@ -102,25 +102,3 @@ class Marks:
         if self.after is not None and self.device_parts:
             out["device_idle"] = max(0.0, self.after.elapsed_time(self.device_parts[0][1]))
         return out
-
-
-def median_time(fn, device: torch.device, iters: int = 5, warmup: int = 2) -> float:
-    """Seconds per call of `fn` on `device`, the median of `iters` after `warmup` (CUDA events on
-    CUDA, the wall clock elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    else:
-        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in marks:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) / 1e3 for start, end in marks]
-    return sorted(times)[len(times) // 2]
