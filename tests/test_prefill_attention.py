@@ -30,9 +30,9 @@ def sdpa_calls(monkeypatch):
     calls = []
     real = attention.sdpa_prompts
 
-    def spy(q, k_cache, v_cache, slots, lens, scale):
-        calls.append(list(lens))
-        return real(q, k_cache, v_cache, slots, lens, scale)
+    def spy(q, k_cache, v_cache, slots, prompts, scale):
+        calls.append([p.n for p in prompts])
+        return real(q, k_cache, v_cache, slots, prompts, scale)
 
     monkeypatch.setattr(attention, "sdpa_prompts", spy)
     return calls
@@ -54,8 +54,9 @@ def test_sdpa_prefill_gives_transformers_tokens(tiny_qwen2, sdpa_calls, settings
     got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=GREEDY)]
     assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
     layers = llm.engine.model_config.num_hidden_layers
-    if "max_num_batched_tokens" in settings:  # the first chunk is fresh; the later ones read the cache
-        assert sdpa_calls == [[1, 9, 14]] * layers
+    if "max_num_batched_tokens" in settings:  # first chunks are fresh; later ones read the cache (the kernel's)
+        # step 2: the 16-token prompt's last 2 tokens (our kernel) beside two fresh ones (SDPA)
+        assert sdpa_calls == [[1, 9, 14]] * layers + [[17, 3]] * layers
     else:
         assert sdpa_calls == [[1, 9, 16, 17, 30]] * layers
 
@@ -99,7 +100,7 @@ def test_prefill_attention_switches_live(tiny_qwen2):
     rids = [eng.add_request(prompt_token_ids=p, params=GREEDY) for p in prompts]
     done, i = {}, 0
     while eng.has_unfinished_requests():
-        eng.configure(prefill_attention=["sdpa", "triton", "auto"][i % 3])
+        eng.configure(prefill_attention=["sdpa", "kernel", "auto"][i % 3])
         for c in eng.step():
             if c.output and c.output.finished:
                 done[c.request_id] = c.output.token_ids
@@ -111,58 +112,78 @@ def test_status_says_which_prefill_path_serves_and_why(tiny_qwen2):
     path, _ = tiny_qwen2
     llm = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton")
     st = llm.status()
-    assert st["prefill_attention"] == "triton" and "auto off CUDA" in st["prefill_attention_reason"]
+    assert st["prefill_attention"] == "kernel" and "auto off CUDA" in st["prefill_attention_reason"]
     llm.configure(prefill_attention="sdpa")
     assert llm.status()["prefill_attention"] == "sdpa"
     assert "prefill_attention" in kv_shaping_settings()  # the prefix cache keys its blocks by it
     llm.configure(kv_cache_dtype="int8")  # SDPA reads 16-bit keys: the kernel serves a quantised cache
     st = llm.status()
-    assert st["prefill_attention"] == "triton" and "quantised" in st["prefill_attention_reason"]
+    assert st["prefill_attention"] == "kernel" and "quantised" in st["prefill_attention_reason"]
     llm.configure(kv_cache_dtype="auto")
     assert llm.status()["prefill_attention"] == "sdpa"
     llm.configure(attention_backend="torch")
     st = llm.status()
     assert st["prefill_attention"] is None and st["prefill_attention_reason"] is None
-    with pytest.raises(ValueError, match="prefill_attention.*'auto', 'triton', 'sdpa'"):
+    with pytest.raises(ValueError, match="prefill_attention.*'auto', 'kernel', 'sdpa'"):
         llm.configure(prefill_attention="flash")
     assert llm.settings()["prefill_attention"] == "sdpa"  # the refused change changed nothing
     llm.configure(attention_backend="triton")
     assert llm.status()["prefill_attention"] == "sdpa"
 
 
-def test_fresh_prompts_only_when_every_sequence_starts_at_zero():
-    tables = [([0], 3), ([1], 2)]
-    assert attention.fresh_prompts(tables, [0, 1, 2, 0, 1], 0, 1) == [3, 2]
-    assert attention.fresh_prompts(tables, [9, 0, 1, 2, 0, 1], 1, 1) == [3, 2]  # after one decode
-    assert attention.fresh_prompts(tables, [0, 1, 2, 5, 6], 0, 1) is None  # the second reads cached keys
-    assert attention.fresh_prompts(tables, [0, 1, 2, 0, 1], 0, 3) is None  # auto's length floor
-    assert attention.fresh_prompts([], [4], 1, 1) is None  # decodes only
+def _paged(lens, ctx, hq=4, hkv=2, d=16, bs=4, seed=0):
+    """Sequences of `lens` new tokens after `ctx` cached ones, at GQA 4:2, their keys scattered over
+    permuted blocks of `bs` slots and all written: (q, caches, step tables, positions, slots, the
+    reference's cu_seqlens and seq_lens)."""
+    from workbench_kernels import reference
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(32, generator=gen)
+    k_cache, v_cache = torch.zeros(32, bs, hkv, d), torch.zeros(32, bs, hkv, d)
+    tables, positions, slots, every, cu, used = [], [], [], [], [0], 0
+    for n, c in zip(lens, ctx):
+        table = blocks[used : used + -(-(n + c) // bs)].tolist()
+        used += len(table)
+        tables.append((table, n))
+        every += [table[p // bs] * bs + p % bs for p in range(n + c)]
+        slots += every[len(every) - n :]
+        positions += list(range(c, c + n))
+        cu.append(cu[-1] + n)
+    k, v = (torch.randn(len(every), hkv, d, generator=gen) for _ in "kv")
+    reference.write_kv_ref(k, v, k_cache, v_cache, torch.tensor(every))
+    q = torch.randn(sum(lens), hq, d, generator=gen)
+    seq_lens = torch.tensor([n + c for n, c in zip(lens, ctx)])
+    return q, k_cache, v_cache, tables, positions, torch.tensor(slots), torch.tensor(cu), seq_lens
+
+
+def test_sdpa_split_gives_sdpa_what_it_may_take():
+    _, _, _, tables, positions, *_ = _paged([5, 6, 1], [0, 7, 0])
+    split = attention.sdpa_split(tables, positions, 0, 1, False, 4, "cpu")  # fresh prompts only (CUDA's rule)
+    assert [(p.at, p.n, p.key_slots) for p in split.prompts] == [(0, 5, None), (11, 1, None)]
+    assert split.rest.rows.tolist() == list(range(5, 11))  # the second reads 7 cached keys: the kernel's
+    assert split.rest.cu_seqlens_q.tolist() == [0, 6] and split.rest.seq_lens.tolist() == [13]
+    assert split.rest.block_tables.tolist() == [tables[1][0]]
+    split = attention.sdpa_split(tables, positions, 0, 2, True, 4, "cpu")  # masked (a CPU's rule), 2+ tokens
+    assert [(p.at, p.n) for p in split.prompts] == [(0, 5), (5, 6)] and split.rest.rows.tolist() == [11]
+    cached = split.prompts[1]
+    table = tables[1][0]
+    assert cached.key_slots.tolist() == [table[p // 4] * 4 + p % 4 for p in range(13)]
+    assert cached.mask.shape == (6, 13) and cached.mask.sum(1).tolist() == [8, 9, 10, 11, 12, 13]
+    assert attention.sdpa_split(tables, [9, *positions], 1, 1, False, 4, "cpu").prompts[0].at == 0  # after a decode
+    assert attention.sdpa_split(tables, positions, 0, 7, False, 4, "cpu") is None  # the length floor
+    assert attention.sdpa_split([], [4], 1, 1, True, 4, "cpu") is None  # decodes only
 
 
 def test_sdpa_prompts_equal_the_reference_over_a_paged_cache():
-    """Three prompts at GQA 4:2, their keys scattered over permuted blocks of 4 slots."""
+    """Prompts at GQA 4:2 over permuted blocks of 4 slots, fresh and after 7 cached keys (masked)."""
     from workbench_kernels import reference
 
-    gen = torch.Generator().manual_seed(0)
-    lens, hq, hkv, d, bs = [5, 12, 1], 4, 2, 16, 4
-    total = sum(lens)
-    blocks = torch.randperm(16, generator=gen)
-    k_cache, v_cache = torch.zeros(16, bs, hkv, d), torch.zeros(16, bs, hkv, d)
-    tables, slots, cu = [], [], [0]
-    used = 0
-    for n in lens:
-        table = blocks[used : used + -(-n // bs)].tolist()
-        used += len(table)
-        tables.append(table + [0] * (3 - len(table)))
-        slots += [table[p // bs] * bs + p % bs for p in range(n)]
-        cu.append(cu[-1] + n)
-    q, k, v = (torch.randn(total, h, d, generator=gen) for h in (hq, hkv, hkv))
-    slots = torch.tensor(slots)
-    reference.write_kv_ref(k, v, k_cache, v_cache, slots)
-    got = attention.sdpa_prompts(q, k_cache, v_cache, slots, lens, 0.3)
-    want = reference.extend_attention_ref(
-        q, k_cache, v_cache, torch.tensor(tables), torch.tensor(cu), torch.tensor(lens), 0.3
-    )
+    q, k_cache, v_cache, tables, positions, slots, cu, seq_lens = _paged([5, 6, 12, 1], [0, 7, 0, 3])
+    split = attention.sdpa_split(tables, positions, 0, 1, True, 4, "cpu")
+    assert split.rest is None and [p.mask is not None for p in split.prompts] == [False, True, False, True]
+    got = attention.sdpa_prompts(q, k_cache, v_cache, slots, split.prompts, 0.3)
+    padded = [t + [0] * (5 - len(t)) for t, _ in tables]
+    want = reference.extend_attention_ref(q, k_cache, v_cache, torch.tensor(padded), cu, seq_lens, 0.3)
     torch.testing.assert_close(got, want)
 
 
@@ -172,7 +193,7 @@ def test_auto_measures_both_paths_once_per_shape(tiny_qwen2):
     path, _ = tiny_qwen2
     backend = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton").engine.runner.backend
     times = attention.measure_prefill(backend, 4, 40)
-    assert set(times) == {"triton", "sdpa"} and all(t > 0 for t in times.values())
+    assert set(times) == {"kernel", "sdpa"} and all(t > 0 for t in times.values())
     assert attention.measure_prefill(backend, 4, 40) is times
 
 
@@ -182,12 +203,12 @@ def test_auto_picks_the_faster_path_and_says_both_times(tiny_qwen2, sdpa_calls):
     path, model = tiny_qwen2
     llm = LLM(str(path), dtype="float32", num_kv_blocks=48, attention_backend="triton", max_num_batched_tokens=512)
     backend = llm.engine.runner.backend
-    backend.pick_prefill({"triton": 2.5e-3, "sdpa": 1.25e-3}, 4, 2048)
+    backend.pick_prefill({"kernel": 2.5e-3, "sdpa": 1.25e-3}, 4, 2048)
     st = llm.status()
     assert st["prefill_attention"] == "sdpa"
     assert st["prefill_attention_reason"] == (
         "auto, measured on one 2048-token prompt at 4/1 heads, d16: our Triton kernel 2.500 ms, SDPA 1.250 ms; "
-        "SDPA serves steps whose new tokens are all prompts of >= 512 tokens with no cached context"
+        "SDPA serves prompts of >= 512 tokens with no cached context, our Triton kernel the rest"
     )
     assert backend.sdpa_min_tokens == 512
     backend.sdpa_min_tokens = 100  # this model's context is 512 tokens: the floor scaled to it
@@ -195,6 +216,6 @@ def test_auto_picks_the_faster_path_and_says_both_times(tiny_qwen2, sdpa_calls):
     for p in prompts:  # one at a time: the long prompt's step takes SDPA, the short one's our kernel
         assert llm.generate(prompt_token_ids=[p], params=GREEDY)[0].token_ids == hf_greedy(model, p, 6)
     assert sdpa_calls == [[300]] * llm.engine.model_config.num_hidden_layers
-    backend.pick_prefill({"triton": 1e-3, "sdpa": 1.5e-3}, 4, 2048)
-    assert llm.status()["prefill_attention"] == "triton"
+    backend.pick_prefill({"kernel": 1e-3, "sdpa": 1.5e-3}, 4, 2048)
+    assert llm.status()["prefill_attention"] == "kernel"
     assert "SDPA 1.500 ms" in llm.status()["prefill_attention_reason"]

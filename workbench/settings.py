@@ -127,13 +127,15 @@ class EngineSettings(HasTraits):
         kind=LIVE,
         doc="auto: Triton on CUDA; on a CPU our C attention kernel with cpu_kernels, else the torch reference",
     )
-    prefill_attention = Enum(["auto", "triton", "sdpa"], default_value="auto").tag(
+    prefill_attention = Enum(["auto", "kernel", "sdpa"], default_value="auto").tag(
         shapes_kv=True,
         label="Prefill attention",
         kind=LIVE,
-        doc="on the Triton backend, the path of prompts with no cached context: our Triton kernel, or torch's "
-        "SDPA (FlashAttention/cuDNN on CUDA); auto: the faster at this model's heads, measured once on CUDA "
-        "(status() says which and the times), for prompts of 512+ tokens; outputs equal within rounding",
+        doc="the path of prompts with no cached context on our attention backends: our kernel (Triton's or "
+        "the C one), or torch's SDPA (FlashAttention/cuDNN on CUDA, flash attention with AMX matmuls on a CPU "
+        "that has them); auto: the faster at this model's heads, measured once per process (on CUDA; always "
+        "on the C backend), status() says which and the times; later chunks and prefix hits keep the kernel; "
+        "outputs equal within rounding",
     )
     moe_top_k = Int(None, allow_none=True, min=1, max=1024).tag(
         shapes_kv=True,

@@ -201,7 +201,7 @@ def ttft(model: str | None, device, dry_run: bool, sizes: dict, limits: dict, lo
         ttft_s, times = median_ttft(llm)
         status = llm.status()
         by_path = {}
-        for path in ("triton", "sdpa"):
+        for path in ("kernel", "sdpa"):
             llm.configure(prefill_attention=path)
             by_path[path] = median_ttft(llm)[0] * 1e3
         flops = prefill_flops(llm.engine.model_config, n)

@@ -71,9 +71,8 @@ class AttnMetadata:
     # The longest decode context, known on the host (the Triton backend's): the kernel picks its
     # split count from it instead of reading seq_lens.max() back from the device in every layer
     decode_max_seq_len: int | None = None
-    # The Triton backend's SDPA prefill: each extend sequence's token count when all are prompts
-    # with no cached context that SDPA serves (TritonAttention.prepare); None: our extend kernel
-    fresh_prompts: list[int] | None = None
+    # The SDPA prefill's share of the step (PrefillPaths.prepare); None: our extend kernel takes it all
+    sdpa: SdpaSplit | None = None
 
 
 class AttentionBackend:
@@ -136,22 +135,25 @@ class AttentionBackend:
         )
 
     def _extend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
+        return self._kernel_extend(q, layer, meta.ext_block_tables, meta.ext_cu_seqlens_q, meta.ext_seq_lens)
+
+    def _kernel_extend(self, q, layer: int, block_tables, cu_seqlens_q, seq_lens) -> torch.Tensor:
         k_cache, v_cache, k_scale, v_scale = self.kv.layer(layer)
         return self.ops.extend_attention(
             q,
             k_cache,
             v_cache,
-            meta.ext_block_tables,
-            meta.ext_cu_seqlens_q,
-            meta.ext_seq_lens,
+            block_tables,
+            cu_seqlens_q,
+            seq_lens,
             self.scale,
             k_scale,
             v_scale,
             **self._window(layer),
         )
 
-    def choose_prefill(self, setting: str, num_heads: int, probe_tokens: int) -> None:
-        """The `prefill_attention` setting: only the Triton backend has two paths."""
+    def choose_prefill(self, setting: str, num_heads: int, max_model_len: int) -> None:
+        """The `prefill_attention` setting: the torch reference has one path."""
 
     def report(self) -> dict:
         """status()'s attention fields."""
@@ -163,120 +165,216 @@ class AttentionBackend:
         }
 
 
-class CpuKernelAttention(AttentionBackend):
-    """Our C attention kernels (the CPU fast path's), which also serve the one-call layer kernel's small steps."""
+class PrefillPaths(AttentionBackend):
+    """A backend with two paths for prompts: our extend kernel, or torch's SDPA over the keys RoPE
+    wrote into the cache (FlashAttention or cuDNN on CUDA; on a CPU torch's flash attention, whose
+    matmuls take AMX where the CPU has it). `choose_prefill` (the `prefill_attention` setting)
+    decides, by measurement at `auto`. SDPA takes a step's prompts with no cached context (and, where
+    `sdpa_cached`, those after cached keys: later chunks, prefix hits), the kernel the others."""
 
-    def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
-        meta.cpu_tokens = CpuKernelForward.token_queries(tables, positions, meta.slot_mapping.device)
-
-
-class TritonAttention(AttentionBackend):
-    """Our Triton kernels (the GPU's backend). A step's prompts with no cached context may take
-    torch's SDPA (FlashAttention or cuDNN on CUDA) instead of our extend kernel: `choose_prefill`
-    (the `prefill_attention` setting) decides, by measurement at `auto`."""
-
-    prefill = "triton"  # the path of prompts with no cached context: "triton" (our kernel) or "sdpa"
+    kernel_words = "our kernel"
+    probe_tokens = 2048  # the prompt auto measures both paths on (capped at max_model_len)
+    auto_min_tokens = 1  # the shortest prompt SDPA serves once auto picked it
+    prefill = "kernel"  # the prompts' path: "kernel" or "sdpa"
     prefill_reason = ""
-    sdpa_min_tokens = 1  # the shortest prompt SDPA serves (a step's prompts take it all together, or none do)
+    sdpa_min_tokens = 1  # the shortest prompt SDPA serves
+    sdpa_cached = False  # whether SDPA also serves sequences that read cached keys (masked)
+
+    def measures(self, device: torch.device) -> str | None:
+        """None where auto measures both paths on `device`; else why it keeps the kernel unmeasured."""
+        return None
 
     def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
-        nd = meta.num_decode
-        if nd:  # the first num_decode tokens are decodes: each one's context ends at it
-            meta.decode_max_seq_len = max(positions[:nd]) + 1
         if self.prefill == "sdpa":
-            meta.fresh_prompts = fresh_prompts(tables[nd:], positions, nd, self.sdpa_min_tokens)
+            nd = meta.num_decode
+            bs = self.kv.k[0].shape[1]
+            meta.sdpa = sdpa_split(
+                tables[nd:], positions, nd, self.sdpa_min_tokens, self.sdpa_cached, bs, meta.slot_mapping.device
+            )
 
     def _extend(self, q, layer: int, meta: AttnMetadata) -> torch.Tensor:
-        if meta.fresh_prompts is None or self.windows[layer]:  # SDPA's mask would be a dense tensor
+        split = meta.sdpa
+        if split is None or self.windows[layer]:  # SDPA's mask would be a dense tensor
             return super()._extend(q, layer, meta)
         slots = meta.slot_mapping[meta.num_decode :]
-        return sdpa_prompts(q, self.kv.k[layer], self.kv.v[layer], slots, meta.fresh_prompts, self.scale)
+        out = sdpa_prompts(q, self.kv.k[layer], self.kv.v[layer], slots, split.prompts, self.scale)
+        if split.rest is not None:
+            r = split.rest
+            out[r.rows] = self._kernel_extend(q[r.rows], layer, r.block_tables, r.cu_seqlens_q, r.seq_lens)
+        return out
 
-    def choose_prefill(self, setting: str, num_heads: int, probe_tokens: int) -> None:
-        device = self.kv.k[0].device
+    def choose_prefill(self, setting: str, num_heads: int, max_model_len: int) -> None:
         self.sdpa_min_tokens = 1
+        probe = min(self.probe_tokens, max_model_len)
+        unmeasured = self.measures(self.kv.k[0].device)
         if self.kv.k_scale is not None:  # the runner chooses again whenever the cache is re-laid out
-            self.prefill = "triton"
-            self.prefill_reason = "a quantised KV cache: our Triton kernel (SDPA reads 16-bit keys)"
+            self.prefill = "kernel"
+            self.prefill_reason = f"a quantised KV cache: {self.kernel_words} (SDPA reads 16-bit keys)"
         elif setting != "auto":
-            what = "torch's SDPA" if setting == "sdpa" else "our Triton kernel"
-            self.prefill, self.prefill_reason = setting, f"asked for: {what} for prompts with no cached context"
-        elif device.type != "cuda":
-            self.prefill = "triton"
-            self.prefill_reason = "auto off CUDA: our Triton kernel, unmeasured (interpreted here, to check it)"
+            what = "torch's SDPA" if setting == "sdpa" else self.kernel_words
+            scope = "" if self.sdpa_cached else " with no cached context"
+            self.prefill, self.prefill_reason = setting, f"asked for: {what} for prompts{scope}"
+        elif unmeasured:
+            self.prefill, self.prefill_reason = "kernel", unmeasured
         else:
             try:
-                t = measure_prefill(self, num_heads, probe_tokens)
+                t = measure_prefill(self, num_heads, probe)
             except Exception as e:  # a path that cannot run here must not stop the engine: the kernel serves
-                self.prefill = "triton"
-                self.prefill_reason = f"auto: our Triton kernel (measuring both paths failed: {type(e).__name__}: {e})"
+                self.prefill = "kernel"
+                self.prefill_reason = (
+                    f"auto: {self.kernel_words} (measuring both paths failed: {type(e).__name__}: {e})"
+                )
                 return
-            self.pick_prefill(t, num_heads, probe_tokens)
+            self.pick_prefill(t, num_heads, probe)
 
     def pick_prefill(self, times: dict[str, float], num_heads: int, probe_tokens: int) -> None:
         """auto's choice from `measure_prefill`'s seconds per call of each path."""
-        self.prefill = "sdpa" if times["sdpa"] < times["triton"] else "triton"
-        self.sdpa_min_tokens = SDPA_MIN_TOKENS
+        self.prefill = "sdpa" if times["sdpa"] < times["kernel"] else "kernel"
+        self.sdpa_min_tokens = self.auto_min_tokens
         hkv, d = self.kv.k[0].shape[2:]
         self.prefill_reason = (
-            f"auto, measured on one {probe_tokens}-token prompt at {num_heads}/{hkv} heads, d{d}: our Triton "
-            f"kernel {times['triton'] * 1e3:.3f} ms, SDPA {times['sdpa'] * 1e3:.3f} ms"
+            f"auto, measured on one {probe_tokens}-token prompt at {num_heads}/{hkv} heads, d{d}: "
+            f"{self.kernel_words} {times['kernel'] * 1e3:.3f} ms, SDPA {times['sdpa'] * 1e3:.3f} ms"
         )
         if self.prefill == "sdpa":
+            which = (
+                "new tokens (after cached keys too, masked)" if self.sdpa_cached else "tokens with no cached context"
+            )
             self.prefill_reason += (
-                f"; SDPA serves steps whose new tokens are all prompts of >= {SDPA_MIN_TOKENS} tokens "
-                "with no cached context"
+                f"; SDPA serves prompts of >= {self.auto_min_tokens} {which}, {self.kernel_words} the rest"
             )
 
     def report(self) -> dict:
         return {**super().report(), "prefill_attention": self.prefill, "prefill_attention_reason": self.prefill_reason}
 
 
-# auto's SDPA takes prompts from this length: shorter ones are launch-bound on either path, and our
-# kernel takes all of a step's prompts in one launch where SDPA takes one call per prompt
-SDPA_MIN_TOKENS = 512
-PREFILL_PROBE_TOKENS = 2048  # the prompt auto measures both paths on (capped at max_model_len)
+class CpuKernelAttention(PrefillPaths):
+    """Our C attention kernels (the CPU fast path's), which also serve the one-call layer kernel's
+    small steps. A CPU has no launches to amortise: once measured faster (an AMX host: 2-3x on
+    SmolLM2's heads), SDPA takes prompts from 64 new tokens (at 16 the two were equal), later
+    chunks and prefix hits too, masked (2x our kernel there as well on that host)."""
+
+    kernel_words = "our C kernel"
+    probe_tokens = 512
+    auto_min_tokens = 64
+    sdpa_cached = True
+
+    def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
+        meta.cpu_tokens = CpuKernelForward.token_queries(tables, positions, meta.slot_mapping.device)
+        super().prepare(meta, tables, positions)
+
+
+class TritonAttention(PrefillPaths):
+    """Our Triton kernels (the GPU's backend). auto measures SDPA against them on CUDA only."""
+
+    kernel_words = "our Triton kernel"
+    # shorter prompts are launch-bound on either path, and our kernel takes all of a step's prompts
+    # in one launch where SDPA takes one call per prompt
+    auto_min_tokens = 512
+
+    def measures(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "auto off CUDA: our Triton kernel, unmeasured (interpreted here, to check it)"
+        return None
+
+    def prepare(self, meta: AttnMetadata, tables: list[tuple[list[int], int]], positions: list[int]) -> None:
+        nd = meta.num_decode
+        if nd:  # the first num_decode tokens are decodes: each one's context ends at it
+            meta.decode_max_seq_len = max(positions[:nd]) + 1
+        super().prepare(meta, tables, positions)
+
+
 _PREFILL_TIMES: dict[tuple, dict[str, float]] = {}  # measured once per process and shape
 
 
-def fresh_prompts(tables: list[tuple[list[int], int]], positions: list[int], first: int, min_tokens: int):
-    """The token counts of a step's extend sequences (`tables`, their tokens from flat index `first`)
-    when every one is a prompt with no cached context of at least `min_tokens` tokens; else None."""
-    lens, i = [], first
-    for _, n in tables:
-        if positions[i] != 0 or n < min_tokens:
-            return None
-        lens.append(n)
-        i += n
-    return lens or None
+@dataclass
+class SdpaSplit:
+    """A step's extend sequences as the SDPA path takes them (`SdpaPrompt`s) and the others, for
+    the kernel (None: there are none)."""
+
+    prompts: list[SdpaPrompt]
+    rest: SimpleNamespace | None  # rows [R] (their tokens), block_tables, cu_seqlens_q, seq_lens
 
 
-def sdpa_prompts(q, k_cache, v_cache, slots, lens: list[int], scale: float) -> torch.Tensor:
-    """Causal attention of prompts with no cached context (q [T, Hq, D], `lens` tokens each), one
-    SDPA call per prompt over its keys and values read back from the cache's `slots`, where RoPE
-    wrote them."""
+@dataclass
+class SdpaPrompt:
+    """One sequence's new tokens for SDPA: the first's index among the step's extend tokens and
+    their count; with cached context, the slots of all its keys (context, then the new tokens')
+    and the mask that lets new token i see keys up to its own position (None: a fresh prompt,
+    whose keys are its new tokens' own slots, causal)."""
+
+    at: int
+    n: int
+    key_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+def sdpa_split(tables, positions: list[int], first: int, min_tokens: int, cached: bool, block_size: int, device):
+    """Split a step's extend sequences (`tables`: block table and token count, their tokens from
+    flat index `first`): those of at least `min_tokens` new tokens for SDPA (with `cached`, also
+    those that read cached keys: later chunks, prefix hits), the rest for the kernel. None when
+    SDPA takes none."""
+    prompts, rest, rows, at = [], [], [], 0
+    dev = torch.device(device)
+    for table, n in tables:
+        start = positions[first + at]
+        if n >= min_tokens and (start == 0 or cached):
+            if start == 0:
+                prompts.append(SdpaPrompt(at, n))
+            else:
+                span = start + n
+                slots = [table[p // block_size] * block_size + p % block_size for p in range(span)]
+                mask = torch.ones(n, span, dtype=torch.bool).tril(start)
+                prompts.append(SdpaPrompt(at, n, to_device(slots, torch.int64, dev), mask.to(dev)))
+        else:
+            rest.append((table, n, start + n))
+            rows.extend(range(at, at + n))
+        at += n
+    if not prompts:
+        return None
+    if not rest:
+        return SdpaSplit(prompts, None)
+    cu = [0]
+    for _, n, _ in rest:
+        cu.append(cu[-1] + n)
+    i32 = torch.int32
+    return SdpaSplit(
+        prompts,
+        SimpleNamespace(
+            rows=to_device(rows, torch.int64, dev),
+            block_tables=pad_tables([t for t, _, _ in rest], dev),
+            cu_seqlens_q=to_device(cu, i32, dev),
+            seq_lens=to_device([n for _, _, n in rest], i32, dev),
+        ),
+    )
+
+
+def sdpa_prompts(q, k_cache, v_cache, slots, prompts: list[SdpaPrompt], scale: float) -> torch.Tensor:
+    """Causal attention of `prompts` (q [T, Hq, D]; `slots`: where the T tokens' keys are), one SDPA
+    call each over its keys and values read back from the cache, where RoPE wrote them. Rows of no
+    prompt are left unset."""
     hkv, d = k_cache.shape[2:]
-    k = k_cache.view(-1, hkv, d).index_select(0, slots)
-    v = v_cache.view(-1, hkv, d).index_select(0, slots)
+    k_all, v_all = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     gqa = q.shape[1] != hkv
     out = torch.empty_like(q)
-    start = 0
-    for n in lens:
-        s = slice(start, start + n)
+    for p in prompts:
+        s = slice(p.at, p.at + p.n)
+        keys = slots[s] if p.key_slots is None else p.key_slots
+        k, v = k_all.index_select(0, keys), v_all.index_select(0, keys)
         # [1, H, n, D] views: the fused (flash, cuDNN) kernels take 4-D inputs only, 3-D ones fall to the math path
-        qs, ks, vs = (t[s].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[s], k, v))
+        causal = p.mask is None
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         out[s] = o[0].transpose(0, 1)
-        start += n
     return out
 
 
-def measure_prefill(backend: TritonAttention, num_heads: int, n: int) -> dict[str, float]:
+def measure_prefill(backend: PrefillPaths, num_heads: int, n: int) -> dict[str, float]:
     """Seconds per call of our extend kernel and of `sdpa_prompts` on one causal `n`-token prompt at
     the backend's cache shape (random values on a scratch cache), the median of a few runs."""
     k0 = backend.kv.k[0]
     _, block_size, hkv, d = k0.shape
-    key = (str(k0.device), k0.dtype, num_heads, hkv, d, block_size, n)
+    key = (backend.name, str(k0.device), k0.dtype, num_heads, hkv, d, block_size, n)
     if key not in _PREFILL_TIMES:
         dev, dt = k0.device, k0.dtype
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -288,8 +386,8 @@ def measure_prefill(backend: TritonAttention, num_heads: int, n: int) -> dict[st
         lens = torch.tensor([n], dtype=torch.int32, device=dev)
         slots = torch.arange(n, device=dev)
         paths = {
-            "triton": lambda: backend.ops.extend_attention(q, kc, vc, table, cu, lens, backend.scale),
-            "sdpa": lambda: sdpa_prompts(q, kc, vc, slots, [n], backend.scale),
+            "kernel": lambda: backend.ops.extend_attention(q, kc, vc, table, cu, lens, backend.scale),
+            "sdpa": lambda: sdpa_prompts(q, kc, vc, slots, [SdpaPrompt(0, n)], backend.scale),
         }
         from workbench_kernels.bench import Timer
 

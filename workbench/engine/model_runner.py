@@ -8,7 +8,7 @@ import torch
 
 from ..models.llama import Transformer
 from . import cuda_graphs
-from .attention import PREFILL_PROBE_TOKENS, AttnMetadata, KVCache, make_backend, pad_tables
+from .attention import AttnMetadata, KVCache, make_backend, pad_tables
 from .device import Marks, to_device
 from .inflight import InFlight, fill_inputs
 from .scheduler import ScheduledSeq
@@ -85,10 +85,9 @@ class ModelRunner:
         self.set_prefill_attention(self.prefill_attention)
 
     def set_prefill_attention(self, setting: str) -> None:
-        """Which path serves prompts with no cached context on the Triton backend (measured at auto)."""
+        """Which path serves prompts with no cached context: our kernel or SDPA (measured at auto)."""
         self.prefill_attention = setting
-        probe = min(PREFILL_PROBE_TOKENS, self.max_model_len)
-        self.backend.choose_prefill(setting, self.config.num_attention_heads, probe)
+        self.backend.choose_prefill(setting, self.config.num_attention_heads, self.max_model_len)
 
     def set_cuda_graphs(self, on: bool, max_num_seqs: int) -> None:
         """Replay decode steps as CUDA graphs, one per batch-size bucket up to `max_num_seqs`."""

@@ -588,7 +588,7 @@ def kernels_line(status: dict) -> str:
     if "kernel_variant" not in status:
         return ""
     parts = [("kernels:", "kernel_variant"), ("large steps in", "compute_path")]
-    if status.get("prefill_attention"):  # the Triton backend: its prefill path (measured at auto)
+    if status.get("prefill_attention"):  # our attention backends (C, Triton): the prefill path (measured at auto)
         parts.append(("prefill attention:", "prefill_attention"))
     text = " · ".join(
         f"{label} <b>{html.escape(str(status[key]))}</b> ({html.escape(str(status.get(key + '_reason')))})"
