@@ -272,8 +272,23 @@ def test_panel_setting_and_generate_timeline(lab, engine, browser):
         # which kernels serve, and why on hover
         st = engine.status()
         kernels = panel.locator(".wb-Info-kernels")
-        assert kernels.text_content() == f"{st['kernel_variant']} · large steps {st['compute_path']}"
+        prefill = f" · prefill {st['prefill_attention']}" if st["prefill_attention"] else ""
+        assert kernels.text_content() == f"{st['kernel_variant']} · large steps {st['compute_path']}{prefill}"
         assert st["kernel_variant_reason"] in kernels.get_attribute("title")
+        assert (f"prefill attention: {st['prefill_attention_reason']}" in kernels.get_attribute("title")) == bool(
+            prefill
+        )
+        # it follows a change of what serves, made elsewhere (the events socket reads status again)
+        on = engine.settings()["cpu_kernels"]
+        engine.configure(cpu_kernels=not on)
+        flipped = engine.status()
+        want = f"{flipped['kernel_variant']} · large steps {flipped['compute_path']}"
+        want += f" · prefill {flipped['prefill_attention']}" if flipped["prefill_attention"] else ""
+        page.wait_for_function(
+            "want => document.querySelector('#serving-workbench-panel .wb-Info-kernels')?.textContent === want",
+            arg=want,
+        )
+        engine.configure(cpu_kernels=on)
 
         # every setting of the schema has a control; live ones are enabled
         from workbench.settings import schema

@@ -122,6 +122,18 @@ def test_settings_keep_latest_and_union_of_changes():
     assert "timeline" not in d and "metrics" not in d
 
 
+def test_status_read_again_rides_the_next_delta():
+    c = EventCoalescer(10)
+    snap(c)
+    assert not c.pending()
+    c.add("status", {"kernel_variant": "torch", "prefill_attention": None})
+    c.add("status", {"kernel_variant": "avx512_bf16", "prefill_attention": "sdpa"})  # the latest is kept
+    d = c.flush(1.0)
+    assert d["status"] == {"kernel_variant": "avx512_bf16", "prefill_attention": "sdpa"}
+    c.add("metrics", {"output_tok_s": 1.0})
+    assert "status" not in c.flush(2.0)  # sent once
+
+
 def test_engine_stop_is_sent_at_once_and_relayout_kept_in_order():
     c = EventCoalescer(rate_hz=MIN_RATE_HZ)
     snap(c, now=0.0)

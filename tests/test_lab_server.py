@@ -315,6 +315,18 @@ async def test_events_snapshot_then_deltas(jp_ws_fetch, hub, engine):
             assert msgs[-1]["settings"]["max_num_seqs"] == 5
         finally:
             engine.configure(max_num_seqs=before)
+        assert "status" not in msgs[-1]  # max_num_seqs does not change which kernels serve
+        # a change of what may serve (cpu_kernels) brings status again: the panel's kernels row follows
+        on = engine.settings()["cpu_kernels"]
+        engine.configure(cpu_kernels=not on)
+        try:
+            msgs = await ws_messages(ws, lambda m, _: "status" in m)
+            assert "cpu_kernels" in msgs[-1]["changes"]
+            assert {k: msgs[-1]["status"][k] for k in ("cpu_kernels", "kernel_variant", "attention_backend")} == {
+                k: engine.status()[k] for k in ("cpu_kernels", "kernel_variant", "attention_backend")
+            }
+        finally:
+            engine.configure(cpu_kernels=on)
         # metrics arrive about once a second
         msgs = await ws_messages(ws, lambda m, _: "metrics" in m, timeout=5)
         assert "kv_usage" in msgs[-1]["metrics"]

@@ -194,6 +194,11 @@ def setting_names() -> list[str]:
     return list(EngineSettings.class_trait_names())
 
 
+# Settings whose change alters what status() says serves (kernels, attention and prefill paths):
+# views that show it (the dashboard's kernels line, the lab panel's) read status again after one
+STATUS_SETTINGS = frozenset({"cpu_kernels", "attention_backend", "prefill_attention", "kv_cache_dtype"})
+
+
 def kv_shaping_settings() -> list[str]:
     """The settings that change the values a step writes into the KV cache."""
     return [name for name, trait in EngineSettings.class_traits().items() if trait.metadata.get("shapes_kv")]

@@ -98,6 +98,8 @@ export interface IDeltaMessage {
   metrics?: Dict;
   relayout?: Dict[];
   engine?: { state: string; [key: string]: any };
+  /** status(), read again after a setting that reshapes it (which kernels and paths serve) */
+  status?: Dict;
   dropped?: number;
   columns?: Record<string, Columns>;
 }
@@ -235,6 +237,10 @@ export class EngineState {
     if (msg.metrics) {
       this.metrics = msg.metrics;
       change.metricsChanged = true;
+    }
+    if (msg.status) {
+      this.status = msg.status;
+      change.stateChanged = true;
     }
     if (msg.relayout && msg.relayout.length) {
       this.relayout = this.relayout.concat(msg.relayout).slice(-50);

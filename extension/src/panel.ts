@@ -35,6 +35,13 @@ const NUMBERS: Array<[Exclude<keyof ReturnType<typeof liveNumbers>, 'kvBlocks' |
 ];
 
 
+/** The info table's kernels row: the kernel variant, the large steps' compute path and, on our
+ * attention backends, the prefill path (the dashboard's kernels line says the same, with why). */
+export function kernelsText(status: Record<string, any>): string {
+  const prefill = status.prefill_attention ? ` · prefill ${status.prefill_attention}` : '';
+  return `${status.kernel_variant} · large steps ${status.compute_path}${prefill}`;
+}
+
 /** Turn a control's value into the setting's type (the engine still validates it). */
 export function controlValue(spec: ISettingSchema, input: HTMLInputElement | HTMLSelectElement): any {
   if (spec.type === 'bool') {
@@ -386,7 +393,7 @@ export class WorkbenchPanel extends Widget {
       ['state', st.state + (st.stateReason ? ` (${st.stateReason})` : '')],
       ['model', String(s.model ?? '–')],
       ['device', `${s.device ?? '–'}${s.dtype ? ` · ${s.dtype}` : ''}`],
-      ...(s.kernel_variant ? [['kernels', `${s.kernel_variant} · large steps ${s.compute_path}`] as [string, string]] : []),
+      ...(s.kernel_variant ? [['kernels', kernelsText(s)] as [string, string]] : []),
       ['uptime', formatUptime(this._uptime())],
       ['pid', String(s.pid ?? '–')]
     ];
@@ -400,6 +407,9 @@ export class WorkbenchPanel extends Widget {
       const td = el('td', `wb-Info-${k}`, v);
       if (k === 'kernels') {
         td.title = `${s.kernel_variant_reason}; large steps: ${s.compute_path_reason}`;  // why, on hover
+        if (s.prefill_attention) {
+          td.title += `; prefill attention: ${s.prefill_attention_reason}`;
+        }
       }
       tr.append(el('th', undefined, k), td);
       table.appendChild(tr);

@@ -118,6 +118,16 @@ describe('EngineState', () => {
     expect(st.dropped).toBe(7);
   });
 
+  it('takes status read again after a setting that reshapes it', () => {
+    const st = new EngineState();
+    st.apply(snapshot({ status: { kernel_variant: 'avx512_bf16', prefill_attention: 'sdpa' } }));
+    const ch = st.apply({ type: 'delta', seq: 1, status: { kernel_variant: 'torch', prefill_attention: null } });
+    expect(ch.stateChanged).toBe(true);  // the info table (its kernels row) is drawn again
+    expect(st.status.kernel_variant).toBe('torch');
+    expect(st.apply({ type: 'delta', seq: 2, metrics: {} }).stateChanged).toBe(false);
+    expect(st.status.kernel_variant).toBe('torch');
+  });
+
   it('a new snapshot replaces everything', () => {
     const st = new EngineState();
     st.apply(snapshot({ timeline: { steps: [step(5, 100, 'decode')], requests: [], cursor: 5 } }));

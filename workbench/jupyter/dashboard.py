@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..events import EVENT_KINDS
+from ..settings import STATUS_SETTINGS
 from .expert_load import ExpertLoad
 from .reducer import TimelineReducer
 from .session import EngineSession, _local_name, get_session
@@ -386,7 +387,7 @@ class Dashboard:
                         c.value = v
         finally:
             self._syncing = False
-        if source and {"cpu_kernels", "attention_backend", "prefill_attention", "kv_cache_dtype"} & source.keys():
+        if source and STATUS_SETTINGS & source.keys():
             self._refresh_kernels()
         if source:
             # The event can come after the call's answer: what this dashboard asked for is

@@ -19,10 +19,11 @@ Messages (JSON-ready dicts):
   holds earlier ones). The browser may ask for a wider window (``{"history": steps}``); it then
   gets a fresh snapshot of that many steps.
 - ``{"type": "delta", "seq", "time", ["timeline", "columns"], ["settings", "changes"], ["metrics"],
-  ["relayout"], ["engine"], ["dropped"]}`` — only what changed since the previous message:
+  ["relayout"], ["engine"], ["status"], ["dropped"]}`` — only what changed since the previous message:
   new step, request and settings-change events (``seq`` above the last cursor sent, in order), the latest
   effective settings (with the union of the changed names), the latest metrics, relayout
-  progress, and the engine's state ("ready" / "stopped" / "dead").
+  progress, the engine's state ("ready" / "stopped" / "dead") and its status, read again after a
+  change of a setting that reshapes it (``workbench.settings.STATUS_SETTINGS``: which kernels serve).
 
 Several events of one kind between two flushes collapse: timeline events concatenate (capped,
 oldest dropped first and counted in ``dropped``); settings and metrics keep the latest.
@@ -149,6 +150,7 @@ class EventCoalescer:
         self._metrics: dict[str, Any] | None = None
         self._relayout: list[dict[str, Any]] = []
         self._engine: dict[str, Any] | None = None
+        self._status: dict[str, Any] | None = None
         self._dropped = 0
 
     # -- configuration --------------------------------------------------------------------------
@@ -181,6 +183,8 @@ class EventCoalescer:
             self._relayout.append(dict(data or {}))
         elif kind == "engine":
             self._engine = dict(data or {})
+        elif kind == "status":  # read again after a setting that reshapes it (STATUS_SETTINGS)
+            self._status = dict(data or {})
         # other kinds (internal "sync" tokens, future kinds) are not relayed
 
     def _add_timeline(self, data: dict[str, Any]) -> None:
@@ -267,6 +271,7 @@ class EventCoalescer:
             or self._metrics is not None
             or self._relayout
             or self._engine is not None
+            or self._status is not None
             or self._dropped
         )
 
@@ -312,6 +317,8 @@ class EventCoalescer:
             msg["relayout"] = self._relayout
         if self._engine is not None:
             msg["engine"] = self._engine
+        if self._status is not None:
+            msg["status"] = self._status
         if self._dropped:
             msg["dropped"] = self._dropped
         self._reset_pending()

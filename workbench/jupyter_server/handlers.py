@@ -36,6 +36,7 @@ from jupyter_server.utils import url_path_join
 from tornado import websocket
 
 from ..events import EVENT_KINDS
+from ..settings import STATUS_SETTINGS
 from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, finite_or_none, history_window
 from .hub import EngineHub
 
@@ -266,6 +267,16 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
 
     def _add(self, kind: str, data: Any, t: float) -> None:
         self.coalescer.add(kind, data, t)
+        if kind == "settings" and STATUS_SETTINGS & ((data or {}).get("changes") or {}).keys():
+            asyncio.ensure_future(self._status_changed())  # the panel's kernels row follows the change
+        self.wake()
+
+    async def _status_changed(self) -> None:
+        try:
+            status = await self.engine_client.astatus()
+        except Exception:  # an engine gone: the liveness check reports it
+            return
+        self.coalescer.add("status", _jsonable(status))
         self.wake()
 
     def wake(self) -> None:
