@@ -157,6 +157,7 @@ _SIGNATURES = {
     "wb_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P],
     "wb_set_gemv_ymm": [_I],
     "wb_gemm_tiles": [_P, _P, _P, _P, _I, _I, _I],
+    "wb_set_amx": [_I],
 }
 
 _libs: dict[str, ctypes.CDLL] = {}
@@ -177,7 +178,8 @@ def load(variant: str) -> ctypes.CDLL:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, None
             lib.wb_variant.restype = ctypes.c_char_p
-            lib.wb_gemv_ymm.argtypes, lib.wb_gemv_ymm.restype = [], _I
+            for name in ("wb_gemv_ymm", "wb_amx", "wb_amx_init"):
+                getattr(lib, name).argtypes, getattr(lib, name).restype = [], _I
             assert lib.wb_variant().decode() == variant, "the library was built for another variant"
             _libs[variant] = lib
             return lib
@@ -224,6 +226,7 @@ def _choose() -> None:
             continue
         _sel.variant = v
         _apply_gemv_width()
+        _apply_amx()
         if v == forced:
             _sel.reason = f"forced by WORKBENCH_CPU_ISA={forced}"
         elif not failures:
@@ -243,6 +246,7 @@ def use(variant: str | None) -> None:
         return
     _sel.lib, _sel.variant, _sel.reason, _sel.chosen = load(variant), variant, "chosen by use()", True
     _apply_gemv_width()
+    _apply_amx()
 
 
 def available() -> bool:
@@ -742,11 +746,12 @@ def gemm_path() -> tuple[str, str, dict]:
         if tiles_available():
             rates["tiles"] = round(tiles_rate(), 1)
         forced = os.environ.get("WORKBENCH_CPU_GEMM", "").strip().lower()
-        measured = ", ".join(f"{_PATH_NAMES[p]} {r:g}" for p, r in rates.items()) + " GFLOP/s on this CPU"
+        measured = ", ".join(f"{_path_name(p)} {r:g}" for p, r in rates.items()) + " GFLOP/s on this CPU"
         if forced in rates:
             _gemm = (forced, f"forced by WORKBENCH_CPU_GEMM={forced} ({measured})", rates)
         else:
-            _gemm = (max(rates, key=rates.get), f"measured: {measured}", rates)
+            path, note = pick_gemm(rates, amx()[0])
+            _gemm = (path, f"measured: {measured}{note}", rates)
     path, why, rates = _gemm
     if path == "tiles" and not tiles_available():  # a variant forced since (use()) has no tiles
         others = {p: r for p, r in rates.items() if p != "tiles"}
@@ -754,7 +759,32 @@ def gemm_path() -> tuple[str, str, dict]:
     return _gemm
 
 
+# The tiles on AMX serve where they come within this share of the fastest path at the probe: the
+# probe's weights (2 MB) sit in L2, where oneDNN's AMX kernels lead (the tiles measured 0.80-0.93 of
+# them there, run to run); the engine's decode steps stream theirs from memory, where the tiles lead
+# 1.1-1.6x and take steps of up to FUSED_MAX_ROWS rows in one call a layer. On an AMX Xeon: W64
+# in process +8%, served +3.5% with ITL p50 -8%, TTFT p50 +7% (prefill steps -10%; docs/benchmarks.md).
+AMX_TILES_SHARE = 0.7
+
+
+def pick_gemm(rates: dict[str, float], amx_tiles: bool) -> tuple[str, str]:
+    """The path of large steps from the probe's GFLOP/s per path, and a note on why when the tiles
+    on AMX serve without being the fastest there."""
+    best = max(rates, key=rates.get)
+    tiles = rates.get("tiles", 0.0)
+    if amx_tiles and best != "tiles" and tiles >= AMX_TILES_SHARE * rates[best]:
+        return "tiles", (
+            f"; the tiles on AMX within {100 - 100 * AMX_TILES_SHARE:.0f}% of {_PATH_NAMES[best]}: they stream "
+            "decode steps' weights faster and take them whole"
+        )
+    return best, ""
+
+
 _PATH_NAMES = {"bf16": "oneDNN bf16", "fp32": "oneDNN fp32", "tiles": "our bf16 tiles"}
+
+
+def _path_name(path: str) -> str:
+    return _PATH_NAMES[path] + (" (AMX)" if path == "tiles" and amx()[0] else "")
 
 
 def engine_gemm_rate(m: int, k: int, n: int, budget_s: float = 0.15, dtype: torch.dtype | None = None) -> float:
@@ -770,6 +800,57 @@ def engine_gemm_rate(m: int, k: int, n: int, budget_s: float = 0.15, dtype: torc
 def tiles_available() -> bool:
     """Whether `Tiles` runs here: the AVX-512 BF16 build."""
     return variant() == "avx512_bf16"
+
+
+# -- AMX under the tiles ---------------------------------------------------------------------------
+# On a CPU with AMX (Xeon Sapphire Rapids and later) the AVX-512 BF16 build multiplies the tiles'
+# products on AMX (the packed layout is AMX's B-tile layout already): at SmolLM2's widths 1.3-1.6x
+# oneDNN's AMX kernels at 1-16 rows, 1.1-1.2x at 39-128, 0.88-0.95x at 512-1,024 (docs/benchmarks.md),
+# where AVX-512 alone does 240 GFLOP/s. `gemm_path` then measures the tiles with it.
+# WORKBENCH_CPU_AMX=0 keeps AVX-512.
+_amx: tuple[bool, str] | None = None
+
+
+AMX_GEMV_ROWS = 2  # on AMX, steps of more rows take the tiles rather than the GEMVs (as cpu_kernels.c)
+
+
+def tiles_take(rows: int, k: int) -> bool:
+    """Whether a bf16 step of `rows` rows (<= MAX_ROWS) over `k` inputs multiplies on the tiles rather
+    than the GEMVs where a linear has both: on AMX from 3 rows (the one-call layer decides alike)."""
+    return rows > AMX_GEMV_ROWS and k % 32 == 0 and amx()[0]
+
+
+def amx() -> tuple[bool, str]:
+    """(whether the bf16 tiles multiply on AMX here, why)."""
+    global _amx
+    if _amx is None:
+        flags = cpu_flags()
+        if variant() != "avx512_bf16":
+            _amx = (False, f"the {variant() or 'no'} build has no AMX path")
+        elif not {"amx_tile", "amx_bf16"} <= flags:
+            _amx = (False, "this CPU has no AMX (amx_tile, amx_bf16)")
+        elif os.environ.get("WORKBENCH_CPU_AMX", "1").strip() == "0":
+            _amx = (False, "off: WORKBENCH_CPU_AMX=0")
+        elif not load("avx512_bf16").wb_amx_init():
+            _amx = (False, "the kernel refused this process AMX's tile state (arch_prctl)")
+        else:
+            _amx = (True, "the CPU has AMX (amx_bf16)")
+    return _amx
+
+
+def set_amx(on: bool | None) -> None:
+    """Multiply the tiles on AMX (True, where `amx()` allows it) or AVX-512 (False) from now on;
+    None: as at load. For comparing the two in one process (tests, probes)."""
+    global _amx
+    _amx = None
+    if on is not None and (not on or amx()[0]):
+        _amx = (on, f"set by set_amx({on})")
+    _apply_amx()
+
+
+def _apply_amx() -> None:
+    if _sel.variant == "avx512_bf16":
+        _sel.lib.wb_set_amx(int(amx()[0]))
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:

@@ -218,17 +218,38 @@ def test_linear_native_switch_keeps_results(native_variant, seed):
     assert torch.equal(lin(big), ref)
 
 
-@pytest.mark.parametrize(
-    "m,n,k", [(9, 576, 576), (13, 100, 64), (64, 3072, 576), (70, 576, 1536), (300, 17, 2), (6, 64, 40), (1, 130, 98)]
-)
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_bf16_tiles_equal_the_exact_product(m, n, k, threads):
-    """Whole and partial tiles (rows past a multiple of 6, outputs past a multiple of 64 and of 16),
-    with and without bias: fp32 sums, one rounding, within an ulp of the exact result. On 2 and 3
-    threads, groups of outputs that do not divide among them are split by rows too (9 groups on 2
-    threads: two parts each)."""
+@pytest.fixture(params=["avx512", "amx"])
+def tiles_unit(request):
+    """The tiles multiplied on AVX-512 or on AMX (where the CPU has it): both run here, whichever
+    this host would use."""
     if not cpu.tiles_available():
         pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
+    cpu.set_amx(None)
+    on, why = cpu.amx()
+    if request.param == "amx" and not on:
+        pytest.skip(f"the tiles' AMX path does not run here: {why}")
+    cpu.set_amx(request.param == "amx")
+    try:
+        assert cpu._require().wb_amx() == (request.param == "amx")
+        yield request.param
+    finally:
+        cpu.set_amx(None)
+
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (9, 576, 576), (13, 100, 64), (64, 3072, 576), (70, 576, 1536), (1100, 130, 96),
+        (300, 17, 2), (6, 64, 40), (1, 130, 98),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bf16_tiles_equal_the_exact_product(m, n, k, threads, tiles_unit):
+    """Whole and partial tiles (rows past a multiple of 6, of 16 and 32 on AMX, past its chunks of
+    512; outputs past a multiple of 64 and of 16), with and without bias: fp32 sums, one rounding,
+    within an ulp of the exact result. On 2 and 3 threads, groups of outputs that do not divide
+    among them are split by rows too (9 groups on 2 threads: two parts each). AMX takes inputs in
+    multiples of 32; the others (the last three) take AVX-512 there too."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -715,9 +736,36 @@ def _fused_against_op_by_op(llm, prompts, monkeypatch) -> list[tuple[bool, int]]
     return calls
 
 
+def test_amx_says_why_and_can_be_turned_off():
+    on, why = cpu.amx()
+    flags = cpu.cpu_flags()
+    if cpu.variant() != "avx512_bf16":
+        assert not on and why == f"the {cpu.variant() or 'no'} build has no AMX path"
+    elif not {"amx_tile", "amx_bf16"} <= flags:
+        assert not on and why == "this CPU has no AMX (amx_tile, amx_bf16)"
+    else:
+        assert on or "arch_prctl" in why or "WORKBENCH_CPU_AMX" in why
+    code = "from workbench_kernels import cpu; print(cpu.amx()); print(cpu._require().wb_amx())"
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "WORKBENCH_CPU_AMX": "0"},
+    )  # fmt: skip
+    expected = "(False, 'off: WORKBENCH_CPU_AMX=0')" if cpu.variant() == "avx512_bf16" and "amx_bf16" in flags else ""
+    assert r.stdout.splitlines()[1] == "0" and r.stdout.splitlines()[0].startswith(expected or "(False")
+
+
+def test_the_tiles_on_amx_serve_within_a_share_of_the_fastest():
+    rates = {"bf16": 2000.0, "fp32": 400.0, "tiles": 1600.0}
+    assert cpu.pick_gemm(rates, False) == ("bf16", "")
+    path, note = cpu.pick_gemm(rates, True)  # 0.8 of oneDNN's: the tiles on AMX
+    assert path == "tiles" and note.startswith("; the tiles on AMX within 30% of oneDNN bf16")
+    assert cpu.pick_gemm({**rates, "tiles": 1300.0}, True) == ("bf16", "")  # 0.65: too slow
+    assert cpu.pick_gemm({**rates, "tiles": 2100.0}, True) == ("tiles", "")  # the fastest anyway
+
+
 def test_gemm_path_is_measured_and_can_be_forced():
     path, why, rates = cpu.gemm_path()
-    assert path == max(rates, key=rates.get) or "forced" in why
+    assert path == cpu.pick_gemm(rates, cpu.amx()[0])[0] or "forced" in why
     assert why.startswith(("measured:", "forced")) and "GFLOP/s" in why
     code = "from workbench_kernels import cpu; print(cpu.gemm_path()[0]); print(cpu.gemm_path()[1])"
     assert set(rates) == set(cpu.GEMM_PATHS) if cpu.tiles_available() else set(rates) == {"bf16", "fp32"}

@@ -22,14 +22,14 @@ SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama-sdpa")
     make_tiny_model(path, "llama", seed=5)
-    # 100-token steps: above the one-call layer's rows (8, or 64 on the bf16 tiles), so the
-    # op-by-op layer attends the prompts; the 40-token prompt is split over two steps
+    # steps of up to 100 tokens, each above the one-call layer's rows (8, or 64 on the bf16 tiles),
+    # so the op-by-op layer attends the prompts; the first 40-token prompt is split over two steps
     return LLM(str(path), dtype="bfloat16", max_num_batched_tokens=100, num_kv_blocks=64)
 
 
 def _prompts():
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 70, 40, 17)]
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 70, 40, 40)]
     return prompts + [prompts[0][:48] + prompts[3]]  # a prefix hit: 3 cached blocks of the first
 
 
@@ -62,9 +62,10 @@ def test_sdpa_serves_fresh_and_cached_prompts_as_the_kernel_does(llm, sdpa_calls
     layers = llm.engine.model_config.num_hidden_layers
     calls = sdpa_calls[::layers]
     assert sdpa_calls == [c for c in calls for _ in range(layers)]  # every layer, the same split
-    # the first prompt alone; then the 70 fresh and the 40's first 30; then its last 10 after its
-    # cached 30 (masked), the 17 fresh and the prefix hit's 17 new tokens after its 48 cached (masked)
-    assert calls == [[(90, False)], [(70, False), (30, False)], [(10, True), (17, False), (17, True)]]
+    # the first prompt alone; then the 70 fresh and the 40's first 30; then (beside two decodes, 92
+    # rows) its last 10 after its cached 30 (masked), the next 40 fresh and the prefix hit's 40 new
+    # tokens after its 48 cached (masked)
+    assert calls == [[(90, False)], [(70, False), (30, False)], [(10, True), (40, False), (40, True)]]
     assert llm.metrics()["total_prefix_hit_tokens"] >= 48
     llm.configure(prefill_attention="kernel")
     assert llm.status()["prefill_attention"] == "kernel"

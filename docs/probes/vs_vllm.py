@@ -44,6 +44,7 @@ from workbench.remote import RemoteEngineClient
 from workbench.runs import machine_facts
 from workbench.sampling_params import SamplingParams
 
+OUR_PATHS = ("kernel_variant", "compute_path", "compute_path_reason", "prefill_attention", "prefill_attention_reason")
 KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 CLIENT_KEYS = {
     "output_tok_s": "output_throughput",
@@ -99,6 +100,10 @@ def main() -> int:
     )
     with RunningPeer(ours, say) as a, RunningPeer(theirs, say) as b:
         servers = {"workbench": a.peer, "vllm": b.peer}
+        with RemoteEngineClient(a.peer.url) as c:  # which paths our server measured and took, and why
+            engine = c.status().get("remote_engine", {})
+        out["ours"] = {k: engine.get(k) for k in OUR_PATHS}
+        say("ours: " + "; ".join(f"{k} {v}" for k, v in out["ours"].items()))
         names = {"workbench": _model_name(a.peer.url), "vllm": DEFAULT_MODEL}
         for rnd in range(args.rounds):
             order = ["workbench", "vllm"] if rnd % 2 == 0 else ["vllm", "workbench"]

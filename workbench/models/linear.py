@@ -103,7 +103,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mode = self.mode
         if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= cpu.MAX_ROWS:
-            return self._native(x if x.is_contiguous() else x.contiguous())
+            if not (self.tiled and mode == "none" and cpu.tiles_take(x.shape[0], x.shape[1])):
+                return self._native(x if x.is_contiguous() else x.contiguous())
         if self._deq is not None:
             w, packed = self._deq
             return F.linear(x, w, self.bias) if packed is None else cpu.packed_linear(x, packed, self.bias)
