@@ -823,11 +823,11 @@ def tiles_take(rows: int, k: int) -> bool:
 def amx() -> tuple[bool, str]:
     """(whether the bf16 tiles multiply on AMX here, why)."""
     global _amx
+    if variant() != "avx512_bf16":  # a variant forced since (use()) has none
+        return False, f"the {variant() or 'no'} build has no AMX path"
     if _amx is None:
         flags = cpu_flags()
-        if variant() != "avx512_bf16":
-            _amx = (False, f"the {variant() or 'no'} build has no AMX path")
-        elif not {"amx_tile", "amx_bf16"} <= flags:
+        if not {"amx_tile", "amx_bf16"} <= flags:
             _amx = (False, "this CPU has no AMX (amx_tile, amx_bf16)")
         elif os.environ.get("WORKBENCH_CPU_AMX", "1").strip() == "0":
             _amx = (False, "off: WORKBENCH_CPU_AMX=0")
