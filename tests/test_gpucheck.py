@@ -112,7 +112,7 @@ def test_dry_run_writes_the_report_a_gpu_run_writes(tmp_path):
     assert ttft["prompt_tokens"] == 48 and ttft["ttft_ms"] > 0 and ttft["limit_ms"] > 0
     assert ttft["over_limit"] == pytest.approx(ttft["ttft_ms"] / ttft["limit_ms"]) and len(ttft["ttfts_ms"]) == 4
     # issue 50.3: the prefill path auto picks (off CUDA: our kernel, unmeasured), and each path's TTFT
-    assert ttft["prefill_attention"] == "triton" and "off CUDA" in ttft["prefill_attention_reason"]
+    assert ttft["prefill_attention"] == "kernel" and "off CUDA" in ttft["prefill_attention_reason"]
     assert set(ttft["ttft_ms_by_path"]) == {"kernel", "sdpa"} and min(ttft["ttft_ms_by_path"].values()) > 0
     assert rep["targets"] == []  # no speed targets on a dry run
     md = out.with_suffix(".md").read_text()

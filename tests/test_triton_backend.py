@@ -79,13 +79,11 @@ def test_backend_switch_live(tiny_qwen2):
 def test_the_triton_backend_gives_decode_its_longest_context_from_the_host():
     """The split count comes from the host's positions, not from seq_lens.max() read back from the
     device in every layer (a sync per layer on a GPU); prefill tokens after the decodes do not count."""
-    from types import SimpleNamespace
-
     import torch
 
     from workbench.engine.attention import AttnMetadata, TritonAttention
 
-    kernel_prefill = SimpleNamespace(prefill="triton")  # the backend's one field prepare reads here
+    kernel_prefill = TritonAttention.__new__(TritonAttention)  # no cache: prepare reads only `prefill` ("kernel")
     meta = AttnMetadata(torch.zeros(5, dtype=torch.int64), 3, None, None, None, None, None)
     TritonAttention.prepare(kernel_prefill, meta, [], [40, 7, 99, 500, 501])
     assert meta.decode_max_seq_len == 100
