@@ -1,27 +1,16 @@
 """Prefill attention on a CPU: our C extend kernel against torch's SDPA (what the C backend's
-`prefill_attention` chooses between), one causal prompt at SmolLM2's heads (9/3, d64), bf16, best
-of 7 calls each; fresh prompts (is_causal) and new tokens after cached keys (a bool mask).
+`prefill_attention` chooses between), one causal prompt at SmolLM2's heads (9/3, d64), bf16, the
+median of 7 calls each; fresh prompts (is_causal) and new tokens after cached keys (a bool mask).
 
     python docs/probes/prefill_sdpa.py
 """
 
-import time
-
 import torch
 import torch.nn.functional as F
 from workbench_kernels import cpu
+from workbench_kernels.bench import Timer
 
 HQ, HKV, D, BS = 9, 3, 64, 16
-
-
-def best(fn, rounds=7):
-    fn()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def case(n: int, cached: int) -> None:
@@ -44,7 +33,8 @@ def case(n: int, cached: int) -> None:
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=not cached, enable_gqa=True)
         return out[0].transpose(0, 1)
 
-    a, b = best(ours), best(sdpa)
+    timer = Timer("cpu")
+    a, b = timer(ours, iters=7, warmup=1), timer(sdpa, iters=7, warmup=1)
     err = (ours().float() - sdpa().float()).abs().max().item()
     what = f"{n:5d} new after {cached:4d} cached"
     print(f"{what}: ours {a * 1e3:7.3f} ms  SDPA {b * 1e3:7.3f} ms  {a / b:4.2f}x  max diff {err:.3g}")

@@ -85,7 +85,7 @@ class ModelRunner:
         self.set_prefill_attention(self.prefill_attention)
 
     def set_prefill_attention(self, setting: str) -> None:
-        """Which path serves prompts with no cached context: our kernel or SDPA (measured at auto)."""
+        """Which path serves prompts: our attention kernel or SDPA (measured at auto; the backend says which)."""
         self.prefill_attention = setting
         self.backend.choose_prefill(setting, self.config.num_attention_heads, self.max_model_len)
 
