@@ -135,7 +135,9 @@ def test_interrupt_aborts_the_cells_requests(kernel, engine):
     time.sleep(0.5)
     kernel.km.interrupt_kernel()
     msgs, _ = kernel.collect(msg_id, timeout=60)
-    [err] = [m for m in msgs if m["msg_type"] == "error"]
+    errors = [m for m in msgs if m["msg_type"] == "error"]
+    assert len(errors) == 1, f"one error expected; got {[m['msg_type'] for m in msgs]}, ending {texts(msgs)[-300:]!r}"
+    [err] = errors
     assert err["content"]["ename"] == "KeyboardInterrupt"
     assert "2 request(s) aborted in the engine" in err["content"]["evalue"]
     # one line saying so, not a traceback through the magic's machinery

@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi import Request
 
+from ..aio import wait_for
 from ..outputs import RequestOutput, StreamChunk
 from ..sampling_params import SamplingParams
 from ..settings import DEFAULT_MAX_QUEUED_CHARS
@@ -214,7 +215,7 @@ class Serving:
                 parts.append(part)
 
         try:  # a client that never finishes its body must not hold a connection (and its buffer) forever
-            await asyncio.wait_for(read(), self.read_timeout_s)
+            await wait_for(read(), self.read_timeout_s)
         except asyncio.TimeoutError:
             raise APIError(
                 408, f"the request body did not arrive within {self.read_timeout_s:g} s", code="request_timeout"

@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from ..aio import wait_for
 from ..errors import fresh_copy
 from ..events import Event, EventSubscription
 from ..interface import Engine, closed_at_exit, request_ids
@@ -411,7 +412,7 @@ class EngineClient(Engine):
         timeout = self.rpc_timeout if _timeout is None else _timeout
         call_id, fut = self._start_call(method, kwargs)
         try:
-            raw = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            raw = await wait_for(asyncio.wrap_future(fut), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"engine {self.name!r} did not answer {method}() within {timeout}s") from None
         finally:

@@ -211,17 +211,15 @@ class GenerateRun:
         """Submit all in one message, stream, redraw at <= hz; returns the RequestOutputs in order."""
         self._show()
         self.started = time.monotonic()
-        wake: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(self._pump_all(client, wake))
+        task = asyncio.ensure_future(self._pump_all(client))
         period = 1.0 / self.hz
         next_draw = time.monotonic() + period
         deadline = None if self.timeout is None else self.started + self.timeout
         try:
             while not task.done():
-                try:
-                    await asyncio.wait_for(wake.get(), max(0.0, next_draw - time.monotonic()))
-                except asyncio.TimeoutError:
-                    pass
+                # asyncio.wait, not wait_for: before Python 3.12 wait_for could swallow the cancel
+                # a kernel interrupt sends when a token lands in the same loop pass (gh-86296)
+                await asyncio.wait([task], timeout=max(0.0, next_draw - time.monotonic()))
                 now = time.monotonic()
                 if now >= next_draw:
                     self._redraw()
@@ -243,7 +241,7 @@ class GenerateRun:
         self._redraw(final=True)
         return [s.output for s in self.sections]
 
-    async def _pump_all(self, client, wake: asyncio.Queue) -> None:
+    async def _pump_all(self, client) -> None:
         """Every request in one submit, so the engine has them all before its next step (requests
         sent one by one let it start a step on the first alone). A submit is all or nothing: if the
         engine refuses it before any token, each request goes again on its own, so a bad prompt
@@ -274,7 +272,6 @@ class GenerateRun:
                 s = by_id.get(got.request_id)
                 if s is not None:
                     self._take(s, got)
-                    wake.put_nowait(None)
         except asyncio.CancelledError:
             for s in self.sections:
                 if s.finish_reason is None:
@@ -289,15 +286,14 @@ class GenerateRun:
             if rids is not None:
                 client.release(rids, {r for r, s in by_id.items() if s.finish_reason is not None})
         if rids is None:
-            await asyncio.gather(*(self._pump(client, s, wake) for s in self.sections))
+            await asyncio.gather(*(self._pump(client, s) for s in self.sections))
 
-    async def _pump(self, client, s: Section, wake: asyncio.Queue) -> None:
+    async def _pump(self, client, s: Section) -> None:
         """One request on its own stream (after a refused batch)."""
         s.submitted = time.monotonic()
         try:
             async for chunk in client.astream(s.prompt, s.params, chat=self.chat):
                 self._take(s, chunk)
-                wake.put_nowait(None)
         except asyncio.CancelledError:
             if s.finish_reason is None:
                 s.finish_reason = "abort"

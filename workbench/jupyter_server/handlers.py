@@ -35,6 +35,7 @@ from jupyter_server.base.websocket import WebSocketMixin
 from jupyter_server.utils import url_path_join
 from tornado import websocket
 
+from ..aio import wait_for
 from ..events import EVENT_KINDS
 from ..settings import STATUS_SETTINGS
 from .coalesce import SNAPSHOT_STEPS, EventCoalescer, clamp_rate, finite_or_none, history_window
@@ -312,7 +313,7 @@ class EventsSocket(WebSocketMixin, websocket.WebSocketHandler, JupyterHandler):
                     continue
                 wait = self.coalescer.next_flush_in(now) if self.coalescer.pending() else STATUS_POLL_S
                 try:
-                    await asyncio.wait_for(self._wake.wait(), min(max(wait, 0.001), STATUS_POLL_S))
+                    await wait_for(self._wake.wait(), min(max(wait, 0.001), STATUS_POLL_S))
                 except asyncio.TimeoutError:
                     pass
         except websocket.WebSocketClosedError:

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from ..aio import wait_for
 from ..errors import EngineDeadError
 from ..interface import Engine, deliver, request_ids
 from ..outputs import RequestMetrics, RequestOutput, StreamChunk
@@ -486,7 +487,7 @@ class RoutedEngine(Decisions, RouterViews, Engine):
         while aq.empty():
             if not self._drive():
                 try:
-                    return await asyncio.wait_for(aq.get(), 0.01)
+                    return await wait_for(aq.get(), 0.01)
                 except asyncio.TimeoutError:
                     continue
             await asyncio.sleep(0)
