@@ -180,6 +180,7 @@ def load(variant: str) -> ctypes.CDLL:
             lib.wb_variant.restype = ctypes.c_char_p
             for name in ("wb_gemv_ymm", "wb_amx", "wb_amx_init"):
                 getattr(lib, name).argtypes, getattr(lib, name).restype = [], _I
+            lib.wb_extend_amx.argtypes, lib.wb_extend_amx.restype = [_I, _I, _I], _I
             assert lib.wb_variant().decode() == variant, "the library was built for another variant"
             _libs[variant] = lib
             return lib
@@ -600,6 +601,12 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_sc
 EXTEND_MAX_GD = 512  # the tiled prefill kernel's most query heads per KV head x head dim (EXT_GD)
 
 
+def extend_on_amx(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `extend_attention` multiplies on AMX at these heads: where the tiles do (`amx()`),
+    for head dims in multiples of 32 and up to 6 query heads per KV head."""
+    return bool(_require().wb_extend_amx(num_heads, num_kv_heads, head_dim))
+
+
 def extend_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, sm_scale, k_scale=None, v_scale=None):
     """Same contract as reference.extend_attention_ref, for bf16 caches: each sequence's new
     tokens in tiles of 16 consecutive queries against its cached keys (wb_paged_extend: causal, no
@@ -802,12 +809,14 @@ def tiles_available() -> bool:
     return variant() == "avx512_bf16"
 
 
-# -- AMX under the tiles ---------------------------------------------------------------------------
+# -- AMX under the tiles and prefill attention -----------------------------------------------------
 # On a CPU with AMX (Xeon Sapphire Rapids and later) the AVX-512 BF16 build multiplies the tiles'
 # products on AMX (the packed layout is AMX's B-tile layout already): at SmolLM2's widths 1.3-1.6x
 # oneDNN's AMX kernels at 1-16 rows, 1.1-1.2x at 39-128, 0.88-0.95x at 512-1,024 (docs/benchmarks.md),
-# where AVX-512 alone does 240 GFLOP/s. `gemm_path` then measures the tiles with it.
-# WORKBENCH_CPU_AMX=0 keeps AVX-512.
+# where AVX-512 alone does 240 GFLOP/s. `gemm_path` then measures the tiles with it. The prefill
+# (extend) attention kernel takes its two products there too (`extend_on_amx`): 1.6-2.2x torch's
+# SDPA from 128 new tokens at SmolLM2's heads, where on AVX-512 it was 0.5x.
+# WORKBENCH_CPU_AMX=0 keeps AVX-512 for both.
 _amx: tuple[bool, str] | None = None
 
 

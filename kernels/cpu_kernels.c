@@ -812,6 +812,9 @@ AMX_TARGET static void amx_configure(int ma, int mb) {
         c.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
         c.colsb[t] = 64;
     }
+    // GCC 12 does not see ldtilecfg read the whole struct: out of line it dropped the stores of
+    // rows and colsb, and the load faulted. The barrier keeps them.
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
@@ -1512,21 +1515,62 @@ static inline __attribute__((always_inline)) vf ext_prob(const float *st, vf max
     return m > 0 ? vf_mul(e, vf_load(keep[m])) : e;
 }
 
-static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, bf16 *out,
-                        int64_t row0, int64_t nq, int64_t p0, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t bs, float scale) {
-    int64_t G = Hq / Hkv, L = p0 + nq;  // keys 0 .. L - 1: the last query's context
-#if WB_BF16_DOT
-    const int shared = G <= EXT_SHARED_G;  // all heads in one pass over each key (value) broadcast
+#if WB_AVX512
+// r[i] <- column i of the 16 x 16 matrix of 32-bit lanes r holds (row i in r[i])
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {  // u[k + 4j]: the 128-bit lanes of rows 4j .. 4j + 3, columns k, k + 4, k + 8, k + 12
+        __m512i v0 = _mm512_shuffle_i32x4(u[k], u[k + 4], 0x88), v1 = _mm512_shuffle_i32x4(u[k], u[k + 4], 0xdd);
+        __m512i v2 = _mm512_shuffle_i32x4(u[k + 8], u[k + 12], 0x88), v3 = _mm512_shuffle_i32x4(u[k + 8], u[k + 12], 0xdd);
+        r[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[k + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[k + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[k + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
 #endif
-    float *buf = ext_buffers();
-    // q^T [G][D][16] (bf16 pairs [G][D/2][16] where the dot is vdpbf16ps), acc^T [G][D][16],
-    // scores [G][chunk][16], value pairs [chunk/2][D] (vdpbf16ps)
-    float *qt = buf, *acc = buf + 16 * EXT_GD, *sc = buf + 32 * EXT_GD;
-    int64_t chunk = EXT_SCORES / G;
-    chunk = chunk > EXT_KEYS ? EXT_KEYS : chunk & ~(int64_t)15;
-    vf run_max[EXT_GD / 16], run_sum[EXT_GD / 16];
-    // lane j = query row0 + j (lanes past nq repeat the last query: their results are dropped)
+
+// out rows row0 .. row0 + nq - 1, heads h * G .. h * G + G - 1 <- acc^T [G][D][16 query lanes] / sums
+static void ext_write(const float *acc, const vf *run_sum, bf16 *out, int64_t row0, int64_t nq, int64_t h, int64_t G,
+                      int64_t Hq, int64_t D) {
+    for (int64_t g = 0; g < G; g++) {
+#if WB_AVX512
+        if (D % 16 == 0) {  // a row per query, 16 dims at a time: transposed back in registers
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = _mm512_castps_si512(vf_div(vf_load(acc + (g * D + d0 + i) * 16), run_sum[g]));
+                transpose16(r);
+                for (int64_t j = 0; j < nq; j++)
+                    _mm256_storeu_si256((__m256i *)(out + ((row0 + j) * Hq + h * G + g) * D + d0),
+                                        wb_narrow_bf(_mm512_castsi512_ps(r[j])));
+            }
+            continue;
+        }
+#endif
+        float res[16];
+        for (int64_t d = 0; d < D; d++) {
+            vf_store(res, vf_div(vf_load(acc + (g * D + d) * 16), run_sum[g]));
+            for (int64_t j = 0; j < nq; j++) out[((row0 + j) * Hq + h * G + g) * D + d] = f2bf(res[j]);
+        }
+    }
+}
+
+// A task's start: q^T [G][D][16] (bf16 pairs [G][D/2][16] where the dot is vdpbf16ps), lane j =
+// query row0 + j (lanes past nq repeat the last query: their results are dropped); acc^T zero
+static void ext_start(const bf16 *q, float *qt, float *acc, vf *run_max, vf *run_sum, int64_t row0, int64_t nq,
+                      int64_t h, int64_t G, int64_t Hq, int64_t D) {
     for (int64_t g = 0; g < G; g++) {
         for (int64_t j = 0; j < EXT_Q; j++) {
             const bf16 *qr = q + ((row0 + (j < nq ? j : nq - 1)) * Hq + h * G + g) * D;
@@ -1541,13 +1585,35 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         run_max[g] = vf_set1(-INFINITY);
         run_sum[g] = vf_zero();
     }
-    // causal masks for the diagonal keys: key p0 + m is seen by lanes j >= m
-    float bias[EXT_Q][16], keep[EXT_Q][16];
+}
+
+// causal masks for the diagonal keys: key p0 + m is seen by lanes j >= m (0 / -inf added to the
+// scores, 1 / 0 multiplying the probabilities)
+static void ext_masks(float bias[EXT_Q][16], float keep[EXT_Q][16]) {
     for (int64_t m = 0; m < EXT_Q; m++)
         for (int64_t j = 0; j < 16; j++) {
             bias[m][j] = j >= m ? 0.f : -INFINITY;
             keep[m][j] = j >= m ? 1.f : 0.f;
         }
+}
+
+static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, bf16 *out,
+                        int64_t row0, int64_t nq, int64_t p0, int64_t h, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t bs, float scale) {
+    int64_t G = Hq / Hkv, L = p0 + nq;  // keys 0 .. L - 1: the last query's context
+#if WB_BF16_DOT
+    const int shared = G <= EXT_SHARED_G;  // all heads in one pass over each key (value) broadcast
+#endif
+    float *buf = ext_buffers();
+    // q^T [G][D][16] (bf16 pairs [G][D/2][16] where the dot is vdpbf16ps), acc^T [G][D][16],
+    // scores [G][chunk][16], value pairs [chunk/2][D] (vdpbf16ps)
+    float *qt = buf, *acc = buf + 16 * EXT_GD, *sc = buf + 32 * EXT_GD;
+    int64_t chunk = EXT_SCORES / G;
+    chunk = chunk > EXT_KEYS ? EXT_KEYS : chunk & ~(int64_t)15;
+    vf run_max[EXT_GD / 16], run_sum[EXT_GD / 16];
+    ext_start(q, qt, acc, run_max, run_sum, row0, nq, h, G, Hq, D);
+    float bias[EXT_Q][16], keep[EXT_Q][16];
+    ext_masks(bias, keep);
     int64_t rows[EXT_KEYS];
     for (int64_t c0 = 0; c0 < L; c0 += chunk) {
         int64_t cn = L - c0 < chunk ? L - c0 : chunk;
@@ -1672,13 +1738,219 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             }
 #endif
     }
-    for (int64_t g = 0; g < G; g++) {
-        float res[16];
-        for (int64_t d = 0; d < D; d++) {
-            vf_store(res, vf_div(vf_load(acc + (g * D + d) * 16), run_sum[g]));
-            for (int64_t j = 0; j < nq; j++) out[((row0 + j) * Hq + h * G + g) * D + d] = f2bf(res[j]);
+    ext_write(acc, run_sum, out, row0, nq, h, G, Hq, D);
+}
+
+#if WB_AMX
+// The same tile of queries with its two products on AMX (where the tiles multiply on it): scores
+// S^T [16 keys][16 queries] = K [16 keys][32 dims] . Q^T, whose B tile is q^T's bf16 pairs as the
+// kernel above lays them out (16 pair rows x 16 query lanes), stored straight into the scores'
+// query-lane layout; then acc^T [16 dims][16 queries] += V^T [16 dims][32 keys] . P^T, whose B tile
+// is the probabilities' key pairs as packed above, and V^T the chunk's values transposed once for
+// all G heads. The softmax between them is the AVX-512 code above, so the rounding points are the
+// same (products of bf16 exact in fp32, fp32 sums). Tiles 0 .. G - 1 accumulate a head each, 6
+// is A, 7 is B: G <= 6 and D a multiple of 32.
+#define EXTA_G 6
+#define EXTA_CASES(OP) \
+    switch (g) {       \
+    case 0: OP(0); break; \
+    case 1: OP(1); break; \
+    case 2: OP(2); break; \
+    case 3: OP(3); break; \
+    case 4: OP(4); break; \
+    default: OP(5); break; \
+    }
+#define EXTA_ZERO(t) _tile_zero(t)
+#define EXTA_DOT(t) _tile_dpbf16ps(t, 6, 7)
+#define EXTA_STORE(t) _tile_stored(t, p, 64)
+#define EXTA_LOAD(t) _tile_loadd(t, p, 64)
+AMX_TARGET static inline void exta_zero(int g) { EXTA_CASES(EXTA_ZERO) }
+AMX_TARGET static inline void exta_dot(int g) { EXTA_CASES(EXTA_DOT) }
+AMX_TARGET static inline void exta_store(int g, void *p) { EXTA_CASES(EXTA_STORE) }
+AMX_TARGET static inline void exta_load(int g, const void *p) { EXTA_CASES(EXTA_LOAD) }
+AMX_TARGET static void amx_release(void) { _tile_release(); }
+
+// vt [D][ld] bf16, columns 0 .. cp - 1 <- the values of keys rows[0 .. cn - 1] transposed (zero
+// past cn; cp: cn rounded up to 32)
+static void exta_values(bf16 *vt, int64_t ld, const bf16 *v_cache, const int64_t *rows, int64_t cn, int64_t cp,
+                        int64_t D) {
+    for (int64_t t0 = 0; t0 < cp; t0 += 32)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512i r[16];  // r[i]: keys t0 + 2i, t0 + 2i + 1 at dims d0 .. d0 + 15, as bf16 pairs
+            for (int i = 0; i < 16; i++) {
+                int64_t t = t0 + 2 * i;
+                __m512i lo = t < cn ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v_cache + rows[t] + d0)))
+                                    : _mm512_setzero_si512();
+                __m512i hi = t + 1 < cn ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                                (const __m256i *)(v_cache + rows[t + 1] + d0))),
+                                                            16)
+                                        : _mm512_setzero_si512();
+                r[i] = _mm512_or_si512(lo, hi);
+            }
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(vt + (d0 + i) * ld + t0, r[i]);
+        }
+}
+
+// 2^x for x <= 0 (scores minus their maximum, in log2 units), a degree-6 polynomial on [-1/2, 1/2]
+// scaled by 2^n. Clamped at -126, so never under fp32's smallest normal: a denormal or underflowing
+// result takes a microcode assist (a clamp at -150 made the whole kernel 1.4x slower); the masked
+// (-inf) scores' 2^-126 is zeroed by the caller
+static inline vf exta_exp2(vf x) {
+    x = vf_max(x, vf_set1(-126.0f));
+    vf n = vf_round_int(x), f = vf_sub(x, n);  // f in [-1/2, 1/2]
+    vf p = vf_set1(1.5403530393381609e-4f);
+    p = vf_fma(p, f, vf_set1(1.3333558146428443e-3f));
+    p = vf_fma(p, f, vf_set1(9.6181291076284772e-3f));
+    p = vf_fma(p, f, vf_set1(5.5504108664821580e-2f));
+    p = vf_fma(p, f, vf_set1(0.24022650695910071f));
+    p = vf_fma(p, f, vf_set1(0.69314718055994531f));
+    p = vf_fma(p, f, vf_set1(1.0f));
+    return vf_scale2(p, n);
+}
+
+// lane j = (e0_j, e1_j) rounded to bf16: the key pairs of P^T, a B tile's rows
+static inline __m512i exta_pairs(vf e0, vf e1) {
+    static const int16_t inter[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0 in words 0-15, e1 in 16-31
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(inter), both);
+}
+
+// The calling thread's buffer for the transposed values, grown as needed and kept (a prefill
+// step's layers all need about the same size).
+static _Thread_local bf16 *exta_vt;
+static _Thread_local int64_t exta_vt_n;
+
+static bf16 *exta_transposed(int64_t n) {
+    if (n > exta_vt_n) {
+        free(exta_vt);
+        exta_vt_n = n + n / 4;
+        exta_vt = aligned_alloc(64, (exta_vt_n * 2 + 63) & ~(int64_t)63);
+    }
+    return exta_vt;
+}
+
+AMX_TARGET static void extend_task_amx(const bf16 *q, const bf16 *k_cache, const bf16 *vts, int64_t ld,
+                                       const int32_t *table, bf16 *out, int64_t row0, int64_t nq, int64_t p0, int64_t h,
+                                       int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale) {
+    int64_t G = Hq / Hkv, L = p0 + nq;
+    float *buf = ext_buffers();
+    // q^T pairs [G][D/2][16], acc^T [G][D][16], scores [G][chunk][16] (their probabilities packed
+    // in place as key pairs); the values transposed are the caller's (vts [D][ld], all keys)
+    float *qt = buf, *acc = buf + 16 * EXT_GD, *sc = buf + 32 * EXT_GD;
+    _Alignas(64) bf16 kbuf[16 * MAX_D];  // 16 keys' rows where they do not lie in one block
+    int64_t chunk = EXT_SCORES / G;
+    chunk = (chunk > EXT_KEYS ? EXT_KEYS : chunk) & ~(int64_t)31;
+    vf run_max[EXTA_G], run_sum[EXTA_G];
+    ext_start(q, qt, acc, run_max, run_sum, row0, nq, h, G, Hq, D);
+    float bias[EXT_Q][16], keep[EXT_Q][16];
+    ext_masks(bias, keep);
+    int64_t rows[EXT_KEYS];
+    for (int64_t c0 = 0; c0 < L; c0 += chunk) {
+        int64_t cn = L - c0 < chunk ? L - c0 : chunk, cp = (cn + 31) & ~(int64_t)31;
+        chunk_rows(rows, table, c0, cn, bs, Hkv, h, D);
+        // pass 1: S^T, 16 keys at a time, read from the cache where they lie in one block
+        for (int64_t t0 = 0; t0 < cn; t0 += 16) {
+            int64_t nt = cn - t0 < 16 ? cn - t0 : 16;
+            const bf16 *kr = k_cache + rows[t0];
+            int64_t stride = Hkv * D * 2;
+            if ((c0 + t0) % bs + 16 > bs) {
+                for (int64_t i = 0; i < 16; i++) {
+                    if (i < nt) memcpy(kbuf + i * D, k_cache + rows[t0 + i], D * 2);
+                    else memset(kbuf + i * D, 0, D * 2);
+                }
+                kr = kbuf;
+                stride = D * 2;
+            }
+            for (int64_t a = t0 + KV_AHEAD; a < t0 + KV_AHEAD + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
+            for (int g = 0; g < G; g++) exta_zero(g);
+            for (int64_t c = 0; c < D; c += 32) {
+                _tile_loadd(6, kr + c, stride);
+                for (int g = 0; g < G; g++) {
+                    _tile_loadd(7, (const uint32_t *)qt + (g * D / 2 + c / 2) * 16, 64);
+                    exta_dot(g);
+                }
+            }
+            for (int g = 0; g < G; g++) exta_store(g, sc + (g * chunk + t0) * 16);
+        }
+        // scores in log2 units (scale * log2 e), masked on the diagonal, and each lane's maximum;
+        // keys before `clear` are later than no query of the tile
+        int64_t clear = p0 - c0 + 1 < cn ? p0 - c0 + 1 : cn;
+        if (clear < 0) clear = 0;
+        vf mx[EXTA_G], s2 = vf_set1(scale * 1.44269504088896341f);
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = sc + g * chunk * 16;
+            vf m0 = vf_set1(-INFINITY), m1 = m0;
+            int64_t t = 0;
+            for (; t + 1 < clear; t += 2) {
+                vf a = vf_mul(vf_load(sg + t * 16), s2), b = vf_mul(vf_load(sg + (t + 1) * 16), s2);
+                vf_store(sg + t * 16, a);
+                vf_store(sg + (t + 1) * 16, b);
+                m0 = vf_max(m0, a);
+                m1 = vf_max(m1, b);
+            }
+            for (; t < cn; t++) {
+                vf a = vf_mul(vf_load(sg + t * 16), s2);
+                if (t >= clear) a = vf_add(a, vf_load(bias[c0 + t - p0]));
+                vf_store(sg + t * 16, a);
+                m0 = vf_max(m0, a);
+            }
+            mx[g] = vf_max(m0, m1);
+        }
+        // pass 2: probabilities 2^(s - max) as key pairs (bf16, zero past the chunk's end up to 32
+        // keys), their fp32 running sums, the old accumulators rescaled; then acc^T += V^T . P^T
+        for (int64_t g = 0; g < G; g++) {
+            vf new_max = vf_max(run_max[g], mx[g]);
+            vf corr = exta_exp2(vf_sub(run_max[g], new_max));
+            run_max[g] = new_max;
+            vf sum0 = vf_zero(), sum1 = vf_zero();
+            float *sg = sc + g * chunk * 16, *ag = acc + g * D * 16;
+            int64_t t = 0;
+            for (; t + 1 < clear; t += 2) {
+                vf e0 = exta_exp2(vf_sub(vf_load(sg + t * 16), new_max));
+                vf e1 = exta_exp2(vf_sub(vf_load(sg + (t + 1) * 16), new_max));
+                sum0 = vf_add(sum0, e0);
+                sum1 = vf_add(sum1, e1);
+                _mm512_storeu_si512(sg + t / 2 * 16, exta_pairs(e0, e1));
+            }
+            for (; t < cp; t += 2) {  // the diagonal (masked lanes zeroed), the odd key, the padding
+                vf e0 = vf_zero(), e1 = vf_zero();
+                if (t < cn) e0 = exta_exp2(vf_sub(vf_load(sg + t * 16), new_max));
+                if (t + 1 < cn) e1 = exta_exp2(vf_sub(vf_load(sg + (t + 1) * 16), new_max));
+                if (t >= clear && t < cn) e0 = vf_mul(e0, vf_load(keep[c0 + t - p0]));
+                if (t + 1 >= clear && t + 1 < cn) e1 = vf_mul(e1, vf_load(keep[c0 + t + 1 - p0]));
+                sum0 = vf_add(sum0, e0);
+                sum1 = vf_add(sum1, e1);
+                _mm512_storeu_si512(sg + t / 2 * 16, exta_pairs(e0, e1));
+            }
+            run_sum[g] = vf_add(vf_mul(run_sum[g], corr), vf_add(sum0, sum1));
+            for (int64_t d = 0; d < D; d++) vf_store(ag + d * 16, vf_mul(vf_load(ag + d * 16), corr));
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            for (int g = 0; g < G; g++) exta_load(g, acc + (g * D + d0) * 16);
+            for (int64_t t0 = 0; t0 < cp; t0 += 32) {
+                _tile_loadd(6, vts + d0 * ld + c0 + t0, ld * 2);
+                for (int g = 0; g < G; g++) {
+                    _tile_loadd(7, sc + (g * chunk + t0 / 2) * 16, 64);
+                    exta_dot(g);
+                }
+            }
+            for (int g = 0; g < G; g++) exta_store(g, acc + (g * D + d0) * 16);
         }
     }
+    ext_write(acc, run_sum, out, row0, nq, h, G, Hq, D);
+}
+#endif
+
+// 1 when wb_paged_extend multiplies on AMX at these heads (G = Hq / Hkv query heads per KV head)
+int64_t wb_extend_amx(int64_t Hq, int64_t Hkv, int64_t D) {
+#if WB_AMX
+    return amx_on && D % 32 == 0 && Hq / Hkv <= EXTA_G;
+#else
+    (void)Hq, (void)Hkv, (void)D;
+    return 0;
+#endif
 }
 
 // Causal attention of the new tokens: sequence s has its tokens at q rows cu_q[s] .. cu_q[s+1] - 1
@@ -1688,20 +1960,72 @@ void wb_paged_extend(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, co
                      int64_t D, int64_t bs, int64_t W, float scale) {
     int64_t tasks = 0;
     for (int64_t s = 0; s < S; s++) tasks += (cu_q[s + 1] - cu_q[s] + EXT_Q - 1) / EXT_Q * Hkv;
-    // the longest tiles (last in each sequence: the most keys) go first for the dynamic schedule
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < tasks; i++) {
-        int64_t k = i, s = 0, tiles = 0;
-        for (; s < S; s++) {
-            tiles = (cu_q[s + 1] - cu_q[s] + EXT_Q - 1) / EXT_Q * Hkv;
-            if (k < tiles) break;
-            k -= tiles;
+#if WB_AMX
+    const int amx = (int)wb_extend_amx(Hq, Hkv, D);
+    // on AMX, every sequence's values transposed first ([Hkv][D][keys rounded up to 32] each at
+    // voff[s]), once for all its query tiles, in tasks of 32 keys of a KV head
+    int64_t vtasks = 0, *voff = NULL;
+    bf16 *vt = NULL;
+    if (amx) {
+        voff = malloc(sizeof(int64_t) * (S + 1));
+        voff[0] = 0;
+        for (int64_t s = 0; s < S; s++) {
+            int64_t lp = (lens[s] + 31) & ~(int64_t)31;
+            voff[s + 1] = voff[s] + Hkv * D * lp;
+            vtasks += lp / 32 * Hkv;
         }
-        int64_t n = cu_q[s + 1] - cu_q[s], tile = (tiles / Hkv - 1) - k / Hkv, h = k % Hkv;
-        int64_t first = tile * EXT_Q, nq = n - first < EXT_Q ? n - first : EXT_Q;
-        extend_task(q, k_cache, v_cache, tables + s * W, out, cu_q[s] + first, nq, lens[s] - n + first, h, Hq, Hkv,
-                    D, bs, scale);
+        vt = exta_transposed(voff[S]);
     }
+#endif
+#pragma omp parallel
+    {
+#if WB_AMX
+        if (amx) {
+            amx_configure(16, 16);
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t i = 0; i < vtasks; i++) {
+                int64_t k = i, s = 0, blocks = 0;
+                for (; s < S; s++) {
+                    blocks = (lens[s] + 31) / 32 * Hkv;
+                    if (k < blocks) break;
+                    k -= blocks;
+                }
+                int64_t lp = blocks / Hkv * 32, h = k % Hkv, c0 = k / Hkv * 32;
+                int64_t cn = lens[s] - c0 < 32 ? lens[s] - c0 : 32, rows[32];
+                chunk_rows(rows, tables + s * W, c0, cn, bs, Hkv, h, D);
+                exta_values(vt + voff[s] + h * D * lp + c0, lp, v_cache, rows, cn, 32, D);
+            }
+        }
+#endif
+        // the longest tiles (last in each sequence: the most keys) go first for the dynamic schedule
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < tasks; i++) {
+            int64_t k = i, s = 0, tiles = 0;
+            for (; s < S; s++) {
+                tiles = (cu_q[s + 1] - cu_q[s] + EXT_Q - 1) / EXT_Q * Hkv;
+                if (k < tiles) break;
+                k -= tiles;
+            }
+            int64_t n = cu_q[s + 1] - cu_q[s], tile = (tiles / Hkv - 1) - k / Hkv, h = k % Hkv;
+            int64_t first = tile * EXT_Q, nq = n - first < EXT_Q ? n - first : EXT_Q;
+#if WB_AMX
+            if (amx) {
+                int64_t lp = (lens[s] + 31) & ~(int64_t)31;
+                extend_task_amx(q, k_cache, vt + voff[s] + h * D * lp, lp, tables + s * W, out, cu_q[s] + first, nq,
+                                lens[s] - n + first, h, Hq, Hkv, D, bs, scale);
+                continue;
+            }
+#endif
+            extend_task(q, k_cache, v_cache, tables + s * W, out, cu_q[s] + first, nq, lens[s] - n + first, h, Hq,
+                        Hkv, D, bs, scale);
+        }
+#if WB_AMX
+        if (amx) amx_release();
+#endif
+    }
+#if WB_AMX
+    free(voff);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -343,8 +343,10 @@ static inline vf vf_exp_core(vf x) {
 }
 
 static inline vf vf_exp(vf x) { return vf_exp_core(vf_min(vf_max(x, vf_set1(-104.0f)), vf_set1(88.7f))); }
-// x <= 0 (softmax's score minus its maximum): no overflow clamp, one op fewer an element
-static inline vf vf_exp_nonpos(vf x) { return vf_exp_core(vf_max(x, vf_set1(-104.0f))); }
+// x <= 0 (softmax's score minus its maximum): no overflow clamp, one op fewer an element; clamped
+// at -87, where e^x is still a normal float: an underflowing result takes a microcode assist on
+// Intel (the masked, -inf, scores' e^-87 ~ 1.6e-38 is zeroed by the caller)
+static inline vf vf_exp_nonpos(vf x) { return vf_exp_core(vf_max(x, vf_set1(-87.0f))); }
 
 static inline float wb_expf(float x) {
     float r[16];

@@ -219,15 +219,15 @@ def test_linear_native_switch_keeps_results(native_variant, seed):
 
 
 @pytest.fixture(params=["avx512", "amx"])
-def tiles_unit(request):
-    """The tiles multiplied on AVX-512 or on AMX (where the CPU has it): both run here, whichever
-    this host would use."""
-    if not cpu.tiles_available():
-        pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
+def amx_unit(request):
+    """The bf16 build's kernels on AVX-512 or on AMX (where the CPU has it): both run here,
+    whichever this host would use."""
+    if cpu.variant() != "avx512_bf16":
+        pytest.skip(f"the AMX paths are the avx512_bf16 build's; this host runs {cpu.variant()}")
     cpu.set_amx(None)
     on, why = cpu.amx()
     if request.param == "amx" and not on:
-        pytest.skip(f"the tiles' AMX path does not run here: {why}")
+        pytest.skip(f"the AMX paths do not run here: {why}")
     cpu.set_amx(request.param == "amx")
     try:
         assert cpu._require().wb_amx() == (request.param == "amx")
@@ -244,7 +244,7 @@ def tiles_unit(request):
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_bf16_tiles_equal_the_exact_product(m, n, k, threads, tiles_unit):
+def test_bf16_tiles_equal_the_exact_product(m, n, k, threads, amx_unit):
     """Whole and partial tiles (rows past a multiple of 6, of 16 and 32 on AMX, past its chunks of
     512; outputs past a multiple of 64 and of 16), with and without bias: fp32 sums, one rounding,
     within an ulp of the exact result. On 2 and 3 threads, groups of outputs that do not divide
@@ -374,12 +374,31 @@ def test_paged_extend_matches_torch(kern, hq, hkv, d, bs):
     heads of 64 per KV head exceed the tile kernel's buffers and take the one-query decodes."""
     if hq // hkv * d > cpu.EXTEND_MAX_GD and kern is not cpu:
         pytest.skip("the one-query-decode fallback runs in this process's variants, not the NEON driver")
+    _check_extend(kern, hq, hkv, d, bs, new=[5, 1, 40, 600], lens=[5, 30, 57, 700])
+
+
+# G = 1-6 query heads per KV head and head dims in multiples of 32 take AMX (7 takes AVX-512 in the
+# same call); blocks of 8 keys put a 16-key tile across blocks (gathered), of 32 two tiles in one
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs",
+    [(9, 3, 64, 16), (9, 3, 64, 8), (4, 2, 32, 32), (4, 4, 64, 16), (8, 2, 128, 16), (12, 2, 64, 16), (4, 1, 96, 16),
+     (14, 2, 64, 16)],
+)  # fmt: skip
+def test_paged_extend_on_amx_matches_torch(amx_unit, hq, hkv, d, bs):
+    """Prefill attention with its products on AMX (S^T = K . Q^T, acc^T += V^T . P^T, the values
+    transposed once a call): as close to exact attention as torch's bf16 path and within 2 ulps of
+    it, prompts fresh and after cached keys, across 512-key chunks, an odd tail of keys."""
+    assert cpu.extend_on_amx(hq, hkv, d) == (amx_unit == "amx" and hq // hkv <= 6)
+    _check_extend(cpu, hq, hkv, d, bs, new=[5, 1, 40, 600, 33, 17], lens=[5, 30, 57, 700, 1101, 17])
+
+
+def _check_extend(kern, hq, hkv, d, bs, new, lens):
+    """`new[i]` tokens of sequence i at the end of its `lens[i]` against the torch references."""
     g = torch.Generator().manual_seed(hq + d)
-    nb = 96
+    nb = 160
     kc = (torch.randn(nb, bs, hkv, d, generator=g) * 2).to(BF)
     vc = torch.randn(nb, bs, hkv, d, generator=g).to(BF)
-    new = [5, 1, 40, 600]  # new tokens per sequence; the last crosses a 512-key softmax chunk
-    lens = torch.tensor([5, 30, 57, 700], dtype=torch.int32)
+    lens = torch.tensor(lens, dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     width = int((lens.max() + bs - 1) // bs)
     tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in lens]).int()

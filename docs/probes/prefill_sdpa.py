@@ -1,6 +1,7 @@
 """Prefill attention on a CPU: our C extend kernel against torch's SDPA (what the C backend's
 `prefill_attention` chooses between), one causal prompt at SmolLM2's heads (9/3, d64), bf16, the
 median of 7 calls each; fresh prompts (is_causal) and new tokens after cached keys (a bool mask).
+Where the CPU has AMX, our kernel is timed on it and on AVX-512 alone (`cpu.set_amx(False)`).
 
     python docs/probes/prefill_sdpa.py
 """
@@ -37,7 +38,13 @@ def case(n: int, cached: int) -> None:
     a, b = timer(ours, iters=7, warmup=1), timer(sdpa, iters=7, warmup=1)
     err = (ours().float() - sdpa().float()).abs().max().item()
     what = f"{n:5d} new after {cached:4d} cached"
-    print(f"{what}: ours {a * 1e3:7.3f} ms  SDPA {b * 1e3:7.3f} ms  {a / b:4.2f}x  max diff {err:.3g}")
+    line = f"{what}: ours {a * 1e3:7.3f} ms  SDPA {b * 1e3:7.3f} ms  {a / b:4.2f}x  max diff {err:.3g}"
+    if cpu.extend_on_amx(HQ, HKV, D):
+        cpu.set_amx(False)
+        c = timer(ours, iters=7, warmup=1)
+        cpu.set_amx(None)
+        line += f"  (on AMX; on AVX-512 {c * 1e3:.3f} ms, {c / b:4.2f}x)"
+    print(line)
 
 
 if __name__ == "__main__":
