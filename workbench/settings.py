@@ -131,11 +131,11 @@ class EngineSettings(HasTraits):
         shapes_kv=True,
         label="Prefill attention",
         kind=LIVE,
-        doc="the path of prompts with no cached context on our attention backends: our kernel (Triton's or "
-        "the C one), or torch's SDPA (FlashAttention/cuDNN on CUDA, flash attention with AMX matmuls on a CPU "
-        "that has them); auto: the faster at this model's heads, measured once per process (on CUDA; always "
-        "on the C backend), status() says which and the times; later chunks and prefix hits keep the kernel; "
-        "outputs equal within rounding",
+        doc="the path of prompts on our attention backends: our kernel (Triton's, or the C one, on AMX where "
+        "the CPU has it), or torch's SDPA (FlashAttention/cuDNN on CUDA, flash attention on a CPU; on CUDA for "
+        "prompts with no cached context, on a CPU later chunks and prefix hits too); auto: the faster at this "
+        "model's heads, measured once per process (on CUDA; always on the C backend), status() says which and "
+        "the times; outputs equal within rounding",
     )
     moe_top_k = Int(None, allow_none=True, min=1, max=1024).tag(
         shapes_kv=True,
