@@ -818,6 +818,8 @@ AMX_TARGET static void amx_configure(int ma, int mb) {
     _tile_loadconfig(&c);
 }
 
+AMX_TARGET static void amx_release(void) { _tile_release(); }
+
 // One block: rows m0 .. m0 + ma + mb of x, outputs 32h .. 32h + 31 of group g, into y.
 // With `fetch` (a task's first block, which reads the weights from memory), the weight rows of the
 // fourth step ahead are prefetched: tile loads alone wait on DRAM's latency, one after another.
@@ -1102,6 +1104,80 @@ static float softmax_chunk(float *s, int64_t cn, float *run_max, float *run_sum)
 }
 
 #if WB_BF16_DOT
+// bf16 pair (a, b) in one 32-bit lane: the layout vdpbf16ps multiplies
+static inline uint32_t bf_pair(bf16 a, bf16 b) { return (uint32_t)a | ((uint32_t)b << 16); }
+#define BCAST_PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t *)(p)))
+#endif
+
+#if WB_AVX512
+// r[i] <- column i of the 16 x 16 matrix of 32-bit lanes r holds (row i in r[i])
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {  // u[k + 4j]: the 128-bit lanes of rows 4j .. 4j + 3, columns k, k + 4, k + 8, k + 12
+        __m512i v0 = _mm512_shuffle_i32x4(u[k], u[k + 4], 0x88), v1 = _mm512_shuffle_i32x4(u[k], u[k + 4], 0xdd);
+        __m512i v2 = _mm512_shuffle_i32x4(u[k + 8], u[k + 12], 0x88), v3 = _mm512_shuffle_i32x4(u[k + 8], u[k + 12], 0xdd);
+        r[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[k + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[k + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[k + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+#endif
+
+#if WB_AMX
+// A decode's scores on AMX: S^T [16 keys][16 lanes] = K [16 keys][32 dims] . Q^T, the G query heads
+// of a KV head in lanes 0 .. G - 1 of the B tile (bf16 pairs, qtp [D/2][16]), one tdpbf16ps per 32
+// dims where AVX-512 took G x 2 vdpbf16ps and a transpose-and-add per head; the tile transposed
+// back gives each head's 16 scores in a vector. Tile 0 accumulates, 6 is A, 7 is B.
+AMX_TARGET static void decode_scores_amx(const uint32_t *qtp, const bf16 *k_cache, const bf16 *v_cache,
+                                         const int64_t *rows, int64_t c0, int64_t cn, int64_t bs, int64_t Hkv,
+                                         int64_t D, int64_t G, float scale, float scores[][KV_CHUNK]) {
+    _Alignas(64) bf16 kbuf[16 * MAX_D];
+    _Alignas(64) float st[16][16];
+    for (int64_t t0 = 0; t0 < cn; t0 += 16) {
+        int64_t nt = cn - t0 < 16 ? cn - t0 : 16;
+        for (int64_t a = t0 + KV_NEAR; a < t0 + KV_NEAR + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
+        for (int64_t a = t0 + KV_FAR; a < t0 + KV_FAR + 16 && a < cn; a++) prefetch_row_l2(k_cache + rows[a], D);
+        for (int64_t a = t0; a < t0 + 16 && a < cn; a++) prefetch_row_l2(v_cache + rows[a], D);
+        const bf16 *kr = k_cache + rows[t0];
+        int64_t stride = Hkv * D * 2;
+        if ((c0 + t0) % bs + 16 > bs) {  // the 16 keys' rows do not lie in one block: gather them
+            for (int64_t i = 0; i < 16; i++) {
+                if (i < nt) memcpy(kbuf + i * D, k_cache + rows[t0 + i], D * 2);
+                else memset(kbuf + i * D, 0, D * 2);
+            }
+            kr = kbuf;
+            stride = D * 2;
+        }
+        _tile_zero(0);
+        for (int64_t c = 0; c < D; c += 32) {
+            _tile_loadd(6, kr + c, stride);
+            _tile_loadd(7, qtp + c / 2 * 16, 64);
+            _tile_dpbf16ps(0, 6, 7);
+        }
+        _tile_stored(0, &st[0][0], 64);
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(st[i]);
+        transpose16(r);
+        for (int64_t g = 0; g < G; g++)
+            _mm512_mask_storeu_ps(scores[g] + t0, (__mmask16)((1u << nt) - 1),
+                                  _mm512_mul_ps(_mm512_castsi512_ps(r[g]), _mm512_set1_ps(scale)));
+    }
+}
+#endif
+
+#if WB_BF16_DOT
 // Lane i of the result = the sum of the 16 lanes of v[i]: pairwise unpack-and-add within 128-bit
 // lanes, then across them; ~45 instructions where 16 horizontal reductions take ~130.
 static inline __m512 sum16(const __m512 v[16]) {
@@ -1234,6 +1310,19 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             qb[g][c] = (__m512bh)_mm512_maskz_loadu_epi16(dmask[c], q + (b * Hq + h * G + g) * D + c * 32);
         for (int64_t c = 0; c < DW; c++) acc_lo[g][c] = acc_hi[g][c] = _mm512_setzero_ps();
     }
+#if WB_AMX
+    // the scores on AMX where the tiles multiply there: the queries' bf16 pairs as a B tile's lanes
+    const int amx = amx_on && D % 32 == 0 && G <= 16;
+    _Alignas(64) uint32_t qtp[MAX_D / 2 * 16];
+    if (amx) {
+        memset(qtp, 0, sizeof(uint32_t) * D / 2 * 16);
+        for (int64_t g = 0; g < G; g++) {
+            const bf16 *qr = q + (b * Hq + h * G + g) * D;
+            for (int64_t d = 0; d < D; d += 2) qtp[d / 2 * 16 + g] = bf_pair(qr[d], qr[d + 1]);
+        }
+        amx_configure(16, 16);
+    }
+#endif
     const int32_t *table = tables + b * W;
     int64_t rows[KV_CHUNK];
     for (int64_t c0 = 0; c0 < L; c0 += KV_CHUNK) {
@@ -1245,7 +1334,14 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         // scores[g][t] = (q_g . k_t) * scale, 16 keys at a time: vdpbf16ps on the bf16 rows (exact
         // products, fp32 sums), then one transpose-and-add gives 16 dot products at once instead
         // of 16 horizontal reductions.
+#if WB_AMX
+        if (amx) {
+            decode_scores_amx(qtp, k_cache, v_cache, rows, c0, cn, bs, Hkv, D, G, scale, scores);
+        }
+        for (int64_t t0 = 0; t0 < (amx ? 0 : cn); t0 += 16) {
+#else
         for (int64_t t0 = 0; t0 < cn; t0 += 16) {
+#endif
             int nt = cn - t0 < 16 ? (int)(cn - t0) : 16;
             for (int64_t a = t0 + KV_NEAR; a < t0 + KV_NEAR + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
             for (int64_t a = t0 + KV_FAR; a < t0 + KV_FAR + 16 && a < cn; a++) prefetch_row_l2(k_cache + rows[a], D);
@@ -1293,6 +1389,9 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             }
         }
     }
+#if WB_AMX
+    if (amx) amx_release();
+#endif
     // un-interleave: within each 128-bit lane, lo holds elements 0-3 and hi elements 4-7
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -1449,11 +1548,6 @@ static float *ext_buffers(void) {
     return ext_scratch;
 }
 
-#if WB_BF16_DOT
-// bf16 pair (a, b) in one 32-bit lane: the layout vdpbf16ps multiplies
-static inline uint32_t bf_pair(bf16 a, bf16 b) { return (uint32_t)a | ((uint32_t)b << 16); }
-#define BCAST_PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t *)(p)))
-#endif
 
 #if WB_BF16_DOT
 // The G (<= EXT_SHARED_G) query heads of one KV head together: each key (value) pair is broadcast
@@ -1515,31 +1609,6 @@ static inline __attribute__((always_inline)) vf ext_prob(const float *st, vf max
     return m > 0 ? vf_mul(e, vf_load(keep[m])) : e;
 }
 
-#if WB_AVX512
-// r[i] <- column i of the 16 x 16 matrix of 32-bit lanes r holds (row i in r[i])
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int k = 0; k < 4; k++) {  // u[k + 4j]: the 128-bit lanes of rows 4j .. 4j + 3, columns k, k + 4, k + 8, k + 12
-        __m512i v0 = _mm512_shuffle_i32x4(u[k], u[k + 4], 0x88), v1 = _mm512_shuffle_i32x4(u[k], u[k + 4], 0xdd);
-        __m512i v2 = _mm512_shuffle_i32x4(u[k + 8], u[k + 12], 0x88), v3 = _mm512_shuffle_i32x4(u[k + 8], u[k + 12], 0xdd);
-        r[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[k + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        r[k + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[k + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
-}
-
-#endif
 
 // out rows row0 .. row0 + nq - 1, heads h * G .. h * G + G - 1 <- acc^T [G][D][16 query lanes] / sums
 static void ext_write(const float *acc, const vf *run_sum, bf16 *out, int64_t row0, int64_t nq, int64_t h, int64_t G,
@@ -1768,7 +1837,6 @@ AMX_TARGET static inline void exta_zero(int g) { EXTA_CASES(EXTA_ZERO) }
 AMX_TARGET static inline void exta_dot(int g) { EXTA_CASES(EXTA_DOT) }
 AMX_TARGET static inline void exta_store(int g, void *p) { EXTA_CASES(EXTA_STORE) }
 AMX_TARGET static inline void exta_load(int g, const void *p) { EXTA_CASES(EXTA_LOAD) }
-AMX_TARGET static void amx_release(void) { _tile_release(); }
 
 // vt [D][ld] bf16, columns 0 .. cp - 1 <- the values of keys rows[0 .. cn - 1] transposed (zero
 // past cn; cp: cn rounded up to 32)
