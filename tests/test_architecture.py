@@ -226,6 +226,7 @@ def test_shared_types_are_not_the_transports():
 # put both in front of a person. Imports point down only; `cluster`, `llm` and `engines` compose
 # the core and are imported by fronts and tools, never by the core.
 CORE = {
+    "aio",
     "engine",
     "models",
     "ipc",
@@ -264,6 +265,7 @@ def _layer_breaks(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 # package imports only its own layer and those below.
 CORE_LAYERS = (
     {
+        "aio",
         "sampling_params",
         "outputs",
         "reports",

@@ -261,11 +261,9 @@ class CpuKernelAttention(PrefillPaths):
     sdpa_cached = True
 
     def choose_prefill(self, setting: str, num_heads: int, max_model_len: int) -> None:
-        from workbench_kernels import cpu
-
         hkv, d = self.kv.k[0].shape[2:]
         bf16_reads = self.kv.k[0].dtype in (torch.bfloat16, torch.int8)  # an int8 cache is widened to bf16
-        amx = bf16_reads and cpu.available() and cpu.extend_on_amx(num_heads, hkv, d)
+        amx = bf16_reads and CpuKernelForward.prefill_on_amx(num_heads, hkv, d)
         self.kernel_words = "our C kernel (AMX)" if amx else "our C kernel"
         super().choose_prefill(setting, num_heads, max_model_len)
 

@@ -108,6 +108,11 @@ class CpuKernelForward:
         return cpu.cpu_flags()
 
     @staticmethod
+    def prefill_on_amx(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether our prefill attention kernel multiplies on AMX at these heads (bf16 reads)."""
+        return cpu.available() and cpu.extend_on_amx(num_heads, num_kv_heads, head_dim)
+
+    @staticmethod
     def attention_ops() -> SimpleNamespace:
         """The attention backend's three ops on our C kernels. They have no sliding window: such
         layers take the torch reference."""
