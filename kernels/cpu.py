@@ -814,9 +814,9 @@ def tiles_available() -> bool:
 # products on AMX (the packed layout is AMX's B-tile layout already): at SmolLM2's widths 1.3-1.6x
 # oneDNN's AMX kernels at 1-16 rows, 1.1-1.2x at 39-128, 0.88-0.95x at 512-1,024 (docs/benchmarks.md),
 # where AVX-512 alone does 240 GFLOP/s. `gemm_path` then measures the tiles with it. The prefill
-# (extend) attention kernel takes its two products there too (`extend_on_amx`): 1.6-2.2x torch's
-# SDPA from 128 new tokens at SmolLM2's heads, where on AVX-512 it was 0.5x.
-# WORKBENCH_CPU_AMX=0 keeps AVX-512 for both.
+# (extend) attention kernel takes its two products there too (`extend_on_amx`): 1.4-2.6x torch's
+# SDPA from 128 new tokens at SmolLM2's heads, where on AVX-512 it was 0.35-0.7x; the decode kernel
+# its scores (-15% a layer). WORKBENCH_CPU_AMX=0 keeps AVX-512 for all three.
 _amx: tuple[bool, str] | None = None
 
 
@@ -830,7 +830,7 @@ def tiles_take(rows: int, k: int) -> bool:
 
 
 def amx() -> tuple[bool, str]:
-    """(whether the bf16 tiles multiply on AMX here, why)."""
+    """(whether the bf16 tiles and the attention kernels multiply on AMX here, why)."""
     global _amx
     if variant() != "avx512_bf16":  # a variant forced since (use()) has none
         return False, f"the {variant() or 'no'} build has no AMX path"
@@ -848,7 +848,7 @@ def amx() -> tuple[bool, str]:
 
 
 def set_amx(on: bool | None) -> None:
-    """Multiply the tiles on AMX (True, where `amx()` allows it) or AVX-512 (False) from now on;
+    """Multiply the tiles and attention on AMX (True, where `amx()` allows it) or AVX-512 (False) from now on;
     None: as at load. For comparing the two in one process (tests, probes)."""
     global _amx
     _amx = None

@@ -894,7 +894,7 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const bf16 *bia
             amx_block(x, wp, bias, y, N, K, gh / 2, (int)(gh % 2), m0, ma, mb, m0 == first);
         }
     }
-    if (configured >= 0) _tile_release();
+    if (configured >= 0) amx_release();
 }
 #endif
 
@@ -941,8 +941,6 @@ void wb_gemm_tiles(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int
 #pragma omp parallel
     tile_groups(x, wp, bias, y, M, N, K);
 }
-
-
 
 // ---------------------------------------------------------------------------------------------
 // Elementwise ops with torch's bf16 rounding points.
@@ -1107,6 +1105,14 @@ static float softmax_chunk(float *s, int64_t cn, float *run_max, float *run_sum)
 // bf16 pair (a, b) in one 32-bit lane: the layout vdpbf16ps multiplies
 static inline uint32_t bf_pair(bf16 a, bf16 b) { return (uint32_t)a | ((uint32_t)b << 16); }
 #define BCAST_PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t *)(p)))
+
+// 16 dims of two rows as bf16 pairs, lane i = (a[i], b[i]); a NULL row gives zeros
+static inline __m512i bf_pairs16(const bf16 *a, const bf16 *b) {
+    __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)a)) : _mm512_setzero_si512();
+    __m512i hi = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16)
+                   : _mm512_setzero_si512();
+    return _mm512_or_si512(lo, hi);
+}
 #endif
 
 #if WB_AVX512
@@ -1136,6 +1142,23 @@ static inline void transpose16(__m512i r[16]) {
 #endif
 
 #if WB_AMX
+// Where 16 keys' rows (keys t0 .. t0 + nt - 1 of a chunk starting at c0) lie for an A tile: in the
+// cache, Hkv * D apart, when they are in one block; else gathered into kbuf [16][D] (rows past nt
+// zero). Sets the tile's row stride in bytes.
+static const bf16 *amx_key_rows(bf16 *kbuf, const bf16 *k_cache, const int64_t *rows, int64_t c0, int64_t t0,
+                                int64_t nt, int64_t bs, int64_t Hkv, int64_t D, int64_t *stride) {
+    if ((c0 + t0) % bs + 16 <= bs) {
+        *stride = Hkv * D * 2;
+        return k_cache + rows[t0];
+    }
+    for (int64_t i = 0; i < 16; i++) {
+        if (i < nt) memcpy(kbuf + i * D, k_cache + rows[t0 + i], D * 2);
+        else memset(kbuf + i * D, 0, D * 2);
+    }
+    *stride = D * 2;
+    return kbuf;
+}
+
 // A decode's scores on AMX: S^T [16 keys][16 lanes] = K [16 keys][32 dims] . Q^T, the G query heads
 // of a KV head in lanes 0 .. G - 1 of the B tile (bf16 pairs, qtp [D/2][16]), one tdpbf16ps per 32
 // dims where AVX-512 took G x 2 vdpbf16ps and a transpose-and-add per head; the tile transposed
@@ -1150,16 +1173,8 @@ AMX_TARGET static void decode_scores_amx(const uint32_t *qtp, const bf16 *k_cach
         for (int64_t a = t0 + KV_NEAR; a < t0 + KV_NEAR + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
         for (int64_t a = t0 + KV_FAR; a < t0 + KV_FAR + 16 && a < cn; a++) prefetch_row_l2(k_cache + rows[a], D);
         for (int64_t a = t0; a < t0 + 16 && a < cn; a++) prefetch_row_l2(v_cache + rows[a], D);
-        const bf16 *kr = k_cache + rows[t0];
-        int64_t stride = Hkv * D * 2;
-        if ((c0 + t0) % bs + 16 > bs) {  // the 16 keys' rows do not lie in one block: gather them
-            for (int64_t i = 0; i < 16; i++) {
-                if (i < nt) memcpy(kbuf + i * D, k_cache + rows[t0 + i], D * 2);
-                else memset(kbuf + i * D, 0, D * 2);
-            }
-            kr = kbuf;
-            stride = D * 2;
-        }
+        int64_t stride;
+        const bf16 *kr = amx_key_rows(kbuf, k_cache, rows, c0, t0, nt, bs, Hkv, D, &stride);
         _tile_zero(0);
         for (int64_t c = 0; c < D; c += 32) {
             _tile_loadd(6, kr + c, stride);
@@ -1335,13 +1350,11 @@ static void decode_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
         // products, fp32 sums), then one transpose-and-add gives 16 dot products at once instead
         // of 16 horizontal reductions.
 #if WB_AMX
-        if (amx) {
+        if (amx)
             decode_scores_amx(qtp, k_cache, v_cache, rows, c0, cn, bs, Hkv, D, G, scale, scores);
-        }
-        for (int64_t t0 = 0; t0 < (amx ? 0 : cn); t0 += 16) {
-#else
-        for (int64_t t0 = 0; t0 < cn; t0 += 16) {
+        else  // the AVX-512 scores
 #endif
+        for (int64_t t0 = 0; t0 < cn; t0 += 16) {
             int nt = cn - t0 < 16 ? (int)(cn - t0) : 16;
             for (int64_t a = t0 + KV_NEAR; a < t0 + KV_NEAR + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
             for (int64_t a = t0 + KV_FAR; a < t0 + KV_FAR + 16 && a < cn; a++) prefetch_row_l2(k_cache + rows[a], D);
@@ -1548,7 +1561,6 @@ static float *ext_buffers(void) {
     return ext_scratch;
 }
 
-
 #if WB_BF16_DOT
 // The G (<= EXT_SHARED_G) query heads of one KV head together: each key (value) pair is broadcast
 // once for all of them instead of once per head, the broadcasts being what the loops waited on.
@@ -1608,7 +1620,6 @@ static inline __attribute__((always_inline)) vf ext_prob(const float *st, vf max
     vf e = vf_exp_nonpos(vf_sub(vf_load(st), max));
     return m > 0 ? vf_mul(e, vf_load(keep[m])) : e;
 }
-
 
 // out rows row0 .. row0 + nq - 1, heads h * G .. h * G + G - 1 <- acc^T [G][D][16 query lanes] / sums
 static void ext_write(const float *acc, const vf *run_sum, bf16 *out, int64_t row0, int64_t nq, int64_t h, int64_t G,
@@ -1735,12 +1746,8 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
             if (t + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + KV_AHEAD], D);
             if (t + 1 + KV_AHEAD < cn) prefetch_row(v_cache + rows[t + 1 + KV_AHEAD], D);
             const bf16 *v0 = v_cache + rows[t], *v1 = t + 1 < cn ? v_cache + rows[t + 1] : NULL;
-            for (int64_t d = 0; d < D; d += 16) {  // 16 dims at a time: v0 in the low halves, v1 in the high
-                __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + d)));
-                __m512i hi = v1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + d))), 16)
-                                : _mm512_setzero_si512();
-                _mm512_storeu_si512(vp + t / 2 * D + d, _mm512_or_si512(lo, hi));
-            }
+            for (int64_t d = 0; d < D; d += 16)  // 16 dims at a time: v0 in the low halves, v1 in the high
+                _mm512_storeu_si512(vp + t / 2 * D + d, bf_pairs16(v0 + d, v1 ? v1 + d : NULL));
         }
 #endif
         // pass 2: probabilities (bf16-rounded), the running sums, then P.V a block of 16 dims at a time
@@ -1815,10 +1822,10 @@ static void extend_task(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
 // S^T [16 keys][16 queries] = K [16 keys][32 dims] . Q^T, whose B tile is q^T's bf16 pairs as the
 // kernel above lays them out (16 pair rows x 16 query lanes), stored straight into the scores'
 // query-lane layout; then acc^T [16 dims][16 queries] += V^T [16 dims][32 keys] . P^T, whose B tile
-// is the probabilities' key pairs as packed above, and V^T the chunk's values transposed once for
-// all G heads. The softmax between them is the AVX-512 code above, so the rounding points are the
-// same (products of bf16 exact in fp32, fp32 sums). Tiles 0 .. G - 1 accumulate a head each, 6
-// is A, 7 is B: G <= 6 and D a multiple of 32.
+// is the probabilities' key pairs as packed above, and V^T the values transposed once a call for
+// all query tiles. The softmax between them counts in log2 units (exta_exp2); the rounding points
+// are the AVX-512 kernel's (probabilities rounded to bf16, products of bf16 exact in fp32, fp32
+// sums). Tiles 0 .. G - 1 accumulate a head each, 6 is A, 7 is B: G <= 6 and D a multiple of 32.
 #define EXTA_G 6
 #define EXTA_CASES(OP) \
     switch (g) {       \
@@ -1847,13 +1854,7 @@ static void exta_values(bf16 *vt, int64_t ld, const bf16 *v_cache, const int64_t
             __m512i r[16];  // r[i]: keys t0 + 2i, t0 + 2i + 1 at dims d0 .. d0 + 15, as bf16 pairs
             for (int i = 0; i < 16; i++) {
                 int64_t t = t0 + 2 * i;
-                __m512i lo = t < cn ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v_cache + rows[t] + d0)))
-                                    : _mm512_setzero_si512();
-                __m512i hi = t + 1 < cn ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                                                (const __m256i *)(v_cache + rows[t + 1] + d0))),
-                                                            16)
-                                        : _mm512_setzero_si512();
-                r[i] = _mm512_or_si512(lo, hi);
+                r[i] = bf_pairs16(t < cn ? v_cache + rows[t] + d0 : NULL, t + 1 < cn ? v_cache + rows[t + 1] + d0 : NULL);
             }
             transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_storeu_si512(vt + (d0 + i) * ld + t0, r[i]);
@@ -1921,16 +1922,8 @@ AMX_TARGET static void extend_task_amx(const bf16 *q, const bf16 *k_cache, const
         // pass 1: S^T, 16 keys at a time, read from the cache where they lie in one block
         for (int64_t t0 = 0; t0 < cn; t0 += 16) {
             int64_t nt = cn - t0 < 16 ? cn - t0 : 16;
-            const bf16 *kr = k_cache + rows[t0];
-            int64_t stride = Hkv * D * 2;
-            if ((c0 + t0) % bs + 16 > bs) {
-                for (int64_t i = 0; i < 16; i++) {
-                    if (i < nt) memcpy(kbuf + i * D, k_cache + rows[t0 + i], D * 2);
-                    else memset(kbuf + i * D, 0, D * 2);
-                }
-                kr = kbuf;
-                stride = D * 2;
-            }
+            int64_t stride;
+            const bf16 *kr = amx_key_rows(kbuf, k_cache, rows, c0, t0, nt, bs, Hkv, D, &stride);
             for (int64_t a = t0 + KV_AHEAD; a < t0 + KV_AHEAD + 16 && a < cn; a++) prefetch_row(k_cache + rows[a], D);
             for (int g = 0; g < G; g++) exta_zero(g);
             for (int64_t c = 0; c < D; c += 32) {

@@ -252,8 +252,8 @@ class CpuKernelAttention(PrefillPaths):
     """Our C attention kernels (the CPU fast path's), which also serve the one-call layer kernel's
     small steps. A CPU has no launches to amortise: where SDPA is measured faster, it takes prompts
     from 64 new tokens (at 16 the two were equal), later chunks and prefix hits too, masked. On an
-    AMX host our prefill kernel multiplies on AMX and leads SDPA 1.6-2.2x from 128 new tokens (on
-    AVX-512 alone SDPA led it 2-3x there; docs/benchmarks.md)."""
+    AMX host our prefill kernel multiplies on AMX and leads SDPA 1.4-2.6x from 128 new tokens (on
+    AVX-512 alone SDPA led it 1.4-2.9x there; docs/benchmarks.md)."""
 
     kernel_words = "our C kernel"
     probe_tokens = 512
