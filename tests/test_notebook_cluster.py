@@ -1,9 +1,11 @@
 """10-cluster: two replicas on a local Ray cluster (the notebook's own), run top to bottom; its
 claims hold in the numbers it prints: one preamble, one replica under prefix_affinity; a change
-to one replica reaches only it; the simulator calibrated on one replica predicts the measured
-two-replica run (offered 60% of what it says they sustain) within 15% on output tok/s and TTFT
-p50; the timeline has a band per replica; the sweep's points name their replicas; shutdown leaves
-no replica running."""
+to one replica reaches only it; the simulator fitted on one replica's steps while the cluster
+serves the same kind of traffic predicts the measured two-replica run (offered 60% of what it
+says they sustain) within 15% on output tok/s and TTFT p50 (fitted on the calibration's bursts
+instead, it was 15-23% off TTFT and ITL p50 in one run in three; ITL p50 is printed, not held:
+served fits put it 9-13% off in three runs in eleven); the timeline has a band per replica; the
+sweep's points name their replicas; shutdown leaves no replica running."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def test_cluster_notebook_and_its_claims(tmp_path_factory, monkeypatch):
     errs = dict(re.findall(r"(\w+): measured +[\d.]+, predicted +[\d.]+ \(([+-]\d+)%\)", out))
     assert set(errs) == {"output_tok_s", "ttft_p50_ms", "itl_p50_ms"}, errs
     assert abs(int(errs["output_tok_s"])) <= 15 and abs(int(errs["ttft_p50_ms"])) <= 15, errs
-    assert "within 15% of the measurement" in out  # the sentence follows the numbers
+    assert "output tok/s and TTFT p50: within 15% of the measurement" in out  # the sentence follows
     assert re.search(r"\[timeline: \d+ steps, 32 requests", out), "the merged timeline of the measured run"
     swept = re.findall(r"max_num_seqs= ?(\d+) on (nb10-r\d): [\d.]+ tok/s", out)
     assert sorted(int(n) for n, _ in swept) == [4, 16] and {r for _, r in swept} == {r0, r1}, swept

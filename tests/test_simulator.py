@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import workbench
-from workbench import LLM, Simulator
+from workbench import LLM, SamplingParams, Simulator
 from workbench.bench.driver import run_workload
 from workbench.bench.stats import RESULT_KEYS
 from workbench.bench.workload import BenchRequest, make_workload
@@ -260,6 +260,20 @@ def test_calibrated_from_a_live_engine_and_recorded(tiny_llama, tmp_path):
     assert row["metrics"]["output_tok_s"] == pytest.approx(res.summary()["output_tok_s"])
     shapes, seconds = shapes_from_timeline(llm.timeline().steps, llm.timeline().requests)
     assert len(shapes) == len(seconds) > 0 and all(t > 0 for t in seconds)
+
+    # fitted on a run it served: the steps after the cursor only
+    since = llm.timeline(since=1 << 62).cursor
+    llm.generate(prompt_token_ids=[list(range(5, 5 + n)) for n in (12, 40, 7, 90)], params=SamplingParams(max_tokens=9))
+    served = Simulator.calibrate(llm, measure=False, since=since)
+    assert served.calibration["steps"] == len(shapes_from_timeline(*_since(llm, since))[0])
+    assert served.calibration["steps"] < Simulator.calibrate(llm, measure=False).calibration["steps"]
+    with pytest.raises(ValueError, match="measure=False"):
+        Simulator.calibrate(llm, since=since)
+
+
+def _since(llm, cursor):
+    tl = llm.timeline(since=cursor)
+    return tl.steps, tl.requests
 
 
 def test_the_command_line_prints_the_bench_keys(tmp_path):

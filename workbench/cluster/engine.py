@@ -100,6 +100,7 @@ class ClusterEngine(Engine):
         self._closed = False
         self._feeds: dict[str, list] = {}
         self._published = 0  # the merged timeline's cursor at its last "timeline" event
+        self._merged: dict[str, int] = {}  # per replica: the cursor of its timeline merged so far
         self._policy_stamp: int | None = None  # the cluster file's mtime when its router was last read
         for r in replicas:
             self._watch(r)
@@ -127,6 +128,7 @@ class ClusterEngine(Engine):
     def _watch(self, r: Replica) -> None:
         """Merge the replica's timeline, settings and metrics events into this engine's."""
         offset = getattr(r.client, "clock_offset", 0.0)
+        self._merged[r.name] = 0  # a restarted replica counts its events afresh
 
         def on_event(ev: Event) -> None:
             if ev.kind == "timeline":
@@ -138,12 +140,25 @@ class ClusterEngine(Engine):
 
         try:
             self._feeds[r.name] = [r.client.on_event(on_event)]
+            head = r.client.timeline(since=1 << 62).cursor  # its history before the watch stays its own
+            with self._lock:
+                self._merged[r.name] = max(self._merged[r.name], head)
         except Exception as e:  # a replica that cannot be watched still serves
             log.warning("replica %s: no events (%s)", r.name, e)
 
     def _merge(self, replica: str, tl: Timeline, offset: float) -> None:
+        """Events past what was merged of this replica (its published feed and `timeline`'s
+        catch-up read can bring the same ones, in either order)."""
         with self._lock:
-            self.recorder.merge(tl, replica, offset)
+            seen = self._merged.get(replica, 0)
+            fresh = Timeline(
+                steps=[x for x in tl.steps if x.seq > seen],
+                requests=[x for x in tl.requests if x.seq > seen],
+                cursor=tl.cursor,
+                changes=[x for x in tl.changes if x.seq > seen],
+            )
+            self.recorder.merge(fresh, replica, offset)
+            self._merged[replica] = max([seen, *(x.seq for x in (*fresh.steps, *fresh.requests, *fresh.changes))])
 
     def _publish(self, kind: str, data: Any) -> None:
         with self._lock:
@@ -335,6 +350,15 @@ class ClusterEngine(Engine):
         }
 
     def timeline(self, since: int | None = None) -> Timeline:
+        """The merged timeline, caught up with every live replica first: the replicas publish their
+        events a beat after the outputs, and a read right after `generate` returns shows them all."""
+        for r in [r for r in self._replicas.values() if r.alive]:
+            try:
+                tl = r.client.timeline(since=self._merged.get(r.name, 0))
+                self._merge(r.name, tl, getattr(r.client, "clock_offset", 0.0))
+            except Exception as e:  # a replica going down: its feed and the monitor say so
+                log.debug("replica %s: no timeline to catch up on (%s)", r.name, e)
+        self._publish_timeline()
         with self._lock:
             return self.recorder.read(since)
 

@@ -129,19 +129,25 @@ class Simulator:
         *,
         workload: dict[str, Any] | None = None,
         measure: bool = True,
+        since: int | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> Simulator:
         """Fit the step cost from `engine`'s own steps (an `LLM` or an engine-process client):
         with `measure`, a calibration run first (a burst of mixed lengths and a single stream);
-        without, the steps already on its timeline. `progress` (e.g. `print`) is told each part
-        of the run as it starts and how long it took: a calibration takes a minute or two."""
+        without, the steps already on its timeline, those after the cursor `since` if given
+        (a run it served: a replica sharing a machine is best fitted on traffic like the one to
+        predict, where its neighbours load it as they will then; notebooks/10-cluster.ipynb).
+        `progress` (e.g. `print`) is told each part of the run as it starts and how long it
+        took: a calibration takes a minute or two."""
         from ..bench.driver import run_workload
         from ..engines import connect
 
         eng = connect(engine)
         status, settings = eng.status(), eng.settings()
         tok = getattr(eng, "tokenizer", None)
-        cursor = eng.timeline(since=1 << 62).cursor if measure else None
+        if measure and since is not None:
+            raise ValueError("since= picks steps already recorded: pass it with measure=False")
+        cursor = eng.timeline(since=1 << 62).cursor if measure else since
         if measure:
             vocab = status.get("vocab_size") or 256
             parts = list(
