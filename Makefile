@@ -29,7 +29,7 @@ overlay:
 	echo "import sys; sys.path.insert(0, '$(CURDIR)/.dev')" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_workbench_dev.pth"
 	# the lab extension too: the venv's copy becomes a link to workbench/labextension (`make labextension` rebuilds it)
 	if [ -f workbench/labextension/package.json ]; then \
-	  PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter labextension develop --overwrite . >/dev/null; fi
+	  PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/jupyter-builder develop --overwrite . >/dev/null; fi
 
 setup: $(STAMP)
 

@@ -234,31 +234,39 @@ export class WorkbenchPanel extends Widget {
       const names = engines.map(e => e.name);
       const picker = this._picker;
       const current = this._engine;
-      const same = names.join('\n') === [...picker.options].map(o => o.value).join('\n');
-      if (!same) {
+      const state = this._conn?.state.state;
+      const over = state === 'stopped' || state === 'dead';
+      // An engine that died or was stopped elsewhere stays in view, saying so, until another is
+      // picked or one holds its name again: following the next engine at once hid the death.
+      const kept = current && over && !names.includes(current) ? current : null;
+      const wanted: Array<[string, string]> = engines.map(e => [e.name, e.model ? `${e.name} (${e.model})` : e.name]);
+      if (kept) {
+        wanted.push([kept, `${kept} (${state})`]);
+      }
+      if (!wanted.length) {
+        wanted.push(['', 'no engine running']);
+      }
+      const key = (pairs: Array<[string, string]>) => pairs.map(([v, t]) => `${v}\t${t}`).join('\n');
+      if (key(wanted) !== key([...picker.options].map(o => [o.value, o.text] as [string, string]))) {
         picker.innerHTML = '';
-        if (!names.length) {
-          const opt = el('option', undefined, 'no engine running');
-          opt.value = '';
-          picker.appendChild(opt);
-        }
-        for (const e of engines) {
-          const opt = el('option', undefined, e.model ? `${e.name} (${e.model})` : e.name);
-          opt.value = e.name;
+        for (const [value, text] of wanted) {
+          const opt = el('option', undefined, text);
+          opt.value = value;
           picker.appendChild(opt);
         }
       }
       if (current && names.includes(current)) {
         picker.value = current;
-      } else if (names.length) {
-        if (!current || this._conn?.state.state === 'stopped' || this._conn?.state.state === 'dead') {
-          this.selectEngine(names[0]);
+        if (over) {
+          this.selectEngine(current); // a new engine holds the name: connect to it
         }
-      } else if (current && (this._conn?.state.state === 'stopped' || this._conn?.state.state === 'dead')) {
-        this.selectEngine(null);
+      } else if (kept) {
+        picker.value = kept;
+      } else if (!current && names.length) {
+        this.selectEngine(names[0]);
       }
-      if (!quiet) {
-        this._say('');
+      if (!quiet && !kept) {
+        this._say(''); // a gone engine's message stays with it
       }
     } catch (err: any) {
       if (!quiet) {
