@@ -352,6 +352,27 @@ def test_each_accepted_change_is_on_the_timeline(tiny_llama):
     assert llm.timeline(since=first.seq).changes == [second]
 
 
+def test_the_kv_cache_is_sized_from_its_budget(tiny_llama):
+    """512 MB on a CPU unless set; on CUDA a share of what is free once the weights are there (the
+    CUDA branch is the same arithmetic on a given free size: no GPU here)."""
+    from workbench.engine.attention import CUDA_KV_SHARE, KVCache, kv_cache_budget
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert kv_cache_budget(None, cpu) == 512 * 2**20 and kv_cache_budget(64, cpu) == 64 * 2**20
+    assert kv_cache_budget(None, cuda, free_bytes=60 * 2**30) == int(CUDA_KV_SHARE * 60 * 2**30)
+    assert kv_cache_budget(2048, cuda, free_bytes=60 * 2**30) == 2048 * 2**20  # the setting wins
+    path, model = tiny_llama
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_block = KVCache.bytes_per_block(
+        cfg.num_hidden_layers, 16, cfg.num_key_value_heads, head_dim, torch.float32, "auto"
+    )
+    for mb in (None, 3):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=mb)
+        assert llm.status()["num_kv_blocks"] == (512 if mb is None else mb) * 2**20 // per_block
+        assert llm.settings()["kv_cache_memory_mb"] == mb
+
+
 def test_restart_settings_refused_live(tiny_llama):
     path, _ = tiny_llama
     llm = LLM(str(path), dtype="float32", num_kv_blocks=16)

@@ -175,10 +175,11 @@ class EngineSettings(HasTraits):
         kind=RESTART,
         doc="KV cache capacity in blocks (None: from kv_cache_memory_mb)",
     )
-    kv_cache_memory_mb = Int(512, min=1).tag(
+    kv_cache_memory_mb = Int(None, allow_none=True, min=1).tag(
         label="KV cache memory (MB)",
         kind=RESTART,
-        doc="KV cache budget when num_kv_blocks is None",
+        doc="KV cache budget when num_kv_blocks is None (None: 512 on a CPU; on CUDA 40% of the memory "
+        "free once the weights are loaded)",
     )
     max_model_len = Int(None, allow_none=True, min=1).tag(
         label="Max context length",

@@ -53,6 +53,26 @@ class KVCache:
         return 2 * num_layers * block_size * per_token
 
 
+CPU_KV_MB = 512  # the embedded model's W64 working set several times over (23 KB a token in bf16)
+# Of the GPU memory free once the weights are there: the rest leaves room for a draft's cache as
+# large (speculative decoding's self-int4 draft has the target's layout), a re-layout's copy,
+# activations and CUDA graphs' pools; vLLM takes 90% of the whole GPU and switches nothing live.
+CUDA_KV_SHARE = 0.4
+
+
+def kv_cache_budget(setting_mb: int | None, device: torch.device, free_bytes: int | None = None) -> int:
+    """Bytes for the KV cache: `kv_cache_memory_mb` when set, else 512 MB on a CPU and on CUDA a
+    share of the memory free once the weights are loaded (512 MB would hold 4,096 tokens of an 8B
+    model: a W64 run of 2k-token contexts needs 32 times that)."""
+    if setting_mb is not None:
+        return setting_mb * 2**20
+    if device.type != "cuda":
+        return CPU_KV_MB * 2**20
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    return int(CUDA_KV_SHARE * free_bytes)
+
+
 @dataclass
 class AttnMetadata:
     slot_mapping: torch.Tensor  # [T]

@@ -38,7 +38,7 @@ from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
 from . import inflight, live_settings, sampler, structured
-from .attention import KVCache
+from .attention import KVCache, kv_cache_budget
 from .device import Marks
 from .emitter import Emitter, RequestState
 from .hostload import HostSampler
@@ -80,15 +80,14 @@ class LLMEngine:
             s.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
         )
         c = loaded.config
+        weights = on_device(loaded.weights, self.device)  # before sizing the cache: on CUDA it takes what is left
         num_blocks = s.num_kv_blocks or max(
             1,
-            s.kv_cache_memory_mb
-            * 2**20
+            kv_cache_budget(s.kv_cache_memory_mb, self.device)
             // KVCache.bytes_per_block(
                 c.num_hidden_layers, s.block_size, c.num_key_value_heads, c.head_dim, self.dtype, s.kv_cache_dtype
             ),
         )
-        weights = on_device(loaded.weights, self.device)
         self.runner = ModelRunner(
             c,
             weights,
