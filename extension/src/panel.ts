@@ -703,12 +703,13 @@ export class WorkbenchPanel extends Widget {
       this._say(`could not stop ${name}: ${err.message ?? err}`, true);
       this._stopButton.disabled = false; // still running: it may be stopped again
     } finally {
-      // a stopped engine leaves the button off until the panel follows a live engine
-      await this.refresh(true);
+      // The panel's own Stop moves on at once, to another running engine or to none (the button
+      // stays off until a live engine is in view).
       if (this._engine === name) {
-        this.selectEngine(null);
-        await this.refresh(true);
+        const engines = await this.api.listEngines().catch(() => []);
+        this.selectEngine(engines.map(e => e.name).find(n => n !== name) ?? null);
       }
+      await this.refresh(true);
     }
   }
 
