@@ -265,15 +265,11 @@ def test_calibrated_from_a_live_engine_and_recorded(tiny_llama, tmp_path):
     since = llm.timeline(since=1 << 62).cursor
     llm.generate(prompt_token_ids=[list(range(5, 5 + n)) for n in (12, 40, 7, 90)], params=SamplingParams(max_tokens=9))
     served = Simulator.calibrate(llm, measure=False, since=since)
-    assert served.calibration["steps"] == len(shapes_from_timeline(*_since(llm, since))[0])
+    after = llm.timeline(since=since)
+    assert served.calibration["steps"] == len(shapes_from_timeline(after.steps, after.requests)[0])
     assert served.calibration["steps"] < Simulator.calibrate(llm, measure=False).calibration["steps"]
     with pytest.raises(ValueError, match="measure=False"):
         Simulator.calibrate(llm, since=since)
-
-
-def _since(llm, cursor):
-    tl = llm.timeline(since=cursor)
-    return tl.steps, tl.requests
 
 
 def test_the_command_line_prints_the_bench_keys(tmp_path):
