@@ -303,6 +303,13 @@ def test_bench_cli_rejects_bad_arguments(capsys):
     assert main(["bench", "--batching", "sometimes"]) == 2
     assert "batching" in capsys.readouterr().err
     assert main(["bench", "--requests", "0"]) == 2
+    # a model that is not there: one line saying what is allowed, no traceback
+    assert main(["bench", "--model", "/no/such/model", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "workbench bench: model '/no/such/model' not found: expected 'smollm2-135m'" in err
+    assert "Traceback" not in err
+    assert main(["generate", "--model", "/no/such/model", "hi"]) == 2
+    assert "workbench generate: model '/no/such/model' not found" in capsys.readouterr().err
 
 
 @pytest.mark.slow

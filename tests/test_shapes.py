@@ -66,3 +66,30 @@ def test_a_shape_serves_what_transformers_computes_on_the_same_weights():
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     [out] = llm.generate(prompt_token_ids=[ids], params=params)  # token ids in: a shape has no tokenizer
     assert len(out.token_ids) == 4
+
+
+def test_generate_cli_runs_a_shape_on_token_ids(capsys):
+    """`workbench generate` on a shape: text is refused before anything loads, naming --token-ids;
+    with token ids it prints the token ids the engine generates (the same as in process)."""
+    from workbench.cli import main
+
+    assert main(["generate", "--model", "shape:smollm2-135m", "Once upon a time"]) == 2
+    assert "no tokenizer: give the prompt as token ids with --token-ids" in capsys.readouterr().err
+    assert main(["generate", "--model", "shape:llama9", "--token-ids", "1 2"]) == 2
+    assert "unknown model shape 'llama9'; known:" in capsys.readouterr().err
+    assert main(["generate", "--model", "shape:smollm2-135m", "--token-ids", "1 two 3"]) == 2
+    assert "PROMPT must be token ids separated by spaces or commas" in capsys.readouterr().err
+    assert main(["generate", "--model", "shape:smollm2-135m", "--token-ids", "1 2", "--chat"]) == 2
+    assert "not with --token-ids" in capsys.readouterr().err
+    assert main(["generate", "--model", "shape:smollm2-135m", "--token-ids", "1 99999999"]) == 2
+    assert "outside the vocabulary [0, 49152): [99999999]" in capsys.readouterr().err
+
+    ids = [1, 500, 600, 700]
+    args = ["--model", "shape:smollm2-135m", "--dtype", "float32", "--max-tokens", "5", "--ignore-eos"]
+    assert main(["generate", "--token-ids", ",".join(map(str, ids)), *args]) == 0
+    captured = capsys.readouterr()
+    [out] = LLM("shape:smollm2-135m", dtype="float32").generate(
+        prompt_token_ids=[ids], params=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    )
+    assert captured.out.split() == [str(t) for t in out.token_ids]
+    assert "5 tokens" in captured.err

@@ -606,3 +606,22 @@ def test_cpu_profile_takes_the_engines_fastest_matmul_path(monkeypatch):
     monkeypatch.setattr(cpu, "tiles_available", lambda: True)
     monkeypatch.setattr(cpu, "tiles_rate", lambda *a, **kw: 400.0)
     assert cpu_profile().peak_tflops == pytest.approx(0.400)
+
+
+def test_a_model_shape_is_simulated_from_its_published_config():
+    """`shape:NAME` needs no weights here either: an 8B model's single-stream decode step on an H100's
+    roofline reads its 16 GB of weights, so it takes at least their bytes over the bandwidth."""
+    from workbench.sim.profiles import get_profile
+
+    sim = Simulator("h100", "shape:llama3-8b")
+    assert sim.vocab_size == 128256
+    one = {"num_requests": 1, "prompt_len": (32, 32), "output_len": (64, 64)}
+    itl = sim.run(one, record=False).summary()["itl_p50_ms"]
+    floor = 8.03e9 * 2 / (get_profile("h100").bandwidth_gbs * 1e9) * 1e3
+    assert floor < itl < 1.6 * floor
+    with pytest.raises(ValueError, match="unknown model shape 'llama9'"):
+        Simulator("h100", "shape:llama9")
+    with pytest.raises(
+        FileNotFoundError, match="model '/no/such/model' not found: expected 'smollm2-135m', shape:NAME"
+    ):
+        Simulator("h100", "/no/such/model")

@@ -201,15 +201,32 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "TTFT and tok/s to stderr.",
     )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text ('-' reads it from stdin)")
+    p.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="PROMPT is token ids ('1 2 3' or '1,2,3') and the output is printed as token ids: for a "
+        "model without a tokenizer (a model shape's random weights, shape:NAME)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder or a .gguf file")
+    p.add_argument("--model", default=None, help="'smollm2-135m' (default), a HF folder, a .gguf file or shape:NAME")
     add_setting_flags(p)
     p.set_defaults(_run=_run_generate)
+
+
+def _token_ids(text: str) -> list[int]:
+    """'1 2 3' or '1,2,3' as token ids (ValueError naming what is not one)."""
+    words = text.replace(",", " ").split()
+    bad = [w for w in words if not w.isdigit()]
+    if bad or not words:
+        raise ValueError(
+            f"--token-ids: PROMPT must be token ids separated by spaces or commas, e.g. '1 2 3'; got {text!r}"
+        )
+    return [int(w) for w in words]
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -226,20 +243,34 @@ def _run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
+        from .models.shapes import shape_config, shape_of
+
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        ids = _token_ids(prompt) if args.token_ids else None
+        if ids is not None and args.chat:
+            raise ValueError("--chat renders a chat template around text: not with --token-ids")
+        if shape_of(args.model) is not None:
+            shape_config(shape_of(args.model))  # an unknown shape is named before anything loads
+        if ids is None and shape_of(args.model) is not None:
+            raise ValueError(
+                f"{args.model} is a model shape with random weights and no tokenizer: give the prompt as "
+                "token ids with --token-ids, e.g. --token-ids '1 2 3'"
+            )
     except (ValueError, TypeError) as e:
         print(f"workbench generate: {e}", file=sys.stderr)
         return 2
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     from .llm import LLM
 
     llm = LLM(args.model, **settings)
-    out = None
+    out, sep = None, ""
     start = time.monotonic()
     try:
-        for chunk in llm.stream(prompt, params, chat=args.chat):
-            if chunk.text_delta:
-                sys.stdout.write(chunk.text_delta)
+        for chunk in llm.stream(prompt if ids is None else None, params, chat=args.chat, prompt_token_ids=ids):
+            delta = chunk.text_delta if ids is None else " ".join(map(str, chunk.token_ids_delta))
+            if delta:
+                sys.stdout.write(sep + delta)
                 sys.stdout.flush()
+                sep = "" if ids is None else " "  # token ids: space-separated
             if chunk.output is not None:
                 out = chunk.output
     except KeyboardInterrupt:
@@ -480,7 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     if run is None:
         parser.print_help()
         return 2
-    return run(args) or 0
+    try:
+        return run(args) or 0
+    except (ValueError, FileNotFoundError) as e:  # what the command was given (a model, a value): say what
+        print(f"workbench {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

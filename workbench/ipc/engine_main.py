@@ -133,7 +133,9 @@ def serve(args: argparse.Namespace) -> int:
         server.install_signal_handlers()
         server.start()
     except Exception as e:
-        log.error("engine failed to start", exc_info=True)
+        # what it was given (a model not there, a bad value, a name taken) says itself in one line
+        given = isinstance(e, (ValueError, TypeError, FileNotFoundError, FileExistsError))
+        log.error("engine failed to start", exc_info=not given)
         print(f"{START_FAILED} {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         logging.shutdown()
         # Threads or sockets may be half set up; nothing here is worth a clean interpreter exit.

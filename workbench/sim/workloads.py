@@ -102,14 +102,22 @@ def model_config(model):
     import json
     from pathlib import Path
 
+    from ..models import shapes
     from ..models.config import ModelConfig
 
+    if shapes.shape_of(model) is not None:  # a published shape: its config is all the simulator needs
+        return shapes.shape_config(shapes.shape_of(model))
     if model is None or (isinstance(model, str) and model in ("smollm2-135m", "default")):
         from ..models.embedded import DEFAULT_MODEL, default_gguf_path, ensure_converted
 
         path = ensure_converted(default_gguf_path(), DEFAULT_MODEL)
     else:
         path = Path(model).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model {str(model)!r} not found: expected 'smollm2-135m', shape:NAME, a Hugging Face model "
+                "folder or a .gguf file"
+            )
     if path.suffix.lower() == ".gguf":
         from ..models.gguf import read_gguf_config
 
