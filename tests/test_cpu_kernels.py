@@ -261,8 +261,9 @@ def test_bf16_tiles_equal_the_exact_product(m, n, k, threads, amx_unit):
 
 
 def test_tiled_linear_keeps_no_onednn_copy():
-    """On the tiles path a large step packs the weights once for the tiles and never asks oneDNN
-    for its layout (one extra copy, as before); quantised modes keep their own kernels."""
+    """On the tiles path a large step packs the weights once for the tiles and, up to a prompt's
+    size, never asks oneDNN for its layout (one extra copy, as before); quantised modes keep their
+    own kernels."""
     if not cpu.tiles_available():
         pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
     g = torch.Generator().manual_seed(2)
@@ -276,6 +277,27 @@ def test_tiled_linear_keeps_no_onednn_copy():
     lin.quantize("int8")
     lin.tiled = True
     assert lin(x).shape == (cpu.MAX_ROWS + 3, 96) and lin._tiles is not None  # int8: torch's packed kernel
+
+
+def test_on_amx_a_prompts_rows_leave_the_tiles_for_onednn(amx_unit):
+    """On AMX a step of more than AMX_TILES_MAX_ROWS rows (a prompt's) multiplies by oneDNN's packed
+    copy, made then (its kernels block many rows better: a 1,024-token prompt 1.3x faster); up to
+    that the tiles alone. Both within an ulp of the exact product; on AVX-512 alone, the tiles."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: the tiles take every step")
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(80, 64, generator=g) * 0.1).to(BF)
+    b = torch.randn(80, generator=g).to(BF)
+    lin = Linear(w, b)
+    lin.native, lin.tiled = True, True
+    exact = lambda x: x.float() @ w.float().t() + b.float()  # noqa: E731
+    for rows in (cpu.AMX_TILES_MAX_ROWS, cpu.AMX_TILES_MAX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=g).to(BF)
+        y = lin(x)
+        assert bool(((y.float() - exact(x)).abs() <= ulp(y.float()) + 1e-6).all()), rows
+        onednn = amx_unit == "amx" and rows > cpu.AMX_TILES_MAX_ROWS
+        assert (lin._packed is not False) == onednn, (rows, amx_unit)
+    assert lin._tiles is not None
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

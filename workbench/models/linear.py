@@ -14,7 +14,8 @@ they stream the weights at the memory's rate, where oneDNN's and torch's kernels
 per-call overhead and short rows. Larger batches take the path `cpu.gemm_path` measured fastest:
 our bf16 tiles (`tiled`, over a copy packed for them on first use), oneDNN in bf16 where this CPU
 multiplies bf16 natively, or (`wide`) oneDNN in fp32 over an fp32 copy of the weights, made on
-first use.
+first use. On AMX the tiles give prompts' steps of over `cpu.AMX_TILES_MAX_ROWS` rows to oneDNN
+(a copy in its layout, made at the first such step).
 """
 
 from __future__ import annotations
@@ -110,13 +111,11 @@ class Linear:
             return F.linear(x, w, self.bias) if packed is None else cpu.packed_linear(x, packed, self.bias)
         if mode == "none":
             tiles = self.fused_tiles() if x.dim() == 2 else None
-            if tiles is not None:
+            if tiles is not None and not (cpu.tiles_yield(x.shape[0]) and self.onednn_packed() is not None):
                 return tiles(x if x.is_contiguous() else x.contiguous())
             if self.native and self.wide:
                 return self._wide_linear(x)
-            if self._packed is False:
-                self._packed = cpu.pack_linear(self.weight)
-            if self._packed is not None:
+            if self.onednn_packed() is not None:
                 return cpu.packed_linear(x, self._packed, self.bias)
             return F.linear(x, self.weight, self.bias)
         if mode == "int8":
@@ -138,6 +137,13 @@ class Linear:
             q, s = self._q
             y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def onednn_packed(self) -> torch.Tensor | None:
+        """The original weights in oneDNN's layout (made on first use), or None where torch has no
+        oneDNN."""
+        if self._packed is False:
+            self._packed = cpu.pack_linear(self.weight)
+        return self._packed
 
     def fused_tiles(self) -> cpu.Tiles | None:
         """The original bf16 weights packed for our tiles (made on first use), when large steps take
