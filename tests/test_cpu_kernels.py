@@ -285,6 +285,11 @@ def test_on_amx_a_prompts_rows_leave_the_tiles_for_onednn(amx_unit):
     that the tiles alone. Both within an ulp of the exact product; on AVX-512 alone, the tiles."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN: the tiles take every step")
+    from workbench.models.cpu_forward import CpuKernelForward
+
+    why = CpuKernelForward.report()["compute_path_reason"]
+    said = f"steps of more than {cpu.AMX_TILES_MAX_ROWS} rows (prompts) on oneDNN bf16"
+    assert (said in why) == (amx_unit == "amx" and cpu.gemm_path()[0] == "tiles"), why
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(80, 64, generator=g) * 0.1).to(BF)
     b = torch.randn(80, generator=g).to(BF)

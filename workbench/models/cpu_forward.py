@@ -92,6 +92,8 @@ class CpuKernelForward:
     @staticmethod
     def report(unfused: str | None = None) -> dict:
         path, why, _ = cpu.gemm_path()
+        if path == "tiles" and cpu.tiles_yield(cpu.AMX_TILES_MAX_ROWS + 1):
+            why += f"; steps of more than {cpu.AMX_TILES_MAX_ROWS} rows (prompts) on oneDNN bf16, faster there"
         width, width_why, _ = cpu.gemv_width()
         reason = cpu.variant_reason() + (f"; bf16 GEMVs in {width} registers ({width_why})" if width else "")
         reason += f"; layers not fused: {unfused}" if unfused else ""
