@@ -210,3 +210,20 @@ def test_targets_of_the_h200_report_and_of_the_sections_added_since():
     # issue 50.2: the eager run's step breakdown beside the launches a layer counted
     assert "- step breakdown, triton / workbench: 266 steps, 11.4 s; layers 97%, prepare 1%" in md
     assert "between steps; 9 kernel launches a layer (eager decode, `launches`)" in md
+
+
+def test_a_failing_section_brings_back_where_it_failed(monkeypatch, capsys):
+    """A lent device is rare: a section that fails leaves its message and the last frames of its
+    traceback in the report (the whole of it in the run's log), and the others still run."""
+    from workbench.bench import gpu_engine, gpucheck
+
+    def broken(*args, **kwargs):
+        raise ValueError("made to fail")
+
+    monkeypatch.setattr(gpu_engine, "launches", broken)
+    rep = gpucheck.run_gpucheck(dry_run=True, only=["launches", "triton"], budget_s=600)
+    assert rep["errors"] == {"launches": "ValueError: made to fail"}
+    where = rep["tracebacks"]["launches"]
+    assert "in broken" in where and "made to fail" in where and "in launches" in where
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    assert "triton" in rep["engine"] and "triton" not in rep["errors"]

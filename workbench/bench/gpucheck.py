@@ -204,6 +204,7 @@ def run_gpucheck(
             fn()
         except Exception as e:  # report it and go on: one failing section must not hide the others
             report.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            report.setdefault("tracebacks", {})[name] = _where(e)
             log(f"{name} failed: {type(e).__name__}: {e}")
         report["sections_s"][name] = round(time.monotonic() - t0, 1)
         if device.type == "cuda":
@@ -284,6 +285,16 @@ def _device(torch, triton, dry_run: bool) -> dict:
     }
 
 
+def _where(e: BaseException) -> str:
+    """Where a section failed, for the report: a lent device is rare, and the next fix is made
+    from what its one run brought back (the whole traceback goes to stderr, the run's log)."""
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    print(text, file=sys.stderr, flush=True)
+    return "".join(traceback.format_exception(e, limit=-8))
+
+
 def _kernels(bench, ops, ref, timer, device, dtype, sizes, limits, log) -> list[dict]:
     rows: list[dict] = []
     copy = limits["copy_GBps"]
@@ -295,6 +306,7 @@ def _kernels(bench, ops, ref, timer, device, dtype, sizes, limits, log) -> list[
             row.update(fn())
         except Exception as e:  # report it and go on: one failing kernel must not hide the others
             row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = _where(e)
         rows.append(row)
         if device.type == "cuda":
             import torch
