@@ -826,8 +826,8 @@ AMX_GEMV_ROWS = 2  # on AMX, steps of more rows take the tiles rather than the G
 # On AMX, steps of more rows than this leave the tiles for oneDNN's packed AMX kernels, over a copy of
 # the weights in its layout made at the first such step. In the engine (SmolLM2's prompts alone,
 # interleaved in one process; docs/probes/amx_prompt_rows.py) the tiles took 1.00x oneDNN's step
-# time at 384-640 rows, 1.08x at 768, 1.30-1.50x at 1,024 (docs/benchmarks.md); alone, on inputs
-# the caches hold, only 0.85-1.15x. Decode steps keep the tiles, which stream weights faster.
+# time at 384-640 rows, 1.11x at 768, 1.18x at 1,024 (docs/benchmarks.md). Decode steps keep the
+# tiles, which stream weights faster.
 AMX_TILES_MAX_ROWS = 512
 
 

@@ -99,9 +99,12 @@ ARENA = Arena()
 
 
 _LIBC = None
-# glibc's mallopt parameters, and the ceiling its dynamic mmap threshold reaches on 64-bit hosts
+# glibc's mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_DYNAMIC_MMAP_MAX = 32 << 20
+# What a serving process keeps in its heap: C allocations up to this size (a step's activations: a
+# 1,024-token prompt's gate/up output is 6 MB a layer for SmolLM2, 32 MB for a 1B model), and up to
+# twice it free at the heap's top before handing memory back to the OS.
+STEP_BUFFERS_MAX = 256 << 20
 
 
 def _libc():
@@ -127,20 +130,30 @@ def trim_heap() -> None:
         _LIBC.malloc_trim(0)
 
 
+def keep_step_buffers() -> None:
+    """Let the steps' activations reuse the heap's pages. Left to itself glibc moves its mmap and
+    trim thresholds as blocks come and go, and in some processes settles where every large step
+    hands its pages back and faults them in again: a 1,024-token prompt of SmolLM2 then took
+    ~55,000 page faults and 234 ms a step, against ~10 and 168-194 ms in the others (1 process
+    of 5, at random; docs/benchmarks.md). Fixed thresholds keep it out of that state. A no-op
+    where there is no glibc."""
+    libc = _libc()
+    if libc:
+        libc.mallopt(_M_MMAP_THRESHOLD, STEP_BUFFERS_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEP_BUFFERS_MAX)
+
+
 @contextlib.contextmanager
 def own_mappings():
     """Inside, every C allocation of 128 KiB or more gets a mapping of its own, so what is built
     here (a draft model, its packed weights, their temporaries) goes back to the OS whole when it
     is dropped. glibc would otherwise serve them from its heap once its dynamic mmap threshold has
     risen (it rises to each large block freed, up to 32 MiB), and a dropped draft left ~0.9 GB
-    resident in heap holes (float32 SmolLM2). After, the threshold is fixed at that ceiling and the
-    trim threshold at twice it: where serving had brought them, so steps reuse their buffers."""
+    resident in heap holes (float32 SmolLM2). After, the steps' thresholds (`keep_step_buffers`)."""
     libc = _libc()
     if libc:
         libc.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
     try:
         yield
     finally:
-        if libc:
-            libc.mallopt(_M_MMAP_THRESHOLD, _DYNAMIC_MMAP_MAX)
-            libc.mallopt(_M_TRIM_THRESHOLD, 2 * _DYNAMIC_MMAP_MAX)
+        keep_step_buffers()

@@ -51,8 +51,9 @@ from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabular
 
 def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A model's weights where it runs; on a CPU, in huge pages (`hostmem`: the GEMVs stream them
-    faster than from 4 KiB pages)."""
+    faster than from 4 KiB pages), and the heap set to keep the steps' buffers."""
     if torch.device(device).type == "cpu":
+        hostmem.keep_step_buffers()
         return {k: hostmem.ARENA.copy(v.to(device)) for k, v in weights.items()}
     return {k: v.to(device) for k, v in weights.items()}
 
