@@ -1121,7 +1121,7 @@ def test_each_route_handler_answers_alone(tiny_llama):
     from starlette.requests import Request
 
     from workbench import LLM, SamplingParams
-    from workbench.http.routes import admin, completions, models
+    from workbench.http.routes import admin, chat, completions, models
     from workbench.http.server import make_serving
 
     engine = LLM(str(tiny_llama[0]), dtype="float32", num_kv_blocks=16)
@@ -1152,6 +1152,15 @@ def test_each_route_handler_answers_alone(tiny_llama):
     with pytest.raises(APIError) as e:
         asyncio.run(completions.completions(request("/v1/completions", b'{"prompt": [5], "max_tokens": -1}')))
     assert (e.value.status, e.value.param) == (400, "max_tokens") and serving.inflight == 0
+    # no tokenizer anywhere: text and chats are refused, saying how to send the prompt instead
+    with pytest.raises(APIError) as e:
+        asyncio.run(completions.completions(request("/v1/completions", b'{"prompt": "Hello", "max_tokens": 2}')))
+    assert e.value.status == 400 and "text cannot be encoded: give the prompt as token ids" in e.value.message
+    chat_body = b'{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}'
+    with pytest.raises(APIError) as e:
+        asyncio.run(chat.chat_completions(request("/v1/chat/completions", chat_body)))
+    assert e.value.status == 400 and "a chat cannot be rendered: give the prompt as token ids" in e.value.message
+    assert serving.inflight == 0
     with pytest.raises(APIError) as e:
         asyncio.run(models.get_model(request("/v1/models/nope"), "nope"))
     assert e.value.status == 404 and "'tiny'" in e.value.message

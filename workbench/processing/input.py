@@ -76,7 +76,12 @@ class InputProcessor:
             if not isinstance(prompt, str):
                 raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+                what = "a chat cannot be rendered" if chat else "text cannot be encoded"
+                raise ValueError(
+                    f"this model has no tokenizer (a model shape's random weights, or a folder without "
+                    f"tokenizer.json), so {what}: give the prompt as token ids (prompt_token_ids in Python, "
+                    "a list of ints as a completion's prompt over HTTP)"
+                )
             # Refused from its length (or a prefix's tokens) when it cannot fit: tokenizing
             # megabytes costs seconds. A chat message is checked before its template is rendered.
             if chat:
