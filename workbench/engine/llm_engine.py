@@ -51,9 +51,8 @@ from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabular
 
 def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A model's weights where it runs; on a CPU, in huge pages (`hostmem`: the GEMVs stream them
-    faster than from 4 KiB pages), and the heap set to keep the steps' buffers."""
+    faster than from 4 KiB pages)."""
     if torch.device(device).type == "cpu":
-        hostmem.keep_step_buffers()
         return {k: hostmem.ARENA.copy(v.to(device)) for k, v in weights.items()}
     return {k: v.to(device) for k, v in weights.items()}
 
@@ -82,6 +81,8 @@ class LLMEngine:
         )
         c = loaded.config
         weights = on_device(loaded.weights, self.device)  # before sizing the cache: on CUDA it takes what is left
+        if self.device.type == "cpu":
+            hostmem.keep_step_buffers()  # once an engine: a draft loaded inside own_mappings must not undo it
         num_blocks = s.num_kv_blocks or max(
             1,
             kv_cache_budget(s.kv_cache_memory_mb, self.device)
