@@ -249,9 +249,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         ids = _token_ids(prompt) if args.token_ids else None
         if ids is not None and args.chat:
             raise ValueError("--chat renders a chat template around text: not with --token-ids")
-        if shape_of(args.model) is not None:
-            shape_config(shape_of(args.model))  # an unknown shape is named before anything loads
-        if ids is None and shape_of(args.model) is not None:
+        shape = shape_of(args.model)
+        if shape is not None:
+            shape_config(shape)  # an unknown shape is named before anything loads
+        if shape is not None and ids is None:
             raise ValueError(
                 f"{args.model} is a model shape with random weights and no tokenizer: give the prompt as "
                 "token ids with --token-ids, e.g. --token-ids '1 2 3'"

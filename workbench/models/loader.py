@@ -74,7 +74,13 @@ def load_model(
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         return load_gguf(path, dtype)
     if not path.exists():
-        raise FileNotFoundError(
-            f"model {str(model)!r} not found: expected {DEFAULT_MODEL!r}, a Hugging Face model folder or a .gguf file"
-        )
+        raise model_not_found(model)
     return load_hf_dir(path, dtype)
+
+
+def model_not_found(model) -> FileNotFoundError:
+    """The error for a model named by a path that is not there, listing what a model can be."""
+    return FileNotFoundError(
+        f"model {str(model)!r} not found: expected {DEFAULT_MODEL!r}, a Hugging Face model folder or a .gguf file, "
+        "or shape:NAME (a published model's shape, random weights)"
+    )

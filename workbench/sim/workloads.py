@@ -114,10 +114,9 @@ def model_config(model):
     else:
         path = Path(model).expanduser()
         if not path.exists():
-            raise FileNotFoundError(
-                f"model {str(model)!r} not found: expected 'smollm2-135m', shape:NAME, a Hugging Face model "
-                "folder or a .gguf file"
-            )
+            from ..models.loader import model_not_found
+
+            raise model_not_found(model)
     if path.suffix.lower() == ".gguf":
         from ..models.gguf import read_gguf_config
 
