@@ -569,3 +569,49 @@ def test_a_relayout_gives_the_replaced_memory_back(tiny_llama, monkeypatch):
     llm.configure(quantization="int8")
     llm.configure(kv_cache_dtype="int8")
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+def test_each_weight_is_held_once(fixture, request):
+    """A merged matmul's weights (Q/K/V and their biases, gate/up) lie back to back in one tensor,
+    the checkpoint's names views of it: no part is kept beside a merged copy (which held Llama-3-8B's
+    largest weights twice, 9 GB). The checksum is still the loader's, and the self-int4 draft is
+    built from the same originals, not from copies of its own."""
+    from workbench.models.loader import load_model
+
+    path, _ = request.getfixturevalue(fixture)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=16)
+    eng = llm.engine
+    weights = eng._weights
+    ends = {t.data_ptr(): t.data_ptr() + t.nbytes for t in weights.values()}  # the checkpoint's bytes
+
+    def held(t: torch.Tensor) -> bool:  # whether t's bytes are the checkpoint's own, not a copy
+        at = t.data_ptr()
+        while at in ends and at < t.data_ptr() + t.nbytes:
+            at = ends[at]
+        return at == t.data_ptr() + t.nbytes
+
+    model = eng.runner.model
+    linears = [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]
+    assert all(held(lin.weight) and (lin.bias is None or held(lin.bias)) for lin in linears)
+    assert eng.weights_checksum() == load_model(str(path), dtype=torch.float32).checksum
+
+    layer, a = model.layers[0], "model.layers.0.self_attn."
+    q, k, v = (weights[a + f"{n}_proj.weight"] for n in "qkv")
+    assert (
+        q.data_ptr() == layer.qkv.weight.data_ptr()
+        and v.data_ptr() + v.nbytes == q.data_ptr() + layer.qkv.weight.nbytes
+    )
+    assert torch.equal(layer.qkv.weight, torch.cat([q, k, v]))
+    if eng.model_config.attention_bias:
+        assert layer.qkv.bias.data_ptr() == weights[a + "q_proj.bias"].data_ptr()
+    gate = weights["model.layers.0.mlp.gate_proj.weight"]
+    assert layer.gate_up.weight.data_ptr() == gate.data_ptr()
+
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    plain = llm.generate(prompt_token_ids=[[5, 9, 17, 3]], params=sp)[0].token_ids
+    llm.configure(speculative="draft")
+    assert llm.generate(prompt_token_ids=[[5, 9, 17, 3]], params=sp)[0].token_ids == plain
+    draft_layer = eng.spec.draft.runner.model.layers[0]
+    assert draft_layer.qkv.weight.data_ptr() == layer.qkv.weight.data_ptr()
+    assert draft_layer.qkv.mode == "int4" and layer.qkv.mode == "none"

@@ -69,6 +69,7 @@ def kv_cache_budget(setting_mb: int | None, device: torch.device, free_bytes: in
     if device.type != "cuda":
         return CPU_KV_MB * 2**20
     if free_bytes is None:
+        torch.cuda.empty_cache()  # blocks freed since loading (the parts of merged weights) count as used until then
         free_bytes = torch.cuda.mem_get_info(device)[0]
     return int(CUDA_KV_SHARE * free_bytes)
 

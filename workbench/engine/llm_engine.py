@@ -28,6 +28,7 @@ import msgspec
 import torch
 from workbench_kernels import hostmem
 
+from ..models.llama import place_weights
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
 from ..outputs import CoreOutput, RequestMetrics, StreamChunk
@@ -47,15 +48,6 @@ from .response_cache import ResponseCache
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, attention_context_of, time_context_of
 from .sequence import SeqState, Sequence
 from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabulary
-
-
-def on_device(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A model's weights where it runs; on a CPU, in huge pages (`hostmem`: the GEMVs stream them
-    faster than from 4 KiB pages)."""
-    if torch.device(device).type == "cpu":
-        return {k: hostmem.ARENA.copy(v.to(device)) for k, v in weights.items()}
-    return {k: v.to(device) for k, v in weights.items()}
-
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -80,7 +72,8 @@ class LLMEngine:
             s.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
         )
         c = loaded.config
-        weights = on_device(loaded.weights, self.device)  # before sizing the cache: on CUDA it takes what is left
+        # before sizing the cache (on CUDA it takes what is left); the loader's copies of the parts go
+        loaded.weights = weights = place_weights(c, loaded.weights, self.device)
         if self.device.type == "cpu":
             hostmem.keep_step_buffers()  # once an engine: a draft loaded inside own_mappings must not undo it
         num_blocks = s.num_kv_blocks or max(
@@ -448,7 +441,7 @@ class LLMEngine:
             loaded = load_model(draft_model, dtype=self.dtype)
             check_same_vocabulary(self.model_config, self.tokenizer, loaded.config, loaded.tokenizer, draft_model)
             config, source = loaded.config, str(draft_model)
-            weights = on_device(loaded.weights, self.device)
+            weights = place_weights(loaded.config, loaded.weights, self.device)
         runner = ModelRunner(
             config,
             weights,

@@ -17,6 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from workbench_kernels import hostmem
 
 from .linear import Linear
 
@@ -116,19 +117,74 @@ class Norm:
         return offset_rms_norm(x, self.scale, self.eps)
 
 
+def merged_groups(config, weights: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The weights each layer multiplies as one matmul, in the order `merged` stacks them: Q/K/V (and
+    their biases), gate/up, and an MoE layer's experts' gate/up pairs and downs."""
+    groups = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        groups.append([p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+        if config.attention_bias:
+            groups.append([p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+        if i not in config.moe_layers:
+            groups.append([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            continue
+        experts = [p + f"mlp.experts.{e}." for e in range(config.num_experts)]
+        groups.append([e + f"{n}_proj.weight" for e in experts for n in ("gate", "up")])
+        groups.append([e + "down_proj.weight" for e in experts])
+    return [keys for keys in groups if all(k in weights for k in keys)]
+
+
+def merged(weights: dict[str, torch.Tensor], keys: list[str], empty=None) -> torch.Tensor:
+    """The tensors at `keys` stacked along their first dimension, as one tensor (a merged matmul's
+    weights). The dict's entries become views of it, so each weight is held once: beside a merged
+    copy the parts would keep Q/K/V and gate/up twice (Llama-3-8B: 9 GB). Parts that already lie
+    back to back in one tensor (an earlier merge; `on_device`'s, in huge pages) are taken as they
+    lie. `empty(shape, dtype)` allocates the merged tensor (default: torch.empty on the parts' device)."""
+    parts = [weights[k] for k in keys]
+    first, rows = parts[0], sum(p.shape[0] for p in parts)
+    shape, offset = (rows, *first.shape[1:]), first.storage_offset()
+    adjacent = all(p.is_contiguous() and p.shape[1:] == first.shape[1:] and p.dtype == first.dtype for p in parts)
+    for p in parts:
+        adjacent = adjacent and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        adjacent = adjacent and p.storage_offset() == offset
+        offset += p.numel()
+    if adjacent:
+        strides = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+        return first.as_strided(shape, strides, first.storage_offset())
+    whole = empty(shape, first.dtype) if empty else torch.empty(shape, dtype=first.dtype, device=first.device)
+    torch.cat(parts, out=whole)
+    row = 0
+    for k, p in zip(keys, parts):
+        weights[k] = whole[row : row + p.shape[0]]
+        row += p.shape[0]
+    return whole
+
+
+def place_weights(config, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A model's weights where it runs, those of each merged matmul (`merged_groups`) back to back in
+    one tensor, the parts views of it: the model takes them as they lie, and holds each weight once.
+    On a CPU all of them in huge pages (`hostmem`: the GEMVs stream them faster than from 4 KiB pages)."""
+    on_cpu = torch.device(device).type == "cpu"
+    placed = {k: v.to(device) for k, v in weights.items()}
+    grouped = set()
+    for keys in merged_groups(config, placed):
+        merged(placed, keys, empty=hostmem.ARENA.empty if on_cpu else None)
+        grouped.update(keys)
+    return {k: hostmem.ARENA.copy(v) if on_cpu and k not in grouped else v for k, v in placed.items()}
+
+
 class DecoderLayer:
     def __init__(self, config, weights: dict[str, torch.Tensor], i: int):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        qkv = torch.cat([weights[a + f"{n}_proj.weight"] for n in "qkv"])
-        bias = None
-        if config.attention_bias:
-            bias = torch.cat([weights[a + f"{n}_proj.bias"] for n in "qkv"])
+        qkv = merged(weights, [a + f"{n}_proj.weight" for n in "qkv"])
+        bias = merged(weights, [a + f"{n}_proj.bias" for n in "qkv"]) if config.attention_bias else None
         self.qkv = Linear(qkv, bias)
         self.o = Linear(weights[a + "o_proj.weight"])
         self.moe = MoE(config, weights, p + "mlp.") if i in config.moe_layers else None
         if self.moe is None:
-            self.gate_up = Linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+            self.gate_up = Linear(merged(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
             self.down = Linear(weights[p + "mlp.down_proj.weight"])
         eps, off = config.rms_norm_eps, config.norm_offset
         self.ln1 = weights[p + "input_layernorm.weight"]
@@ -219,11 +275,10 @@ class MoE:
         n, inter = config.num_experts, config.moe_intermediate_size
         # The experts' weights stacked ([E, 2I, H] gate and up, [E, H, I] down) for the fused kernel;
         # each expert's Linear and the checkpoint's tensors are views into them (no second copy).
-        names = [[prefix + f"experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")] for e in range(n)]
-        self.w13 = torch.stack([torch.cat([weights[g], weights[u]]) for g, u, _ in names])
-        self.w2 = torch.stack([weights[d] for _, _, d in names])
-        for e, (g, u, d) in enumerate(names):
-            weights[g], weights[u], weights[d] = self.w13[e, :inter], self.w13[e, inter:], self.w2[e]
+        experts = [prefix + f"experts.{e}." for e in range(n)]
+        self.w13 = merged(weights, [e + f"{p}_proj.weight" for e in experts for p in ("gate", "up")])
+        self.w13 = self.w13.view(n, 2 * inter, -1)
+        self.w2 = merged(weights, [e + "down_proj.weight" for e in experts]).view(n, -1, inter)
         self.experts = [(Linear(self.w13[e]), Linear(self.w2[e])) for e in range(n)]
         self.default_top_k = config.num_experts_per_tok
         self.top_k = config.num_experts_per_tok
