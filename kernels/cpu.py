@@ -317,6 +317,11 @@ class Gemv:
         self._fn(x.data_ptr(), self._w, self._aux, self._bias, y.data_ptr(), m, self.n, self.k, self.group)
         return y
 
+    @property
+    def operands(self) -> tuple:
+        """The tensors the kernel reads (weight, aux, bias; None where absent)."""
+        return self._keep
+
     def descriptor(self, tiles: Tiles | None = None) -> _Linear:
         """This weight for the one-call layer; with `tiles` (the same bf16 weights packed for the
         tiles), steps of more than MAX_ROWS rows multiply on them."""
@@ -905,6 +910,10 @@ class Tiles:
     @property
     def ptr(self) -> int:
         return self._packed.data_ptr()
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self._packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]

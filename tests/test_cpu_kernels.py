@@ -263,7 +263,7 @@ def test_bf16_tiles_equal_the_exact_product(m, n, k, threads, amx_unit):
 def test_tiled_linear_keeps_no_onednn_copy():
     """On the tiles path a large step packs the weights once for the tiles and, up to a prompt's
     size, never asks oneDNN for its layout (one extra copy, as before); quantised modes keep their
-    own kernels."""
+    own kernels and drop the tiles' copy, made again when the original weights serve again."""
     if not cpu.tiles_available():
         pytest.skip(f"the bf16 tiles are the avx512_bf16 build's; this host runs {cpu.variant()}")
     g = torch.Generator().manual_seed(2)
@@ -276,7 +276,10 @@ def test_tiled_linear_keeps_no_onednn_copy():
     assert bool(((y.float() - x.float() @ w.float().t()).abs() <= ulp(y.float()) + 1e-6).all())
     lin.quantize("int8")
     lin.tiled = True
-    assert lin(x).shape == (cpu.MAX_ROWS + 3, 96) and lin._tiles is not None  # int8: torch's packed kernel
+    assert lin(x).shape == (cpu.MAX_ROWS + 3, 96) and lin._tiles is None  # int8: torch's packed kernel
+    assert lin.copies_bytes().keys() == {"quantized"}
+    lin.quantize("none")
+    assert torch.equal(lin(x), y) and lin.copies_bytes() == {"tiles": lin._tiles.packed.nbytes}
 
 
 def test_on_amx_a_prompts_rows_leave_the_tiles_for_onednn(amx_unit):

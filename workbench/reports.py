@@ -126,6 +126,9 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     cuda_graph_reason: str | None = None
     # each captured bucket's split-KV count (cuda_graphs.graph_splits), bucket as a string; {} before capture
     cuda_graph_splits: dict[str, int] = msgspec.field(default_factory=dict)
+    # MiB held on the device: "weights", each copy of them the kernels made ("tiles", "onednn",
+    # "quantized", "dequantized", "fp32"), "kv_cache", "draft" (`model_runner.memory_mb`)
+    memory_mb: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ProcessStatus(EngineStatus, kw_only=True):

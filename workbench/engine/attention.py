@@ -39,6 +39,11 @@ class KVCache:
         self.v_scale = [torch.ones(sshape, device=device) for _ in range(num_layers)] if quantised else None
         self.kv_cache_dtype = kv_cache_dtype
 
+    @property
+    def nbytes(self) -> int:
+        scales = (self.k_scale or []) + (self.v_scale or [])
+        return sum(t.nbytes for t in self.k + self.v + scales)
+
     def layer(self, i: int):
         if self.k_scale is None:
             return self.k[i], self.v[i], None, None

@@ -43,7 +43,7 @@ from .attention import KVCache, kv_cache_budget
 from .device import Marks
 from .emitter import Emitter, RequestState
 from .hostload import HostSampler
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, memory_mb
 from .response_cache import ResponseCache
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, attention_context_of, time_context_of
 from .sequence import SeqState, Sequence
@@ -546,6 +546,7 @@ class LLMEngine:
             num_layers=self.model_config.num_hidden_layers,
             vocab_size=self.model_config.vocab_size,
             **self.runner.graph_report(),
+            memory_mb=memory_mb(self.runner, self.spec.draft),
         )
 
     def metrics(self, window_s: float = 10.0) -> dict[str, Any]:

@@ -100,6 +100,10 @@ class ModelRunner:
         (re-captured at the next decode step that fits)."""
         self._graphs = None
 
+    def memory_bytes(self, shared: dict[int, int] | None = None) -> dict[str, int]:
+        """The model's bytes (`Transformer.memory_bytes`) and its KV cache's."""
+        return {**self.model.memory_bytes(shared), "kv_cache": self.kv.nbytes}
+
     def graph_report(self) -> dict:
         """status()'s CUDA-graph fields: the buckets, the steps replayed and run eagerly, and why
         the last step ran eagerly (None: it replayed)."""
@@ -244,3 +248,13 @@ class ModelRunner:
         logits = self.model.logits(hidden[to_device(index, torch.int64, dev)])
         marks.device("lm_head")
         return ForwardResult(logits, rows, marks, prompt_rows)
+
+
+def memory_mb(runner: ModelRunner, draft=None) -> dict[str, float]:
+    """status()'s memory_mb, in MiB on the model's device: the weights, each copy of them the
+    kernels made (tiles, onednn, quantized, dequantized, fp32), the KV cache, and a speculative
+    draft's whole (its own weights, copies and cache). Parts of none are left out."""
+    parts = runner.memory_bytes()
+    if draft is not None:
+        parts["draft"] = sum(draft.runner.memory_bytes(runner.model.originals()).values())
+    return {k: round(v / 2**20, 1) for k, v in parts.items() if v}

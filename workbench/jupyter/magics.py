@@ -414,6 +414,8 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
     ):
         if status.get(key) is not None:  # None: nothing to say (no reason needed, no such path here)
             rows.append(("engine", label, status[key]))
+    if status.get("memory_mb"):  # what it holds: the weights, their kernels' copies, the KV cache, a draft
+        rows.append(("engine", "memory", " · ".join(f"{k} {v:,.0f} MiB" for k, v in status["memory_mb"].items())))
     rows.append(("engine", "uptime", f"{up:.0f} s"))
     for name, value in settings.items():
         rows.append((f"setting ({kinds.get(name, '?')})", name, repr(value)))

@@ -54,6 +54,8 @@ class Linear:
         self._q = ()
         self._native = None
         self._deq = None
+        if mode != "none":  # the originals' other layouts serve mode "none" only: made again on its first use
+            self._tiles, self._packed, self._wide = None, False, None
         w = self.weight
         native_ok = w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu.available()
         weight_only_kernels = w.device.type != "cpu" or w.dtype == torch.bfloat16
@@ -137,6 +139,27 @@ class Linear:
             q, s = self._q
             y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def copies_bytes(self) -> dict[str, int]:
+        """Bytes of what this layer holds beside its original weights, by what each copy is for:
+        "tiles" and "onednn" (the originals re-laid out for a kernel, made on first use),
+        "quantized" (codes and scales), "dequantized" (their exact weights, where no quantised
+        kernel runs), "fp32" (the wide path's copy)."""
+        kept = {id(self.weight), id(self.bias)}
+        out: dict[str, int] = {}
+
+        def add(kind: str, *tensors) -> None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and id(t) not in kept:
+                    kept.add(id(t))
+                    out[kind] = out.get(kind, 0) + t.nbytes
+
+        add("tiles", self._tiles and self._tiles.packed)
+        add("onednn", self._packed)
+        add("quantized", *self._q, *(self._native.operands if self._native is not None else ()))
+        add("dequantized", *(self._deq or ()))
+        add("fp32", *(self._wide or ()))
+        return out
 
     def onednn_packed(self) -> torch.Tensor | None:
         """The original weights in oneDNN's layout (made on first use), or None where torch has no

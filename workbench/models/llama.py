@@ -387,6 +387,20 @@ class Transformer:
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
 
+    def originals(self) -> dict[int, int]:
+        """Address -> bytes of the original tensors the model multiplies by (linears, embedding)."""
+        tensors = [t for lin in self.linears() for t in (lin.weight, lin.bias) if t is not None] + [self.embed]
+        return {t.data_ptr(): t.nbytes for t in tensors}
+
+    def memory_bytes(self, shared: dict[int, int] | None = None) -> dict[str, int]:
+        """Bytes held: "weights" (the originals, less those `shared` with another model: a draft's
+        own only) and each kind of copy the linears made (`Linear.copies_bytes`)."""
+        out = {"weights": sum(n for at, n in self.originals().items() if at not in (shared or {}))}
+        for lin in self.linears():
+            for kind, n in lin.copies_bytes().items():
+                out[kind] = out.get(kind, 0) + n
+        return out
+
     def set_moe_top_k(self, top_k: int | None) -> None:
         """Experts per token on every MoE layer (None: the checkpoint's)."""
         for moe in self.moe_layers:
