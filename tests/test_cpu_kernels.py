@@ -236,6 +236,17 @@ def amx_unit(request):
         cpu.set_amx(None)
 
 
+@pytest.mark.parametrize("n,k", [(130, 98), (128, 64), (1, 2)])
+def test_pack_tiles_lays_out_input_pairs_per_group_of_64_outputs(n, k):
+    """The tiles' layout, [N / 64][K / 2][4][16][2] zero-padded to whole groups, however it is made
+    (pairs moved as 32-bit words)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(BF)
+    groups = -(-n // 64)
+    padded = torch.zeros(groups * 64, k, dtype=BF)
+    padded[:n] = w
+    assert torch.equal(cpu.pack_tiles(w), padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4))
+
+
 @pytest.mark.parametrize(
     "m,n,k",
     [

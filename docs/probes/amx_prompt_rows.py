@@ -4,6 +4,8 @@ lone prompt of N tokens (max_tokens=1) with every step on the tiles (`AMX_TILES_
 of reach) and with steps above the threshold on oneDNN; then a W64 burst each way.
 
     python docs/probes/amx_prompt_rows.py [--rows 384,640,1024,2048] [--threshold 512] [--w64 3]
+        [--baseline ROWS]  (the other way's threshold instead of every step on the tiles)
+        [--model MODEL]
 """
 
 import argparse
@@ -25,14 +27,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="384,640,1024,2048")
     ap.add_argument("--threshold", type=int, default=cpu.AMX_TILES_MAX_ROWS)
+    ap.add_argument("--baseline", type=int, default=ALL_TILES)
+    ap.add_argument("--model", default=None)
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--w64", type=int, default=3, help="W64 rounds each way (0: none)")
     args = ap.parse_args()
     if not cpu.amx()[0]:
         raise SystemExit(f"no AMX path here: {cpu.amx()[1]}")
-    llm = LLM()
+    llm = LLM(args.model)
     one = SamplingParams(max_tokens=1, temperature=0)
-    ways = {"tiles": ALL_TILES, f"oneDNN above {args.threshold}": args.threshold}
+    base = "tiles" if args.baseline == ALL_TILES else f"oneDNN above {args.baseline}"
+    ways = {base: args.baseline, f"oneDNN above {args.threshold}": args.threshold}
     for cap in ways.values():  # both weight layouts packed before timing
         cpu.AMX_TILES_MAX_ROWS = cap
         llm.generate(prompt_token_ids=[[5] * 1024], params=one)

@@ -104,6 +104,7 @@ class LLMEngine:
         if s.quantization != "none":
             live_settings.check_quantization(s.quantization, self.device)
             self.runner.model.quantize(s.quantization, s.quant_group_size)
+        self.runner.model.pack_tiles()
         self.timeline = TimelineRecorder()
         self.host = HostSampler()
         self.scheduler = Scheduler(s, num_blocks, self.timeline)

@@ -12,10 +12,11 @@ With `native` set (the engine's `cpu_kernels` setting, bf16 on a CPU), batches o
 `cpu.MAX_ROWS` rows -- decode steps -- take our GEMV kernels instead (workbench_kernels.cpu):
 they stream the weights at the memory's rate, where oneDNN's and torch's kernels lose a third to
 per-call overhead and short rows. Larger batches take the path `cpu.gemm_path` measured fastest:
-our bf16 tiles (`tiled`, over a copy packed for them on first use), oneDNN in bf16 where this CPU
-multiplies bf16 natively, or (`wide`) oneDNN in fp32 over an fp32 copy of the weights, made on
-first use. On AMX the tiles give prompts' steps of over `cpu.AMX_TILES_MAX_ROWS` rows to oneDNN
-(a copy in its layout, made at the first such step).
+our bf16 tiles (`tiled`, over a copy packed for them: the layers' at load, by
+`Transformer.pack_tiles`), oneDNN in bf16 where this CPU multiplies bf16 natively, or (`wide`)
+oneDNN in fp32 over an fp32 copy of the weights, made on first use. On AMX the tiles give prompts'
+steps of over `cpu.AMX_TILES_MAX_ROWS` rows to oneDNN (a copy in its layout, made at the first such
+step). A quantisation drops these layouts of the originals, which serve mode "none" only.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Linear:
         self._q: tuple = ()
         self._deq: tuple | None = None  # (dequantised weights, their oneDNN layout or None): see the module doc
         self._native: cpu.Gemv | None = None  # the current mode's weights bound to our GEMV kernel
-        self._tiles: cpu.Tiles | None = None  # the original weights packed for our tiles, made on first use
+        self._tiles: cpu.Tiles | None = None  # the original weights packed for our tiles (`fused_tiles`)
         self.native = False
         self.wide = False
         self.tiled = False
@@ -142,7 +143,7 @@ class Linear:
 
     def copies_bytes(self) -> dict[str, int]:
         """Bytes of what this layer holds beside its original weights, by what each copy is for:
-        "tiles" and "onednn" (the originals re-laid out for a kernel, made on first use),
+        "tiles" and "onednn" (the originals re-laid out for a kernel),
         "quantized" (codes and scales), "dequantized" (their exact weights, where no quantised
         kernel runs), "fp32" (the wide path's copy)."""
         kept = {id(self.weight), id(self.bias)}
@@ -169,7 +170,7 @@ class Linear:
         return self._packed
 
     def fused_tiles(self) -> cpu.Tiles | None:
-        """The original bf16 weights packed for our tiles (made on first use), when large steps take
+        """The original bf16 weights packed for our tiles (made at the first call), when large steps take
         them: on the tiles path, unquantised, an even number of inputs."""
         if not (self.native and self.tiled and self.mode == "none" and self.weight.shape[1] % 2 == 0):
             return None
