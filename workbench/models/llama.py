@@ -139,7 +139,7 @@ def merged(weights: dict[str, torch.Tensor], keys: list[str], empty=None) -> tor
     """The tensors at `keys` stacked along their first dimension, as one tensor (a merged matmul's
     weights). The dict's entries become views of it, so each weight is held once: beside a merged
     copy the parts would keep Q/K/V and gate/up twice (Llama-3-8B: 9 GB). Parts that already lie
-    back to back in one tensor (an earlier merge; `on_device`'s, in huge pages) are taken as they
+    back to back in one tensor (an earlier merge; `place_weights`'s, in huge pages) are taken as they
     lie. `empty(shape, dtype)` allocates the merged tensor (default: torch.empty on the parts' device)."""
     parts = [weights[k] for k in keys]
     first, rows = parts[0], sum(p.shape[0] for p in parts)
