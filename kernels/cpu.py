@@ -157,6 +157,7 @@ _SIGNATURES = {
     "wb_decode_layers": [_P, _I, _P, _P, _P, _P, _P, _P, _P],
     "wb_set_gemv_ymm": [_I],
     "wb_gemm_tiles": [_P, _P, _P, _P, _I, _I, _I],
+    "wb_gemm_q8_tiles": [_P, _P, _P, _P, _P, _I, _I, _I],
     "wb_set_amx": [_I],
 }
 
@@ -846,6 +847,22 @@ def tiles_take(rows: int, k: int) -> bool:
     """Whether a bf16 step of `rows` rows (<= MAX_ROWS) over `k` inputs multiplies on the tiles rather
     than the GEMVs where a linear has both: on AMX from 3 rows (the one-call layer decides alike)."""
     return rows > AMX_GEMV_ROWS and k % 32 == 0 and amx()[0]
+
+
+def q8_tiles_take(rows: int, k: int) -> bool:
+    """Whether an int8 step of `rows` rows over `k` inputs multiplies on AMX from the codes widened
+    to bf16 (`gemm_q8_tiles`), rather than the GEMVs (up to MAX_ROWS rows) or torch's kernel."""
+    return rows > MAX_ROWS and k % 32 == 0 and amx()[0]
+
+
+def gemm_q8_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """(x [M, K] @ q [N, K]^T) * scale [N] + bias, x bf16 contiguous, q int8 contiguous, scale and
+    bias bf16: [M, N] bf16, fp32 sums of exact products rounded once (as the int8 GEMV)."""
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    _require().wb_gemm_q8_tiles(x.data_ptr(), q.data_ptr(), scale.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k)
+    return y
 
 
 def amx() -> tuple[bool, str]:

@@ -293,6 +293,32 @@ def test_tiled_linear_keeps_no_onednn_copy():
     assert torch.equal(lin(x), y) and lin.copies_bytes() == {"tiles": lin._tiles.packed.nbytes}
 
 
+@pytest.mark.parametrize("m,n,k", [(9, 576, 576), (100, 130, 64), (1030, 96, 2048), (33, 17, 32)])
+def test_int8_steps_on_amx_equal_the_exact_product(m, n, k, amx_unit):
+    """On AMX an int8 layer's large steps widen the codes to bf16 (exact) a half group at a time and
+    multiply on the tiles: within an ulp of (x @ q^T) * scale + bias, for partial groups and chunks,
+    plus fp32 summation's error where the bias cancels the sum; the Linear takes that path, not
+    torch's int8 kernel (which widens to fp32: 5x slower prompts)."""
+    if amx_unit != "amx":
+        pytest.skip("the int8 codes go to the tiles on AMX only (elsewhere torch's int8 kernel)")
+    g = torch.Generator().manual_seed(m + n + k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = (torch.rand(n, generator=g) * 0.01 + 1e-3).to(BF)
+    x = torch.randn(m, k, generator=g).to(BF)
+    summed = (x.double().abs() @ q.double().abs().t()) * scale.double() * 2.0**-20  # fp32 sums' error bound
+    for bias in (None, torch.randn(n, generator=g).to(BF)):
+        exact = (x.double() @ q.double().t()) * scale.double() + (0 if bias is None else bias.double())
+        out = cpu.gemm_q8_tiles(x, q, scale, bias)
+        assert out.shape == (m, n) and bool(((out.double() - exact).abs() <= ulp(exact) + summed).all())
+    assert cpu.q8_tiles_take(m, k) and not cpu.q8_tiles_take(cpu.MAX_ROWS, k)
+    lin = Linear((torch.randn(n, k, generator=g) * 0.05).to(BF))
+    lin.quantize("int8")
+    lin.native = True
+    codes, s = lin._q
+    exact = (x.double() @ codes.double().t()) * s.double()
+    assert bool(((lin(x).double() - exact).abs() <= ulp(exact) + 1e-6).all())
+
+
 def test_on_amx_a_prompts_rows_leave_the_tiles_for_onednn(amx_unit):
     """On AMX a step of more than AMX_TILES_MAX_ROWS rows (a prompt's) multiplies by oneDNN's packed
     copy, made then (its kernels block many rows better: a 1,024-token prompt 1.18x faster); up to

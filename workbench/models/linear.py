@@ -123,6 +123,9 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         if mode == "int8":
             q, s = self._q
+            # bf16 on a CPU (the GEMV bound), many rows, AMX: the codes widened to bf16 on the tiles
+            if self.native and self._native is not None and x.dim() == 2 and cpu.q8_tiles_take(*x.shape):
+                return cpu.gemm_q8_tiles(x if x.is_contiguous() else x.contiguous(), q, s, self.bias)
             if x.device.type == "cpu":
                 y = torch.ops.aten._weight_int8pack_mm(x, q, s.to(x.dtype))
             else:

@@ -1,0 +1,53 @@
+"""Lone prompts in each quantisation mode, in one process, interleaved so the host's drift cancels:
+bf16 against int8 with its large steps on the AMX tiles (`cpu.gemm_q8_tiles`) and on torch's int8
+kernel (`cpu.q8_tiles_take` turned off: the path before), and int4. TTFT medians, ms.
+
+    python docs/probes/quant_prompts.py [--model MODEL] [--rows 64,256,1024] [--reps 3]
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+from workbench_kernels import cpu
+
+from workbench import LLM, SamplingParams
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--rows", default="64,256,1024")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    llm = LLM(args.model)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    take = cpu.q8_tiles_take
+    ways = {
+        "bf16": ("none", take),
+        "int8 tiles": ("int8", take),
+        "int8 torch": ("int8", lambda rows, k: False),
+        "int4": ("int4", take),
+    }
+    rng = random.Random(0)
+    for n in map(int, args.rows.split(",")):
+        times = {name: [] for name in ways}
+        for _ in range(args.reps):
+            for name, (mode, rule) in ways.items():
+                llm.configure(quantization=mode)
+                cpu.q8_tiles_take = rule
+                ids = [rng.randrange(100, 30000) for _ in range(n)]
+                llm.generate(prompt_token_ids=[ids[:16]], params=one)  # a re-layout's first step apart
+                t = time.perf_counter()
+                llm.generate(prompt_token_ids=[ids], params=one)
+                times[name].append(time.perf_counter() - t)
+        cpu.q8_tiles_take = take
+        print(
+            f"{n:5d} tokens: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.0f}" for k, v in times.items()),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
