@@ -158,6 +158,7 @@ _SIGNATURES = {
     "wb_set_gemv_ymm": [_I],
     "wb_gemm_tiles": [_P, _P, _P, _P, _I, _I, _I],
     "wb_gemm_q8_tiles": [_P, _P, _P, _P, _P, _I, _I, _I],
+    "wb_gemm_q4_tiles": [_P, _P, _P, _P, _P, _I, _I, _I, _I],
     "wb_set_amx": [_I],
 }
 
@@ -532,6 +533,13 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: uint8 [N, K/2] nibbles -> codes 0..15, int32 [N, K]."""
+    n, half = packed.shape
+    runs = packed.view(n, half // 16, 1, 16)
+    return torch.cat((runs & 15, runs >> 4), dim=2).reshape(n, 2 * half).to(torch.int32)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += delta in place (when given); returns RMSNorm(x) * weight. x [T, H] contiguous bf16."""
     t, h = x.shape
@@ -850,9 +858,23 @@ def tiles_take(rows: int, k: int) -> bool:
 
 
 def q8_tiles_take(rows: int, k: int) -> bool:
-    """Whether an int8 step of `rows` rows over `k` inputs multiplies on AMX from the codes widened
-    to bf16 (`gemm_q8_tiles`), rather than the GEMVs (up to MAX_ROWS rows) or torch's kernel."""
+    """Whether an int8 or int4 step of `rows` rows over `k` inputs multiplies on AMX from the codes
+    widened to bf16 (`gemm_q8_tiles`, `gemm_q4_tiles`), rather than the GEMVs (up to MAX_ROWS rows)
+    or torch's kernels."""
     return rows > MAX_ROWS and k % 32 == 0 and amx()[0]
+
+
+def gemm_q4_tiles(x, codes, scale_zero, bias, group: int) -> torch.Tensor:
+    """x [M, K] @ W^T + bias for int4 weights in the GEMV's operands (`Gemv("int4", codes,
+    scale_zero, ...)`): each weight (q - 8) * scale + zero rounded to bf16, fp32 sums rounded once."""
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    lib = _require()
+    lib.wb_gemm_q4_tiles(
+        x.data_ptr(), codes.data_ptr(), scale_zero.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k, group
+    )
+    return y
 
 
 def gemm_q8_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):

@@ -900,22 +900,39 @@ static inline void transpose16_epi32(__m512i r[16]) {
     }
 }
 
-// Int8 codes of outputs n0 .. n0 + 31 (rows [N, K], K % 32 == 0; those past N zero) widened to bf16,
-// exactly (|q| <= 127 needs 7 bits of bf16's 8), into columns o0 .. o0 + 31 of one group in the
-// tiles' layout ([K / 2][64][2]): per 16 outputs and 32 inputs, 16 rows converted in registers
-// and transposed as (k, k + 1) pairs.
-static void q8_to_tiles(const int8_t *q, int64_t N, int64_t K, int64_t n0, int o0, bf16 *buf) {
+// Quantised codes of outputs n0 .. n0 + 31 (those past N zero) widened to bf16 into columns
+// o0 .. o0 + 31 of one group in the tiles' layout ([K / 2][64][2]): per 16 outputs and 32 inputs,
+// 16 rows converted in registers and transposed as (k, k + 1) pairs. int8 (`sz` NULL): rows of K
+// codes, exact in bf16 (|q| <= 127 needs 7 of its 8 bits; the scale is the epilogue's). int4: rows
+// of the GEMV's nibbles with bf16 (scale, zero) per `group` inputs, (q - 8) * scale + zero in fp32
+// rounded once to bf16 (torch's int4 kernel multiplies the fp32 value: 2^-9 apart at most).
+static void codes_to_tiles(const void *codes, const bf16 *sz, int64_t group, int64_t N, int64_t K, int64_t n0,
+                           int o0, bf16 *buf) {
     for (int c = 0; c < 32; c += 16) {
         for (int64_t k0 = 0; k0 < K; k0 += 32) {
             __m512i r[16];
             for (int i = 0; i < 16; i++) {
-                if (n0 + c + i >= N) {
+                int64_t n = n0 + c + i;
+                if (n >= N) {
                     r[i] = _mm512_setzero_si512();
                     continue;
                 }
-                const int8_t *src = q + (n0 + c + i) * K + k0;
-                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
-                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+                __m512 lo, hi;
+                if (!sz) {
+                    const int8_t *src = (const int8_t *)codes + n * K + k0;
+                    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+                    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+                } else {
+                    const uint8_t *src = (const uint8_t *)codes + (n * K + k0) / 2;
+                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
+                    const bf16 *p = sz + (n * (K / group) + k0 / group) * 2;
+                    __m512 scale = _mm512_set1_ps(bf2f(p[0])), zero = _mm512_set1_ps(bf2f(p[1]));
+                    __m512 eight = _mm512_set1_ps(8.0f);
+                    __m512 qlo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+                    __m512 qhi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+                    lo = _mm512_fmadd_ps(_mm512_sub_ps(qlo, eight), scale, zero);
+                    hi = _mm512_fmadd_ps(_mm512_sub_ps(qhi, eight), scale, zero);
+                }
                 r[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
             }
             transpose16_epi32(r);
@@ -925,11 +942,11 @@ static void q8_to_tiles(const int8_t *q, int64_t N, int64_t K, int64_t n0, int o
 }
 
 #define AMX_CHUNK 512
-// With `q` (int8 weights [N, K], `wp` NULL), each task first widens its half group's codes into
-// the tiles' layout in a buffer of its thread (`q8_to_tiles`), multiplies from there, and scales
-// the sums by output (`scale`).
-AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const int8_t *q, const bf16 *scale,
-                                  const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
+// With `q` (quantised codes, `wp` NULL; `sz` and `group` for int4, `codes_to_tiles`), each task
+// first widens its half group's codes into the tiles' layout in a buffer of its thread, multiplies
+// from there, and scales the sums by output (`scale`, int8's).
+AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, const bf16 *sz, int64_t group,
+                                  const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
     int64_t halves = 2 * ((N + TN - 1) / TN), chunks = (M + AMX_CHUNK - 1) / AMX_CHUNK;
     int configured = -1;
     bf16 *buf = q ? aligned_alloc(64, (size_t)K * TN * sizeof(bf16)) : NULL;
@@ -938,7 +955,7 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const int8_t *q
         int64_t gh = task % halves, g = gh / 2, first = task / halves * AMX_CHUNK;
         int64_t last = first + AMX_CHUNK < M ? first + AMX_CHUNK : M;
         const bf16 *wg = wp ? wp + g * (K / 2) * TN * 2 : buf;
-        if (q) q8_to_tiles(q, N, K, g * TN + 32 * (gh % 2), 32 * (int)(gh % 2), buf);
+        if (q) codes_to_tiles(q, sz, group, N, K, g * TN + 32 * (gh % 2), 32 * (int)(gh % 2), buf);
         for (int64_t m0 = first; m0 < last; m0 += 32) {
             int rows = last - m0 < 32 ? (int)(last - m0) : 32;
             int ma = rows < 16 ? rows : 16, mb = rows - ma;
@@ -963,7 +980,7 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const int8_t *q
 static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
 #if WB_AMX
     if (amx_on && K % 32 == 0) {
-        amx_groups(x, wp, NULL, NULL, bias, y, M, N, K);
+        amx_groups(x, wp, NULL, NULL, 0, NULL, bias, y, M, N, K);
         return;
     }
 #endif
@@ -1006,9 +1023,21 @@ void wb_gemm_q8_tiles(const bf16 *x, const int8_t *q, const bf16 *scale, const b
                       int64_t N, int64_t K) {
 #if WB_AMX
 #pragma omp parallel
-    amx_groups(x, NULL, q, scale, bias, y, M, N, K);
+    amx_groups(x, NULL, q, NULL, 0, scale, bias, y, M, N, K);
 #else
     (void)x, (void)q, (void)scale, (void)bias, (void)y, (void)M, (void)N, (void)K;
+#endif
+}
+
+// The same for int4 weights in the GEMV's layout (wb_gemv_int4: nibbles, bf16 (scale, zero) per
+// `group` inputs), each weight (q - 8) * scale + zero rounded to bf16 as it is widened.
+void wb_gemm_q4_tiles(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const bf16 *bias, bf16 *y, int64_t M,
+                      int64_t N, int64_t K, int64_t group) {
+#if WB_AMX
+#pragma omp parallel
+    amx_groups(x, NULL, q, scale_zero, group, NULL, bias, y, M, N, K);
+#else
+    (void)x, (void)q, (void)scale_zero, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group;
 #endif
 }
 

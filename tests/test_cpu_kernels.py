@@ -194,6 +194,8 @@ def test_pack_int4_layout():
     assert packed.shape == (1, 32)
     assert packed[0, 0].item() == codes[0, 0] | (codes[0, 16] << 4)
     assert packed[0, 17].item() == codes[0, 33] | (codes[0, 49] << 4)
+    many = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(cpu.unpack_int4(cpu.pack_int4(many)), many.to(torch.int32))  # the inverse
 
 
 # seeds 12 and 18 draw int8 sums that cancel to near zero (see int8_fixed_point_slack)
@@ -317,6 +319,33 @@ def test_int8_steps_on_amx_equal_the_exact_product(m, n, k, amx_unit):
     codes, s = lin._q
     exact = (x.double() @ codes.double().t()) * s.double()
     assert bool(((lin(x).double() - exact).abs() <= ulp(exact) + 1e-6).all())
+
+
+@pytest.mark.parametrize(
+    "m,n,k,group", [(9, 576, 576, 64), (100, 130, 64, 32), (1030, 96, 2048, 128), (33, 17, 128, 32)]
+)
+def test_int4_steps_on_amx_multiply_each_weight_rounded_once(m, n, k, group, amx_unit):
+    """On AMX an int4 layer's large steps widen the GEMV's codes to (q - 8) * scale + zero, rounded
+    to bf16 (torch's int4 kernel keeps the fp32 value: 2^-9 apart at most), and multiply on the
+    tiles: within an ulp of x @ those weights, plus fp32 summation's error. torch's packed copy of
+    the codes is never made (the int4 mode held two copies of its codes: no smaller than int8)."""
+    from workbench.models.linear import int4_weights
+
+    if amx_unit != "amx":
+        pytest.skip("the int4 codes go to the tiles on AMX only (elsewhere torch's int4 kernel)")
+    g = torch.Generator().manual_seed(m + n + k)
+    lin = Linear((torch.randn(n, k, generator=g) * 0.05).to(BF))
+    lin.quantize("int4", group)
+    lin.native = True
+    x = torch.randn(m, k, generator=g).to(BF)
+    codes, scale_zero, _ = lin.gemv.operands
+    weights = int4_weights(cpu.unpack_int4(codes), scale_zero, group).to(BF).double()
+    exact = x.double() @ weights.t()
+    summed = (x.double().abs() @ weights.abs().t()) * 2.0**-20
+    out = lin(x)
+    assert bool(((out.double() - exact).abs() <= ulp(exact) + summed).all())
+    assert torch.equal(lin.dequantized().double(), weights)
+    assert lin._q == () and set(lin.copies_bytes()) == {"quantized"}
 
 
 def test_on_amx_a_prompts_rows_leave_the_tiles_for_onednn(amx_unit):

@@ -291,15 +291,15 @@ WEIGHT_ONLY_OPS = {"_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu"}
 def test_float32_quantised_steps_multiply_dequantised_weights(tiny_qwen2, spec):
     """Issue 32.2: torch's weight-only CPU kernels take minutes per step in float32 (a 394-token
     int8 prefill: 131 s). Float32 steps multiply by the exact dequantised weights instead; bf16 keeps
-    the weight-only kernels, except int8 on AMX, whose large steps multiply the codes on the bf16
-    tiles (our kernel). The draft (the target's own int4 copy) too."""
+    the weight-only kernels, except on AMX, where int8's and int4's large steps multiply the codes
+    widened to bf16 on the tiles (our kernels). The draft (the target's own int4 copy) too."""
     from workbench_kernels import cpu
 
     path, _ = tiny_qwen2
     prompt = list(range(3, 60))
     _, expected = generate(path, [prompt], **spec)
-    int8_on_tiles = spec == dict(quantization="int8") and cpu.q8_tiles_take(len(prompt), 64)  # widths 64, 128
-    for dtype, slow_ops_expected in (("float32", False), ("bfloat16", not int8_on_tiles)):
+    on_tiles = cpu.q8_tiles_take(len(prompt), 64)  # the model's widths: 64, 128
+    for dtype, slow_ops_expected in (("float32", False), ("bfloat16", not on_tiles)):
         llm = LLM(str(path), dtype=dtype, num_kv_blocks=64, **spec)
         with _AtenOps() as ops:
             out = llm.generate(prompt_token_ids=[prompt], params=GREEDY)[0].token_ids

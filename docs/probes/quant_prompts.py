@@ -1,6 +1,7 @@
 """Lone prompts in each quantisation mode, in one process, interleaved so the host's drift cancels:
-bf16 against int8 with its large steps on the AMX tiles (`cpu.gemm_q8_tiles`) and on torch's int8
-kernel (`cpu.q8_tiles_take` turned off: the path before), and int4. TTFT medians, ms.
+bf16 against int8 and int4 with their large steps on the AMX tiles (`cpu.gemm_q8_tiles`,
+`gemm_q4_tiles`) and on torch's weight-only kernels (`cpu.q8_tiles_take` turned off: the path
+before). TTFT medians, ms.
 
     python docs/probes/quant_prompts.py [--model MODEL] [--rows 64,256,1024] [--reps 3]
 """
@@ -28,7 +29,8 @@ def main():
         "bf16": ("none", take),
         "int8 tiles": ("int8", take),
         "int8 torch": ("int8", lambda rows, k: False),
-        "int4": ("int4", take),
+        "int4 tiles": ("int4", take),
+        "int4 torch": ("int4", lambda rows, k: False),
     }
     rng = random.Random(0)
     for n in map(int, args.rows.split(",")):

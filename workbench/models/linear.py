@@ -72,11 +72,13 @@ class Linear:
         elif mode == "int4":
             self.group_size = int4_group_size(w.shape[1], group_size)
             codes, scales_zeros = int4_codes(w, self.group_size)
-            self._q = int4_torch_operands(codes, scales_zeros, w)
-            if not weight_only_kernels:
-                self._deq = _dense(self._q[2])
             if native_ok and w.shape[1] % 32 == 0 and self.group_size % 32 == 0:
                 self._native = cpu.Gemv("int4", *native_int4(codes, scales_zeros), self.bias, self.group_size)
+            # torch's packed copy of the codes only where large steps need it (not on AMX's tiles)
+            if self._native is None or not cpu.q8_tiles_take(cpu.MAX_ROWS + 1, w.shape[1]):
+                self._q = int4_torch_operands(codes, scales_zeros, w)
+            if not weight_only_kernels:
+                self._deq = _dense(self._q[2])
         elif mode == "fp8":
             scale = w.float().abs().amax(1).clamp(min=1e-8) / 448.0
             self._q = ((w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale.to(w.dtype))
@@ -95,6 +97,9 @@ class Linear:
             q, s = self._q
             return (q.float() * s.float()[:, None]).to(self.weight.dtype)
         if self.mode == "int4":
+            if not self._q:  # AMX's tiles, from the GEMV's codes: each weight rounded to bf16 as they widen it
+                codes, scale_zero, _ = self._native.operands
+                return int4_weights(cpu.unpack_int4(codes), scale_zero, self.group_size).to(self.weight.dtype)
             packed, scales_zeros, deq = self._q
             if deq is not None:
                 return deq
@@ -131,7 +136,10 @@ class Linear:
             else:
                 y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         elif mode == "int4":
-            packed, scales_zeros, _ = self._q
+            if self.native and self._native is not None and x.dim() == 2 and cpu.q8_tiles_take(*x.shape):
+                codes, scale_zero, _ = self._native.operands
+                return cpu.gemm_q4_tiles(x.contiguous(), codes, scale_zero, self.bias, self.group_size)
+            packed, scales_zeros, _ = self._int4_operands()
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
             if packed is not None:
@@ -143,6 +151,14 @@ class Linear:
             q, s = self._q
             y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _int4_operands(self) -> tuple:
+        """torch's int4 operands (packed codes, scales and zeros, dequantised copy or None), made
+        from the GEMV's codes where quantize did not (AMX's tiles take the large steps)."""
+        if not self._q:
+            codes, scale_zero, _ = self._native.operands
+            self._q = int4_torch_operands(cpu.unpack_int4(codes), scale_zero.transpose(0, 1).contiguous(), self.weight)
+        return self._q
 
     def copies_bytes(self) -> dict[str, int]:
         """Bytes of what this layer holds beside its original weights, by what each copy is for:
@@ -237,6 +253,13 @@ def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, w: torc
     g = k // scale.shape[1]
     deq = (codes.view(n, -1, g) - 8) * scale[..., None] + zero[..., None]
     return None, scales_zeros, deq.view(n, k).to(w.dtype)
+
+
+def int4_weights(codes: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
+    """(q - 8) * scale + zero in fp32, [N, K], from codes [N, K] and the GEMV's (scale, zero) [N, K / group, 2]."""
+    n, k = codes.shape
+    sz = scale_zero.float()
+    return ((codes.float().view(n, -1, group) - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
 
 
 def native_int4(codes: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
