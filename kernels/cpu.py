@@ -864,9 +864,16 @@ def q8_tiles_take(rows: int, k: int) -> bool:
     return rows > MAX_ROWS and k % 32 == 0 and amx()[0]
 
 
+def _require_amx() -> None:
+    on, why = amx()
+    if not on:  # the quantised codes reach the tiles on AMX only (elsewhere torch's kernels: faster there)
+        raise RuntimeError(f"the quantised tiles multiply on AMX; here {why}")
+
+
 def gemm_q4_tiles(x, codes, scale_zero, bias, group: int) -> torch.Tensor:
     """x [M, K] @ W^T + bias for int4 weights in the GEMV's operands (`Gemv("int4", codes,
     scale_zero, ...)`): each weight (q - 8) * scale + zero rounded to bf16, fp32 sums rounded once."""
+    _require_amx()
     m, k = x.shape
     n = codes.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
@@ -880,6 +887,7 @@ def gemm_q4_tiles(x, codes, scale_zero, bias, group: int) -> torch.Tensor:
 def gemm_q8_tiles(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
     """(x [M, K] @ q [N, K]^T) * scale [N] + bias, x bf16 contiguous, q int8 contiguous, scale and
     bias bf16: [M, N] bf16, fp32 sums of exact products rounded once (as the int8 GEMV)."""
+    _require_amx()
     m, k = x.shape
     n = q.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
