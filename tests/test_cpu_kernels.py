@@ -306,7 +306,7 @@ def test_int8_steps_on_amx_equal_the_exact_product(m, n, k, amx_unit):
     scale = (torch.rand(n, generator=g) * 0.01 + 1e-3).to(BF)
     x = torch.randn(m, k, generator=g).to(BF)
     if amx_unit != "amx":  # AVX-512 alone: torch's int8 kernel (the codes on these tiles were no faster)
-        assert not cpu.q8_tiles_take(m, k)
+        assert not cpu.codes_on_tiles(m, k)
         with pytest.raises(RuntimeError, match="multiply on AMX"):
             cpu.gemm_q8_tiles(x, q, scale)
         return
@@ -315,7 +315,7 @@ def test_int8_steps_on_amx_equal_the_exact_product(m, n, k, amx_unit):
         exact = (x.double() @ q.double().t()) * scale.double() + (0 if bias is None else bias.double())
         out = cpu.gemm_q8_tiles(x, q, scale, bias)
         assert out.shape == (m, n) and bool(((out.double() - exact).abs() <= ulp(exact) + summed).all())
-    assert cpu.q8_tiles_take(m, k) and not cpu.q8_tiles_take(cpu.MAX_ROWS, k)
+    assert cpu.codes_on_tiles(m, k) and not cpu.codes_on_tiles(cpu.MAX_ROWS, k)
     lin = Linear((torch.randn(n, k, generator=g) * 0.05).to(BF))
     lin.quantize("int8")
     lin.native = True

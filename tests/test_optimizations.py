@@ -298,7 +298,7 @@ def test_float32_quantised_steps_multiply_dequantised_weights(tiny_qwen2, spec):
     path, _ = tiny_qwen2
     prompt = list(range(3, 60))
     _, expected = generate(path, [prompt], **spec)
-    on_tiles = cpu.q8_tiles_take(len(prompt), 64)  # the model's widths: 64, 128
+    on_tiles = cpu.codes_on_tiles(len(prompt), 64)  # the model's widths: 64, 128
     for dtype, slow_ops_expected in (("float32", False), ("bfloat16", not on_tiles)):
         llm = LLM(str(path), dtype=dtype, num_kv_blocks=64, **spec)
         with _AtenOps() as ops:

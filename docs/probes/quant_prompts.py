@@ -1,6 +1,6 @@
 """Lone prompts in each quantisation mode, in one process, interleaved so the host's drift cancels:
 bf16 against int8 and int4 with their large steps on the AMX tiles (`cpu.gemm_q8_tiles`,
-`gemm_q4_tiles`) and on torch's weight-only kernels (`cpu.q8_tiles_take` turned off: the path
+`gemm_q4_tiles`) and on torch's weight-only kernels (`cpu.codes_on_tiles` turned off: the path
 before). TTFT medians, ms.
 
     python docs/probes/quant_prompts.py [--model MODEL] [--rows 64,256,1024] [--reps 3]
@@ -24,7 +24,7 @@ def main():
     args = ap.parse_args()
     llm = LLM(args.model)
     one = SamplingParams(max_tokens=1, temperature=0)
-    take = cpu.q8_tiles_take
+    take = cpu.codes_on_tiles
     ways = {
         "bf16": ("none", take),
         "int8 tiles": ("int8", take),
@@ -38,13 +38,13 @@ def main():
         for _ in range(args.reps):
             for name, (mode, rule) in ways.items():
                 llm.configure(quantization=mode)
-                cpu.q8_tiles_take = rule
+                cpu.codes_on_tiles = rule
                 ids = [rng.randrange(100, 30000) for _ in range(n)]
                 llm.generate(prompt_token_ids=[ids[:16]], params=one)  # a re-layout's first step apart
                 t = time.perf_counter()
                 llm.generate(prompt_token_ids=[ids], params=one)
                 times[name].append(time.perf_counter() - t)
-        cpu.q8_tiles_take = take
+        cpu.codes_on_tiles = take
         print(
             f"{n:5d} tokens: " + ", ".join(f"{k} {statistics.median(v) * 1e3:.0f}" for k, v in times.items()),
             flush=True,

@@ -75,7 +75,7 @@ class Linear:
             if native_ok and w.shape[1] % 32 == 0 and self.group_size % 32 == 0:
                 self._native = cpu.Gemv("int4", *native_int4(codes, scales_zeros), self.bias, self.group_size)
             # torch's packed copy of the codes only where large steps need it (not on AMX's tiles)
-            if self._native is None or not cpu.q8_tiles_take(cpu.MAX_ROWS + 1, w.shape[1]):
+            if self._native is None or not cpu.codes_on_tiles(cpu.MAX_ROWS + 1, w.shape[1]):
                 self._q = int4_torch_operands(codes, scales_zeros, w)
             if not weight_only_kernels:
                 self._deq = _dense(self._q[2])
@@ -129,14 +129,14 @@ class Linear:
         if mode == "int8":
             q, s = self._q
             # bf16 on a CPU (the GEMV bound), many rows, AMX: the codes widened to bf16 on the tiles
-            if self.native and self._native is not None and x.dim() == 2 and cpu.q8_tiles_take(*x.shape):
+            if self.native and self._native is not None and x.dim() == 2 and cpu.codes_on_tiles(*x.shape):
                 return cpu.gemm_q8_tiles(x if x.is_contiguous() else x.contiguous(), q, s, self.bias)
             if x.device.type == "cpu":
                 y = torch.ops.aten._weight_int8pack_mm(x, q, s.to(x.dtype))
             else:
                 y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         elif mode == "int4":
-            if self.native and self._native is not None and x.dim() == 2 and cpu.q8_tiles_take(*x.shape):
+            if self.native and self._native is not None and x.dim() == 2 and cpu.codes_on_tiles(*x.shape):
                 codes, scale_zero, _ = self._native.operands
                 return cpu.gemm_q4_tiles(x.contiguous(), codes, scale_zero, self.bias, self.group_size)
             packed, scales_zeros, _ = self._int4_operands()
@@ -162,9 +162,9 @@ class Linear:
 
     def copies_bytes(self) -> dict[str, int]:
         """Bytes of what this layer holds beside its original weights, by what each copy is for:
-        "tiles" and "onednn" (the originals re-laid out for a kernel),
-        "quantized" (codes and scales), "dequantized" (their exact weights, where no quantised
-        kernel runs), "fp32" (the wide path's copy)."""
+        "tiles" and "onednn" (the originals re-laid out for a kernel), "quantized" (codes and
+        scales), "dequantized" (their exact weights, where no quantised kernel runs), "fp32" (the
+        wide path's copy)."""
         kept = {id(self.weight), id(self.bias)}
         out: dict[str, int] = {}
 
