@@ -857,11 +857,22 @@ def tiles_take(rows: int, k: int) -> bool:
     return rows > AMX_GEMV_ROWS and k % 32 == 0 and amx()[0]
 
 
+# On AMX, quantised steps of up to this many rows stay on the GEMVs (which read the codes once for
+# all rows): widening every code to bf16 costs more below it. Crossovers measured over whole steps'
+# linears: SmolLM2 12 rows for int8 and int4; Llama-3.2-1B's shape ~20 (int8) and ~14 (int4).
+QUANT_GEMV_ROWS = 12
+
+
+def quant_gemv_rows() -> int:
+    """Most rows an int8 or int4 step multiplies on the GEMVs (more: the tiles or torch's kernels)."""
+    return QUANT_GEMV_ROWS if amx()[0] else MAX_ROWS
+
+
 def codes_on_tiles(rows: int, k: int) -> bool:
     """Whether an int8 or int4 step of `rows` rows over `k` inputs multiplies on AMX from the codes
-    widened to bf16 (`gemm_q8_tiles`, `gemm_q4_tiles`), rather than the GEMVs (up to MAX_ROWS rows)
-    or torch's kernels."""
-    return rows > MAX_ROWS and k % 32 == 0 and amx()[0]
+    widened to bf16 (`gemm_q8_tiles`, `gemm_q4_tiles`), rather than the GEMVs (up to
+    `quant_gemv_rows()`) or torch's kernels."""
+    return rows > QUANT_GEMV_ROWS and k % 32 == 0 and amx()[0]
 
 
 def _require_amx() -> None:

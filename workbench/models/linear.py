@@ -75,7 +75,7 @@ class Linear:
             if native_ok and w.shape[1] % 32 == 0 and self.group_size % 32 == 0:
                 self._native = cpu.Gemv("int4", *native_int4(codes, scales_zeros), self.bias, self.group_size)
             # torch's packed copy of the codes only where large steps need it (not on AMX's tiles)
-            if self._native is None or not cpu.codes_on_tiles(cpu.MAX_ROWS + 1, w.shape[1]):
+            if self._native is None or not cpu.codes_on_tiles(cpu.quant_gemv_rows() + 1, w.shape[1]):
                 self._q = int4_torch_operands(codes, scales_zeros, w)
             if not weight_only_kernels:
                 self._deq = _dense(self._q[2])
@@ -111,7 +111,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mode = self.mode
-        if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= cpu.MAX_ROWS:
+        gemv_rows = cpu.MAX_ROWS if mode == "none" else cpu.quant_gemv_rows()
+        if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= gemv_rows:
             if not (self.tiled and mode == "none" and cpu.tiles_take(x.shape[0], x.shape[1])):
                 return self._native(x if x.is_contiguous() else x.contiguous())
         if self._deq is not None:
