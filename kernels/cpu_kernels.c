@@ -733,18 +733,13 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const
 #define TN 64
 #define TM 6
 #if WB_BF16_DOT
-// The tiles' epilogue for 16 outputs from n0: acc * scale + bias (scale: the int8 weights' per
-// output, else 1: exact, so bf16 weights round acc + bias once as before).
-static inline __m512 tile_scale(const bf16 *scale, int64_t n0, __mmask16 mk) {
-    return scale ? wb_widen_bf(_mm256_maskz_loadu_epi16(mk, scale + n0)) : _mm512_set1_ps(1.0f);
-}
-
-static inline void tile_group(const bf16 *x, const bf16 *w, const bf16 *scale, const bf16 *bias, bf16 *y,
-                              int64_t N, int64_t K, int64_t g, const bf16 *next, int64_t m0, const int MR) {
+static inline void tile_group(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t N, int64_t K,
+                              int64_t g, const bf16 *next, int64_t m0, const int MR) {
     int64_t KP = K / 2;
     __m512 acc[TM][4];
     for (int m = 0; m < MR; m++)
         for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+    const bf16 *w = wp + g * KP * TN * 2;
     for (int64_t kp = 0; kp < KP; kp++) {
         if (next) {  // the first rows of a group fetch the next group's weights, 4 lines a step
             for (int j = 0; j < 4; j++) PREFETCH(next + kp * TN * 2 + 32 * j);
@@ -763,9 +758,8 @@ static inline void tile_group(const bf16 *x, const bf16 *w, const bf16 *scale, c
         if (n0 >= N) break;
         __mmask16 mk = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
         __m512 b = bias ? wb_widen_bf(_mm256_maskz_loadu_epi16(mk, bias + n0)) : _mm512_setzero_ps();
-        __m512 sv = tile_scale(scale, n0, mk);
         for (int m = 0; m < MR; m++)
-            _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, mk, wb_narrow_bf(_mm512_fmadd_ps(acc[m][j], sv, b)));
+            _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, mk, wb_narrow_bf(_mm512_add_ps(acc[m][j], b)));
     }
 }
 #endif
@@ -871,16 +865,14 @@ AMX_TARGET static void amx_block(const bf16 *x, const bf16 *wg, const bf16 *scal
         if (n0 >= N) break;
         __mmask16 mk = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
         __m512 bv = bias ? wb_widen_bf(_mm256_maskz_loadu_epi16(mk, bias + n0)) : _mm512_setzero_ps();
-        __m512 sv = tile_scale(scale, n0, mk);
+        // scale: the int8 weights' per output, else 1 (exact: bf16 weights round acc + bias once)
+        __m512 sv = scale ? wb_widen_bf(_mm256_maskz_loadu_epi16(mk, scale + n0)) : _mm512_set1_ps(1.0f);
         for (int m = 0; m < ma + mb; m++)
             _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, mk,
                                      wb_narrow_bf(_mm512_fmadd_ps(_mm512_loadu_ps(&c[m][16 * j]), sv, bv)));
     }
 }
 
-// As tile_groups (inside the caller's parallel region): a task is a group's half over a chunk of up to
-// 512 rows, chunk by chunk. At 1,024 rows of SmolLM2's linears this was 0.85-0.89x oneDNN, 0.79 with
-// whole steps and 0.74-0.83 with chunks of 128-256 (each chunk reads its half's weights again).
 // r[i] lane j -> r[j] lane i, for 16 registers of 16 32-bit lanes: swapping the off-diagonal blocks
 // of 8, 4, 2 and 1 lanes in turn, each swap one two-source permute per register.
 static inline void transpose16_epi32(__m512i r[16]) {
@@ -941,6 +933,9 @@ static void codes_to_tiles(const void *codes, const bf16 *sz, int64_t group, int
     }
 }
 
+// As tile_groups (inside the caller's parallel region): a task is a group's half over a chunk of up to
+// 512 rows, chunk by chunk. At 1,024 rows of SmolLM2's linears this was 0.85-0.89x oneDNN, 0.79 with
+// whole steps and 0.74-0.83 with chunks of 128-256 (each chunk reads its half's weights again).
 #define AMX_CHUNK 512
 // With `q` (quantised codes, `wp` NULL; `sz` and `group` for int4, `codes_to_tiles`), each task
 // first widens its half group's codes into the tiles' layout in a buffer of its thread, multiplies
@@ -992,16 +987,16 @@ static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < groups * parts; task++) {
         int64_t g = task / parts, first = task % parts * part_rows, last = first + part_rows < M ? first + part_rows : M;
-        const bf16 *wg = wp + g * KP * TN * 2, *next = g + 1 < groups ? wg + KP * TN * 2 : NULL;
+        const bf16 *next = g + 1 < groups ? wp + (g + 1) * KP * TN * 2 : NULL;
         for (int64_t m0 = first; m0 < last; m0 += TM) {
             const bf16 *pf = m0 == first ? next : NULL;
             switch (last - m0 < TM ? last - m0 : TM) {
-            case 1: tile_group(x, wg, NULL, bias, y, N, K, g, pf, m0, 1); break;
-            case 2: tile_group(x, wg, NULL, bias, y, N, K, g, pf, m0, 2); break;
-            case 3: tile_group(x, wg, NULL, bias, y, N, K, g, pf, m0, 3); break;
-            case 4: tile_group(x, wg, NULL, bias, y, N, K, g, pf, m0, 4); break;
-            case 5: tile_group(x, wg, NULL, bias, y, N, K, g, pf, m0, 5); break;
-            default: tile_group(x, wg, NULL, bias, y, N, K, g, pf, m0, 6); break;
+            case 1: tile_group(x, wp, bias, y, N, K, g, pf, m0, 1); break;
+            case 2: tile_group(x, wp, bias, y, N, K, g, pf, m0, 2); break;
+            case 3: tile_group(x, wp, bias, y, N, K, g, pf, m0, 3); break;
+            case 4: tile_group(x, wp, bias, y, N, K, g, pf, m0, 4); break;
+            case 5: tile_group(x, wp, bias, y, N, K, g, pf, m0, 5); break;
+            default: tile_group(x, wp, bias, y, N, K, g, pf, m0, 6); break;
             }
         }
     }

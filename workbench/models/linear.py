@@ -127,19 +127,19 @@ class Linear:
             if self.onednn_packed() is not None:
                 return cpu.packed_linear(x, self._packed, self.bias)
             return F.linear(x, self.weight, self.bias)
+        if mode in ("int8", "int4") and self.native and self._native is not None and x.dim() == 2:
+            if cpu.codes_on_tiles(*x.shape):  # bf16 on a CPU, many rows, AMX: the codes widened onto the tiles
+                codes, aux, _ = self._native.operands  # int8: (codes, scale); int4: (nibbles, scale and zero)
+                if mode == "int8":
+                    return cpu.gemm_q8_tiles(x.contiguous(), codes, aux, self.bias)
+                return cpu.gemm_q4_tiles(x.contiguous(), codes, aux, self.bias, self.group_size)
         if mode == "int8":
             q, s = self._q
-            # bf16 on a CPU (the GEMV bound), many rows, AMX: the codes widened to bf16 on the tiles
-            if self.native and self._native is not None and x.dim() == 2 and cpu.codes_on_tiles(*x.shape):
-                return cpu.gemm_q8_tiles(x if x.is_contiguous() else x.contiguous(), q, s, self.bias)
             if x.device.type == "cpu":
                 y = torch.ops.aten._weight_int8pack_mm(x, q, s.to(x.dtype))
             else:
                 y = F.linear(x, q.to(x.dtype)) * s.to(x.dtype)
         elif mode == "int4":
-            if self.native and self._native is not None and x.dim() == 2 and cpu.codes_on_tiles(*x.shape):
-                codes, scale_zero, _ = self._native.operands
-                return cpu.gemm_q4_tiles(x.contiguous(), codes, scale_zero, self.bias, self.group_size)
             packed, scales_zeros, _ = self._int4_operands()
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
