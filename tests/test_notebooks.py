@@ -103,9 +103,12 @@ def longest_step(outs):
 assert steps_of(whole)[0] == {o.request_id for o in whole}, steps_of(whole)[:2]
 # "the same prefill work cut into ~9 chunks": 32-token steps, the first shared with the short prompts
 assert 8 <= len(own) <= 11, len(own)
-# one big prefill step against many small ones; 2x, not more: on a CPU with AMX a 278-token step
-# took only 3.4x a 32-token one (one big matmul is cheap)
-assert longest_step(whole) > 2 * longest_step(chunked), (longest_step(whole), longest_step(chunked))
+# one big prefill step against many small ones: the work is counted in tokens (exact); in time the
+# big step is only claimed longer, since with AMX a 278-token step took 1.9-3.4x a 32-token one
+# (one big matmul is cheap) and a shared host's noise moves that ratio
+first = next(s for s in timeline.steps if any(b.request_id == whole[2].request_id for b in s.batch))
+assert first.num_prefill_tokens > 8 * 32, first.num_prefill_tokens
+assert longest_step(whole) > 1.2 * longest_step(chunked), (longest_step(whole), longest_step(chunked))
 rid = chunked[2].request_id
 steps = [s for s in timeline.steps if any(b.request_id == rid for b in s.batch)]
 mixed = [s for s in steps if s.phase == "mixed"]
