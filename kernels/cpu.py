@@ -959,18 +959,99 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def tiles_hold_weights() -> tuple[bool, str]:
+    """(whether bf16 layers on the tiles path keep their weights in the tiles' layout only, every step
+    multiplying there, why): on AMX, where the tiles stream a decode's weights as fast as the GEMVs
+    (docs/benchmarks.md: Llama-3.2-1B's shape 13.3-13.5 tok/s against 13.0-13.3, RSS -1.8 GiB). On
+    AVX-512 alone a step of 1-2 rows matched the GEMVs but one of 8 took ~8% longer (SmolLM2, tiles
+    forced on an AMX host with AMX off): the plain copy stays for the GEMVs there.
+    WORKBENCH_CPU_WEIGHTS_ONCE=0 keeps both copies on AMX too (to compare)."""
+    if not tiles_available():
+        return False, f"the {variant() or 'no'} build has no tiles"
+    if os.environ.get("WORKBENCH_CPU_WEIGHTS_ONCE", "1").strip() == "0":
+        return False, "off: WORKBENCH_CPU_WEIGHTS_ONCE=0"
+    on, why = amx()
+    if not on:
+        return False, f"the tiles hold the only copy on AMX; here {why}"
+    return True, "the tiles multiply on AMX and stream a decode's weights as fast as the GEMVs"
+
+
+def unpack_tiles(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The [n, K] bf16 weight `pack_tiles` laid out as `packed` (exact: a permutation)."""
+    groups, kp = packed.shape[:2]
+    out = torch.empty(groups * TILE_OUTPUTS, 2 * kp, dtype=torch.bfloat16)
+    out.view(torch.int32).view(groups, TILE_OUTPUTS, kp).copy_(
+        packed.view(torch.int32).view(groups, kp, -1).transpose(1, 2)
+    )
+    return out[:n]
+
+
+# Groups re-laid out at a time in place: the permutation goes through a buffer of this many bytes.
+IN_PLACE_BYTES = 16 << 20
+
+
+def _permute_in_place(weight: torch.Tensor, to_tiles: bool) -> None:
+    """Lay out `weight`'s own bytes ([N, K] bf16 contiguous, N a multiple of 64) as `pack_tiles` does
+    (`to_tiles`) or back: each group of 64 outputs is the same contiguous span in both layouts, so a
+    few groups at a time go through a buffer and back into their span."""
+    n, k = weight.shape
+    words = weight.view(torch.int32).view(n // TILE_OUTPUTS, TILE_OUTPUTS * (k // 2))
+    step = max(1, IN_PLACE_BYTES // (TILE_OUTPUTS * k * 2))
+    for g in range(0, words.shape[0], step):
+        span = words[g : g + step]
+        was = span.clone().view(-1, TILE_OUTPUTS, k // 2) if to_tiles else span.clone().view(-1, k // 2, TILE_OUTPUTS)
+        span.view(was.shape[0], was.shape[2], was.shape[1]).copy_(was.transpose(1, 2))
+
+
+def holds_in_place(weight: torch.Tensor) -> bool:
+    """Whether `Tiles(weight, in_place=True)` can take this weight: [N, K] bf16 contiguous, N a multiple
+    of 64 (no padding) and K of 32 (the layout AMX reads whole)."""
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and weight.is_contiguous() and n % TILE_OUTPUTS == 0 and k % 32 == 0
+
+
 class Tiles:
-    """A bf16 weight packed for `wb_gemm_tiles` (steps of more than MAX_ROWS rows): `tiles(x)` for
-    x [M, K] contiguous bf16 returns [M, N] bf16, fp32 sums rounded once, as the GEMVs do."""
+    """A bf16 weight packed for `wb_gemm_tiles`: `tiles(x)` for x [M, K] contiguous bf16 (any M)
+    returns [M, N] bf16, fp32 sums rounded once, as the GEMVs do. `in_place`: the weight's own bytes
+    are re-laid out (then the only copy of it, until `release` lays them back)."""
 
-    __slots__ = ("_fn", "_packed", "_bias", "n", "k")
+    __slots__ = ("_fn", "_packed", "_bias", "_weight", "n", "k")
+    kind = "tiles"
+    group = 0
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, in_place: bool = False):
         if not tiles_available():
             raise RuntimeError(f"the bf16 tiles need the avx512_bf16 build; this one is {variant()}")
         self._fn = _require().wb_gemm_tiles
-        self._packed, self._bias = pack_tiles(weight), bias
         self.n, self.k = weight.shape
+        self._weight = None
+        if in_place:
+            if not holds_in_place(weight):
+                raise ValueError(
+                    f"the tiles take in place [N, K] bf16 contiguous weights, N % 64 == 0 and K % 32 == 0; "
+                    f"got {tuple(weight.shape)} {weight.dtype}"
+                )
+            _permute_in_place(weight, to_tiles=True)
+            self._weight = weight
+            self._packed = weight.view(self.n // TILE_OUTPUTS, self.k // 2, 4, 16, 2)
+        else:
+            self._packed = pack_tiles(weight)
+        self._bias = bias
+
+    def release(self) -> torch.Tensor:
+        """An in-place weight laid back as it came (this object unusable after); else a copy of it."""
+        if self._weight is None:
+            return unpack_tiles(self._packed, self.n)
+        weight, self._weight, self._packed = self._weight, None, None
+        _permute_in_place(weight, to_tiles=False)
+        return weight
+
+    def weight(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows start..stop of the [N, K] weight as it came: a copy (the tiles' bytes stay as they are)."""
+        stop = self.n if stop is None else min(stop, self.n)
+        g0 = start // TILE_OUTPUTS
+        rows = unpack_tiles(self._packed[g0 : -(-stop // TILE_OUTPUTS)], stop - g0 * TILE_OUTPUTS)
+        return rows[start - g0 * TILE_OUTPUTS :]
 
     @property
     def ptr(self) -> int:
@@ -979,6 +1060,15 @@ class Tiles:
     @property
     def packed(self) -> torch.Tensor:
         return self._packed
+
+    @property
+    def operands(self) -> tuple:
+        """What the kernel reads (as `Gemv.operands`)."""
+        return (self._packed, None, self._bias)
+
+    def descriptor(self, tiles: Tiles | None = None) -> _Linear:
+        """This weight for the one-call layer (as `Gemv.descriptor`): every step on the tiles."""
+        return _Linear(3, self.ptr, None, _ptr(self._bias), self.n, self.k, 0, self.ptr)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]

@@ -295,6 +295,43 @@ def test_tiled_linear_keeps_no_onednn_copy():
     assert torch.equal(lin(x), y) and lin.copies_bytes() == {"tiles": lin._tiles.packed.nbytes}
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 40, 600])
+def test_a_linear_held_once_multiplies_on_its_own_bytes_laid_out_as_the_tiles(rows, amx_unit, monkeypatch):
+    """Held once (`Linear.hold_once`, the engine's layers on AMX), a layer's weights take the tiles'
+    layout in their own bytes and every step multiplies there (past AMX_TILES_MAX_ROWS rows on AMX, on a
+    oneDNN copy where memory allowed one): within an ulp of the exact product at any row count, in
+    AVX-512 (forced here; the rule holds them once on AMX only) and AMX alike. `weight` reads the
+    originals back exactly; a quantisation and the torch path lay the bytes back first."""
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(192, 96, generator=g) * 0.1).to(BF)
+    bias = torch.randn(192, generator=g).to(BF)
+    x = torch.randn(rows, 96, generator=g).to(BF)
+    ref = x.float() @ w.float().t() + bias.float()
+    store = w.clone()
+    lin = Linear(store, bias, own=True)
+    lin.bind(True, False, True)
+    assert lin.hold_once() == cpu.tiles_hold_weights()[0] == (amx_unit == "amx")
+    monkeypatch.setattr(cpu, "tiles_hold_weights", lambda: (True, "forced by the test"))
+    assert lin.hold_once() and lin.storage is store and not torch.equal(store, w)
+    assert lin.copies_bytes() == {} and lin.gemv is not None  # no copy; the one-call layer binds the tiles
+    for prompt_copy in (False, True):
+        lin.prompt_copy = prompt_copy
+        y = lin(x)
+        assert y.shape == (rows, 192) and bool(((y.float() - ref).abs() <= ulp(ref) + 1e-6).all())
+    assert torch.equal(lin.weight, w) and torch.equal(lin.weight_rows(64, 130), w[64:130])
+    lin.quantize("int8")
+    assert not lin.held_once and torch.equal(store, w)
+    lin.quantize("none")
+    assert lin.hold_once()
+    lin.bind(False, False, False)  # torch's path reads the plain layout
+    assert not lin.held_once and torch.equal(store, w) and torch.equal(lin(x), F.linear(x, w, bias))
+    # a weight another reader shares, or one the layout would pad, is never laid out in place
+    shared, odd = Linear(w), Linear(torch.zeros(100, 96, dtype=BF), own=True)
+    for other in (shared, odd):
+        other.bind(True, False, True)
+        assert not other.hold_once()
+
+
 @pytest.mark.parametrize("m,n,k", [(9, 576, 576), (100, 130, 64), (1030, 96, 2048), (33, 17, 32)])
 def test_int8_steps_on_amx_equal_the_exact_product(m, n, k, amx_unit):
     """On AMX an int8 layer's large steps widen the codes to bf16 (exact) a half group at a time and

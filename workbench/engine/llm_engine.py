@@ -28,7 +28,8 @@ import msgspec
 import torch
 from workbench_kernels import hostmem
 
-from ..models.llama import place_weights
+from ..models.linear import LAYOUT_LOCK
+from ..models.llama import WeightsByName, place_weights
 from ..models.loader import load_model
 from ..models.loader import weights_checksum as checksum_of
 from ..outputs import CoreOutput, RequestMetrics, StreamChunk
@@ -54,7 +55,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class LLMEngine:
     # What an engine process calls from a thread other than its step loop's (the calls thread):
-    # it reads only the original weights, which no re-layout replaces. Everything else changes
+    # it reads only the original weights, under the lock every re-layout of their bytes takes
+    # (`LAYOUT_LOCK`: the tiles may hold them in place, `Linear.hold_once`). Everything else changes
     # under a step: tests/test_engine_loop_thread.py fails on any other use off the loop. (The
     # tokenizer thread uses `self.inputs`, an object of its own, never the engine.)
     THREAD_SAFE = frozenset({"weights_checksum"})
@@ -95,8 +97,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             cpu_kernels=s.cpu_kernels,
             prefill_attention=s.prefill_attention,
+            own_weights=True,
         )
-        self._weights = weights
+        self._weights = WeightsByName(weights, self.runner.model)  # by name, whatever layout the layers hold
         self.runner.set_cuda_graphs(s.cuda_graphs, s.max_num_seqs)
         if s.moe_top_k is not None:
             live_settings.check_moe_top_k(s.moe_top_k, self.model_config, self.model_name)
@@ -104,7 +107,6 @@ class LLMEngine:
         if s.quantization != "none":
             live_settings.check_quantization(s.quantization, self.device)
             self.runner.model.quantize(s.quantization, s.quant_group_size)
-        self.runner.model.pack_tiles()
         self.timeline = TimelineRecorder()
         self.host = HostSampler()
         self.scheduler = Scheduler(s, num_blocks, self.timeline)
@@ -436,8 +438,9 @@ class LLMEngine:
 
     def _build_draft(self, draft_model: str | None) -> DraftProposer:
         s = self.settings
-        if draft_model is None:
-            config, weights, source = self.model_config, self._weights, "self-int4"
+        if draft_model is None:  # the layers' weights as they are, copies of those held as the tiles
+            with LAYOUT_LOCK:
+                config, weights, source = self.model_config, dict(self._weights.items()), "self-int4"
         else:
             loaded = load_model(draft_model, dtype=self.dtype)
             check_same_vocabulary(self.model_config, self.tokenizer, loaded.config, loaded.tokenizer, draft_model)
@@ -455,6 +458,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             cpu_kernels=s.cpu_kernels,
             prefill_attention=s.prefill_attention,
+            own_weights=draft_model is not None,  # placed for it alone; self-int4's parts are the target's
         )
         if draft_model is None:
             runner.model.quantize("int4", "auto")
@@ -524,7 +528,8 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------------
     def weights_checksum(self) -> str:
         """Recomputed from the tensors in memory, so it proves serving left them untouched."""
-        return checksum_of(self._weights)
+        with LAYOUT_LOCK:  # no re-layout moves the bytes under it
+            return checksum_of(self._weights)
 
     def status(self) -> dict[str, Any]:
         return as_dict(self.status_report())

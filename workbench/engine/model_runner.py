@@ -39,12 +39,13 @@ class ModelRunner:
         max_model_len,
         cpu_kernels=True,
         prefill_attention="auto",
+        own_weights=False,
     ):
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = Transformer(config, weights, device, max_model_len)
+        self.model = Transformer(config, weights, device, max_model_len, own_weights)
         self.kv = self._new_cache(kv_cache_dtype)
         self.backend_name = attention_backend
         self.max_blocks = -(-max_model_len // block_size)  # a sequence's longest block table

@@ -17,20 +17,32 @@ our bf16 tiles (`tiled`, over a copy packed for them: the layers' at load, by
 oneDNN in fp32 over an fp32 copy of the weights, made on first use. On AMX the tiles give prompts'
 steps of over `cpu.AMX_TILES_MAX_ROWS` rows to oneDNN (a copy in its layout, made at the first such
 step). A quantisation drops these layouts of the originals, which serve mode "none" only.
+
+Where the tiles stream a decode's weights as fast as the GEMVs (`cpu.tiles_hold_weights`) and the
+layer owns its weights (`own`), the tiles are the originals' own bytes laid out anew (`hold_once`):
+every step multiplies there and the bf16 weights are held once. `weight` is then a copy made on
+request; a quantisation or the torch path lays the bytes back first (`LAYOUT_LOCK` orders that with
+readers on other threads: the checksum).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 from workbench_kernels import cpu
 
 QUANT_MODES = ("none", "int8", "int4", "fp8")
+LAYOUT_LOCK = threading.RLock()  # held while a weight's bytes change layout, and by readers of them
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight  # original weights, never modified
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, own: bool = False):
+        self._weight = weight  # the original weights (laid out as the tiles while `held_once`)
+        self.own = own  # this layer alone reads `weight`'s bytes: they may be laid out anew in place
+        self.held_once = False
+        self.prompt_copy = False  # while held once: steps past cpu.AMX_TILES_MAX_ROWS rows on a oneDNN copy
         self.bias = bias
         self.mode = "none"
         self.group_size = 0
@@ -46,12 +58,62 @@ class Linear:
         self.tiled = False
         self.quantize("none")
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The original [N, K] weights (a copy while the tiles hold them: `hold_once`)."""
+        if self.held_once:
+            with LAYOUT_LOCK:
+                if self.held_once:
+                    return self._tiles.weight()
+        return self._weight
+
+    def weight_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of the original weights (a copy of them while the tiles hold them)."""
+        if self.held_once:
+            with LAYOUT_LOCK:
+                if self.held_once:
+                    return self._tiles.weight(start, stop)
+        return self._weight[start:stop]
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The tensor holding the original weights, in whichever layout."""
+        return self._weight
+
+    def hold_once(self) -> bool:
+        """Lay the original weights out as the tiles in their own bytes, where this layer owns them,
+        multiplies unquantised on the tiles, and the tiles stream decodes as fast as the GEMVs here;
+        then every step takes the tiles. Returns whether the weights are held once."""
+        if not self.held_once and self.own and self.fused_tiles() is not None and cpu.holds_in_place(self._weight):
+            if cpu.tiles_hold_weights()[0]:
+                with LAYOUT_LOCK:
+                    self._native = None  # bound to the plain layout
+                    self._tiles = cpu.Tiles(self._weight, self.bias, in_place=True)
+                    self._native, self._packed, self._wide = self._tiles, False, None
+                    self.held_once = True
+        return self.held_once
+
+    def _lay_back(self) -> None:
+        """The original weights in their own layout again (before anything but the tiles reads them)."""
+        if self.held_once:
+            with LAYOUT_LOCK:
+                self._tiles.release()
+                self._tiles, self._native, self.held_once = None, None, False
+
+    def bind(self, native: bool, wide: bool, tiled: bool) -> None:
+        """Which kernels serve: ours (`native`; large steps in fp32 oneDNN if `wide`, on the tiles if
+        `tiled`) or torch's."""
+        if self.held_once and not (native and tiled):
+            self.quantize(self.mode, self.group_size or 128)  # laid back, bound to the GEMV again
+        self.native, self.wide, self.tiled = native, wide, tiled
+
     def quantize(self, mode: str, group_size: int = 128) -> None:
         """Re-lay out from the original weights: any mode is reachable from any other."""
         if mode not in QUANT_MODES:
             raise ValueError(f"invalid value {mode!r} for setting 'quantization'; allowed: {QUANT_MODES}")
-        if mode == "fp8" and not fp8_supported(self.weight.device):
-            raise ValueError(f"quantization='fp8' is not supported on this device ({self.weight.device})")
+        if mode == "fp8" and not fp8_supported(self._weight.device):
+            raise ValueError(f"quantization='fp8' is not supported on this device ({self._weight.device})")
+        self._lay_back()
         self._q = ()
         self._native = None
         self._deq = None
@@ -111,6 +173,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mode = self.mode
+        if self.held_once:  # the tiles take every step, but long prompts where a oneDNN copy may be made
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            if self.prompt_copy and cpu.tiles_yield(rows.shape[0]) and self.onednn_packed() is not None:
+                return cpu.packed_linear(rows, self._packed, self.bias).view(*x.shape[:-1], -1)
+            return self._tiles(rows).view(*x.shape[:-1], -1)
         gemv_rows = cpu.MAX_ROWS if mode == "none" else cpu.quant_gemv_rows()
         if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= gemv_rows:
             if not (self.tiled and mode == "none" and cpu.tiles_take(x.shape[0], x.shape[1])):
@@ -166,7 +233,7 @@ class Linear:
         "tiles" and "onednn" (the originals re-laid out for a kernel), "quantized" (codes and
         scales), "dequantized" (their exact weights, where no quantised kernel runs), "fp32" (the
         wide path's copy)."""
-        kept = {id(self.weight), id(self.bias)}
+        kept = {id(self._weight), id(self.bias)}
         out: dict[str, int] = {}
 
         def add(kind: str, *tensors) -> None:
@@ -175,9 +242,9 @@ class Linear:
                     kept.add(id(t))
                     out[kind] = out.get(kind, 0) + t.nbytes
 
-        add("tiles", self._tiles and self._tiles.packed)
+        add("tiles", not self.held_once and self._tiles and self._tiles.packed)
         add("onednn", self._packed)
-        add("quantized", *self._q, *(self._native.operands if self._native is not None else ()))
+        add("quantized", *self._q, *(self._native.operands if self._native is not None and not self.held_once else ()))
         add("dequantized", *(self._deq or ()))
         add("fp32", *(self._wide or ()))
         return out
@@ -192,10 +259,10 @@ class Linear:
     def fused_tiles(self) -> cpu.Tiles | None:
         """The original bf16 weights packed for our tiles (made at the first call), when large steps take
         them: on the tiles path, unquantised, an even number of inputs."""
-        if not (self.native and self.tiled and self.mode == "none" and self.weight.shape[1] % 2 == 0):
+        if not (self.native and self.tiled and self.mode == "none" and self._weight.shape[1] % 2 == 0):
             return None
         if self._tiles is None:
-            self._tiles = cpu.Tiles(self.weight, self.bias)
+            self._tiles = cpu.Tiles(self._weight, self.bias)
         return self._tiles
 
     def _wide_linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ kernels) and, for bf16 on a CPU, the C-kernel forward (`cpu_forward.py`, set by
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -164,28 +165,68 @@ def merged(weights: dict[str, torch.Tensor], keys: list[str], empty=None) -> tor
 def place_weights(config, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A model's weights where it runs, those of each merged matmul (`merged_groups`) back to back in
     one tensor, the parts views of it: the model takes them as they lie, and holds each weight once.
-    On a CPU all of them in huge pages (`hostmem`: the GEMVs stream them faster than from 4 KiB pages)."""
+    On a CPU all of them in huge pages (`hostmem`: the GEMVs stream them faster than from 4 KiB pages).
+    The tensors are taken out of `weights` as they are placed (it ends empty): the loader's copy of
+    each goes as its placed one comes, so the process never holds the model twice (Llama-3-8B's
+    16 GB on a 23 GB host)."""
     on_cpu = torch.device(device).type == "cpu"
-    placed = {k: v.to(device) for k, v in weights.items()}
-    grouped = set()
-    for keys in merged_groups(config, placed):
-        merged(placed, keys, empty=hostmem.ARENA.empty if on_cpu else None)
-        grouped.update(keys)
-    return {k: hostmem.ARENA.copy(v) if on_cpu and k not in grouped else v for k, v in placed.items()}
+    order, placed = list(weights), {}
+    for keys in merged_groups(config, weights):
+        parts = {k: weights.pop(k).to(device) for k in keys}
+        merged(parts, keys, empty=hostmem.ARENA.empty if on_cpu else None)
+        placed.update(parts)
+    for k in list(weights):
+        v = weights.pop(k).to(device)
+        placed[k] = hostmem.ARENA.copy(v) if on_cpu else v
+    return {k: placed[k] for k in order}
+
+
+PROMPT_COPY_SPARE = 2 << 30
+
+
+class WeightsByName(Mapping):
+    """A model's weights by checkpoint name, as `place_weights` returned them, those a layer holds in
+    the tiles' layout (`Linear.hold_once`) read back as copies. Read under `LAYOUT_LOCK` where a
+    re-layout may run on another thread (the engine's checksum)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], model: Transformer):
+        self._weights = weights
+        self._held: dict[str, tuple[Linear, int]] = {}  # name -> (the layer whose bytes it views, first row)
+        spans = [(lin, lin.storage) for lin in model.linears() if lin.own]
+        for name, t in weights.items():
+            for lin, st in spans:
+                start, row_bytes = st.data_ptr(), st.shape[-1] * st.element_size()
+                if t.dim() == 2 and t.shape[1] == st.shape[1] and start <= t.data_ptr() < start + st.nbytes:
+                    self._held[name] = (lin, (t.data_ptr() - start) // row_bytes)
+                    break
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._weights[name]
+        held = self._held.get(name)
+        if held is not None and held[0].held_once:
+            lin, row = held
+            return lin.weight_rows(row, row + t.shape[0])
+        return t
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
 
 
 class DecoderLayer:
-    def __init__(self, config, weights: dict[str, torch.Tensor], i: int):
+    def __init__(self, config, weights: dict[str, torch.Tensor], i: int, own: bool = False):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         qkv = merged(weights, [a + f"{n}_proj.weight" for n in "qkv"])
         bias = merged(weights, [a + f"{n}_proj.bias" for n in "qkv"]) if config.attention_bias else None
-        self.qkv = Linear(qkv, bias)
-        self.o = Linear(weights[a + "o_proj.weight"])
+        self.qkv = Linear(qkv, bias, own)
+        self.o = Linear(weights[a + "o_proj.weight"], own=own)
         self.moe = MoE(config, weights, p + "mlp.") if i in config.moe_layers else None
         if self.moe is None:
-            self.gate_up = Linear(merged(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
-            self.down = Linear(weights[p + "mlp.down_proj.weight"])
+            self.gate_up = Linear(merged(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), own=own)
+            self.down = Linear(weights[p + "mlp.down_proj.weight"], own=own)
         eps, off = config.rms_norm_eps, config.norm_offset
         self.ln1 = weights[p + "input_layernorm.weight"]
         self.ln2 = weights[p + "post_attention_layernorm.weight"]
@@ -313,12 +354,16 @@ class MoE:
 
 
 class Transformer:
-    """Weights plus forward; holds the original tensors so any quantisation can be undone."""
+    """Weights plus forward; holds the original tensors so any quantisation can be undone. With
+    `own_weights` (the engine's model, over weights `place_weights` laid out for it alone) the
+    layers may hold theirs in the tiles' layout only (`Linear.hold_once`); read them by name
+    through `WeightsByName`."""
 
-    def __init__(self, config, weights: dict[str, torch.Tensor], device, max_positions: int):
+    def __init__(self, config, weights: dict[str, torch.Tensor], device, max_positions: int, own_weights=False):
         self.config = config
+        self.own_weights = own_weights
         self.embed = weights["model.embed_tokens.weight"]
-        self.layers = [DecoderLayer(config, weights, i) for i in range(config.num_hidden_layers)]
+        self.layers = [DecoderLayer(config, weights, i, own_weights) for i in range(config.num_hidden_layers)]
         self.moe_layers = [layer.moe for layer in self.layers if layer.moe is not None]  # read every step
         self.norm = weights["model.norm.weight"]
         self.final_norm = Norm(self.norm, config.rms_norm_eps, config.norm_offset)
@@ -342,6 +387,7 @@ class Transformer:
         self.cpu_forward = None  # a CpuKernelForward while fused C layers serve this model
         self.fused_ops = None  # the Triton fused layer ops while they serve (`set_triton_kernels`)
         self.fused_layers_reason: str | None = "not set up yet"  # why they do not (None: they do)
+        self.prompt_copy: tuple | None = None  # held once: (a oneDNN copy for long prompts, free bytes, its bytes)
         self._why_not: str | None = "not set up yet"  # why no C kernel serves (None: they do)
         self._unfused: str | None = None  # why the layers are not fused, when the C kernels serve
 
@@ -360,6 +406,8 @@ class Transformer:
         fused = self._why_not is None and self._unfused is None
         self.cpu_forward = CpuKernelForward(self) if fused else None
         CpuKernelForward.bind_linears(self, self._why_not is None)
+        if self.own_weights:
+            self.pack_tiles()
         return self.cpu_kernels
 
     def kernel_report(self) -> dict:
@@ -382,14 +430,14 @@ class Transformer:
             }
         from .cpu_forward import CpuKernelForward
 
-        return CpuKernelForward.report(self._unfused)
+        return CpuKernelForward.report(self._unfused, self.prompt_copy)
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
 
     def originals(self) -> dict[int, int]:
         """Address -> bytes of the original tensors the model multiplies by (linears, embedding)."""
-        tensors = [t for lin in self.linears() for t in (lin.weight, lin.bias) if t is not None] + [self.embed]
+        tensors = [t for lin in self.linears() for t in (lin.storage, lin.bias) if t is not None] + [self.embed]
         return {t.data_ptr(): t.nbytes for t in tensors}
 
     def memory_bytes(self, shared: dict[int, int] | None = None) -> dict[str, int]:
@@ -443,11 +491,26 @@ class Transformer:
 
     def pack_tiles(self) -> None:
         """The layers' weights packed for the tiles now, where large steps take them: not at the
-        first prompt, whose TTFT that was (0.4 s of Llama-3.2-1B's shape). The output head's copy
+        first prompt, whose TTFT that was (0.4 s of Llama-3.2-1B's shape); laid out as the tiles
+        in place where a layer may hold them once (`Linear.hold_once`). The output head's copy
         waits for a step of many sequences, which it alone serves."""
+        held = []
         for layer in self.layers:
             for lin in layer.linears():
-                lin.fused_tiles()
+                if lin.hold_once():
+                    held.append(lin)
+                else:
+                    lin.fused_tiles()
+        # Long prompts multiply faster on oneDNN's AMX kernels (cpu.AMX_TILES_MAX_ROWS), over a copy in
+        # its layout: made (at the first such step) only where the whole copy fits beside what the host
+        # has free, with PROMPT_COPY_SPARE to spare; else the tiles take them too (an 8B on 23 GB).
+        made = {id(lin) for lin in held if lin.copies_bytes().get("onednn")}  # from an earlier call
+        need = sum(lin.storage.nbytes for lin in held if id(lin) not in made)
+        free = hostmem.available_bytes()
+        room = free is not None and free > need + PROMPT_COPY_SPARE
+        for lin in held:
+            lin.prompt_copy = room or id(lin) in made
+        self.prompt_copy = (room, free, need) if held else None
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
