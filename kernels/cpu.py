@@ -962,10 +962,10 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
 def tiles_hold_weights() -> tuple[bool, str]:
     """(whether bf16 layers on the tiles path keep their weights in the tiles' layout only, every step
     multiplying there, why): on AMX, where the tiles stream a decode's weights as fast as the GEMVs
-    (docs/benchmarks.md: Llama-3.2-1B's shape 13.3-13.5 tok/s against 13.0-13.3, RSS -1.8 GiB). On
-    AVX-512 alone a step of 1-2 rows matched the GEMVs but one of 8 took ~8% longer (SmolLM2, tiles
-    forced on an AMX host with AMX off): the plain copy stays for the GEMVs there.
-    WORKBENCH_CPU_WEIGHTS_ONCE=0 keeps both copies on AMX too (to compare)."""
+    (docs/benchmarks.md, two engines interleaved in one process: Llama-3.2-1B's shape 12.6 tok/s both,
+    SmolLM2 115 vs 110; RSS -1.8 GiB on the 1B). On AVX-512 alone the tiles matched the GEMVs at 1-2
+    rows but took ~8% longer at 8 (SmolLM2, tiles forced on an AMX host with AMX off): the plain copy
+    stays for the GEMVs there. WORKBENCH_CPU_WEIGHTS_ONCE=0 keeps both copies on AMX too (to compare)."""
     if not tiles_available():
         return False, f"the {variant() or 'no'} build has no tiles"
     if os.environ.get("WORKBENCH_CPU_WEIGHTS_ONCE", "1").strip() == "0":

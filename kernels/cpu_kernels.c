@@ -732,7 +732,6 @@ void wb_gemv_int4(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, const
 // is 256 contiguous bytes and a thread's groups are one stream.
 #define TN 64
 #define TM 6
-#define AMX_GEMV_ROWS 2  // steps of up to this many rows read the tiles in AVX-512 (cpu.AMX_GEMV_ROWS)
 #define TILES_AHEAD 8192  // bytes: how far a one-pass task fetches its own weights ahead
 #if WB_BF16_DOT
 static inline void tile_group(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t N, int64_t K,
@@ -976,7 +975,7 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, 
 // GEMMs idle); the parts read their group's weights once each, from the caches after the first.
 static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
 #if WB_AMX
-    if (amx_on && K % 32 == 0 && M > AMX_GEMV_ROWS) {
+    if (amx_on && K % 32 == 0) {
         amx_groups(x, wp, NULL, NULL, 0, NULL, bias, y, M, N, K);
         return;
     }
@@ -990,9 +989,9 @@ static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y
     for (int64_t task = 0; task < groups * parts; task++) {
         int64_t g = task / parts, first = task % parts * part_rows, last = first + part_rows < M ? first + part_rows : M;
         const bf16 *next = g + 1 < groups ? wp + (g + 1) * KP * TN * 2 : NULL;
-        // A step of a few rows (a decode where the tiles hold the only copy of the weights) reads
-        // each group once: its own stream is fetched ahead instead. 1B-shaped layers at 1-2 rows,
-        // AVX-512 on an Emerald Rapids guest: 40-42 -> 55-62 GB/s (the GEMVs there 55-60).
+        // A step of a few rows reads each group once: its own stream is fetched ahead instead (1-2
+        // rows of 1B-shaped layers in AVX-512, Emerald Rapids guest: 40-42 -> 55-62 GB/s, the GEMVs
+        // 55-60; on AMX the tiles take such steps, 1.1-1.2x the GEMVs there).
         if (row_tiles == 1) next = wp + g * KP * TN * 2 + TILES_AHEAD / 2;
         for (int64_t m0 = first; m0 < last; m0 += TM) {
             const bf16 *pf = m0 == first ? next : NULL;
@@ -2207,6 +2206,7 @@ typedef struct {
 // On AMX the tiles take steps from 3 rows (cpu.AMX_GEMV_ROWS): at SmolLM2's widths they streamed the
 // weights 1.16x faster than the GEMVs at 4 rows and 2.0x at 8, 0.9x at 1-2.
 #define GEMV_ROWS 8
+#define AMX_GEMV_ROWS 2
 
 typedef struct {
     wb_linear qkv, o, gate_up, down;

@@ -1,48 +1,50 @@
-"""One engine process per run: the bf16 layers' weights held once, in the tiles' layout (default), or
-twice (WORKBENCH_CPU_WEIGHTS_ONCE=0: the plain copy for the GEMVs beside the tiles). Prints RSS after
-load, status()'s memory_mb, single-stream decode tok/s, a batch of 8's ITL and a prompt's TTFT.
-Alternate the two settings run by run so the host's drift cancels:
+"""The bf16 layers' weights held once, in the tiles' layout (`cpu.tiles_hold_weights`: on AMX), against
+both copies kept (WORKBENCH_CPU_WEIGHTS_ONCE=0: the plain one for the GEMVs beside the tiles), as two
+engines in one process, their requests interleaved so the host's drift cancels: single-stream decode
+tok/s and a batch of 8's ITL (medians over the rounds), a prompt's TTFT, and what each engine holds
+(`status()["memory_mb"]`).
 
-    for i in 1 2 3; do for once in 1 0; do
-        WORKBENCH_CPU_WEIGHTS_ONCE=$once python docs/probes/weights_once.py shape:llama3.2-1b; done; done
+    python docs/probes/weights_once.py [--model shape:llama3.2-1b] [--rounds 5]
 """
 
+import argparse
 import os
 import statistics
-import sys
 
 from workbench import LLM, SamplingParams
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
 def main():
-    llm = LLM(model=sys.argv[1] if len(sys.argv) > 1 else None)
-    rss = rss_mib()
-    once = os.environ.get("WORKBENCH_CPU_WEIGHTS_ONCE", "1")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=1536)
+    args = ap.parse_args()
+    engines = {}
+    for name, flag in (("twice", "0"), ("once", "1")):
+        os.environ["WORKBENCH_CPU_WEIGHTS_ONCE"] = flag  # read as each engine lays out its layers
+        engines[name] = LLM(model=args.model)
     greedy = dict(temperature=0, ignore_eos=True)
-    llm.generate(prompt_token_ids=[[7] * 16], params=SamplingParams(max_tokens=4, **greedy))  # warm
-    single = llm.generate(prompt_token_ids=[[11] * 16], params=SamplingParams(max_tokens=48, **greedy))[0]
-    tok_s = 1 / statistics.median(single.metrics.itl)
-    batch = llm.generate(
-        prompt_token_ids=[[13 + i] * 16 for i in range(8)], params=SamplingParams(max_tokens=24, **greedy)
-    )
-    itl8 = statistics.median(t for o in batch for t in o.metrics.itl) * 1e3
-    ttft = {
-        n: statistics.median(
-            llm.generate(prompt_token_ids=[[17 + i] * n], params=SamplingParams(max_tokens=1, **greedy))[0].metrics.ttft
-            for i in range(3)
+    tok_s, itl8, ttft = ({n: [] for n in engines} for _ in range(3))
+    for r in range(args.rounds):
+        for name, llm in engines.items():
+            one = llm.generate(prompt_token_ids=[[11 + r] * 16], params=SamplingParams(max_tokens=48, **greedy))[0]
+            tok_s[name].append(1 / statistics.median(one.metrics.itl))
+            batch = llm.generate(
+                prompt_token_ids=[[13 + r + i] * 16 for i in range(8)], params=SamplingParams(max_tokens=24, **greedy)
+            )
+            itl8[name].append(statistics.median(t for o in batch for t in o.metrics.itl))
+            prompt = [[17 + r] * args.prompt]
+            ttft[name].append(
+                llm.generate(prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, **greedy))[0].metrics.ttft
+            )
+    for name, llm in engines.items():
+        held = all(lin.held_once for layer in llm.engine.runner.model.layers for lin in layer.linears())
+        print(
+            f"{name} (held once: {held}): single {statistics.median(tok_s[name]):.1f} tok/s; batch 8 ITL "
+            f"{statistics.median(itl8[name]) * 1e3:.1f} ms; {args.prompt}-token TTFT {statistics.median(ttft[name]) * 1e3:.0f} ms; "
+            f"memory_mb {llm.engine.status()['memory_mb']}"
         )
-        for n in (512, 1536)
-    }
-    mem = llm.engine.status()["memory_mb"]
-    print(
-        f"once={once}: RSS {rss:,.0f} MiB after load; single {tok_s:.1f} tok/s; batch 8 ITL {itl8:.1f} ms; "
-        f"TTFT 512 / 1536 tokens {ttft[512] * 1e3:.0f} / {ttft[1536] * 1e3:.0f} ms; memory_mb {mem}"
-    )
 
 
 if __name__ == "__main__":

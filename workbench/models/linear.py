@@ -84,10 +84,11 @@ class Linear:
         """Lay the original weights out as the tiles in their own bytes, where this layer owns them,
         multiplies unquantised on the tiles, and the tiles stream decodes as fast as the GEMVs here;
         then every step takes the tiles. Returns whether the weights are held once."""
-        if not self.held_once and self.own and self.fused_tiles() is not None and cpu.holds_in_place(self._weight):
+        tiles_serve = self.native and self.tiled and self.mode == "none"
+        if not self.held_once and self.own and tiles_serve and cpu.holds_in_place(self._weight):
             if cpu.tiles_hold_weights()[0]:
                 with LAYOUT_LOCK:
-                    self._native = None  # bound to the plain layout
+                    self._native = self._tiles = None  # bound to the plain layout; a packed copy
                     self._tiles = cpu.Tiles(self._weight, self.bias, in_place=True)
                     self._native, self._packed, self._wide = self._tiles, False, None
                     self.held_once = True
