@@ -182,7 +182,7 @@ def test_gemv_int4_matches_torch_kernel(kern, m, k, group):
     w = (torch.randn(48, k, generator=g) * 0.1).to(BF)
     x = torch.randn(m, k, generator=g).to(BF)
     codes, scales_zeros = int4_codes(w, group)
-    packed, sz, _ = int4_torch_operands(codes, scales_zeros, w)
+    packed, sz, _ = int4_torch_operands(codes, scales_zeros, w.dtype)
     ref = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
     assert_within_ulps(kern.gemv_int4(x, *native_int4(codes, scales_zeros), group), ref, 0.05)
 

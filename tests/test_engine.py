@@ -575,8 +575,8 @@ def test_a_relayout_gives_the_replaced_memory_back(tiny_llama, monkeypatch):
 def test_each_weight_is_held_once(fixture, request):
     """A merged matmul's weights (Q/K/V and their biases, gate/up) lie back to back in one tensor,
     the checkpoint's names views of it: no part is kept beside a merged copy (which held Llama-3-8B's
-    largest weights twice, 9 GB). The checksum is still the loader's, and the self-int4 draft is
-    built from the same originals, not from copies of its own."""
+    largest weights twice, 9 GB). The checksum is still the loader's, and the self-int4 draft keeps
+    its codes alone, no weights of its own."""
     from workbench.models.loader import load_model
 
     path, _ = request.getfixturevalue(fixture)
@@ -612,9 +612,12 @@ def test_each_weight_is_held_once(fixture, request):
     plain = llm.generate(prompt_token_ids=[[5, 9, 17, 3]], params=sp)[0].token_ids
     llm.configure(speculative="draft")
     assert llm.generate(prompt_token_ids=[[5, 9, 17, 3]], params=sp)[0].token_ids == plain
-    draft_layer = eng.spec.draft.runner.model.layers[0]
-    assert draft_layer.qkv.weight.data_ptr() == layer.qkv.weight.data_ptr()
-    assert draft_layer.qkv.mode == "int4" and layer.qkv.mode == "none"
+    draft = eng.spec.draft.runner.model  # its int4 codes alone: no bf16 (or fp32) weights of its own
+    assert all(lin.storage is None and lin.mode in ("int4", "int8") for lin in draft.linears())
+    assert draft.memory_bytes(model.originals())["weights"] == 0  # the embedding and norms are the target's
+    with pytest.raises(RuntimeError, match="dropped its original weights"):
+        draft.layers[0].qkv.quantize("none")
+    assert layer.qkv.mode == "none"
 
 
 def test_status_counts_each_copy_of_the_weights_and_a_relayout_drops_the_unused():

@@ -42,7 +42,8 @@ def main():
         held = all(lin.held_once for layer in llm.engine.runner.model.layers for lin in layer.linears())
         print(
             f"{name} (held once: {held}): single {statistics.median(tok_s[name]):.1f} tok/s; batch 8 ITL "
-            f"{statistics.median(itl8[name]) * 1e3:.1f} ms; {args.prompt}-token TTFT {statistics.median(ttft[name]) * 1e3:.0f} ms; "
+            f"{statistics.median(itl8[name]) * 1e3:.1f} ms; "
+            f"{args.prompt}-token TTFT {statistics.median(ttft[name]) * 1e3:.0f} ms; "
             f"memory_mb {llm.engine.status()['memory_mb']}"
         )
 

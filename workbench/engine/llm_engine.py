@@ -460,8 +460,9 @@ class LLMEngine:
             prefill_attention=s.prefill_attention,
             own_weights=draft_model is not None,  # placed for it alone; self-int4's parts are the target's
         )
-        if draft_model is None:
+        if draft_model is None:  # its codes alone: it is rebuilt, never re-laid out
             runner.model.quantize("int4", "auto")
+            runner.model.drop_originals()
         self.scheduler.reset_draft_caches()
         return DraftProposer(runner, source)
 

@@ -39,7 +39,8 @@ LAYOUT_LOCK = threading.RLock()  # held while a weight's bytes change layout, an
 
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, own: bool = False):
-        self._weight = weight  # the original weights (laid out as the tiles while `held_once`)
+        self._weight = weight  # the original weights (laid out as the tiles while `held_once`; None: dropped)
+        self.shape, self.dtype, self.device = tuple(weight.shape), weight.dtype, weight.device
         self.own = own  # this layer alone reads `weight`'s bytes: they may be laid out anew in place
         self.held_once = False
         self.prompt_copy = False  # while held once: steps past cpu.AMX_TILES_MAX_ROWS rows on a oneDNN copy
@@ -61,6 +62,8 @@ class Linear:
     @property
     def weight(self) -> torch.Tensor:
         """The original [N, K] weights (a copy while the tiles hold them: `hold_once`)."""
+        if self._weight is None:
+            raise RuntimeError(f"this layer dropped its original weights (`drop_original`): {self.mode} only")
         if self.held_once:
             with LAYOUT_LOCK:
                 if self.held_once:
@@ -94,6 +97,13 @@ class Linear:
                     self.held_once = True
         return self.held_once
 
+    def drop_original(self) -> None:
+        """Forget the original weights of a quantised layer that is never re-laid out (a self-int4
+        draft's, rebuilt from its model to change): its codes alone stay."""
+        if self.mode == "none":
+            raise ValueError("an unquantised layer multiplies by its original weights: nothing to drop")
+        self._weight = None
+
     def _lay_back(self) -> None:
         """The original weights in their own layout again (before anything but the tiles reads them)."""
         if self.held_once:
@@ -112,8 +122,10 @@ class Linear:
         """Re-lay out from the original weights: any mode is reachable from any other."""
         if mode not in QUANT_MODES:
             raise ValueError(f"invalid value {mode!r} for setting 'quantization'; allowed: {QUANT_MODES}")
-        if mode == "fp8" and not fp8_supported(self._weight.device):
-            raise ValueError(f"quantization='fp8' is not supported on this device ({self._weight.device})")
+        if mode == "fp8" and not fp8_supported(self.device):
+            raise ValueError(f"quantization='fp8' is not supported on this device ({self.device})")
+        if self._weight is None:
+            raise RuntimeError(f"this layer dropped its original weights (`drop_original`): {self.mode} only")
         self._lay_back()
         self._q = ()
         self._native = None
@@ -139,7 +151,7 @@ class Linear:
                 self._native = cpu.Gemv("int4", *native_int4(codes, scales_zeros), self.bias, self.group_size)
             # torch's packed copy of the codes only where large steps need it (not on AMX's tiles)
             if self._native is None or not cpu.codes_on_tiles(cpu.quant_gemv_rows() + 1, w.shape[1]):
-                self._q = int4_torch_operands(codes, scales_zeros, w)
+                self._q = int4_torch_operands(codes, scales_zeros, w.dtype)
             if not weight_only_kernels:
                 self._deq = _dense(self._q[2])
         elif mode == "fp8":
@@ -158,19 +170,19 @@ class Linear:
             return self.weight
         if self.mode == "int8":
             q, s = self._q
-            return (q.float() * s.float()[:, None]).to(self.weight.dtype)
+            return (q.float() * s.float()[:, None]).to(self.dtype)
         if self.mode == "int4":
             if not self._q:  # AMX's tiles, from the GEMV's codes: each weight rounded to bf16 as they widen it
                 codes, scale_zero, _ = self._native.operands
-                return int4_weights(cpu.unpack_int4(codes), scale_zero, self.group_size).to(self.weight.dtype)
+                return int4_weights(cpu.unpack_int4(codes), scale_zero, self.group_size).to(self.dtype)
             packed, scales_zeros, deq = self._q
             if deq is not None:
                 return deq
             # Ask the kernel itself: x = I gives W^T exactly as it multiplies.
-            eye = torch.eye(self.weight.shape[1], dtype=self.weight.dtype)
+            eye = torch.eye(self.shape[1], dtype=self.dtype)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, self.group_size, scales_zeros).t()
         q, s = self._q
-        return (q.float() * s.float()[:, None]).to(self.weight.dtype)
+        return (q.float() * s.float()[:, None]).to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mode = self.mode
@@ -226,7 +238,7 @@ class Linear:
         from the GEMV's codes where quantize did not (AMX's tiles take the large steps)."""
         if not self._q:
             codes, scale_zero, _ = self._native.operands
-            self._q = int4_torch_operands(cpu.unpack_int4(codes), scale_zero.transpose(0, 1).contiguous(), self.weight)
+            self._q = int4_torch_operands(cpu.unpack_int4(codes), scale_zero.transpose(0, 1).contiguous(), self.dtype)
         return self._q
 
     def copies_bytes(self) -> dict[str, int]:
@@ -311,17 +323,17 @@ def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
     return q.view(n, k), scales_zeros
 
 
-def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, w: torch.Tensor):
+def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, dtype: torch.dtype):
     """(packed, scales_and_zeros, dequantised copy): bf16 on a CPU gets torch's packed kernel and no
     copy; other dtypes and devices multiply by the dequantised copy."""
-    if w.device.type == "cpu" and w.dtype == torch.bfloat16:
+    if codes.device.type == "cpu" and dtype == torch.bfloat16:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
         return packed, scales_zeros, None
     n, k = codes.shape
     scale, zero = scales_zeros.float().transpose(0, 1).unbind(-1)
     g = k // scale.shape[1]
     deq = (codes.view(n, -1, g) - 8) * scale[..., None] + zero[..., None]
-    return None, scales_zeros, deq.view(n, k).to(w.dtype)
+    return None, scales_zeros, deq.view(n, k).to(dtype)
 
 
 def int4_weights(codes: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:

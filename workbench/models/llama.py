@@ -440,6 +440,12 @@ class Transformer:
         tensors = [t for lin in self.linears() for t in (lin.storage, lin.bias) if t is not None] + [self.embed]
         return {t.data_ptr(): t.nbytes for t in tensors}
 
+    def drop_originals(self) -> None:
+        """Every linear forgets its original weights (`Linear.drop_original`): a quantised model that
+        is never re-laid out (a self-int4 draft)."""
+        for lin in self.linears():
+            lin.drop_original()
+
     def memory_bytes(self, shared: dict[int, int] | None = None) -> dict[str, int]:
         """Bytes held: "weights" (the originals, less those `shared` with another model: a draft's
         own only) and each kind of copy the linears made (`Linear.copies_bytes`)."""
