@@ -837,20 +837,6 @@ _amx: tuple[bool, str] | None = None
 AMX_GEMV_ROWS = 2  # on AMX, steps of more rows take the tiles rather than the GEMVs (as cpu_kernels.c)
 
 
-# On AMX, steps of more rows than this leave the tiles for oneDNN's packed AMX kernels, over a copy of
-# the weights in its layout made at the first such step. In the engine (SmolLM2's prompts alone,
-# interleaved in one process; docs/probes/amx_prompt_rows.py) the tiles took 1.00x oneDNN's step
-# time at 384-640 rows, 1.11x at 768, 1.18x at 1,024 (docs/benchmarks.md). Decode steps keep the
-# tiles, which stream weights faster.
-AMX_TILES_MAX_ROWS = 512
-
-
-def tiles_yield(rows: int) -> bool:
-    """Whether a step of `rows` rows on the tiles path goes to oneDNN instead (on AMX, above
-    AMX_TILES_MAX_ROWS rows, where oneDNN blocks a prompt's rows better)."""
-    return rows > AMX_TILES_MAX_ROWS and amx()[0]
-
-
 def tiles_take(rows: int, k: int) -> bool:
     """Whether a bf16 step of `rows` rows (<= MAX_ROWS) over `k` inputs multiplies on the tiles rather
     than the GEMVs where a linear has both: on AMX from 3 rows (the one-call layer decides alike)."""

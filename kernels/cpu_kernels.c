@@ -934,13 +934,12 @@ static void codes_to_tiles(const void *codes, const bf16 *sz, int64_t group, int
     }
 }
 
-// As tile_groups (inside the caller's parallel region): a task is a group's half over a chunk of up to
-// 512 rows, chunk by chunk. At 1,024 rows of SmolLM2's linears this was 0.85-0.89x oneDNN, 0.79 with
-// whole steps and 0.74-0.83 with chunks of 128-256 (each chunk reads its half's weights again).
+// On AMX (inside the caller's parallel region), a task a group's half over a chunk of up to 512 rows,
+// chunk by chunk: a single row's step (half groups share out evenly and stream the weights once),
+// and quantised codes (`q`, `wp` NULL; `sz` and `group` for int4, `codes_to_tiles`), which each task
+// first widens into the tiles' layout in a buffer of its thread, multiplies from there, and scales
+// by output (`scale`, int8's).
 #define AMX_CHUNK 512
-// With `q` (quantised codes, `wp` NULL; `sz` and `group` for int4, `codes_to_tiles`), each task
-// first widens its half group's codes into the tiles' layout in a buffer of its thread, multiplies
-// from there, and scales the sums by output (`scale`, int8's).
 AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, const bf16 *sz, int64_t group,
                                   const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
     int64_t halves = 2 * ((N + TN - 1) / TN), chunks = (M + AMX_CHUNK - 1) / AMX_CHUNK;
@@ -965,6 +964,51 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, 
     if (configured >= 0) amx_release();
     free(buf);
 }
+
+// bf16 weights on AMX (inside the caller's parallel region): a task is a span of groups (~1 MB of
+// weights, which stay in L2) over a part of the rows, 32 rows at a time against each half group of
+// the span in turn (the 32 rows stay in L1-L2). The weights are read from memory once per part, the
+// activations once per span. Tasks of a half group over 512 rows (as amx_codes) read the activations
+// again for every half group (2 GB from L3 at a 1,024-token prompt of Llama-3.2-1B's gate/up) and
+// each weight once per 512 rows: interleaved in one process, the spans took Llama-3.2-1B's shape's
+// linears 1.2-1.4x as fast at 2-64 rows and 1.1-1.3x at 128-1,536 (past 512 rows 1.05x oneDNN's AMX
+// kernels, where the half groups were 0.87x), SmolLM2's 1.05-1.3x (past 512 rows 0.86-0.92x oneDNN's,
+// its prompts' TTFT the same: 0.99-1.02x). So the tiles take every step on AMX, one row's excepted:
+// a span is too coarse to share out evenly where every byte of weight is read once (SmolLM2's 9 groups
+// of outputs in 5 spans on 2 threads).
+#define AMX_SPAN_BYTES (1 << 20)
+AMX_TARGET static void amx_spans(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
+                                 int64_t K) {
+    int64_t groups = (N + TN - 1) / TN, threads = omp_get_num_threads(), most = AMX_SPAN_BYTES / (K * TN * 2);
+    // spans of equal size, a multiple of the threads and at least four each where the groups allow:
+    // SmolLM2's 48 groups of gate/up had gone in spans of 14, 14, 14 and 6 (28 against 20 a thread)
+    int64_t spans = (groups + (most < 1 ? 1 : most) - 1) / (most < 1 ? 1 : most);
+    if (spans < 4 * threads) spans = 4 * threads;
+    spans = (spans + threads - 1) / threads * threads;
+    int64_t span = spans >= groups ? 1 : (groups + spans - 1) / spans;
+    spans = (groups + span - 1) / span;
+    int64_t row_blocks = (M + 31) / 32, parts = 1;
+    while (parts < row_blocks && (spans * parts) % threads && spans * parts < 8 * threads) parts++;
+    int64_t part_rows = (row_blocks + parts - 1) / parts * 32;
+    int configured = -1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < spans * parts; task++) {
+        int64_t g0 = task / parts * span, g1 = g0 + span < groups ? g0 + span : groups;
+        int64_t first = task % parts * part_rows, last = first + part_rows < M ? first + part_rows : M;
+        for (int64_t m0 = first; m0 < last; m0 += 32) {
+            int rows = last - m0 < 32 ? (int)(last - m0) : 32;
+            int ma = rows < 16 ? rows : 16, mb = rows - ma;
+            if (configured != ma * 32 + mb) {
+                amx_configure(ma, mb);
+                configured = ma * 32 + mb;
+            }
+            for (int64_t g = g0; g < g1; g++)
+                for (int h = 0; h < 2; h++)
+                    amx_block(x, wp + g * (K / 2) * TN * 2, NULL, bias, y, N, K, g, h, m0, ma, mb, m0 == first);
+        }
+    }
+    if (configured >= 0) amx_release();
+}
 #endif
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W packed by cpu.pack_tiles; K even. Inside the caller's
@@ -976,7 +1020,10 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, 
 static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
 #if WB_AMX
     if (amx_on && K % 32 == 0) {
-        amx_groups(x, wp, NULL, NULL, 0, NULL, bias, y, M, N, K);
+        if (M == 1)
+            amx_groups(x, wp, NULL, NULL, 0, NULL, bias, y, M, N, K);
+        else
+            amx_spans(x, wp, bias, y, M, N, K);
         return;
     }
 #endif

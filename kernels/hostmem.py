@@ -43,19 +43,6 @@ def huge_pages_asked() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
-def available_bytes() -> int | None:
-    """Memory the kernel could give this process now without swapping (MemAvailable), or None
-    where /proc/meminfo does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class Arena:
     """A bump allocator over huge-page-advised chunks. Tensors keep their chunk mapped; a chunk
     is unmapped when no tensor from it is left. A tensor of more than half a chunk gets a mapping

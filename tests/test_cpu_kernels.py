@@ -298,9 +298,8 @@ def test_tiled_linear_keeps_no_onednn_copy():
 @pytest.mark.parametrize("rows", [1, 2, 5, 40, 600])
 def test_a_linear_held_once_multiplies_on_its_own_bytes_laid_out_as_the_tiles(rows, amx_unit, monkeypatch):
     """Held once (`Linear.hold_once`, the engine's layers on AMX), a layer's weights take the tiles'
-    layout in their own bytes and every step multiplies there (past AMX_TILES_MAX_ROWS rows on AMX, on a
-    oneDNN copy where memory allowed one): within an ulp of the exact product at any row count, in
-    AVX-512 (forced here; the rule holds them once on AMX only) and AMX alike. `weight` reads the
+    layout in their own bytes and every step multiplies there: within an ulp of the exact product at
+    any row count, in AVX-512 (forced here; the rule holds them once on AMX only) and AMX alike. `weight` reads the
     originals back exactly; a quantisation and the torch path lay the bytes back first."""
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(192, 96, generator=g) * 0.1).to(BF)
@@ -314,10 +313,9 @@ def test_a_linear_held_once_multiplies_on_its_own_bytes_laid_out_as_the_tiles(ro
     monkeypatch.setattr(cpu, "tiles_hold_weights", lambda: (True, "forced by the test"))
     assert lin.hold_once() and lin.storage is store and not torch.equal(store, w)
     assert lin.copies_bytes() == {} and lin.gemv is not None  # no copy; the one-call layer binds the tiles
-    for prompt_copy in (False, True):
-        lin.prompt_copy = prompt_copy
-        y = lin(x)
-        assert y.shape == (rows, 192) and bool(((y.float() - ref).abs() <= ulp(ref) + 1e-6).all())
+    y = lin(x)
+    assert y.shape == (rows, 192) and bool(((y.float() - ref).abs() <= ulp(ref) + 1e-6).all())
+    assert lin.copies_bytes() == {}
     assert torch.equal(lin.weight, w) and torch.equal(lin.weight_rows(64, 130), w[64:130])
     lin.quantize("int8")
     assert not lin.held_once and torch.equal(store, w)
@@ -395,30 +393,26 @@ def test_int4_steps_on_amx_multiply_each_weight_rounded_once(m, n, k, group, amx
     assert lin._q == () and set(lin.copies_bytes()) == {"quantized"}
 
 
-def test_on_amx_a_prompts_rows_leave_the_tiles_for_onednn(amx_unit):
-    """On AMX a step of more than AMX_TILES_MAX_ROWS rows (a prompt's) multiplies by oneDNN's packed
-    copy, made then (its kernels block many rows better: a 1,024-token prompt 1.18x faster); up to
-    that the tiles alone. Both within an ulp of the exact product; on AVX-512 alone, the tiles."""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN: the tiles take every step")
-    from workbench.models.cpu_forward import CpuKernelForward
-
-    why = CpuKernelForward.report()["compute_path_reason"]
-    said = f"steps of more than {cpu.AMX_TILES_MAX_ROWS} rows (prompts) on oneDNN bf16"
-    assert (said in why) == (amx_unit == "amx" and cpu.gemm_path()[0] == "tiles"), why
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(80, 64, generator=g) * 0.1).to(BF)
-    b = torch.randn(80, generator=g).to(BF)
+@pytest.mark.parametrize("rows", [9, 33, 520, 1100])
+@pytest.mark.parametrize("n,k", [(576, 576), (200, 2048)])
+def test_on_the_tiles_a_prompts_rows_make_no_onednn_copy(rows, n, k, amx_unit):
+    """The tiles take every step of a tiled layer, a prompt's too (on AMX in spans of groups whose
+    weights stay in L2, the activations 32 rows at a time: as fast as oneDNN's kernels past 512 rows,
+    which needed a copy of the weights in their layout): within an ulp of the exact product, and no
+    oneDNN copy made. Spans of one group and of several, the rows split among the threads where the
+    spans are too few (576 outputs: 9 groups)."""
+    g = torch.Generator().manual_seed(rows + n)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(BF)
+    b = torch.randn(n, generator=g).to(BF)
     lin = Linear(w, b)
     lin.native, lin.tiled = True, True
-    exact = lambda x: x.float() @ w.float().t() + b.float()  # noqa: E731
-    for rows in (cpu.AMX_TILES_MAX_ROWS, cpu.AMX_TILES_MAX_ROWS + 1):
-        x = torch.randn(rows, 64, generator=g).to(BF)
-        y = lin(x)
-        assert bool(((y.float() - exact(x)).abs() <= ulp(y.float()) + 1e-6).all()), rows
-        onednn = amx_unit == "amx" and rows > cpu.AMX_TILES_MAX_ROWS
-        assert (lin._packed is not False) == onednn, (rows, amx_unit)
-    assert lin._tiles is not None
+    x = torch.randn(rows, k, generator=g).to(BF)
+    y = lin(x)
+    exact = x.double() @ w.double().t() + b.double()
+    # one rounding to bf16 of fp32 sums: an ulp, and the sums' own error where terms cancel
+    fp32_sums = 2**-16 * (x.double().abs() @ w.double().abs().t())
+    assert bool(((y.double() - exact).abs() <= ulp(exact.float()).double() + fp32_sums).all()), rows
+    assert lin._packed is False and lin.copies_bytes().keys() == {"tiles"}
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")

@@ -90,23 +90,11 @@ class CpuKernelForward:
             lin.bind(on, path == "fp32", path == "tiles")
 
     @staticmethod
-    def report(unfused: str | None = None, prompt_copy: tuple | None = None) -> dict:
-        """`prompt_copy`: (made, free bytes, its bytes) where the layers hold their weights once
-        (`Transformer.pack_tiles`)."""
+    def report(unfused: str | None = None, held_once: bool = False) -> dict:
+        """`held_once`: the layers keep their weights in the tiles' layout alone (`Linear.hold_once`)."""
         path, why, _ = cpu.gemm_path()
-        long_steps = f"steps of more than {cpu.AMX_TILES_MAX_ROWS} rows (prompts)"
-        if prompt_copy is not None:
-            made, free, size = prompt_copy
+        if held_once:
             why += f"; the layers' bf16 weights held once, in the tiles' layout ({cpu.tiles_hold_weights()[1]})"
-            if made:
-                why += f"; {long_steps} on oneDNN bf16, faster there, over a copy made at the first such step"
-            else:
-                why += (
-                    f"; {long_steps} stay on the tiles: a copy for oneDNN ({size / 2**30:.1f} GiB) would not fit "
-                    f"beside {'an unknown amount' if free is None else f'{free / 2**30:.1f} GiB'} free"
-                )
-        elif path == "tiles" and cpu.tiles_yield(cpu.AMX_TILES_MAX_ROWS + 1):
-            why += f"; {long_steps} on oneDNN bf16, faster there"
         width, width_why, _ = cpu.gemv_width()
         reason = cpu.variant_reason() + (f"; bf16 GEMVs in {width} registers ({width_why})" if width else "")
         reason += f"; layers not fused: {unfused}" if unfused else ""

@@ -14,9 +14,8 @@ they stream the weights at the memory's rate, where oneDNN's and torch's kernels
 per-call overhead and short rows. Larger batches take the path `cpu.gemm_path` measured fastest:
 our bf16 tiles (`tiled`, over a copy packed for them: the layers' at load, by
 `Transformer.pack_tiles`), oneDNN in bf16 where this CPU multiplies bf16 natively, or (`wide`)
-oneDNN in fp32 over an fp32 copy of the weights, made on first use. On AMX the tiles give prompts'
-steps of over `cpu.AMX_TILES_MAX_ROWS` rows to oneDNN (a copy in its layout, made at the first such
-step). A quantisation drops these layouts of the originals, which serve mode "none" only.
+oneDNN in fp32 over an fp32 copy of the weights, made on first use. A quantisation drops these
+layouts of the originals, which serve mode "none" only.
 
 Where the tiles stream a decode's weights as fast as the GEMVs (`cpu.tiles_hold_weights`) and the
 layer owns its weights (`own`), the tiles are the originals' own bytes laid out anew (`hold_once`):
@@ -43,7 +42,6 @@ class Linear:
         self.shape, self.dtype, self.device = tuple(weight.shape), weight.dtype, weight.device
         self.own = own  # this layer alone reads `weight`'s bytes: they may be laid out anew in place
         self.held_once = False
-        self.prompt_copy = False  # while held once: steps past cpu.AMX_TILES_MAX_ROWS rows on a oneDNN copy
         self.bias = bias
         self.mode = "none"
         self.group_size = 0
@@ -186,11 +184,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mode = self.mode
-        if self.held_once:  # the tiles take every step, but long prompts where a oneDNN copy may be made
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            if self.prompt_copy and cpu.tiles_yield(rows.shape[0]) and self.onednn_packed() is not None:
-                return cpu.packed_linear(rows, self._packed, self.bias).view(*x.shape[:-1], -1)
-            return self._tiles(rows).view(*x.shape[:-1], -1)
+        if self.held_once:  # the tiles take every step
+            return self._tiles(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], -1)
         gemv_rows = cpu.MAX_ROWS if mode == "none" else cpu.quant_gemv_rows()
         if self.native and self._native is not None and x.dim() == 2 and x.shape[0] <= gemv_rows:
             if not (self.tiled and mode == "none" and cpu.tiles_take(x.shape[0], x.shape[1])):
@@ -200,7 +195,7 @@ class Linear:
             return F.linear(x, w, self.bias) if packed is None else cpu.packed_linear(x, packed, self.bias)
         if mode == "none":
             tiles = self.fused_tiles() if x.dim() == 2 else None
-            if tiles is not None and not (cpu.tiles_yield(x.shape[0]) and self.onednn_packed() is not None):
+            if tiles is not None:
                 return tiles(x if x.is_contiguous() else x.contiguous())
             if self.native and self.wide:
                 return self._wide_linear(x)

@@ -181,9 +181,6 @@ def place_weights(config, weights: dict[str, torch.Tensor], device: torch.device
     return {k: placed[k] for k in order}
 
 
-PROMPT_COPY_SPARE = 2 << 30
-
-
 class WeightsByName(Mapping):
     """A model's weights by checkpoint name, as `place_weights` returned them, those a layer holds in
     the tiles' layout (`Linear.hold_once`) read back as copies. Read under `LAYOUT_LOCK` where a
@@ -387,7 +384,6 @@ class Transformer:
         self.cpu_forward = None  # a CpuKernelForward while fused C layers serve this model
         self.fused_ops = None  # the Triton fused layer ops while they serve (`set_triton_kernels`)
         self.fused_layers_reason: str | None = "not set up yet"  # why they do not (None: they do)
-        self.prompt_copy: tuple | None = None  # held once: (a oneDNN copy for long prompts, free bytes, its bytes)
         self._why_not: str | None = "not set up yet"  # why no C kernel serves (None: they do)
         self._unfused: str | None = None  # why the layers are not fused, when the C kernels serve
 
@@ -430,7 +426,8 @@ class Transformer:
             }
         from .cpu_forward import CpuKernelForward
 
-        return CpuKernelForward.report(self._unfused, self.prompt_copy)
+        held = any(lin.held_once for layer in self.layers for lin in layer.linears())
+        return CpuKernelForward.report(self._unfused, held)
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
@@ -500,23 +497,10 @@ class Transformer:
         first prompt, whose TTFT that was (0.4 s of Llama-3.2-1B's shape); laid out as the tiles
         in place where a layer may hold them once (`Linear.hold_once`). The output head's copy
         waits for a step of many sequences, which it alone serves."""
-        held = []
         for layer in self.layers:
             for lin in layer.linears():
-                if lin.hold_once():
-                    held.append(lin)
-                else:
+                if not lin.hold_once():
                     lin.fused_tiles()
-        # Long prompts multiply faster on oneDNN's AMX kernels (cpu.AMX_TILES_MAX_ROWS), over a copy in
-        # its layout: made (at the first such step) only where the whole copy fits beside what the host
-        # has free, with PROMPT_COPY_SPARE to spare; else the tiles take them too (an 8B on 23 GB).
-        made = {id(lin) for lin in held if lin.copies_bytes().get("onednn")}  # from an earlier call
-        need = sum(lin.storage.nbytes for lin in held if id(lin) not in made)
-        free = hostmem.available_bytes()
-        room = free is not None and free > need + PROMPT_COPY_SPARE
-        for lin in held:
-            lin.prompt_copy = room or id(lin) in made
-        self.prompt_copy = (room, free, need) if held else None
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
