@@ -968,12 +968,12 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, 
 // bf16 weights on AMX (inside the caller's parallel region): a task is a span of groups (~1 MB of
 // weights, which stay in L2) over a part of the rows, 32 rows at a time against each half group of
 // the span in turn (the 32 rows stay in L1-L2). The weights are read from memory once per part, the
-// activations once per span. Tasks of a half group over 512 rows (as amx_codes) read the activations
+// activations once per span. Tasks of a half group over 512 rows (amx_groups) read the activations
 // again for every half group (2 GB from L3 at a 1,024-token prompt of Llama-3.2-1B's gate/up) and
 // each weight once per 512 rows: interleaved in one process, the spans took Llama-3.2-1B's shape's
-// linears 1.2-1.4x as fast at 2-64 rows and 1.1-1.3x at 128-1,536 (past 512 rows 1.05x oneDNN's AMX
-// kernels, where the half groups were 0.87x), SmolLM2's 1.05-1.3x (past 512 rows 0.86-0.92x oneDNN's,
-// its prompts' TTFT the same: 0.99-1.02x). So the tiles take every step on AMX, one row's excepted:
+// linears 1.2-1.4x as fast at 2-64 rows and 1.1-1.3x at 128-1,536 (past 512 rows 1.03-1.09x oneDNN's
+// AMX kernels, where the half groups were 0.87x), SmolLM2's 1.05-1.3x (past 512 rows 0.84-0.92x
+// oneDNN's, its prompts' TTFT within 3%). So the tiles take every step on AMX, one row's excepted:
 // a span is too coarse to share out evenly where every byte of weight is read once (SmolLM2's 9 groups
 // of outputs in 5 spans on 2 threads).
 #define AMX_SPAN_BYTES (1 << 20)
