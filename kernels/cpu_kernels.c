@@ -935,10 +935,10 @@ static void codes_to_tiles(const void *codes, const bf16 *sz, int64_t group, int
 }
 
 // On AMX (inside the caller's parallel region), a task a group's half over a chunk of up to 512 rows,
-// chunk by chunk: a single row's step (half groups share out evenly and stream the weights once),
-// and quantised codes (`q`, `wp` NULL; `sz` and `group` for int4, `codes_to_tiles`), which each task
-// first widens into the tiles' layout in a buffer of its thread, multiplies from there, and scales
-// by output (`scale`, int8's).
+// chunk by chunk: a single row's step (the halves share out evenly, and each weight is read once, as
+// by the GEMVs), and quantised codes whose activations fit in L2 (`q`, `wp` NULL; `sz` and `group` for
+// int4, `codes_to_tiles`), which each task first widens into the tiles' layout in a buffer of its
+// thread (L1-sized), multiplies from there, and scales by output (`scale`, int8's).
 #define AMX_CHUNK 512
 AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, const bf16 *sz, int64_t group,
                                   const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
@@ -965,10 +965,10 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, 
     free(buf);
 }
 
-// bf16 weights on AMX (inside the caller's parallel region): a task is a span of groups (~1 MB of
-// weights, which stay in L2) over a part of the rows, 32 rows at a time against each half group of
+// Steps of more rows on AMX (inside the caller's parallel region): a task is a span of groups (~1 MB
+// of weights, which stay in L2) over a part of the rows, 32 rows at a time against each half group of
 // the span in turn (the 32 rows stay in L1-L2). The weights are read from memory once per part, the
-// activations once per span. Tasks of a half group over 512 rows (amx_groups) read the activations
+// activations once per span. Tasks of a half group over 512 rows (before) read the activations
 // again for every half group (2 GB from L3 at a 1,024-token prompt of Llama-3.2-1B's gate/up) and
 // each weight once per 512 rows: interleaved in one process, the spans took Llama-3.2-1B's shape's
 // linears 1.2-1.4x as fast at 2-64 rows and 1.1-1.3x at 128-1,536 (past 512 rows 1.03-1.09x oneDNN's
@@ -976,9 +976,15 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, 
 // oneDNN's, its prompts' TTFT within 3%). So the tiles take every step on AMX, one row's excepted:
 // a span is too coarse to share out evenly where every byte of weight is read once (SmolLM2's 9 groups
 // of outputs in 5 spans on 2 threads).
+// With `q` (quantised codes, `wp` NULL; `sz` and `group` for int4, `codes_to_tiles`), each task first
+// widens its span's codes into the tiles' layout in a buffer of its thread (~1 MB, L2), multiplies
+// from there, and scales the sums by output (`scale`, int8's): where the activations outgrow L2 (the
+// half groups re-read them each). Codes at 1,024 rows 1.22x the half groups' speed on SmolLM2's
+// linears, 1.33x on the 1B shape's; below, the half groups' L1-sized buffer led (SmolLM2 at 64-256
+// rows 1.06-1.14x, the 1B shape at 16 rows 1.06-1.1x).
 #define AMX_SPAN_BYTES (1 << 20)
-AMX_TARGET static void amx_spans(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y, int64_t M, int64_t N,
-                                 int64_t K) {
+AMX_TARGET static void amx_spans(const bf16 *x, const bf16 *wp, const void *q, const bf16 *sz, int64_t group,
+                                 const bf16 *scale, const bf16 *bias, bf16 *y, int64_t M, int64_t N, int64_t K) {
     int64_t groups = (N + TN - 1) / TN, threads = omp_get_num_threads(), most = AMX_SPAN_BYTES / (K * TN * 2);
     // spans of equal size, a multiple of the threads and at least four each where the groups allow:
     // SmolLM2's 48 groups of gate/up had gone in spans of 14, 14, 14 and 6 (28 against 20 a thread)
@@ -991,10 +997,13 @@ AMX_TARGET static void amx_spans(const bf16 *x, const bf16 *wp, const bf16 *bias
     while (parts < row_blocks && (spans * parts) % threads && spans * parts < 8 * threads) parts++;
     int64_t part_rows = (row_blocks + parts - 1) / parts * 32;
     int configured = -1;
+    bf16 *buf = q ? aligned_alloc(64, (size_t)span * K * TN * sizeof(bf16)) : NULL;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < spans * parts; task++) {
         int64_t g0 = task / parts * span, g1 = g0 + span < groups ? g0 + span : groups;
         int64_t first = task % parts * part_rows, last = first + part_rows < M ? first + part_rows : M;
+        for (int64_t g = g0; q && g < g1; g++)
+            for (int h = 0; h < 2; h++) codes_to_tiles(q, sz, group, N, K, g * TN + 32 * h, 32 * h, buf + (g - g0) * K * TN);
         for (int64_t m0 = first; m0 < last; m0 += 32) {
             int rows = last - m0 < 32 ? (int)(last - m0) : 32;
             int ma = rows < 16 ? rows : 16, mb = rows - ma;
@@ -1002,12 +1011,14 @@ AMX_TARGET static void amx_spans(const bf16 *x, const bf16 *wp, const bf16 *bias
                 amx_configure(ma, mb);
                 configured = ma * 32 + mb;
             }
-            for (int64_t g = g0; g < g1; g++)
-                for (int h = 0; h < 2; h++)
-                    amx_block(x, wp + g * (K / 2) * TN * 2, NULL, bias, y, N, K, g, h, m0, ma, mb, m0 == first);
+            for (int64_t g = g0; g < g1; g++) {
+                const bf16 *wg = q ? buf + (g - g0) * K * TN : wp + g * K * TN;
+                for (int h = 0; h < 2; h++) amx_block(x, wg, scale, bias, y, N, K, g, h, m0, ma, mb, !q && m0 == first);
+            }
         }
     }
     if (configured >= 0) amx_release();
+    free(buf);
 }
 #endif
 
@@ -1023,7 +1034,7 @@ static void tile_groups(const bf16 *x, const bf16 *wp, const bf16 *bias, bf16 *y
         if (M == 1)
             amx_groups(x, wp, NULL, NULL, 0, NULL, bias, y, M, N, K);
         else
-            amx_spans(x, wp, bias, y, M, N, K);
+            amx_spans(x, wp, NULL, NULL, 0, NULL, bias, y, M, N, K);
         return;
     }
 #endif
@@ -1070,7 +1081,10 @@ void wb_gemm_q8_tiles(const bf16 *x, const int8_t *q, const bf16 *scale, const b
                       int64_t N, int64_t K) {
 #if WB_AMX
 #pragma omp parallel
-    amx_groups(x, NULL, q, NULL, 0, scale, bias, y, M, N, K);
+    if (M * K * 2 > AMX_SPAN_BYTES)
+        amx_spans(x, NULL, q, NULL, 0, scale, bias, y, M, N, K);
+    else
+        amx_groups(x, NULL, q, NULL, 0, scale, bias, y, M, N, K);
 #else
     (void)x, (void)q, (void)scale, (void)bias, (void)y, (void)M, (void)N, (void)K;
 #endif
@@ -1082,7 +1096,10 @@ void wb_gemm_q4_tiles(const bf16 *x, const uint8_t *q, const bf16 *scale_zero, c
                       int64_t N, int64_t K, int64_t group) {
 #if WB_AMX
 #pragma omp parallel
-    amx_groups(x, NULL, q, scale_zero, group, NULL, bias, y, M, N, K);
+    if (M * K * 2 > AMX_SPAN_BYTES)
+        amx_spans(x, NULL, q, scale_zero, group, NULL, bias, y, M, N, K);
+    else
+        amx_groups(x, NULL, q, scale_zero, group, NULL, bias, y, M, N, K);
 #else
     (void)x, (void)q, (void)scale_zero, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)group;
 #endif
