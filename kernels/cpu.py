@@ -781,8 +781,9 @@ def gemm_path() -> tuple[str, str, dict]:
 
 
 # The tiles on AMX serve where they come within this share of the fastest path at the probe: the
-# probe's weights (2 MB) sit in L2, where oneDNN's AMX kernels lead (the tiles measured 0.80-0.93 of
-# them there, run to run); the engine's decode steps stream theirs from memory, where the tiles lead
+# probe's weights (2 MB) sit in L2, where oneDNN's AMX kernels led (the tiles measured 0.80-0.93 of
+# them there, run to run, before their spans of groups; 1.3x since, one run of an Emerald Rapids guest);
+# the engine's decode steps stream theirs from memory, where the tiles lead
 # 1.1-1.6x and take steps of up to FUSED_MAX_ROWS rows in one call a layer. On an AMX Xeon: W64
 # in process +8%, served +3.5% with ITL p50 -8%, TTFT p50 +7% (prefill steps -10%; docs/benchmarks.md).
 AMX_TILES_SHARE = 0.7
