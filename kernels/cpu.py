@@ -1003,8 +1003,6 @@ class Tiles:
     are re-laid out (then the only copy of it, until `release` lays them back)."""
 
     __slots__ = ("_fn", "_packed", "_bias", "_weight", "n", "k")
-    kind = "tiles"
-    group = 0
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, in_place: bool = False):
         if not tiles_available():
@@ -1026,9 +1024,10 @@ class Tiles:
         self._bias = bias
 
     def release(self) -> torch.Tensor:
-        """An in-place weight laid back as it came (this object unusable after); else a copy of it."""
+        """The weight these tiles were laid out in place from, laid back as it came (this object
+        unusable after)."""
         if self._weight is None:
-            return unpack_tiles(self._packed, self.n)
+            raise ValueError("only tiles laid out in place (in_place=True) lay their weight back")
         weight, self._weight, self._packed = self._weight, None, None
         _permute_in_place(weight, to_tiles=False)
         return weight
@@ -1047,11 +1046,6 @@ class Tiles:
     @property
     def packed(self) -> torch.Tensor:
         return self._packed
-
-    @property
-    def operands(self) -> tuple:
-        """What the kernel reads (as `Gemv.operands`)."""
-        return (self._packed, None, self._bias)
 
     def descriptor(self, tiles: Tiles | None = None) -> _Linear:
         """This weight for the one-call layer (as `Gemv.descriptor`): every step on the tiles."""

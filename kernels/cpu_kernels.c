@@ -934,6 +934,18 @@ static void codes_to_tiles(const void *codes, const bf16 *sz, int64_t group, int
     }
 }
 
+// Rows m0 .. (up to 32 of them before `last`) as two A tiles of *ma and *mb rows, the tiles configured
+// for them unless the last block's were the same (`configured`: that shape, -1 before the first).
+AMX_TARGET static inline void amx_rows(int64_t m0, int64_t last, int *configured, int *ma, int *mb) {
+    int rows = last - m0 < 32 ? (int)(last - m0) : 32;
+    *ma = rows < 16 ? rows : 16;
+    *mb = rows - *ma;
+    if (*configured != *ma * 32 + *mb) {
+        amx_configure(*ma, *mb);
+        *configured = *ma * 32 + *mb;
+    }
+}
+
 // On AMX (inside the caller's parallel region), a task a group's half over a chunk of up to 512 rows,
 // chunk by chunk: a single row's step (the halves share out evenly, and each weight is read once, as
 // by the GEMVs), and quantised codes whose activations fit in L2 (`q`, `wp` NULL; `sz` and `group` for
@@ -952,12 +964,8 @@ AMX_TARGET static void amx_groups(const bf16 *x, const bf16 *wp, const void *q, 
         const bf16 *wg = wp ? wp + g * (K / 2) * TN * 2 : buf;
         if (q) codes_to_tiles(q, sz, group, N, K, g * TN + 32 * (gh % 2), 32 * (int)(gh % 2), buf);
         for (int64_t m0 = first; m0 < last; m0 += 32) {
-            int rows = last - m0 < 32 ? (int)(last - m0) : 32;
-            int ma = rows < 16 ? rows : 16, mb = rows - ma;
-            if (configured != ma * 32 + mb) {
-                amx_configure(ma, mb);
-                configured = ma * 32 + mb;
-            }
+            int ma, mb;
+            amx_rows(m0, last, &configured, &ma, &mb);
             amx_block(x, wg, scale, bias, y, N, K, g, (int)(gh % 2), m0, ma, mb, !q && m0 == first);
         }
     }
@@ -1005,12 +1013,8 @@ AMX_TARGET static void amx_spans(const bf16 *x, const bf16 *wp, const void *q, c
         for (int64_t g = g0; q && g < g1; g++)
             for (int h = 0; h < 2; h++) codes_to_tiles(q, sz, group, N, K, g * TN + 32 * h, 32 * h, buf + (g - g0) * K * TN);
         for (int64_t m0 = first; m0 < last; m0 += 32) {
-            int rows = last - m0 < 32 ? (int)(last - m0) : 32;
-            int ma = rows < 16 ? rows : 16, mb = rows - ma;
-            if (configured != ma * 32 + mb) {
-                amx_configure(ma, mb);
-                configured = ma * 32 + mb;
-            }
+            int ma, mb;
+            amx_rows(m0, last, &configured, &ma, &mb);
             for (int64_t g = g0; g < g1; g++) {
                 const bf16 *wg = q ? buf + (g - g0) * K * TN : wp + g * K * TN;
                 for (int h = 0; h < 2; h++) amx_block(x, wg, scale, bias, y, N, K, g, h, m0, ma, mb, !q && m0 == first);

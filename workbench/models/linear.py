@@ -60,16 +60,14 @@ class Linear:
     @property
     def weight(self) -> torch.Tensor:
         """The original [N, K] weights (a copy while the tiles hold them: `hold_once`)."""
-        if self._weight is None:
-            raise RuntimeError(f"this layer dropped its original weights (`drop_original`): {self.mode} only")
         if self.held_once:
-            with LAYOUT_LOCK:
-                if self.held_once:
-                    return self._tiles.weight()
+            return self.weight_rows(0, self.shape[0])
+        self._require_original()
         return self._weight
 
     def weight_rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop of the original weights (a copy of them while the tiles hold them)."""
+        self._require_original()
         if self.held_once:
             with LAYOUT_LOCK:
                 if self.held_once:
@@ -89,7 +87,6 @@ class Linear:
         if not self.held_once and self.own and tiles_serve and cpu.holds_in_place(self._weight):
             if cpu.tiles_hold_weights()[0]:
                 with LAYOUT_LOCK:
-                    self._native = self._tiles = None  # bound to the plain layout; a packed copy
                     self._tiles = cpu.Tiles(self._weight, self.bias, in_place=True)
                     self._native, self._packed, self._wide = self._tiles, False, None
                     self.held_once = True
@@ -101,6 +98,10 @@ class Linear:
         if self.mode == "none":
             raise ValueError("an unquantised layer multiplies by its original weights: nothing to drop")
         self._weight = None
+
+    def _require_original(self) -> None:
+        if self._weight is None:
+            raise RuntimeError(f"this layer dropped its original weights (`drop_original`): {self.mode} only")
 
     def _lay_back(self) -> None:
         """The original weights in their own layout again (before anything but the tiles reads them)."""
@@ -122,8 +123,7 @@ class Linear:
             raise ValueError(f"invalid value {mode!r} for setting 'quantization'; allowed: {QUANT_MODES}")
         if mode == "fp8" and not fp8_supported(self.device):
             raise ValueError(f"quantization='fp8' is not supported on this device ({self.device})")
-        if self._weight is None:
-            raise RuntimeError(f"this layer dropped its original weights (`drop_original`): {self.mode} only")
+        self._require_original()
         self._lay_back()
         self._q = ()
         self._native = None

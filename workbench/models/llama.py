@@ -189,11 +189,14 @@ class WeightsByName(Mapping):
     def __init__(self, weights: dict[str, torch.Tensor], model: Transformer):
         self._weights = weights
         self._held: dict[str, tuple[Linear, int]] = {}  # name -> (the layer whose bytes it views, first row)
-        spans = [(lin, lin.storage) for lin in model.linears() if lin.own]
+        # each owning layer's bytes: (layer, first address, end, bytes a row, inputs)
+        spans = [
+            (lin, st.data_ptr(), st.data_ptr() + st.nbytes, st.stride(0) * st.element_size(), st.shape[1])
+            for lin, st in ((lin, lin.storage) for lin in model.linears() if lin.own)
+        ]
         for name, t in weights.items():
-            for lin, st in spans:
-                start, row_bytes = st.data_ptr(), st.shape[-1] * st.element_size()
-                if t.dim() == 2 and t.shape[1] == st.shape[1] and start <= t.data_ptr() < start + st.nbytes:
+            for lin, start, end, row_bytes, k in spans:
+                if t.dim() == 2 and t.shape[1] == k and start <= t.data_ptr() < end:
                     self._held[name] = (lin, (t.data_ptr() - start) // row_bytes)
                     break
 
