@@ -157,3 +157,62 @@ def own_mappings():
         yield
     finally:
         keep_step_buffers()
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                out[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _cgroup_room() -> int | None:
+    """Bytes this process's cgroup may still take before its limit (v2 memory.max, v1
+    memory.limit_in_bytes), counting its reclaimable file cache as room; None: no limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "memory" not in controllers.split(","):
+            continue
+        base = f"/sys/fs/cgroup{path}" if v2 else f"/sys/fs/cgroup/memory{path}"
+        names = ("memory.max", "memory.current") if v2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        try:
+            with open(f"{base}/{names[0]}") as f:
+                limit = f.read().strip()
+            with open(f"{base}/{names[1]}") as f:
+                used = int(f.read())
+            if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+                return None
+            cache = 0
+            with open(f"{base}/memory.stat") as f:
+                for stat in f:
+                    key, _, value = stat.partition(" ")
+                    if key in ("inactive_file", "total_inactive_file"):
+                        cache = int(value)
+            return max(0, int(limit) - used + cache)
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def total_bytes() -> int:
+    """This machine's memory (MemTotal), or 0 where /proc/meminfo does not say."""
+    return _meminfo().get("MemTotal", 0)
+
+
+def available_bytes() -> int | None:
+    """Bytes a process can still take without swapping or being killed: the kernel's estimate
+    (MemAvailable: free memory and reclaimable cache), and at most what this process's cgroup
+    leaves (a container's limit, which /proc/meminfo does not show). None where neither is known."""
+    room = [n for n in (_meminfo().get("MemAvailable"), _cgroup_room()) if n is not None]
+    return min(room) if room else None

@@ -95,6 +95,17 @@ class EngineMetrics(msgspec.Struct, kw_only=True):
     response_cache_entries: int = 0
 
 
+class HostMemoryReport(msgspec.Struct, kw_only=True):
+    """What an engine on a CPU may still take of the host's memory (`models.host_memory`), in MiB."""
+
+    limit_mb: int | None  # the host_memory_mb setting
+    available_mb: int | None  # the machine's (or its cgroup's) available memory
+    reserve_mb: int  # kept free of the engine's memory for the process and the machine
+    room_mb: int | None  # what the engine may still take: the smaller bound
+    bound: str  # which bound that is, in words
+    copies_skipped: dict[str, int]  # copy kind ("tiles", "onednn", "fp32") -> layers serving without it
+
+
 class EngineStatus(msgspec.Struct, kw_only=True):
     pid: int
     model: str
@@ -129,6 +140,8 @@ class EngineStatus(msgspec.Struct, kw_only=True):
     # MiB held on the device: "weights", each copy of them the kernels made ("tiles", "onednn",
     # "quantized", "dequantized", "fp32"), "kv_cache", "draft" (`model_runner.memory_mb`)
     memory_mb: dict[str, float] = msgspec.field(default_factory=dict)
+    # on a CPU, what bounds that memory (`models.host_memory`); None on CUDA
+    host_memory: HostMemoryReport | None = None
 
 
 class ProcessStatus(EngineStatus, kw_only=True):
@@ -145,7 +158,8 @@ class ProcessStatus(EngineStatus, kw_only=True):
 
 
 def as_dict(report: msgspec.Struct) -> dict[str, Any]:
-    return msgspec.structs.asdict(report)
+    """The report's fields, a nested report (host_memory) as a dict too."""
+    return {k: as_dict(v) if isinstance(v, msgspec.Struct) else v for k, v in msgspec.structs.asdict(report).items()}
 
 
 def metric_fields() -> tuple[str, ...]:

@@ -181,6 +181,14 @@ class EngineSettings(HasTraits):
         doc="KV cache budget when num_kv_blocks is None (None: 512 on a CPU; on CUDA 40% of the memory "
         "free once the weights are loaded)",
     )
+    host_memory_mb = Int(None, allow_none=True, min=1).tag(
+        label="Host memory (MB)",
+        kind=RESTART,
+        doc="on a CPU, the most the engine may hold in memory: weights, the kernels' copies of them, KV cache "
+        "and draft (status()['memory_mb']); None: what the machine (or its cgroup) has available, less a "
+        "reserve. A model or quantisation that does not fit is refused; a kernel's copy that does not fit is "
+        "not made, and that layer multiplies from the weights as they are",
+    )
     max_model_len = Int(None, allow_none=True, min=1).tag(
         label="Max context length",
         kind=RESTART,

@@ -10,6 +10,7 @@ from typing import Any
 
 from workbench_kernels import hostmem
 
+from ..models.host_memory import quantize_bytes
 from ..models.linear import fp8_supported
 from ..settings import RELAYOUT, RESTART, kv_salt, setting_kind, validate
 from .attention import backend_ops
@@ -32,7 +33,7 @@ def apply(engine, changes: dict[str, Any], by: str) -> dict[str, Any]:
     merged = {**before, **applied}
     kv_salt_before = kv_salt(settings)
     if "quantization" in applied:
-        check_quantization(applied["quantization"], engine.device)
+        check_quantization(engine, applied["quantization"])
     if applied.get("moe_top_k") is not None:
         check_moe_top_k(applied["moe_top_k"], engine.model_config, engine.model_name)
     if "attention_backend" in applied:
@@ -114,9 +115,17 @@ def check_moe_top_k(value: int, config, model_name: str) -> None:
         )
 
 
-def check_quantization(mode: str, device) -> None:
-    if mode == "fp8" and not fp8_supported(device):
+def check_quantization(engine, mode: str) -> None:
+    """ValueError where `mode` has no kernels on the engine's device; MemoryError where its codes
+    would not fit beside the weights (which stay, so that any mode is reachable again)."""
+    if mode == "fp8" and not fp8_supported(engine.device):
         raise ValueError(
-            f"quantization='fp8' is not supported on this device ({device}): it needs a CUDA GPU "
+            f"quantization='fp8' is not supported on this device ({engine.device}): it needs a CUDA GPU "
             "with fp8 support (compute capability 8.9+); allowed here: 'none', 'int8', 'int4'"
+        )
+    if engine.memory is not None:
+        engine.memory.check_more(
+            quantize_bytes(engine.runner.model, mode),
+            f"quantization={mode!r} (its codes beside the weights it keeps)",
+            "int4 takes half of int8's codes; or raise host_memory_mb, or free memory",
         )

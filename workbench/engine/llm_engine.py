@@ -29,8 +29,7 @@ import torch
 from workbench_kernels import hostmem
 
 from ..models.linear import LAYOUT_LOCK
-from ..models.llama import WeightsByName, place_weights
-from ..models.loader import load_model
+from ..models.llama import WeightsByName
 from ..models.loader import weights_checksum as checksum_of
 from ..outputs import CoreOutput, RequestMetrics, StreamChunk
 from ..processing.input import InputProcessor, ProcessedRequest
@@ -40,15 +39,15 @@ from ..sampling_params import SamplingParams
 from ..settings import EngineSettings, kv_salt, validate
 from ..timeline import TimelineRecorder, expert_totals, imbalance, prompt_label, step_breakdown
 from . import inflight, live_settings, sampler, structured
-from .attention import KVCache, kv_cache_budget
 from .device import Marks
 from .emitter import Emitter, RequestState
 from .hostload import HostSampler
+from .loading import build_draft, host_memory, kv_cache_blocks, load_placed
 from .model_runner import ModelRunner, memory_mb
 from .response_cache import ResponseCache
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, attention_context_of, time_context_of
 from .sequence import SeqState, Sequence
-from .speculative import DraftProposer, SpeculativeDecoder, check_same_vocabulary
+from .speculative import DraftProposer, SpeculativeDecoder
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -66,25 +65,16 @@ class LLMEngine:
         s = self.settings
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device)
         self.dtype = DTYPES["bfloat16" if s.dtype == "auto" else s.dtype]
-        loaded = load_model(model, dtype=self.dtype, device=self.device)  # a model shape's random weights made there
+        self.memory = host_memory(self)  # what the engine may hold on a CPU, asked before it takes it
+        loaded = load_placed(model, s, self.device, self.dtype, self.memory)
         self.model_name = loaded.config.name
-        self.model_config = loaded.config
+        self.model_config = c = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(
-            s.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
-        )
-        c = loaded.config
-        # before sizing the cache (on CUDA it takes what is left); the loader's copies of the parts go
-        loaded.weights = weights = place_weights(c, loaded.weights, self.device)
+        self.max_model_len = min(s.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        weights = loaded.weights
         if self.device.type == "cpu":
             hostmem.keep_step_buffers()  # once an engine: a draft loaded inside own_mappings must not undo it
-        num_blocks = s.num_kv_blocks or max(
-            1,
-            kv_cache_budget(s.kv_cache_memory_mb, self.device)
-            // KVCache.bytes_per_block(
-                c.num_hidden_layers, s.block_size, c.num_key_value_heads, c.head_dim, self.dtype, s.kv_cache_dtype
-            ),
-        )
+        num_blocks = kv_cache_blocks(s, c, self.device, self.dtype)
         self.runner = ModelRunner(
             c,
             weights,
@@ -98,6 +88,7 @@ class LLMEngine:
             cpu_kernels=s.cpu_kernels,
             prefill_attention=s.prefill_attention,
             own_weights=True,
+            memory=self.memory,
         )
         self._weights = WeightsByName(weights, self.runner.model)  # by name, whatever layout the layers hold
         self.runner.set_cuda_graphs(s.cuda_graphs, s.max_num_seqs)
@@ -105,7 +96,7 @@ class LLMEngine:
             live_settings.check_moe_top_k(s.moe_top_k, self.model_config, self.model_name)
             self.runner.model.set_moe_top_k(s.moe_top_k)
         if s.quantization != "none":
-            live_settings.check_quantization(s.quantization, self.device)
+            live_settings.check_quantization(self, s.quantization)
             self.runner.model.quantize(s.quantization, s.quant_group_size)
         self.timeline = TimelineRecorder()
         self.host = HostSampler()
@@ -434,37 +425,7 @@ class LLMEngine:
         """The draft for `speculative='draft'`: the named model, else this model in int4 (built in
         mappings of its own: it is dropped when speculation stops, and its memory goes back whole)."""
         with hostmem.own_mappings():
-            return self._build_draft(draft_model)
-
-    def _build_draft(self, draft_model: str | None) -> DraftProposer:
-        s = self.settings
-        if draft_model is None:  # the layers' weights as they are, copies of those held as the tiles
-            with LAYOUT_LOCK:
-                config, weights, source = self.model_config, dict(self._weights.items()), "self-int4"
-        else:
-            loaded = load_model(draft_model, dtype=self.dtype)
-            check_same_vocabulary(self.model_config, self.tokenizer, loaded.config, loaded.tokenizer, draft_model)
-            config, source = loaded.config, str(draft_model)
-            weights = place_weights(loaded.config, loaded.weights, self.device)
-        runner = ModelRunner(
-            config,
-            weights,
-            device=self.device,
-            dtype=self.dtype,
-            block_size=s.block_size,
-            num_blocks=self.scheduler.kv_blocks[1],
-            kv_cache_dtype="auto",
-            attention_backend=s.attention_backend,
-            max_model_len=self.max_model_len,
-            cpu_kernels=s.cpu_kernels,
-            prefill_attention=s.prefill_attention,
-            own_weights=draft_model is not None,  # placed for it alone; self-int4's parts are the target's
-        )
-        if draft_model is None:  # its codes alone: it is rebuilt, never re-laid out
-            runner.model.quantize("int4", "auto")
-            runner.model.drop_originals()
-        self.scheduler.reset_draft_caches()
-        return DraftProposer(runner, source)
+            return build_draft(self, draft_model)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, sched: SchedulerOutput, now: float) -> CoreOutput:
         tokens = self.spec.verify(seq, logits, sched)
@@ -554,6 +515,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             **self.runner.graph_report(),
             memory_mb=memory_mb(self.runner, self.spec.draft),
+            host_memory=None if self.memory is None else self.memory.report(self.runner.model.copies_skipped()),
         )
 
     def metrics(self, window_s: float = 10.0) -> dict[str, Any]:

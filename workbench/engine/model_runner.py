@@ -40,13 +40,16 @@ class ModelRunner:
         cpu_kernels=True,
         prefill_attention="auto",
         own_weights=False,
+        memory=None,
     ):
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = Transformer(config, weights, device, max_model_len, own_weights)
+        self.model = Transformer(config, weights, device, max_model_len, own_weights, memory)
         self.kv = self._new_cache(kv_cache_dtype)
+        if memory is not None:  # counted before the kernels' copies ask it for room
+            memory.add(self)
         self.backend_name = attention_backend
         self.max_blocks = -(-max_model_len // block_size)  # a sequence's longest block table
         self.max_model_len = max_model_len

@@ -299,6 +299,7 @@ _BUILTIN_ERRORS: dict[str, type[BaseException]] = {
         FileNotFoundError,
         OverflowError,
         ZeroDivisionError,
+        MemoryError,  # a model, draft or quantisation that would not fit the host's memory (`host_memory_mb`)
     )
 }
 _IPC_ERRORS: dict[str, type[BaseException]] = {

@@ -90,11 +90,17 @@ class CpuKernelForward:
             lin.bind(on, path == "fp32", path == "tiles")
 
     @staticmethod
-    def report(unfused: str | None = None, held_once: bool = False) -> dict:
-        """`held_once`: the layers keep their weights in the tiles' layout alone (`Linear.hold_once`)."""
+    def report(unfused: str | None = None, held_once: bool = False, skipped: dict[str, int] | None = None) -> dict:
+        """`held_once`: the layers keep their weights in the tiles' layout alone (`Linear.hold_once`);
+        `skipped`: copy kind -> layers serving without it for want of memory (`Linear.skipped`)."""
         path, why, _ = cpu.gemm_path()
         if held_once:
-            why += f"; the layers' bf16 weights held once, in the tiles' layout ({cpu.tiles_hold_weights()[1]})"
+            on, held_why = cpu.tiles_hold_weights()
+            held_why = held_why if on else "where a copy for the tiles did not fit in memory"
+            why += f"; the layers' bf16 weights held once, in the tiles' layout ({held_why})"
+        if skipped:
+            copies = ", ".join(f"{kind} ({n} layers)" for kind, n in sorted(skipped.items()))
+            why += f"; copies of the weights not made for want of memory (status()['host_memory']): {copies}"
         width, width_why, _ = cpu.gemv_width()
         reason = cpu.variant_reason() + (f"; bf16 GEMVs in {width} registers ({width_why})" if width else "")
         reason += f"; layers not fused: {unfused}" if unfused else ""

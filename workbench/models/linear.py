@@ -22,6 +22,10 @@ layer owns its weights (`own`), the tiles are the originals' own bytes laid out 
 every step multiplies there and the bf16 weights are held once. `weight` is then a copy made on
 request; a quantisation or the torch path lays the bytes back first (`LAYOUT_LOCK` orders that with
 readers on other threads: the checksum).
+
+Every copy of the originals (the tiles', oneDNN's, fp32) is made only where the engine's host
+memory affords it (`memory`, `models.host_memory`); otherwise the layer serves without it
+(`skipped`): the tiles' layout in place, oneDNN over the plain weights, an fp32 copy per call.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Linear:
         self.native = False
         self.wide = False
         self.tiled = False
+        self.memory = None  # a `HostMemory` asked before any copy of the weights (None: no bound)
+        self.skipped: set[str] = set()  # copies not made for want of memory, until the next re-layout
         self.quantize("none")
 
     @property
@@ -79,13 +85,14 @@ class Linear:
         """The tensor holding the original weights, in whichever layout."""
         return self._weight
 
-    def hold_once(self) -> bool:
+    def hold_once(self, short_of_memory: bool = False) -> bool:
         """Lay the original weights out as the tiles in their own bytes, where this layer owns them,
-        multiplies unquantised on the tiles, and the tiles stream decodes as fast as the GEMVs here;
-        then every step takes the tiles. Returns whether the weights are held once."""
+        multiplies unquantised on the tiles, and the tiles stream decodes as fast as the GEMVs here
+        (or a copy for them does not fit: `short_of_memory`); then every step takes the tiles.
+        Returns whether the weights are held once."""
         tiles_serve = self.native and self.tiled and self.mode == "none"
         if not self.held_once and self.own and tiles_serve and cpu.holds_in_place(self._weight):
-            if cpu.tiles_hold_weights()[0]:
+            if short_of_memory or cpu.tiles_hold_weights()[0]:
                 with LAYOUT_LOCK:
                     self._tiles = cpu.Tiles(self._weight, self.bias, in_place=True)
                     self._native, self._packed, self._wide = self._tiles, False, None
@@ -115,6 +122,8 @@ class Linear:
         `tiled`) or torch's."""
         if self.held_once and not (native and tiled):
             self.quantize(self.mode, self.group_size or 128)  # laid back, bound to the GEMV again
+        if (native, wide, tiled) != (self.native, self.wide, self.tiled):
+            self.skipped = set()  # another path's copies: asked for anew
         self.native, self.wide, self.tiled = native, wide, tiled
 
     def quantize(self, mode: str, group_size: int = 128) -> None:
@@ -125,6 +134,7 @@ class Linear:
             raise ValueError(f"quantization='fp8' is not supported on this device ({self.device})")
         self._require_original()
         self._lay_back()
+        self.skipped = set()
         self._q = ()
         self._native = None
         self._deq = None
@@ -257,11 +267,20 @@ class Linear:
         add("fp32", *(self._wide or ()))
         return out
 
+    def codes_bytes(self, mode: str) -> int:
+        """About what a quantisation to `mode` holds beside the originals: codes, and scales (and
+        zeros) at most one pair per 32 inputs."""
+        n, k = self.shape
+        per_weight = 1.0  # int8 and fp8
+        if mode == "int4":  # the GEMV's nibbles, and torch's packed copy unless AMX's tiles take large steps
+            per_weight = 0.5 if cpu.codes_on_tiles(cpu.quant_gemv_rows() + 1, k) else 1.0
+        return int(per_weight * n * k) + 4 * n * (k // 32 + 1)
+
     def onednn_packed(self) -> torch.Tensor | None:
         """The original weights in oneDNN's layout (made on first use), or None where torch has no
         oneDNN."""
         if self._packed is False:
-            self._packed = cpu.pack_linear(self.weight)
+            self._packed = cpu.pack_linear(self.weight) if self._may_copy(self._weight.nbytes, "onednn") else None
         return self._packed
 
     def fused_tiles(self) -> cpu.Tiles | None:
@@ -270,10 +289,29 @@ class Linear:
         if not (self.native and self.tiled and self.mode == "none" and self._weight.shape[1] % 2 == 0):
             return None
         if self._tiles is None:
-            self._tiles = cpu.Tiles(self._weight, self.bias)
+            n, k = self.shape
+            padded = -(-n // cpu.TILE_OUTPUTS) * cpu.TILE_OUTPUTS * k * 2
+            if self._may_copy(padded, "tiles"):
+                self._tiles = cpu.Tiles(self._weight, self.bias)
+            elif not self.hold_once(short_of_memory=True):  # else no tiles: the GEMVs and oneDNN serve
+                return None
         return self._tiles
 
+    def _may_copy(self, nbytes: int, kind: str) -> bool:
+        """Whether a copy of the weights of `kind` may be made (`HostMemory.affords`); a copy refused
+        is not asked for again until the next re-layout."""
+        if kind in self.skipped:
+            return False
+        if self.memory is None or self.memory.affords(nbytes):
+            return True
+        self.skipped.add(kind)
+        return False
+
     def _wide_linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self._wide is None and not self._may_copy(2 * self._weight.nbytes, "fp32"):
+            # no room to keep the fp32 copy: one made for this call, a layer at a time
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self._weight.float(), bias).to(x.dtype)
         if self._wide is None:
             w32 = self.weight.float()
             packed = cpu.pack_linear(w32, cpu.WIDE_BATCH_HINT)

@@ -359,7 +359,9 @@ class Transformer:
     layers may hold theirs in the tiles' layout only (`Linear.hold_once`); read them by name
     through `WeightsByName`."""
 
-    def __init__(self, config, weights: dict[str, torch.Tensor], device, max_positions: int, own_weights=False):
+    def __init__(
+        self, config, weights: dict[str, torch.Tensor], device, max_positions: int, own_weights=False, memory=None
+    ):
         self.config = config
         self.own_weights = own_weights
         self.embed = weights["model.embed_tokens.weight"]
@@ -369,6 +371,8 @@ class Transformer:
         self.final_norm = Norm(self.norm, config.rms_norm_eps, config.norm_offset)
         head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
         self.lm_head = Linear(head)
+        for lin in self.linears():
+            lin.memory = memory  # asked before any copy of the weights (`models.host_memory`)
         self.rope = RotaryEmbedding(config, max_positions, device, self.embed.dtype)
         # a window at least as long as the context never binds: that layer attends globally
         self.windows = [w if 0 < w < max_positions else 0 for w in (config.layer_windows or [0] * len(self.layers))]
@@ -430,7 +434,7 @@ class Transformer:
         from .cpu_forward import CpuKernelForward
 
         held = any(lin.held_once for layer in self.layers for lin in layer.linears())
-        return CpuKernelForward.report(self._unfused, held)
+        return CpuKernelForward.report(self._unfused, held, self.copies_skipped())
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]
@@ -453,6 +457,14 @@ class Transformer:
         for lin in self.linears():
             for kind, n in lin.copies_bytes().items():
                 out[kind] = out.get(kind, 0) + n
+        return out
+
+    def copies_skipped(self) -> dict[str, int]:
+        """Copy kind -> layers serving without that copy of their weights, for want of memory."""
+        out: dict[str, int] = {}
+        for lin in self.linears():
+            for kind in lin.skipped:
+                out[kind] = out.get(kind, 0) + 1
         return out
 
     def set_moe_top_k(self, top_k: int | None) -> None:

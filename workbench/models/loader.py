@@ -7,6 +7,7 @@ format, lives in `config.py`.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -29,9 +30,9 @@ from .embedded import (
     default_gguf_path,
     ensure_converted,
 )
-from .gguf import load_gguf, read_gguf
+from .gguf import load_gguf, read_gguf, read_gguf_config
 from .hf import load_hf_dir
-from .shapes import load_shape, shape_of
+from .shapes import load_shape, shape_config, shape_of
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -45,6 +46,7 @@ __all__ = [
     "ensure_converted",
     "expected_weight_shapes",
     "load_model",
+    "model_config",
     "read_gguf",
     "weights_checksum",
 ]
@@ -76,6 +78,22 @@ def load_model(
     if not path.exists():
         raise model_not_found(model)
     return load_hf_dir(path, dtype)
+
+
+def model_config(model: str | os.PathLike | None = None) -> ModelConfig | None:
+    """`model`'s config without its weights (to size what loading it takes), or None where it
+    cannot be read so (`load_model` then says what is wrong)."""
+    try:
+        if shape_of(model):
+            return shape_config(shape_of(model))
+        if model is None or (isinstance(model, str) and model in DEFAULT_ALIASES and not os.path.exists(model)):
+            return read_gguf_config(default_gguf_path())
+        path = Path(model).expanduser()
+        if path.suffix.lower() == ".gguf":
+            return read_gguf_config(path)
+        return ModelConfig.from_hf_config(json.loads((path / "config.json").read_text(encoding="utf-8")), str(path))
+    except Exception:
+        return None
 
 
 def model_not_found(model) -> FileNotFoundError:
