@@ -1039,6 +1039,12 @@ class Tiles:
         rows = unpack_tiles(self._packed[g0 : -(-stop // TILE_OUTPUTS)], stop - g0 * TILE_OUTPUTS)
         return rows[start - g0 * TILE_OUTPUTS :]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` ([T] int64) of the weight as it came, [T, K]: an embedding's lookup from the
+        tiles' bytes (a tied output head's). Row r's (k, k + 1) pairs lie 64 words apart in its group."""
+        words = self._packed.view(torch.int32).view(self._packed.shape[0], self.k // 2, TILE_OUTPUTS)
+        return words[ids // TILE_OUTPUTS, :, ids % TILE_OUTPUTS].view(torch.bfloat16)
+
     @property
     def ptr(self) -> int:
         return self._packed.data_ptr()

@@ -642,9 +642,9 @@ def test_status_counts_each_copy_of_the_weights_and_a_relayout_drops_the_unused(
     first = [o.token_ids for o in llm.generate(prompt_token_ids=batch, params=sp)]
     mem = eng.status()["memory_mb"]
     layouts = {"tiles", "onednn", "fp32"}
-    if tiled:  # and the output head's, at a step of 16 sequences
-        head = model.lm_head.storage.nbytes / mib
-        assert mem["tiles"] == pytest.approx(head if held else mem["weights"], rel=0.05)
+    assert held == model.lm_head.held_once  # on AMX the head holds its (the tied embedding's) weights too
+    if tiled and not held:  # and the output head's, at a step of 16 sequences
+        assert mem["tiles"] == pytest.approx(mem["weights"], rel=0.05)
 
     llm.configure(quantization="int8")
     llm.generate(prompt_token_ids=batch, params=sp)
@@ -678,8 +678,13 @@ def test_layers_hold_their_weights_once_where_the_tiles_take_every_step():
     eng = llm.engine
     if eng.status()["compute_path"] != "tiles" or not cpu.tiles_hold_weights()[0]:
         pytest.skip(f"the layers hold their weights once on the tiles path on AMX; here {cpu.tiles_hold_weights()[1]}")
-    assert all(lin.held_once for layer in eng.runner.model.layers for lin in layer.linears())
+    model = eng.runner.model
+    assert all(lin.held_once for layer in model.layers for lin in layer.linears())
     assert "held once" in eng.status()["compute_path_reason"]
+    # the output head too: the tied embedding is looked up in its tiles, exactly
+    ids = torch.tensor([[0, 7, 63, 64], [loaded.config.vocab_size - 1, 1, 2, 3]])
+    assert model.lm_head.held_once and model.lm_head.storage.data_ptr() == model.embed.data_ptr()
+    assert torch.equal(model.embed_tokens(ids), placed["model.embed_tokens.weight"][ids])
     by_name = eng._weights
     assert list(by_name) == list(placed) and all(torch.equal(by_name[k], placed[k]) for k in placed)
     assert llm.weights_checksum() == eng.status()["weights_checksum"]

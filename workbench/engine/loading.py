@@ -100,5 +100,6 @@ def build_draft(engine, draft_model: str | None) -> DraftProposer:
     if draft_model is None:  # its codes alone: it is rebuilt, never re-laid out
         runner.model.quantize("int4", "auto")
         runner.model.drop_originals()
+        runner.model.share_embedding(engine.runner.model)  # its copy of the embedding goes
     engine.scheduler.reset_draft_caches()
     return DraftProposer(runner, source)

@@ -80,6 +80,13 @@ class Linear:
                     return self._tiles.weight(start, stop)
         return self._weight[start:stop]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` ([T]) of the original weights, wherever they lie: a tied embedding's lookup."""
+        if self.held_once:
+            return self._tiles.rows(ids)
+        self._require_original()
+        return F.embedding(ids, self._weight)
+
     @property
     def storage(self) -> torch.Tensor:
         """The tensor holding the original weights, in whichever layout."""

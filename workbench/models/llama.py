@@ -370,7 +370,10 @@ class Transformer:
         self.norm = weights["model.norm.weight"]
         self.final_norm = Norm(self.norm, config.rms_norm_eps, config.norm_offset)
         head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
-        self.lm_head = Linear(head)
+        # the engine's own head may hold its weights in the tiles' layout, a tied embedding's too:
+        # the embedding is then looked up there (`embed_tokens`)
+        self.lm_head = Linear(head, own=own_weights)
+        self._embed_head = self.lm_head if head is self.embed else None
         for lin in self.linears():
             lin.memory = memory  # asked before any copy of the weights (`models.host_memory`)
         self.rope = RotaryEmbedding(config, max_positions, device, self.embed.dtype)
@@ -510,15 +513,28 @@ class Transformer:
     def pack_tiles(self) -> None:
         """The layers' weights packed for the tiles now, where large steps take them: not at the
         first prompt, whose TTFT that was (0.4 s of Llama-3.2-1B's shape); laid out as the tiles
-        in place where a layer may hold them once (`Linear.hold_once`). The output head's copy
-        waits for a step of many sequences, which it alone serves."""
+        in place where a layer may hold them once (`Linear.hold_once`), the output head's too.
+        Elsewhere the head's copy waits for a step of many sequences, which it alone serves."""
         for layer in self.layers:
             for lin in layer.linears():
                 if not lin.hold_once():
                     lin.fused_tiles()
+        self.lm_head.hold_once()
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings: from a tied output head's tiles where it holds them."""
+        head = self._embed_head
+        if head is not None and head.held_once:
+            return head.rows(input_ids.reshape(-1)).view(*input_ids.shape, -1)
+        return F.embedding(input_ids, self.embed)
+
+    def share_embedding(self, other: Transformer) -> None:
+        """Look the embeddings up in `other`'s (a self-int4 draft in its target's: the draft's copy
+        goes); the output head keeps its own."""
+        self.embed, self._embed_head = other.embed, other._embed_head
 
     def hidden_states(self, input_ids, positions, attention, meta) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if self.cpu_forward is not None and attention.kv.k_scale is None:  # quantised KV: torch ops
