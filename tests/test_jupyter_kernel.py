@@ -67,6 +67,7 @@ def test_every_magic_through_nbclient(engine, tmp_path):
     flat = [json.dumps(cell) for cell in outs]
     assert "already running" in flat[1] and "attached" in flat[1]
     assert "smollm2-135m" in flat[2] and "batching" in flat[2] and "kv_cache 512 MiB" in flat[2]
+    assert "memory room" in flat[2] and "MiB more (" in flat[2]
     assert "Prompt 2" in flat[3] and "TTFT" in flat[3] and "application/vnd.jupyter.widget-view+json" in flat[3]
     assert "'length'" in flat[4] or "'stop'" in flat[4]
     assert "max_num_batched_tokens: 1024" in flat[5]

@@ -416,6 +416,11 @@ def status_table(status: dict, settings: dict, metrics: dict, schema: list[dict]
             rows.append(("engine", label, status[key]))
     if status.get("memory_mb"):  # what it holds: the weights, their kernels' copies, the KV cache, a draft
         rows.append(("engine", "memory", " · ".join(f"{k} {v:,.0f} MiB" for k, v in status["memory_mb"].items())))
+    room = status.get("host_memory")  # on a CPU: what it may still take, and the copies it did without
+    if room:
+        text = "unbounded" if room["room_mb"] is None else f"{room['room_mb']:,} MiB more ({room['bound']})"
+        skipped = ", ".join(f"{kind} ({n} layers)" for kind, n in room["copies_skipped"].items())
+        rows.append(("engine", "memory room", text + (f"; copies not made: {skipped}" if skipped else "")))
     rows.append(("engine", "uptime", f"{up:.0f} s"))
     for name, value in settings.items():
         rows.append((f"setting ({kinds.get(name, '?')})", name, repr(value)))
