@@ -933,12 +933,29 @@ def test_the_tiles_on_amx_serve_within_a_share_of_the_fastest():
     assert path == "tiles" and note.startswith("; the tiles on AMX within 30% of oneDNN bf16")
     assert cpu.pick_gemm({**rates, "tiles": 1300.0}, True) == ("bf16", "")  # 0.65: too slow
     assert cpu.pick_gemm({**rates, "tiles": 2100.0}, True) == ("tiles", "")  # the fastest anyway
+    # elsewhere the usual path serves unless another leads it by USUAL_MARGIN
+    assert cpu.pick_gemm({**rates, "tiles": 1700.0}, False, "tiles")[0] == "tiles"  # 1.18x: kept
+    assert cpu.pick_gemm({**rates, "tiles": 1600.0}, False, "tiles") == ("bf16", "")  # 1.25x: a clear lead
+    busy = {"bf16": 22.5, "fp32": 24.3, "tiles": 22.9}  # every call a timeslice: no path leads
+    assert cpu.pick_gemm(busy, False, "tiles")[0] == "tiles" and cpu.pick_gemm(busy, True)[0] == "tiles"
+
+
+def test_a_busy_host_measures_no_path_and_keeps_the_usual(monkeypatch):
+    """Where every round of the probe differs (two busy threads beside it on 2 vCPUs), the path is
+    this kind of CPU's usual fastest, and the reason says the host was too busy."""
+    unsteady = {"bf16": [22.5, 1900.0, 30.1], "fp32": [300.0, 24.0, 20.0], "tiles": [20.0, 25.0, 2100.0]}
+    monkeypatch.setattr(cpu, "_interleaved_rates", lambda steps, flop: {p: unsteady[p] for p in steps})
+    monkeypatch.setattr(cpu, "_gemm", None)
+    path, why, rates = cpu.gemm_path()
+    assert path == cpu.usual_gemm_path()[0] and "too busy to measure steadily" in why
+    assert rates == {p: max(unsteady[p]) for p in rates}
 
 
 def test_gemm_path_is_measured_and_can_be_forced():
     path, why, rates = cpu.gemm_path()
-    assert path == cpu.pick_gemm(rates, cpu.amx()[0])[0] or "forced" in why
-    assert why.startswith(("measured:", "forced")) and "GFLOP/s" in why
+    usual = cpu.usual_gemm_path()
+    assert path == cpu.pick_gemm(rates, cpu.amx()[0], usual[0])[0] or "forced" in why or why.startswith(usual[1])
+    assert why.startswith(("measured:", "forced", usual[1])) and "GFLOP/s" in why
     code = "from workbench_kernels import cpu; print(cpu.gemm_path()[0]); print(cpu.gemm_path()[1])"
     assert set(rates) == set(cpu.GEMM_PATHS) if cpu.tiles_available() else set(rates) == {"bf16", "fp32"}
     for forced in rates:
