@@ -123,3 +123,41 @@ def test_a_draft_model_that_cannot_fit_is_refused(tiny_llama, wide_llama):
     with pytest.raises(MemoryError, match=r"the draft model .*wide-llama.*\(host_memory_mb=1,"):
         llm.configure(speculative="draft", draft_model=str(wide_llama))
     assert llm.settings()["speculative"] != "draft"
+
+
+def _peak_and_now() -> tuple[int, int]:
+    """(VmHWM, VmRSS) of this process, bytes."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return tuple(int(fields[k].split()[0]) << 10 for k in ("VmHWM", "VmRSS"))
+
+
+def test_a_self_int4_draft_is_built_a_layer_at_a_time():
+    """Where the layers hold their weights as the tiles (AMX), a self-int4 draft reads each as a copy:
+    built a layer at a time, the process's peak grows by about one layer's copies and the output
+    head's (it took a copy of every weight before: 256 MiB more for SmolLM2), and it keeps its codes
+    alone."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) from now on
+    except OSError as e:
+        pytest.skip(f"this kernel does not reset a process's peak memory (/proc/self/clear_refs): {e}")
+    llm = LLM()
+    model = llm.engine.runner.model
+    weights = sum(model.originals().values())
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    plain = llm.generate(prompt_token_ids=[[5, 9, 17, 3]], params=sp)[0].token_ids
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    _, before = _peak_and_now()
+    llm.configure(speculative="draft")
+    peak, _ = _peak_and_now()
+    draft = llm.engine.spec.draft.runner.model
+    held = sum(lin.storage.nbytes for lin in model.linears() if lin.held_once)
+    layer = max(sum(lin.storage.nbytes for lin in layer.linears()) for layer in model.layers)
+    own = llm.status()["memory_mb"]["draft"] * 2**20  # its codes and KV cache
+    assert peak - before < own + 3 * layer + model.lm_head.storage.nbytes + (64 << 20), (peak - before, held)
+    if held:
+        assert peak - before < own + weights / 2  # not a copy of every weight
+    assert all(lin.storage is None for lin in draft.linears())
+    assert llm.generate(prompt_token_ids=[[5, 9, 17, 3]], params=sp)[0].token_ids == plain

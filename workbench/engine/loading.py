@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.host_memory import HostMemory, check_load, gib, weights_bytes
-from ..models.linear import LAYOUT_LOCK
+from ..models.host_memory import HostMemory, check_load, gib
 from ..models.llama import place_weights
 from ..models.loader import LoadedModel, load_model, model_config
 from .attention import KVCache, kv_cache_budget
@@ -61,22 +60,63 @@ def load_placed(
     return loaded
 
 
+class _ReadAsBuilt(dict):
+    """The target's weights by name (`WeightsByName`) as a self-int4 draft's layers ask for them,
+    each read (a copy where the target holds it as the tiles) kept only until its layer has its
+    codes (`forget`): the draft is built one layer's copies at a time, not the model's."""
+
+    def __init__(self, by_name):
+        super().__init__()
+        self._by_name = by_name
+
+    def __missing__(self, name):
+        return self._by_name[name]
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or name in self._by_name
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def forget(self, prefix: str) -> None:
+        for name in [n for n in self if n.startswith(prefix)]:
+            del self[name]
+
+
+def _check_self_draft(engine) -> None:
+    """MemoryError unless a self-int4 draft fits beside the engine: its codes, its KV cache, and
+    while it is built one layer's copies (twice: the parts and their merge) and the output head's."""
+    target, memory = engine.runner.model, engine.memory
+    codes = sum(lin.codes_bytes("int8" if lin is target.lm_head else "int4") for lin in target.linears())
+    layer = max(sum(lin.storage.nbytes for lin in layer.linears()) for layer in target.layers)
+    blocks = engine.scheduler.kv_blocks[1]
+    kv = blocks * kv_block_bytes(engine.settings, engine.model_config, engine.dtype, "auto")
+    memory.check_more(
+        codes + kv + 2 * layer + target.lm_head.storage.nbytes,
+        f"a self-int4 draft ({gib(codes)} of codes, {gib(kv)} of KV cache)",
+        "name a smaller draft_model, raise host_memory_mb, or free memory",
+    )
+
+
 def build_draft(engine, draft_model: str | None) -> DraftProposer:
-    """The draft for `speculative='draft'`: the named model, else the engine's own in int4; either
-    refused (MemoryError) where it would not fit beside the engine."""
+    """The draft for `speculative='draft'`: the named model, else the engine's own in int4, each
+    layer quantised as it is built; either refused (MemoryError) where it would not fit beside the
+    engine."""
     s, memory = engine.settings, engine.memory
-    if draft_model is None:  # the layers' weights as they are, copies of those held as the tiles
+    on_layer = None
+    if draft_model is None:
         if memory is not None:
-            own = engine.runner.model
-            held = sum(lin.storage.nbytes for lin in own.linears() if lin.held_once)  # copied while it quantises
-            codes = weights_bytes(engine.model_config, 1) // 2
-            memory.check_more(
-                held + codes,
-                f"a self-int4 draft ({gib(codes)} of codes, built from {gib(held)} of copies)",
-                "name a smaller draft_model, raise host_memory_mb, or free memory",
-            )
-        with LAYOUT_LOCK:
-            config, weights, source = engine.model_config, dict(engine._weights.items()), "self-int4"
+            _check_self_draft(engine)
+        config, source = engine.model_config, "self-int4"
+        weights = _ReadAsBuilt(engine._weights)
+        group = config.source_quant_block or 128
+
+        def on_layer(layer):  # its codes alone: a self-int4 draft is rebuilt, never re-laid out
+            for lin in layer.linears():
+                lin.quantize("int4", group)
+                lin.drop_original()
+            weights.forget(f"model.layers.{layer.index}.")
+
     else:
         blocks = engine.scheduler.kv_blocks[1]
         loaded = load_placed(draft_model, s, engine.device, engine.dtype, memory, blocks, "draft model")
@@ -96,10 +136,12 @@ def build_draft(engine, draft_model: str | None) -> DraftProposer:
         prefill_attention=s.prefill_attention,
         own_weights=draft_model is not None,  # placed for it alone; self-int4's parts are the target's
         memory=memory,
+        on_layer=on_layer,
     )
-    if draft_model is None:  # its codes alone: it is rebuilt, never re-laid out
-        runner.model.quantize("int4", "auto")
-        runner.model.drop_originals()
+    if draft_model is None:
+        head = runner.model.lm_head  # the most sensitive matrix stays at 8 bits (`Transformer.quantize`)
+        head.quantize("int8", group)
+        head.drop_original()
         runner.model.share_embedding(engine.runner.model)  # its copy of the embedding goes
     engine.scheduler.reset_draft_caches()
     return DraftProposer(runner, source)

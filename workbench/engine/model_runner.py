@@ -41,12 +41,13 @@ class ModelRunner:
         prefill_attention="auto",
         own_weights=False,
         memory=None,
+        on_layer=None,
     ):
         self.config = config
         self.device, self.dtype = device, dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.model = Transformer(config, weights, device, max_model_len, own_weights, memory)
+        self.model = Transformer(config, weights, device, max_model_len, own_weights, memory, on_layer)
         self.kv = self._new_cache(kv_cache_dtype)
         if memory is not None:  # counted before the kernels' copies ask it for room
             memory.add(self)

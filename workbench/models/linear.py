@@ -333,9 +333,25 @@ def _dense(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w, cpu.pack_linear(w)
 
 
+# Quantisers work in fp32 on this many bytes of rows at a time: over a whole matrix their fp32
+# temporaries took ~3x its fp32 size at once (an 8B model's output head: 6 GB beside 1 GB of weights).
+QUANTIZE_CHUNK_BYTES = 32 << 20
+
+
+def _row_chunks(w: torch.Tensor):
+    step = max(1, QUANTIZE_CHUNK_BYTES // (4 * w.shape[1]))
+    for r in range(0, w.shape[0], step):
+        yield r, w[r : r + step].to(torch.float32, copy=True)  # the callers work in place on it
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = w.float().abs().amax(1).clamp(min=1e-8) / 127.0
-    q = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    """Symmetric per-output-channel int8: (codes [N, K] int8, scales [N] in w's dtype)."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for r, wf in _row_chunks(w):
+        s = wf.abs().amax(1).clamp(min=1e-8) / 127.0
+        q[r : r + len(wf)] = wf.div_(s[:, None]).round_().clamp_(-127, 127)
+        scale[r : r + len(wf)] = s
     return q, scale.to(w.dtype)
 
 
@@ -352,15 +368,18 @@ def int4_group_size(in_features: int, wanted: int) -> int:
 
 def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit groups in torch's convention, w ~= (q - 8) * scale + zero, q in 0..15.
-    Returns (codes [out, in], scales_and_zeros [groups, out, 2] in w's dtype)."""
+    Returns (codes [out, in] uint8, scales_and_zeros [groups, out, 2] in w's dtype)."""
     n, k = w.shape
-    wf = w.float().view(n, k // group_size, group_size)
-    lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-8)
-    q = ((wf - lo) / scale).round().clamp(0, 15)
-    zero = lo + 8 * scale
-    scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1).contiguous().to(w.dtype)
-    return q.view(n, k), scales_zeros
+    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    sz = torch.empty(n, k // group_size, 2, dtype=torch.float32, device=w.device)
+    for r, wf in _row_chunks(w):
+        wf = wf.view(len(wf), k // group_size, group_size)
+        lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        codes[r : r + len(wf)] = wf.sub_(lo).div_(scale).round_().clamp_(0, 15).view(len(wf), k)
+        sz[r : r + len(wf), :, 0] = scale.squeeze(-1)
+        sz[r : r + len(wf), :, 1] = (lo + 8 * scale).squeeze(-1)
+    return codes, sz.transpose(0, 1).contiguous().to(w.dtype)
 
 
 def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, dtype: torch.dtype):
@@ -372,7 +391,7 @@ def int4_torch_operands(codes: torch.Tensor, scales_zeros: torch.Tensor, dtype: 
     n, k = codes.shape
     scale, zero = scales_zeros.float().transpose(0, 1).unbind(-1)
     g = k // scale.shape[1]
-    deq = (codes.view(n, -1, g) - 8) * scale[..., None] + zero[..., None]
+    deq = (codes.view(n, -1, g).float() - 8) * scale[..., None] + zero[..., None]
     return None, scales_zeros, deq.view(n, k).to(dtype)
 
 

@@ -214,6 +214,9 @@ class WeightsByName(Mapping):
     def __len__(self) -> int:
         return len(self._weights)
 
+    def __contains__(self, name) -> bool:  # without reading (a held tensor's read is a copy)
+        return name in self._weights
+
 
 class DecoderLayer:
     def __init__(self, config, weights: dict[str, torch.Tensor], i: int, own: bool = False):
@@ -360,12 +363,23 @@ class Transformer:
     through `WeightsByName`."""
 
     def __init__(
-        self, config, weights: dict[str, torch.Tensor], device, max_positions: int, own_weights=False, memory=None
+        self,
+        config,
+        weights: dict[str, torch.Tensor],
+        device,
+        max_positions: int,
+        own_weights=False,
+        memory=None,
+        on_layer=None,
     ):
         self.config = config
         self.own_weights = own_weights
         self.embed = weights["model.embed_tokens.weight"]
-        self.layers = [DecoderLayer(config, weights, i, own_weights) for i in range(config.num_hidden_layers)]
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            self.layers.append(DecoderLayer(config, weights, i, own_weights))
+            if on_layer is not None:  # done with each layer before the next is read (a self-int4 draft's codes)
+                on_layer(self.layers[-1])
         self.moe_layers = [layer.moe for layer in self.layers if layer.moe is not None]  # read every step
         self.norm = weights["model.norm.weight"]
         self.final_norm = Norm(self.norm, config.rms_norm_eps, config.norm_offset)
@@ -446,12 +460,6 @@ class Transformer:
         """Address -> bytes of the original tensors the model multiplies by (linears, embedding)."""
         tensors = [t for lin in self.linears() for t in (lin.storage, lin.bias) if t is not None] + [self.embed]
         return {t.data_ptr(): t.nbytes for t in tensors}
-
-    def drop_originals(self) -> None:
-        """Every linear forgets its original weights (`Linear.drop_original`): a quantised model that
-        is never re-laid out (a self-int4 draft)."""
-        for lin in self.linears():
-            lin.drop_original()
 
     def memory_bytes(self, shared: dict[int, int] | None = None) -> dict[str, int]:
         """Bytes held: "weights" (the originals, less those `shared` with another model: a draft's
