@@ -92,7 +92,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, target: str | os.PathLike) 
     _remove_stale_tmp(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        config, raw, tokenizer = read_gguf(gguf_path)
+        config, raw, tokenizer = read_gguf(gguf_path, torch.bfloat16)
         config.name = target.name
         weights = select_weights(raw, config, str(gguf_path), torch.bfloat16)
         del raw
