@@ -21,6 +21,7 @@ what the engine holds: the parts of status()["memory_mb"].
 
 from __future__ import annotations
 
+import math
 import weakref
 
 from workbench_kernels import hostmem
@@ -108,18 +109,12 @@ def weights_bytes(config, dtype_size: int) -> int:
     """The model's weights in the engine's dtype, from its config alone."""
     from .config import expected_weight_shapes
 
-    total = 0
-    for shape in expected_weight_shapes(config).values():
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total * dtype_size
+    return sum(math.prod(shape) for shape in expected_weight_shapes(config).values()) * dtype_size
 
 
 def check_load(memory: HostMemory | None, config, dtype_size: int, kv_bytes: int, what: str) -> None:
     """Refuse a model whose weights and KV cache cannot fit, before any is read (`what`: "the model
-    NAME", "the draft NAME")."""
+    NAME", "the draft model NAME")."""
     if memory is None or config is None:
         return
     weights = weights_bytes(config, dtype_size)
