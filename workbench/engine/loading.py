@@ -87,7 +87,7 @@ def _check_self_draft(engine) -> None:
     """MemoryError unless a self-int4 draft fits beside the engine: its codes, its KV cache, and
     while it is built one layer's copies (twice: the parts and their merge) and the output head's."""
     target, memory = engine.runner.model, engine.memory
-    codes = sum(lin.codes_bytes("int8" if lin is target.lm_head else "int4") for lin in target.linears())
+    codes = sum(lin.codes_bytes(target.mode_of(lin, "int4")) for lin in target.linears())
     layer = max(sum(lin.storage.nbytes for lin in layer.linears()) for layer in target.layers)
     blocks = engine.scheduler.kv_blocks[1]
     kv = blocks * kv_block_bytes(engine.settings, engine.model_config, engine.dtype, "auto")
@@ -139,8 +139,8 @@ def build_draft(engine, draft_model: str | None) -> DraftProposer:
         on_layer=on_layer,
     )
     if draft_model is None:
-        head = runner.model.lm_head  # the most sensitive matrix stays at 8 bits (`Transformer.quantize`)
-        head.quantize("int8", group)
+        head = runner.model.lm_head
+        head.quantize(runner.model.mode_of(head, "int4"), group)
         head.drop_original()
         runner.model.share_embedding(engine.runner.model)  # its copy of the embedding goes
     engine.scheduler.reset_draft_caches()

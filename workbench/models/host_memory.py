@@ -131,7 +131,6 @@ def quantize_bytes(model, mode: str) -> int:
     the copies made again after it ask `affords` one by one."""
     if mode == "none":
         return 0
-    # the output head stays at 8 bits under int4 (`Transformer.quantize`)
-    add = sum(lin.codes_bytes("int8" if mode == "int4" and lin is model.lm_head else mode) for lin in model.linears())
+    add = sum(lin.codes_bytes(model.mode_of(lin, mode)) for lin in model.linears())
     drop = sum(n for lin in model.linears() for n in lin.copies_bytes().values())
     return max(0, add - drop)

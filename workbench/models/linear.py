@@ -296,6 +296,8 @@ class Linear:
         if not (self.native and self.tiled and self.mode == "none" and self._weight.shape[1] % 2 == 0):
             return None
         if self._tiles is None:
+            if "tiles" in self.skipped:  # refused for memory and not holdable in place: asked once
+                return None
             n, k = self.shape
             padded = -(-n // cpu.TILE_OUTPUTS) * cpu.TILE_OUTPUTS * k * 2
             if self._may_copy(padded, "tiles"):

@@ -509,13 +509,17 @@ class Transformer:
 
             self.fused_ops = triton_ops
 
+    def mode_of(self, lin: Linear, mode: str) -> str:
+        """The mode `lin` takes when the model is quantised to `mode`: the output head (often the tied
+        embedding) is the most sensitive matrix, 4 bits there cost several points of perplexity, so
+        it stays at 8."""
+        return "int8" if mode == "int4" and lin is self.lm_head else mode
+
     def quantize(self, mode: str, group_size: int | str) -> None:
         if group_size == "auto":
             group_size = self.config.source_quant_block or 128
         for lin in self.linears():
-            # The output head (often the tied embedding) is the most sensitive matrix: 4 bits
-            # there cost several points of perplexity, so it stays at 8.
-            lin.quantize("int8" if mode == "int4" and lin is self.lm_head else mode, group_size)
+            lin.quantize(self.mode_of(lin, mode), group_size)
         self.pack_tiles()
 
     def pack_tiles(self) -> None:
